@@ -1,0 +1,37 @@
+"""Config of one discrepancy constraint: a measure, its tolerance c and its multiplier settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ConstraintConfig:
+    # Discrepancy measure (see constraints.measures.MEASURES), e.g. abs_prob_diff, kl_k3, routing_mismatch.
+    measure: str = "abs_prob_diff"
+    # Tolerance c: the tolerance region is D <= c.
+    tolerance: float = 0.005
+    # Initial multiplier lambda_0.
+    lambda_init: float = 0.1
+    # Lower end of the projection interval of lambda.
+    lambda_min: float = 0.0
+    # Upper end of the projection interval of lambda.
+    lambda_max: float = 10.0
+    # Dual step size eta (projected rule) / integral gain K_I (pid rule).
+    lr: float = 1.0
+    # Threshold tau of extreme_rate (share of tokens with max(rho, 1/rho) > tau).
+    tau: float = 2.0
+
+    def check(self, prefix: str = "constraint") -> None:
+        if not self.tolerance >= 0:
+            raise ValueError(f"config error at '{prefix}.tolerance': must be >= 0, got {self.tolerance}")
+        if not 0 <= self.lambda_min <= self.lambda_max:
+            raise ValueError(f"config error at '{prefix}.lambda_min/lambda_max': need 0 <= lambda_min <= "
+                             f"lambda_max, got [{self.lambda_min}, {self.lambda_max}]")
+        if not self.lambda_min <= self.lambda_init <= self.lambda_max:
+            raise ValueError(f"config error at '{prefix}.lambda_init': {self.lambda_init} is outside "
+                             f"[{self.lambda_min}, {self.lambda_max}]")
+        if not self.lr >= 0:
+            raise ValueError(f"config error at '{prefix}.lr': must be >= 0, got {self.lr}")
+        if not self.tau > 1:
+            raise ValueError(f"config error at '{prefix}.tau': must be > 1, got {self.tau}")

@@ -1,0 +1,269 @@
+"""The run config: component dataclasses composed with OmegaConf, YAML files and dotlist overrides.
+
+Unknown keys are errors that name the key and its nearest valid spelling; bounds are checked by each
+component's ``check()``; checks that span components live in ``validate()`` and raise, never rewrite.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+from constraints.config import ConstraintConfig
+from trainers.config import AlgoConfig, ColdStartConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key."""
+
+
+@dataclass
+class PIDConfig:
+    # Proportional gain K_P (Stooke et al. 2020).
+    kp: float = 0.0
+    # Derivative gain K_D, acting on increases of the smoothed cost only.
+    kd: float = 0.0
+    # EMA factor alpha_p of the proportional term.
+    alpha_p: float = 0.9
+    # EMA factor alpha_d of the cost used by the derivative term.
+    alpha_d: float = 0.9
+    # Delay (in dual steps) of the derivative term.
+    delay: int = 1
+
+
+@dataclass
+class CouplingConfig:
+    # Rows of A in the linear limits A @ lambda <= b across constraints (empty: independent boxes).
+    A: list[list[float]] = field(default_factory=list)
+    # Right-hand side b of A @ lambda <= b.
+    b: list[float] = field(default_factory=list)
+
+
+@dataclass
+class DualConfig:
+    # Turn the Lagrangian penalty and the dual controller on.
+    enabled: bool = True
+    # Dual update rule: projected | pid (see dcmdp.dual.DUAL_RULES).
+    rule: str = "projected"
+    # Penalty form in the primal loss: hinge | mean | advantage (see constraints.penalties.PENALTIES).
+    penalty: str = "hinge"
+    # Constraints, each with its own multiplier.
+    constraints: list[ConstraintConfig] = field(default_factory=lambda: [
+        ConstraintConfig(measure="abs_prob_diff", tolerance=0.005, lambda_init=0.1, lambda_max=10.0, lr=1.0)])
+    # PID gains (rule: pid).
+    pid: PIDConfig = field(default_factory=PIDConfig)
+    # Linear limits coupling the multipliers (projection solved as a QP with cvxpy).
+    coupling: CouplingConfig = field(default_factory=CouplingConfig)
+    # Keep lambda fixed at lambda_init (the fixed-coefficient baseline).
+    fixed: bool = False
+
+
+@dataclass
+class TrackingConfig:
+    # MLflow tracking URI; empty uses $MLFLOW_TRACKING_URI, else a local store under output_dir.
+    uri: Optional[str] = None
+    # MLflow experiment name.
+    experiment: str = "dcmdp"
+    # MLflow run name (empty: generated from the config).
+    run_name: Optional[str] = None
+    # Directory for metrics buffered while the tracking server is unreachable.
+    buffer_dir: Optional[str] = None
+
+
+@dataclass
+class CheckpointConfig:
+    # Save a checkpoint every this many steps (0: only at the end and on signals).
+    every: int = 0
+    # Keep the last N checkpoints.
+    keep: int = 2
+    # Resume: empty (fresh run) | auto (latest valid checkpoint in output_dir) | a checkpoint path.
+    resume: Optional[str] = None
+
+
+@dataclass
+class RunConfig:
+    # Seed of everything (python, numpy, torch, task generators).
+    seed: int = 0
+    # RL steps (rollout batches).
+    steps: int = 60
+    # Evaluate on the held-out set every this many steps (0: only before and after).
+    eval_every: int = 0
+    # Output directory of this run (checkpoints, plots, local MLflow store).
+    output_dir: str = "outputs/default"
+    # torch intra-op threads (0: torch's default).
+    threads: int = 0
+    # Show a progress bar.
+    progress: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    dual: DualConfig = field(default_factory=DualConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+def _valid_keys(node: Any) -> list[str]:
+    return list(node.keys()) if isinstance(node, DictConfig) else []
+
+
+def _nearest(key: str, valid: Sequence[str]) -> str:
+    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}'?" if match else f"; valid keys: {', '.join(sorted(valid))}"
+
+
+def _check_keys(user: Any, schema: Any, prefix: str = "") -> None:
+    """Raise ConfigError for the first key of ``user`` that the structured ``schema`` does not have."""
+    if not isinstance(user, DictConfig) or not isinstance(schema, DictConfig):
+        return
+    valid = _valid_keys(schema)
+    for key in user.keys():
+        path = f"{prefix}{key}"
+        if key not in valid:
+            raise ConfigError(f"unknown config key '{path}'{_nearest(str(key), valid)}")
+        sub_schema = schema._get_node(key)
+        sub_user = user._get_node(key)
+        if isinstance(sub_schema, ListConfig) and isinstance(sub_user, ListConfig):
+            elem = _list_element_schema(schema, key)
+            if elem is not None:
+                for i, item in enumerate(sub_user):
+                    _check_keys(item, elem, f"{path}[{i}].")
+        else:
+            _check_keys(sub_user, sub_schema, f"{path}.")
+
+
+def _list_element_schema(schema: DictConfig, key: str) -> Optional[DictConfig]:
+    obj_type = OmegaConf.get_type(schema)
+    if obj_type is None or not is_dataclass(obj_type):
+        return None
+    for f in fields(obj_type):
+        if f.name == key:
+            args = getattr(f.type, "__args__", None)
+            if isinstance(f.type, str):
+                if "ConstraintConfig" in f.type:
+                    return OmegaConf.structured(ConstraintConfig)
+                return None
+            if args and is_dataclass(args[0]):
+                return OmegaConf.structured(args[0])
+    return None
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Compose defaults <- YAML file <- dotlist overrides into a checked RunConfig."""
+    schema = OmegaConf.structured(RunConfig)
+    layers = []
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            layers.append(OmegaConf.load(p))
+        except Exception as exc:  # yaml errors carry line numbers
+            raise ConfigError(f"cannot parse config file {p}: {exc}") from exc
+        if layers[-1] is None or not isinstance(layers[-1], DictConfig):
+            raise ConfigError(f"config file {p} must hold a mapping of keys at top level")
+    if overrides:
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"override {bad[0]!r} is not of the form key=value")
+        try:
+            layers.append(OmegaConf.from_dotlist(list(overrides)))
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"cannot parse overrides {list(overrides)}: {exc}") from exc
+    for layer in layers:
+        _check_keys(layer, schema)
+    try:
+        merged = OmegaConf.merge(schema, *layers)
+        cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except (ConfigKeyError, ConfigAttributeError) as exc:
+        raise ConfigError(f"unknown config key: {exc}") from exc
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None)
+        raise ConfigError(f"bad value for '{key}': {exc.msg if hasattr(exc, 'msg') else exc}") from exc
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Check every component's bounds and the cross-component rules; raise ConfigError."""
+    try:
+        cfg.model.check()
+        cfg.rollout.check()
+        cfg.task.check()
+        cfg.cold_start.check()
+        cfg.algo.check()
+        cfg.optim.check()
+        for i, c in enumerate(cfg.dual.constraints):
+            c.check(f"dual.constraints[{i}]")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if cfg.steps < 0:
+        raise ConfigError(f"config error at 'steps': must be >= 0, got {cfg.steps}")
+    if cfg.checkpoint.keep < 1:
+        raise ConfigError(f"config error at 'checkpoint.keep': must be >= 1, got {cfg.checkpoint.keep}")
+    if cfg.dual.coupling.A or cfg.dual.coupling.b:
+        n = len(cfg.dual.constraints)
+        if len(cfg.dual.coupling.A) != len(cfg.dual.coupling.b) or any(len(r) != n for r in cfg.dual.coupling.A):
+            raise ConfigError(f"config error at 'dual.coupling': A must be {len(cfg.dual.coupling.b)} x {n} "
+                              f"(rows = len(b), columns = number of constraints)")
+    _validate_registries(cfg)
+
+
+def _validate_registries(cfg: RunConfig) -> None:
+    """Names chosen from a registry must exist; messages list the registry's names."""
+    from constraints.measures import MEASURES
+    from constraints.penalties import PENALTIES
+    from trainers.advantages import ADVANTAGES
+    from trainers.engines import ENGINES
+    from trainers.losses import IS_MODES, POLICY_LOSSES
+    from trainers.models import PRESETS
+    from trainers.tasks import TASKS
+
+    from dcmdp.dual import DUAL_RULES
+
+    def one_of(value: str, registry: Any, key: str) -> None:
+        if value not in registry:
+            raise ConfigError(f"config error at '{key}': unknown {value!r}{_nearest(value, list(registry))}")
+
+    one_of(cfg.model.preset, PRESETS, "model.preset")
+    one_of(cfg.rollout.engine, ENGINES, "rollout.engine")
+    one_of(cfg.task.name, TASKS, "task.name")
+    one_of(cfg.algo.loss, POLICY_LOSSES, "algo.loss")
+    one_of(cfg.algo.is_mode, IS_MODES, "algo.is_mode")
+    one_of(cfg.algo.advantage, ADVANTAGES, "algo.advantage")
+    one_of(cfg.dual.rule, DUAL_RULES, "dual.rule")
+    one_of(cfg.dual.penalty, PENALTIES, "dual.penalty")
+    for i, c in enumerate(cfg.dual.constraints):
+        one_of(c.measure, MEASURES, f"dual.constraints[{i}].measure")
+    if cfg.algo.routing_replay != "none" and not PRESETS[cfg.model.preset].is_moe:
+        raise ConfigError(f"config error at 'algo.routing_replay': {cfg.algo.routing_replay} replays MoE routes, "
+                          f"but model.preset={cfg.model.preset!r} is a dense model; use routing_replay=none")
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def flatten(cfg: RunConfig) -> dict[str, str]:
+    """Flattened resolved config (dotted keys) for MLflow params."""
+    out: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        elif isinstance(node, list) and node and isinstance(node[0], dict):
+            for i, v in enumerate(node):
+                walk(v, f"{prefix}{i}.")
+        else:
+            out[prefix[:-1]] = str(node)
+
+    walk(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True), "")
+    return out

@@ -1,0 +1,61 @@
+"""The rollout batch: what a rollout engine returns and the learner consumes.
+
+Layout (the same for every engine): prompts left-padded to P tokens, responses right-padded to T
+tokens, the model input is ``cat(prompt_ids_BP, response_ids_BT)`` of S = P + T positions.
+Per-token response quantities are ``[B, T]``; MoE routes cover every input position ``[B, S, L, K]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Rollout:
+    # (B, P) prompt token ids, left-padded with the pad id.
+    prompt_ids_BP: Tensor
+    # (B, P) True on real prompt tokens.
+    prompt_mask_BP: Tensor
+    # (B, T) generated token ids, right-padded with the pad id after EOS / max length.
+    response_ids_BT: Tensor
+    # (B, T) True on generated tokens (EOS included), False on padding.
+    response_mask_BT: Tensor
+    # (B, T) log mu(y_t): log-probability of each sampled token under the distribution the engine
+    # actually sampled from (tempered; top-p renormalised). 0 on padding.
+    rollout_logp_BT: Tensor
+    # (B, S, L, K) experts the rollout engine routed each input position to, per MoE layer; -1 where
+    # no route was computed (padding, and the last response token, which the engine never feeds back).
+    # None for dense models or engines that cannot report routes.
+    rollout_experts_BSLK: Optional[Tensor] = None
+    # Policy version (trainer step) of the weights that produced this sample, per sequence (B,).
+    version_B: Optional[Tensor] = None
+
+    @property
+    def input_ids_BS(self) -> Tensor:
+        return torch.cat([self.prompt_ids_BP, self.response_ids_BT], dim=1)
+
+    @property
+    def attention_mask_BS(self) -> Tensor:
+        return torch.cat([self.prompt_mask_BP, self.response_mask_BT], dim=1)
+
+    @property
+    def num_prompt_positions(self) -> int:
+        return self.prompt_ids_BP.shape[1]
+
+    def __len__(self) -> int:
+        return self.prompt_ids_BP.shape[0]
+
+    def select(self, index: Tensor | slice) -> "Rollout":
+        """Rows ``index`` of every per-sequence tensor."""
+        kwargs = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            kwargs[f.name] = v[index] if isinstance(v, Tensor) else v
+        return Rollout(**kwargs)
+
+    def with_(self, **changes) -> "Rollout":
+        return replace(self, **changes)
