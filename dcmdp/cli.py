@@ -1,0 +1,86 @@
+"""The ``dcmdp`` command: train, calibrate, tune, eval, report, sync."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+from dcmdp.config import ConfigError, load_config
+
+
+def _split_config_args(args: Sequence[str]) -> tuple[Optional[str], list[str]]:
+    """``[CONFIG] [key=value ...]``: the first argument is a YAML path unless it is an override."""
+    if args and "=" not in args[0]:
+        return args[0], list(args[1:])
+    return None, list(args)
+
+
+def _cmd_train(ns: argparse.Namespace) -> int:
+    from dcmdp.loop import train
+
+    path, overrides = _split_config_args(ns.args)
+    cfg = load_config(path, overrides)
+    summary = train(cfg)
+    print("\n".join(summary.lines()))
+    return 0
+
+
+def _cmd_report(ns: argparse.Namespace) -> int:
+    from dcmdp.report import write_report
+
+    out = write_report(ns.runs, ns.out, tracking_uri=ns.tracking_uri)
+    print(f"report written to {out}")
+    return 0
+
+
+def _cmd_sync(ns: argparse.Namespace) -> int:
+    from dcmdp.tracking import sync_buffer
+
+    sent = sync_buffer(ns.buffer_dir, tracking_uri=ns.tracking_uri)
+    print(f"sent {sent} buffered metric values")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dcmdp", description="RL for LLMs under a training-inference discrepancy "
+                                "constraint (Lagrangian dual control of lambda).")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train with a config: dcmdp train [CONFIG.yaml] [key=value ...]")
+    t.add_argument("args", nargs="*", help="a YAML config file and/or dotlist overrides (algo.minibatches=4)")
+    t.set_defaults(func=_cmd_train)
+
+    r = sub.add_parser("report", help="compare MLflow runs: tables + plots of lambda, discrepancy, accuracy")
+    r.add_argument("runs", nargs="+", help="run ids or an experiment name")
+    r.add_argument("--out", default="report", help="output folder (default: ./report)")
+    r.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")
+    r.set_defaults(func=_cmd_report)
+
+    y = sub.add_parser("sync", help="send metrics buffered while the tracking server was unreachable")
+    y.add_argument("buffer_dir", help="the run's buffer folder (printed in the warning when buffering started)")
+    y.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the buffered run's)")
+    y.set_defaults(func=_cmd_sync)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("urllib3", "alembic", "mlflow.store", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        return ns.func(ns)
+    except ConfigError as exc:
+        print(f"dcmdp: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"dcmdp: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""The training loop: rollout -> pi_old -> measure -> N mini-batch updates -> dual step -> sync -> log.
+
+One flat function, ``train``, reads top to bottom; each phase is a small helper below it. The dual
+step uses D-hat measured on this batch before the updates (pi_old vs mu); the updated lambdas apply from
+the next rollout batch, to every mini-batch alike.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from constraints.measures import discrepancy_metrics, measure_constraint
+from constraints.penalties import constraint_names
+from dcmdp.config import RunConfig, flatten, to_yaml
+from dcmdp.dual import DualState, dual_step, init_state
+from dcmdp.plots import plot_dual
+from dcmdp.tracking import Tracker
+from trainers import learner
+from trainers.advantages import ADVANTAGES
+from trainers.batch import Rollout
+from trainers.coldstart import cold_start
+from trainers.engines import RolloutEngine, build_engine
+from trainers.models import PRESETS, build_model, save_model_dir
+from trainers.routing import is_moe
+from trainers.tasks import TASKS, Example, Task
+from trainers.tokenizer import build_char_tokenizer, load_tokenizer
+
+log = logging.getLogger("dcmdp")
+
+
+@dataclass
+class Setup:
+    """Everything a run holds; built once by ``setup``."""
+
+    cfg: RunConfig
+    tokenizer: Any
+    task: Task
+    model: torch.nn.Module
+    model_dir: str
+    engine: RolloutEngine
+    optimizer: torch.optim.Optimizer
+    scheduler: Optional[torch.optim.lr_scheduler.LRScheduler]
+    dual: DualState
+    tracker: Tracker
+    moe: bool
+    names: list[str]
+    history: list[dict[str, float]] = field(default_factory=list)
+    start_step: int = 0
+
+
+@dataclass
+class Summary:
+    accuracy_before: float
+    accuracy_after: float
+    final_lambda: dict[str, float]
+    mean_discrepancy: dict[str, float]
+    steps: int
+    run_id: str
+    tracking_uri: str
+    output_dir: str
+    seconds: float
+
+    def lines(self) -> list[str]:
+        lam = ", ".join(f"{k}={v:.4g}" for k, v in self.final_lambda.items()) or "-"
+        disc = ", ".join(f"{k}={v:.4g}" for k, v in self.mean_discrepancy.items()) or "-"
+        return [f"held-out accuracy: {self.accuracy_before:.1%} -> {self.accuracy_after:.1%} "
+                f"({100 * (self.accuracy_after - self.accuracy_before):+.1f} points) after {self.steps} steps "
+                f"in {self.seconds:.0f} s",
+                f"final lambda: {lam}", f"mean discrepancy: {disc}",
+                f"MLflow run {self.run_id} at {self.tracking_uri}", f"outputs: {self.output_dir}"]
+
+
+def train(cfg: RunConfig) -> Summary:
+    t_start = time.perf_counter()
+    s = setup(cfg)
+    acc_before = evaluate(s, seed=cfg.seed)
+    s.tracker.log_metrics({"eval/accuracy": acc_before}, step=s.start_step)
+    steps = range(s.start_step, cfg.steps)
+    bar = tqdm(steps, desc="dcmdp train", disable=not cfg.progress, dynamic_ncols=True)
+    for step in bar:
+        t0 = time.perf_counter()
+        examples, rollout = rollout_phase(s, step)
+        t1 = time.perf_counter()
+        rewards_B, reward_metrics = reward_phase(s, examples, rollout)
+        advantages_B, adv_metrics = ADVANTAGES[cfg.algo.advantage](rewards_B, cfg.algo.samples_per_prompt, cfg.algo)
+        batch = learner.score_old(s.model, rollout, advantages_B, cfg.algo, temperature=cfg.rollout.temperature,
+                                  fp32_lm_head=cfg.model.fp32_lm_head, moe=s.moe)
+        t2 = time.perf_counter()
+        measured_C, disc_metrics = measure_phase(s, batch)
+        t3 = time.perf_counter()
+        update_metrics = learner.update(
+            s.model, s.optimizer, s.scheduler, batch, lambda_C=s.dual.lambda_C.float(),
+            constraints=cfg.dual.constraints, penalty=cfg.dual.penalty, dual_enabled=cfg.dual.enabled,
+            cfg=cfg.algo, temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
+            grad_clip=cfg.optim.grad_clip, generator=torch.Generator().manual_seed(_step_seed(cfg.seed, step, 2)))
+        t4 = time.perf_counter()
+        s.dual, dual_metrics = dual_step(s.dual, measured_C, cfg.dual)
+        t5 = time.perf_counter()
+        s.engine.load_weights(s.model.state_dict(), version=step + 1)
+        t6 = time.perf_counter()
+        metrics = {**reward_metrics, **adv_metrics, **disc_metrics, **dual_metrics, **_mean_dicts(update_metrics)}
+        metrics.update(_timings(rollout, t0, t1, t2, t3, t4, t5, t6))
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            metrics["eval/accuracy"] = evaluate(s, seed=cfg.seed)
+        s.history.append(metrics)
+        s.tracker.log_metrics(metrics, step=step + 1)
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}",
+                        **{f"lam_{n}": f"{float(v):.3g}" for n, v in zip(s.names, s.dual.lambda_C)})
+    acc_after = evaluate(s, seed=cfg.seed)
+    s.tracker.log_metrics({"eval/accuracy": acc_after}, step=cfg.steps)
+    return finish(s, acc_before, acc_after, time.perf_counter() - t_start)
+
+
+def setup(cfg: RunConfig) -> Setup:
+    """Seeds, tokenizer, task, (cold-started) model, rollout engine, optimiser, dual state, tracker."""
+    _seed_everything(cfg.seed)
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(to_yaml(cfg))
+    preset = PRESETS[cfg.model.preset]
+    task = TASKS[cfg.task.name](cfg.task, cfg.seed)
+    if cfg.model.path:
+        tokenizer = load_tokenizer(cfg.model.path)
+    else:
+        if preset.needs_path:
+            raise FileNotFoundError(f"model.preset={cfg.model.preset!r} loads real weights: set model.path to a "
+                                    f"local directory with the weights and tokenizer")
+        tokenizer = build_char_tokenizer()
+    model = build_model(cfg.model, len(tokenizer), seed=cfg.seed)
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if cfg.model.path:
+        model_dir = cfg.model.path
+    elif cfg.cold_start.steps > 0:
+        model, info = cold_start(model, tokenizer, task, cfg.cold_start, cfg.model, seed=cfg.seed, eos_id=eos_id,
+                                 progress=cfg.progress)
+        model_dir = str(info["model_dir"])
+    else:
+        model_dir = str(out / "initial_model")
+        save_model_dir(model, tokenizer, model_dir)
+    engine = build_engine(cfg.rollout, model, model_dir, eos_id=eos_id, pad_id=pad_id)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                  weight_decay=cfg.optim.weight_decay)
+    scheduler = None
+    if cfg.optim.warmup_steps > 0:
+        warm = cfg.optim.warmup_steps * cfg.algo.minibatches
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warm))
+    tracker = Tracker(cfg.tracking, out)
+    tracker.start(flatten(cfg), tags={"model.preset": cfg.model.preset, "dcmdp.version": _version()})
+    tracker.log_artifact(out / "config.yaml")
+    return Setup(cfg, tokenizer, task, model, model_dir, engine, optimizer, scheduler, init_state(cfg.dual),
+                 tracker, is_moe(model), constraint_names(cfg.dual.constraints))
+
+
+def rollout_phase(s: Setup, step: int) -> tuple[list[Example], Rollout]:
+    """Sample B prompts, G responses each; row p*G + g is sample g of prompt p."""
+    cfg = s.cfg
+    rng = random.Random(_step_seed(cfg.seed, step, 0))
+    prompts = s.task.sample(rng, cfg.algo.prompts_per_step)
+    examples = [ex for ex in prompts for _ in range(cfg.algo.samples_per_prompt)]
+    ids = [encode_prompt(s.tokenizer, ex.prompt) for ex in examples]
+    rollout = s.engine.generate(ids, seed=_step_seed(cfg.seed, step, 1))
+    return examples, rollout
+
+
+def reward_phase(s: Setup, examples: list[Example], rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
+    completions = decode_responses(s.tokenizer, rollout)
+    rewards_B = torch.tensor([s.task.reward(c, ex) for c, ex in zip(completions, examples)], dtype=torch.float32)
+    lengths = rollout.response_mask_BT.sum(dim=1).float()
+    return rewards_B, {"reward/accuracy": float((rewards_B > 0.5).float().mean()),
+                       "response/length_mean": float(lengths.mean())}
+
+
+def measure_phase(s: Setup, batch: learner.ScoredBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    """D-hat of every constraint (pi_old vs mu, before the updates) and all discrepancy measures."""
+    r = batch.rollout
+    mask_BT = r.response_mask_BT.bool()
+    routes = dict(experts_train_BSLK=batch.train_experts_BSLK, experts_rollout_BSLK=r.rollout_experts_BSLK,
+                  mask_BS=r.attention_mask_BS.bool())
+    if batch.train_experts_BSLK is None or r.rollout_experts_BSLK is None:
+        routes = {}
+    measured_C = torch.stack([
+        measure_constraint(c, batch.old_logp_BT, r.rollout_logp_BT.float(), mask_BT, **routes).double()
+        for c in s.cfg.dual.constraints]) if s.cfg.dual.constraints else torch.zeros(0, dtype=torch.float64)
+    return measured_C, discrepancy_metrics(batch.old_logp_BT, r.rollout_logp_BT.float(), mask_BT, **routes)
+
+
+@torch.no_grad()
+def evaluate(s: Setup, seed: int) -> float:
+    """Held-out accuracy: share of eval prompts whose sampled response (rollout temperature) is correct."""
+    examples = s.task.eval_set()
+    ids = [encode_prompt(s.tokenizer, ex.prompt) for ex in examples]
+    rollout = s.engine.generate(ids, seed=_step_seed(seed, 10**6, 3))
+    completions = decode_responses(s.tokenizer, rollout)
+    return float(np.mean([s.task.reward(c, ex) for c, ex in zip(completions, examples)]))
+
+
+def finish(s: Setup, acc_before: float, acc_after: float, seconds: float) -> Summary:
+    cfg, out = s.cfg, Path(s.cfg.output_dir)
+    if s.history and s.names:
+        plot_dual(s.history, s.names, out / "dual.png")
+        s.tracker.log_artifact(out / "dual.png")
+    mean_disc = {k.split("/", 1)[1]: float(np.mean([h[k] for h in s.history]))
+                 for k in (s.history[0] if s.history else {}) if k.startswith("discrepancy/")}
+    summary = Summary(acc_before, acc_after, {n: float(v) for n, v in zip(s.names, s.dual.lambda_C)}, mean_disc,
+                      cfg.steps, s.tracker.run_id, s.tracker.tracking_uri, str(out), seconds)
+    (out / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
+    s.tracker.log_artifact(out / "summary.json")
+    s.tracker.finish()
+    s.engine.close()
+    return summary
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def decode_responses(tokenizer, rollout: Rollout) -> list[str]:
+    ids, mask = rollout.response_ids_BT.tolist(), rollout.response_mask_BT.tolist()
+    return [tokenizer.decode([t for t, m in zip(row, mrow) if m], skip_special_tokens=True)
+            for row, mrow in zip(ids, mask)]
+
+
+def _timings(rollout: Rollout, t0, t1, t2, t3, t4, t5, t6) -> dict[str, float]:
+    tokens = float(rollout.response_mask_BT.sum())
+    return {"time/rollout": t1 - t0, "time/old_logp": t2 - t1, "time/measure": t3 - t2, "time/update": t4 - t3,
+            "time/dual": t5 - t4, "time/sync": t6 - t5, "time/step": t6 - t0,
+            "throughput/response_tokens_per_s": tokens / max(t6 - t0, 1e-9)}
+
+
+def _mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for d in dicts for k in d}
+    return {k: float(np.mean([d[k] for d in dicts if k in d])) for k in keys}
+
+
+def _step_seed(seed: int, step: int, stream: int) -> int:
+    """Independent seeds per (run seed, step, stream): a resumed run regenerates the same randomness."""
+    return int(np.random.SeedSequence([seed, step, stream]).generate_state(1)[0])
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dcmdp")
+    except PackageNotFoundError:
+        return "dev"

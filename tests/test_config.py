@@ -1,0 +1,69 @@
+"""Config composition and the errors a user sees for a bad config."""
+
+from pathlib import Path
+
+import pytest
+
+from dcmdp.config import ConfigError, flatten, load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def test_defaults_and_overrides_compose():
+    cfg = load_config(CONFIGS / "default.yaml", ["algo.minibatches=4", "dual.rule=pid", "seed=7"])
+    assert cfg.model.preset == "tiny-moe"
+    assert cfg.rollout.precision == "int8"
+    assert cfg.algo.minibatches == 4 and cfg.dual.rule == "pid" and cfg.seed == 7
+    assert cfg.dual.constraints[0].measure == "abs_prob_diff"
+    flat = flatten(cfg)
+    assert flat["algo.minibatches"] == "4"
+    assert flat["dual.constraints.0.tolerance"] == "0.005"
+
+
+@pytest.mark.parametrize("override, needle", [
+    (["algo.minibatchs=4"], "did you mean 'minibatches'"),
+    (["rollout.temprature=0.5"], "did you mean 'temperature'"),
+    (["modle.preset=tiny-dense"], "did you mean 'model'"),
+])
+def test_unknown_key_names_nearest(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, override)
+
+
+def test_unknown_key_inside_constraint_list(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("dual:\n  constraints:\n    - measure: kl_k3\n      tolerence: 0.01\n")
+    with pytest.raises(ConfigError, match=r"dual.constraints\[0\].tolerence.*did you mean 'tolerance'"):
+        load_config(p)
+
+
+@pytest.mark.parametrize("override, needle", [
+    (["algo.minibatches=3"], "do not divide the rollout batch"),
+    (["dual.constraints=[{measure: kl_k3, tolerance: -0.1}]"], "tolerance"),
+    (["dual.constraints=[{measure: kl_k3, lambda_min: 2.0, lambda_max: 1.0, lambda_init: 1.5}]"], "lambda_min"),
+    (["rollout.precision=int4"], "precision"),
+    (["algo.routing_replay=r3", "model.preset=tiny-dense"], "dense model"),
+    (["algo.loss=ppo_clipp"], "did you mean 'ppo_clip'"),
+    (["dual.constraints=[{measure: kl_k4}]"], "did you mean 'kl_k3'"),
+    (["steps=abc"], "steps"),
+    (["algo.samples_per_prompt=1"], "samples_per_prompt"),
+])
+def test_bad_values_raise_naming_the_key(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, override)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="cannot parse"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["steps"])
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_every_shipped_config_loads(name):
+    load_config(CONFIGS / name)
