@@ -1,0 +1,291 @@
+"""Training–inference discrepancy measures (DESIGN.md §3): pure torch functions of the two engines' log-probs.
+
+Per token, rho_t = pi_old(y_t) / mu(y_t) is the ratio of the training engine's probability to the rollout
+engine's probability of the sampled token, computed in log space: ``log rho = logp_train - logp_rollout``.
+Every measure works on the RAW ratio (no truncation, unlike the IS weights of the learner).
+
+Shapes: ``logp_train_BT``, ``logp_rollout_BT``, ``mask_BT`` are ``[B, T]`` (B sequences, T response tokens;
+the mask is True, or nonzero, on valid tokens). MoE routes are ``[B, S, L, K]`` (S input positions, L MoE
+layers, K experts per token, -1 where no route was recorded).
+
+Conventions shared by every measure:
+
+- Batch values are computed in float64 whatever the input dtype: the measures of two well-matched
+  engines are tiny (DCMDP's tolerance is c = 0.0037 on |pi_old - mu|) and log rho can be ~1e-12.
+- Masked means are over all valid tokens of the batch (token mean, not a mean of per-sequence means).
+  A batch without any valid token gives 0 for the mean-type measures (no evidence of a discrepancy,
+  never a NaN that would reach the dual controller); all-masked rows are simply ignored.
+- Invalid positions are replaced by 0 *before* any arithmetic (``torch.where``), so padding that holds
+  garbage (-inf, NaN) neither leaks into the values nor into the gradients.
+- exp(log rho) overflows for log rho > ~88 (float32) / ~709 (float64), and such ratios occur with
+  log-probs down to -1e4 on a broken engine. Measures that exponentiate (kl_k3, chi2) evaluate the
+  exponential at min(log rho, LOG_RATIO_MAX) and continue the function *linearly* above it
+  (f(x) = f(X) + f'(X) (x - X) for x > X = LOG_RATIO_MAX): values stay finite even in float32 and the
+  gradient keeps its sign, instead of vanishing as it would under a plain clamp. Only ratios above
+  e^20 ~ 4.9e8 are affected. abs_prob_diff needs no clamp (it is written as exp(max) * (1 - exp(-|diff|)),
+  all factors in [0, 1] for log-probs <= 0), ess is scale-invariant (exact with a max shift).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from constraints.config import ConstraintConfig
+
+LOG_RATIO_MAX = 20.0
+"""Above this log rho, kl_k3 and chi2 are continued linearly (see the module docstring)."""
+
+_SERIES_BELOW = 1e-2  # |log rho| below which exp(x) - 1 - x is summed as a series (no cancellation)
+
+
+@dataclass(frozen=True)
+class Measure:
+    name: str
+    # (logp_train_BT, logp_rollout_BT, mask_BT, **params) -> 0-dim float64 tensor (batch value).
+    batch: Callable[..., Tensor]
+    # (logp_train_BT, logp_rollout_BT) -> d_BT per-token value, differentiable in logp_train; None when the
+    # measure has no per-token differentiable form (sequence level, indicator, routing).
+    token: Optional[Callable[[Tensor, Tensor], Tensor]]
+    # "token" (masked mean of a per-token value) | "sequence" (aggregates over sequences / the batch)
+    # | "routing" (MoE expert sets; needs the routes, not the log-probs).
+    kind: str
+    # Keyword parameters ``batch`` takes, by name; ``measure_constraint`` fills them from the constraint
+    # config (``tau``) or from the routes it was given.
+    params: tuple[str, ...] = ()
+
+
+# ---------------------------------------------------------------------------------------------- token forms
+
+
+def abs_prob_diff_token(logp_train_BT: Tensor, logp_rollout_BT: Tensor) -> Tensor:
+    """|pi_old(y_t) - mu(y_t)| (DCMDP, Liu et al. arXiv 2606.08779), as exp(max) * (1 - exp(-|log rho|)).
+
+    Written with expm1 so that differences of 1e-12 between the log-probs are not lost, and so that
+    log-probs of -1e4 never reach exp of a large argument. d/d logp_train = sign(pi_old - mu) * pi_old.
+    """
+    top_BT = torch.maximum(logp_train_BT, logp_rollout_BT)
+    return torch.exp(top_BT) * -torch.expm1(-(logp_train_BT - logp_rollout_BT).abs())
+
+
+def kl_k1_token(logp_train_BT: Tensor, logp_rollout_BT: Tensor) -> Tensor:
+    """log mu - log pi_old = -log rho: the k1 estimator of KL(mu || pi_old) on mu-samples (may be < 0)."""
+    return logp_rollout_BT - logp_train_BT
+
+
+def _k3(x: Tensor) -> Tensor:
+    """exp(x) - 1 - x >= 0, series near 0 (expm1(x) - x cancels), linear above LOG_RATIO_MAX."""
+    xc = x.clamp(max=LOG_RATIO_MAX)
+    series = xc * xc * (0.5 + xc * (1.0 / 6.0 + xc * (1.0 / 24.0 + xc / 120.0)))
+    value = torch.where(xc.abs() < _SERIES_BELOW, series, torch.expm1(xc) - xc)
+    # relu(x - X) rather than (x - xc): the latter's gradient 1 - 1 is summed with the huge slope and cancels
+    return value + math.expm1(LOG_RATIO_MAX) * torch.relu(x - LOG_RATIO_MAX)
+
+
+def kl_k3_token(logp_train_BT: Tensor, logp_rollout_BT: Tensor) -> Tensor:
+    """rho - 1 - log rho >= 0: the k3 estimator of KL(mu || pi_old) (Schulman 2020), low variance."""
+    return _k3(logp_train_BT - logp_rollout_BT)
+
+
+def chi2_token(logp_train_BT: Tensor, logp_rollout_BT: Tensor) -> Tensor:
+    """(rho - 1)^2 = expm1(log rho)^2: per-token Pearson chi^2(pi_old || mu) on mu-samples; linear above the cap."""
+    x = logp_train_BT - logp_rollout_BT
+    xc = x.clamp(max=LOG_RATIO_MAX)
+    slope = 2.0 * math.expm1(LOG_RATIO_MAX) * math.exp(LOG_RATIO_MAX)  # d/dx expm1(x)^2 at the cap
+    return torch.expm1(xc).square() + slope * torch.relu(x - LOG_RATIO_MAX)
+
+
+def abs_log_ratio_token(logp_train_BT: Tensor, logp_rollout_BT: Tensor) -> Tensor:
+    """|log rho| = |log pi_old - log mu|."""
+    return (logp_train_BT - logp_rollout_BT).abs()
+
+
+# ---------------------------------------------------------------------------------------------- batch values
+
+
+def _clean(logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """float64 log-probs with invalid positions set to 0, and the boolean mask."""
+    if logp_train_BT.shape != logp_rollout_BT.shape or logp_train_BT.shape != mask_BT.shape:
+        raise ValueError(f"measures need logp_train, logp_rollout and mask of one shape, got "
+                         f"{tuple(logp_train_BT.shape)}, {tuple(logp_rollout_BT.shape)}, {tuple(mask_BT.shape)}")
+    valid_BT = mask_BT.bool()
+    zero = torch.zeros((), dtype=torch.float64, device=logp_train_BT.device)
+    return (torch.where(valid_BT, logp_train_BT.double(), zero),
+            torch.where(valid_BT, logp_rollout_BT.double(), zero), valid_BT)
+
+
+def _masked_mean(value_BT: Tensor, valid_BT: Tensor) -> Tensor:
+    """Mean over valid tokens; 0 when there is none."""
+    total = torch.where(valid_BT, value_BT, torch.zeros((), dtype=value_BT.dtype, device=value_BT.device)).sum()
+    return total / valid_BT.sum().clamp_min(1)
+
+
+def _token_mean(token: Callable[[Tensor, Tensor], Tensor]) -> Callable[..., Tensor]:
+    def batch(logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tensor) -> Tensor:
+        train_BT, rollout_BT, valid_BT = _clean(logp_train_BT, logp_rollout_BT, mask_BT)
+        return _masked_mean(token(train_BT, rollout_BT), valid_BT)
+
+    batch.__doc__ = f"Masked mean over valid tokens of: {token.__doc__}"
+    return batch
+
+
+def seq_log_ratio(logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """E_seq |sum_t log rho_t|, over sequences with at least one valid token (0 if there is none).
+
+    The SUM, not the geometric mean |mean_t log rho_t|: exp(sum_t log rho_t) = prod_t rho_t is the
+    sequence-level ratio pi_old(y) / mu(y) that sequence-level IS (seq_tis / seq_mis, Liu, Li et al.
+    2025) weights by, and the token-level objective is a first-order approximation of the sequence-level
+    one only while that product stays near 1 (Zheng et al. arXiv 2512.01374). Per-token mismatch
+    compounds with length, and the sum shows it; the geometric mean divides it away (and is
+    abs_log_ratio-like in scale: use abs_log_ratio for a per-token view).
+    """
+    train_BT, rollout_BT, valid_BT = _clean(logp_train_BT, logp_rollout_BT, mask_BT)
+    seq_B = (train_BT - rollout_BT).sum(dim=1).abs()
+    has_token_B = valid_BT.any(dim=1)
+    total = torch.where(has_token_B, seq_B, torch.zeros_like(seq_B)).sum()
+    return total / has_token_B.sum().clamp_min(1)
+
+
+def extreme_rate(logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tensor, tau: float = 2.0) -> Tensor:
+    """F(tau): share of valid tokens with max(rho, 1/rho) > tau, i.e. |log rho| > log tau (R3, arXiv 2510.11370).
+
+    Decided on |log rho| so no ratio is ever exponentiated; 0 for a batch without valid tokens.
+    """
+    if not tau > 1:
+        raise ValueError(f"extreme_rate needs tau > 1, got {tau}")
+    train_BT, rollout_BT, valid_BT = _clean(logp_train_BT, logp_rollout_BT, mask_BT)
+    outside_BT = ((train_BT - rollout_BT).abs() > math.log(tau)).double()
+    return _masked_mean(outside_BT, valid_BT)
+
+
+def ess(logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """Normalised effective sample size (sum w)^2 / (n sum w^2) of w = rho over the n valid tokens, in (0, 1].
+
+    1 when every ratio is equal (no discrepancy), 1/n when one token carries all the weight; 1/ess - 1
+    is the empirical variance of rho over its squared mean. Higher is better, so this is a diagnostic
+    and not a D <= c constraint. Scale invariant: computed exactly with w = exp(log rho - max log rho).
+    1 for a batch without valid tokens (the value of a perfectly matched batch).
+    """
+    train_BT, rollout_BT, valid_BT = _clean(logp_train_BT, logp_rollout_BT, mask_BT)
+    log_w_BT = torch.where(valid_BT, train_BT - rollout_BT, torch.full_like(train_BT, -math.inf))
+    top = log_w_BT.max()
+    # the largest weight is exactly 1, so sum w^2 >= 1 whenever a token is valid
+    w_BT = torch.exp(log_w_BT - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
+    n = valid_BT.sum()
+    value = w_BT.sum().square() / (n * w_BT.square().sum())
+    return torch.where(n > 0, value, torch.ones_like(value))  # no device sync for the empty case
+
+
+# ---------------------------------------------------------------------------------------------- routing
+
+
+def _route_pairs(experts_train_BSLK: Tensor, experts_rollout_BSLK: Tensor) -> tuple[Tensor, Tensor]:
+    """(differ_BSL, valid_BSL): top-k SETS differ (order-insensitive); valid where neither side has a -1."""
+    if experts_train_BSLK.shape != experts_rollout_BSLK.shape or experts_train_BSLK.dim() != 4:
+        raise ValueError(f"routing_mismatch needs two [B, S, L, K] expert tensors of one shape, got "
+                         f"{tuple(experts_train_BSLK.shape)} and {tuple(experts_rollout_BSLK.shape)}")
+    valid_BSL = (experts_train_BSLK >= 0).all(dim=-1) & (experts_rollout_BSLK >= 0).all(dim=-1)
+    # a top-k set holds distinct experts, so sorted tuples are equal iff the sets are
+    differ_BSL = (experts_train_BSLK.sort(dim=-1).values != experts_rollout_BSLK.sort(dim=-1).values).any(dim=-1)
+    return differ_BSL & valid_BSL, valid_BSL
+
+
+def routing_mismatch(experts_train_BSLK: Tensor, experts_rollout_BSLK: Tensor,
+                     mask_BS: Optional[Tensor] = None) -> Tensor:
+    """Share of valid (position, MoE layer) pairs whose top-k expert sets differ between the engines.
+
+    R3 (Ma et al. arXiv 2510.11370) reports ~10% of routers disagreeing. Pairs where either side has a
+    -1 (no route recorded) are excluded, as are positions outside ``mask_BS`` when given. 0 (float64)
+    when no pair is valid.
+    """
+    differ_BSL, valid_BSL = _route_pairs(experts_train_BSLK, experts_rollout_BSLK)
+    if mask_BS is not None:
+        valid_BSL = valid_BSL & mask_BS.bool()[:, :, None]
+    return (differ_BSL & valid_BSL).sum().double() / valid_BSL.sum().clamp_min(1)
+
+
+def routing_mismatch_per_token(experts_train_BSLK: Tensor, experts_rollout_BSLK: Tensor) -> Tensor:
+    """(B, S) share of the valid MoE layers of each position whose top-k sets differ; 0 where none is valid.
+
+    The routes of position s produce the logits of the token at s + 1: slice accordingly before using
+    this as a per-response-token value.
+    """
+    differ_BSL, valid_BSL = _route_pairs(experts_train_BSLK, experts_rollout_BSLK)
+    dtype = torch.get_default_dtype()
+    return differ_BSL.sum(dim=-1).to(dtype) / valid_BSL.sum(dim=-1).clamp_min(1).to(dtype)
+
+
+def _routing_batch(logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tensor, *,
+                   experts_train_BSLK: Optional[Tensor] = None, experts_rollout_BSLK: Optional[Tensor] = None,
+                   mask_BS: Optional[Tensor] = None) -> Tensor:
+    """routing_mismatch as a registry measure: the log-probs are not used, the routes are required."""
+    if experts_train_BSLK is None or experts_rollout_BSLK is None:
+        raise ValueError("measure 'routing_mismatch' needs the MoE routes of both engines "
+                         "(experts_train_BSLK and experts_rollout_BSLK); this batch has none: dense model, "
+                         "or a rollout engine that does not report routed experts")
+    return routing_mismatch(experts_train_BSLK, experts_rollout_BSLK, mask_BS)
+
+
+# ---------------------------------------------------------------------------------------------- registry
+
+MEASURES: dict[str, Measure] = {
+    "abs_prob_diff": Measure("abs_prob_diff", _token_mean(abs_prob_diff_token), abs_prob_diff_token, "token"),
+    "kl_k1": Measure("kl_k1", _token_mean(kl_k1_token), kl_k1_token, "token"),
+    "kl_k3": Measure("kl_k3", _token_mean(kl_k3_token), kl_k3_token, "token"),
+    "chi2": Measure("chi2", _token_mean(chi2_token), chi2_token, "token"),
+    "abs_log_ratio": Measure("abs_log_ratio", _token_mean(abs_log_ratio_token), abs_log_ratio_token, "token"),
+    "seq_log_ratio": Measure("seq_log_ratio", seq_log_ratio, None, "sequence"),
+    "extreme_rate": Measure("extreme_rate", extreme_rate, None, "sequence", params=("tau",)),
+    "ess": Measure("ess", ess, None, "sequence"),
+    "routing_mismatch": Measure("routing_mismatch", _routing_batch, None, "routing",
+                                params=("experts_train_BSLK", "experts_rollout_BSLK", "mask_BS")),
+}
+
+_NOT_A_CONSTRAINT = {"ess": "ess is a diagnostic where higher is better (1 = matched engines), so D <= c makes no "
+                            "sense; constrain chi2 instead (1/ess - 1 is the variance of rho over its squared mean)"}
+
+
+def measure_constraint(cfg: ConstraintConfig, logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tensor, *,
+                       experts_train_BSLK: Optional[Tensor] = None, experts_rollout_BSLK: Optional[Tensor] = None,
+                       mask_BS: Optional[Tensor] = None) -> Tensor:
+    """D_i: the batch value of constraint ``cfg``'s measure (0-dim float64), the dual controller's input.
+
+    ``cfg.tau`` goes to extreme_rate; routing_mismatch needs both engines' routes (ValueError without).
+    """
+    if cfg.measure not in MEASURES:
+        raise ValueError(f"unknown measure {cfg.measure!r}; known: {', '.join(MEASURES)}")
+    if cfg.measure in _NOT_A_CONSTRAINT:
+        raise ValueError(f"measure {cfg.measure!r} cannot be a constraint: {_NOT_A_CONSTRAINT[cfg.measure]}")
+    measure = MEASURES[cfg.measure]
+    available = {"tau": cfg.tau, "experts_train_BSLK": experts_train_BSLK,
+                 "experts_rollout_BSLK": experts_rollout_BSLK, "mask_BS": mask_BS}
+    return measure.batch(logp_train_BT, logp_rollout_BT, mask_BT, **{p: available[p] for p in measure.params})
+
+
+@torch.no_grad()
+def discrepancy_metrics(logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tensor, *,
+                        experts_train_BSLK: Optional[Tensor] = None, experts_rollout_BSLK: Optional[Tensor] = None,
+                        mask_BS: Optional[Tensor] = None) -> dict[str, float]:
+    """Every measure of the batch: 'discrepancy/<name>', 'discrepancy/extreme_rate_2' (tau = 2),
+    'is/ess_frac' (normalised ESS), and 'routing/mismatch' when both engines' routes are given."""
+    keys, values = [], []
+    for name, m in MEASURES.items():
+        if m.kind == "routing":
+            continue
+        if name == "extreme_rate":
+            keys.append("discrepancy/extreme_rate_2")
+            values.append(m.batch(logp_train_BT, logp_rollout_BT, mask_BT, tau=2.0))
+        elif name == "ess":
+            keys.append("is/ess_frac")
+            values.append(m.batch(logp_train_BT, logp_rollout_BT, mask_BT))
+        else:
+            keys.append(f"discrepancy/{name}")
+            values.append(m.batch(logp_train_BT, logp_rollout_BT, mask_BT))
+    if experts_train_BSLK is not None and experts_rollout_BSLK is not None:
+        keys.append("routing/mismatch")
+        values.append(routing_mismatch(experts_train_BSLK, experts_rollout_BSLK, mask_BS).to(values[0].device))
+    return dict(zip(keys, torch.stack(values).tolist()))  # one device sync for all metrics

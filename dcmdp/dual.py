@@ -1,0 +1,240 @@
+"""The dual controller: one multiplier lambda_i per discrepancy constraint D_i <= c_i (DESIGN.md §4).
+
+Once per rollout batch, from D_hat_C measured before the primal updates (pi_old vs mu, averaged over the
+global batch), ``dual_step`` moves lambda_C; the new multipliers apply from the next rollout batch, to
+every mini-batch alike. The state is a tiny explicit object (``DualState``), float64 on the CPU, that
+round-trips through ``state_dict`` for checkpoints.
+
+Rules (``DUAL_RULES``, one signature ``fn(state, measured_C, tolerance_C, cfg) -> DualState``):
+
+- ``projected`` (default; DCMDP, Liu et al. arXiv 2606.08779):
+  lambda <- Pi(lambda + eta_i (D_hat_i - c_i)), eta_i = constraints[i].lr.
+- ``pid``: PID Lagrangian (Stooke, Achiam, Abbeel, ICML 2020, arXiv 2007.03964), see ``pid_rule``.
+
+Pi is the Euclidean projection onto the box [lambda_min_i, lambda_max_i], intersected with the coupled
+limits A lambda <= b when ``cfg.coupling`` has rows (a small QP solved with cvxpy). A non-finite
+measurement never moves its multiplier: that lambda and its PID state stay as they were (also under
+the coupling projection, which then treats it as fixed) and the entry is counted in ``skipped``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from constraints.penalties import constraint_names
+
+from dcmdp.config import DualConfig
+
+_F64 = torch.float64
+_FEASIBILITY_TOL = 1e-9  # slack on A lambda <= b when deciding whether the box projection is already feasible
+
+
+@dataclass
+class DualState:
+    # (C,) multipliers lambda_i used by the penalty of the next rollout batch.
+    lambda_C: Tensor
+    # (C,) PID integral term I_k (initialised to lambda_init, as in Stooke et al.'s code).
+    integral_C: Tensor
+    # (C,) PID proportional term P_k: EMA of the violation D_hat - c.
+    p_C: Tensor
+    # (C,) PID smoothed cost C_bar_k used by the derivative term.
+    cost_ema_C: Tensor
+    # Per constraint, the last `delay` values of C_bar (oldest first); empty until its first finite measurement.
+    cost_hist: list[list[float]]
+    # Dual steps taken (calls of dual_step).
+    steps: int = 0
+    # Non-finite measurements skipped so far (entries, summed over constraints).
+    skipped: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain python (JSON-safe) copy of the state."""
+        return {"lambda_C": self.lambda_C.tolist(), "integral_C": self.integral_C.tolist(), "p_C": self.p_C.tolist(),
+                "cost_ema_C": self.cost_ema_C.tolist(), "cost_hist": [list(h) for h in self.cost_hist],
+                "steps": int(self.steps), "skipped": int(self.skipped)}
+
+    @classmethod
+    def from_state_dict(cls, d: dict[str, Any]) -> "DualState":
+        def vec(v: Any) -> Tensor:
+            return torch.as_tensor(v, dtype=_F64).detach().cpu().clone().reshape(-1)
+
+        return cls(lambda_C=vec(d["lambda_C"]), integral_C=vec(d["integral_C"]), p_C=vec(d["p_C"]),
+                   cost_ema_C=vec(d["cost_ema_C"]), cost_hist=[[float(x) for x in h] for h in d["cost_hist"]],
+                   steps=int(d["steps"]), skipped=int(d["skipped"]))
+
+
+def _per_constraint(cfg: DualConfig, field: str) -> Tensor:
+    return torch.tensor([float(getattr(c, field)) for c in cfg.constraints], dtype=_F64)
+
+
+def _coupling(cfg: DualConfig) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    if not cfg.coupling.A:
+        return None
+    A = np.asarray(cfg.coupling.A, dtype=np.float64)
+    b = np.asarray(cfg.coupling.b, dtype=np.float64)
+    if A.ndim != 2 or A.shape != (b.shape[0], len(cfg.constraints)):
+        raise ValueError(f"dual.coupling: A must be len(b) x {len(cfg.constraints)} (one column per constraint), "
+                         f"got A {A.shape} and b {b.shape}")
+    return A, b
+
+
+def init_state(cfg: DualConfig) -> DualState:
+    """lambda_C = lambda_init (0 when the controller is disabled); integral = lambda_init, P = C_bar = 0."""
+    n = len(cfg.constraints)
+    lam = _per_constraint(cfg, "lambda_init") if cfg.enabled else torch.zeros(n, dtype=_F64)
+    coupling = _coupling(cfg)
+    if cfg.enabled and coupling is not None:
+        A, b = coupling
+        if np.any(A @ lam.numpy() > b + _FEASIBILITY_TOL):
+            raise ValueError(f"dual: lambda_init {lam.tolist()} violates the coupled limits A lambda <= b "
+                             f"(A lambda = {(A @ lam.numpy()).tolist()}, b = {b.tolist()})")
+    return DualState(lambda_C=lam, integral_C=lam.clone(), p_C=torch.zeros(n, dtype=_F64),
+                     cost_ema_C=torch.zeros(n, dtype=_F64), cost_hist=[[] for _ in range(n)])
+
+
+def _solve_projection_qp(target: np.ndarray, lo: np.ndarray, hi: np.ndarray, A: np.ndarray, b: np.ndarray,
+                         fixed: np.ndarray) -> np.ndarray:
+    """argmin_x ||x - target||^2 s.t. lo <= x <= hi, A x <= b, x[fixed] = target[fixed] (cvxpy)."""
+    import cvxpy as cp  # imported here: ~1 s, and only coupled limits need it
+
+    x = cp.Variable(target.shape[0])
+    cons = [x >= lo, x <= hi, A @ x <= b]
+    if fixed.any():
+        idx = np.flatnonzero(fixed)
+        cons.append(x[idx] == target[idx])
+    problem = cp.Problem(cp.Minimize(cp.sum_squares(x - target)), cons)
+    solver = cp.CLARABEL if cp.CLARABEL in cp.installed_solvers() else None
+    problem.solve(solver=solver)
+    if problem.status not in (cp.OPTIMAL, cp.OPTIMAL_INACCURATE) or x.value is None:
+        raise ValueError(f"dual: projection onto lambda_min <= lambda <= lambda_max, A lambda <= b failed "
+                         f"(cvxpy status {problem.status}); are the coupled limits feasible?")
+    return np.clip(np.asarray(x.value, dtype=np.float64), lo, hi)
+
+
+def _project(lambda_C: Tensor, cfg: DualConfig, fixed_C: Optional[Tensor] = None) -> Tensor:
+    """Pi(lambda_C), keeping the entries marked in fixed_C at their given (already feasible) value."""
+    lam = torch.as_tensor(lambda_C, dtype=_F64).detach().cpu().reshape(-1)
+    fixed = torch.zeros_like(lam, dtype=torch.bool) if fixed_C is None else fixed_C.bool().cpu()
+    lo, hi = _per_constraint(cfg, "lambda_min"), _per_constraint(cfg, "lambda_max")
+    boxed = torch.where(fixed, lam, torch.minimum(torch.maximum(lam, lo), hi))
+    coupling = _coupling(cfg)
+    if coupling is None:
+        return boxed
+    A, b = coupling
+    # the box projection is the projection onto the larger set: if it is feasible it is the answer
+    if np.all(A @ boxed.numpy() <= b + _FEASIBILITY_TOL):
+        return boxed
+    out = _solve_projection_qp(lam.numpy(), lo.numpy(), hi.numpy(), A, b, fixed.numpy())
+    return torch.as_tensor(out, dtype=_F64)
+
+
+def project(lambda_C: Tensor, cfg: DualConfig) -> Tensor:
+    """Euclidean projection onto {lambda_min_i <= lambda_i <= lambda_max_i} ∩ {A lambda <= b} (float64, (C,)).
+
+    Without coupling rows this is a clip per constraint. With them it is the QP
+    min ||x - lambda||^2 over the box and the polytope, solved with cvxpy (skipped when the clipped point
+    already satisfies A x <= b, which is then the exact answer).
+    """
+    return _project(lambda_C, cfg)
+
+
+def projected_rule(state: DualState, measured_C: Tensor, tolerance_C: Tensor, cfg: DualConfig) -> DualState:
+    """lambda <- Pi(lambda + eta_i (D_hat_i - c_i)), eta_i = constraints[i].lr (DCMDP's projected dual ascent).
+
+    Non-finite D_hat_i: lambda_i unchanged (held fixed in the projection).
+    """
+    finite_C = torch.isfinite(measured_C)
+    eta_C = _per_constraint(cfg, "lr")
+    step_C = torch.where(finite_C, eta_C * (measured_C - tolerance_C), torch.zeros_like(measured_C))
+    return replace(state, lambda_C=_project(state.lambda_C + step_C, cfg, fixed_C=~finite_C))
+
+
+def pid_rule(state: DualState, measured_C: Tensor, tolerance_C: Tensor, cfg: DualConfig) -> DualState:
+    """PID Lagrangian (Stooke, Achiam, Abbeel, ICML 2020, arXiv 2007.03964), per constraint i, step k:
+
+        Delta_k = J_C - d                                 (J_C = D_hat_i, d = c_i)
+        I_k     = Pi(I_{k-1} + K_I Delta_k)               K_I = constraints[i].lr
+        P_k     = alpha_p P_{k-1} + (1 - alpha_p) Delta_k
+        C_bar_k = alpha_d C_bar_{k-1} + (1 - alpha_d) J_C
+        D_k     = max(0, C_bar_k - C_bar_{k-delay})       derivative on increases only
+        lambda_k = Pi(max(0, K_P P_k + I_k + K_D D_k))
+
+    The paper writes I_k = max(0, I_{k-1} + K_I Delta_k); we project the integral like lambda, which is
+    that same formula when lambda_min = 0 and lambda_max = inf, and otherwise stops integral wind-up
+    beyond lambda_max (the integral would have to unwind for many steps before lambda could come down).
+    With K_P = K_D = 0 the rule is then exactly ``projected_rule`` with eta = K_I.
+
+    Initial values: I_0 = lambda_init and P_0 = 0, as in the authors' reference code (rlpyt's CppoPID).
+    Their code starts C_bar and its history at 0, so the first step sees a derivative kick
+    K_D (1 - alpha_d) J_C that only reflects the initialisation; here C_bar_0 is the first finite
+    measurement and C_bar_{k-delay} is the oldest value recorded so far (D_1 = 0). K_P, K_D, alpha_p,
+    alpha_d, delay come from ``cfg.pid``; the reference code's defaults are K_P = 0, K_I = 1, K_D = 0,
+    delay = 10, alpha_p = alpha_d = 0.95 (smoothing for noisy per-batch costs), and the paper's
+    experiments sweep K_P and K_D.
+    Non-finite D_hat_i: lambda_i and all of its PID state (I, P, C_bar, history) stay unchanged.
+    """
+    pid = cfg.pid
+    finite_C = torch.isfinite(measured_C)
+    delta_C = torch.where(finite_C, measured_C - tolerance_C, torch.zeros_like(measured_C))
+    ki_C = _per_constraint(cfg, "lr")
+    integral_C = _project(state.integral_C + ki_C * delta_C, cfg, fixed_C=~finite_C)
+    p_C = torch.where(finite_C, pid.alpha_p * state.p_C + (1 - pid.alpha_p) * delta_C, state.p_C)
+    cost_C = torch.nan_to_num(measured_C)
+    started_C = torch.tensor([len(h) > 0 for h in state.cost_hist], dtype=torch.bool)
+    previous_C = torch.where(started_C, state.cost_ema_C, cost_C)  # C_bar_0 = first measurement
+    cost_ema_C = torch.where(finite_C, pid.alpha_d * previous_C + (1 - pid.alpha_d) * cost_C, state.cost_ema_C)
+    oldest_C = torch.tensor([h[0] if h else 0.0 for h in state.cost_hist], dtype=_F64)
+    deriv_C = torch.where(started_C, (cost_ema_C - oldest_C).clamp_min(0), torch.zeros_like(cost_ema_C))
+    raw_C = (pid.kp * p_C + integral_C + pid.kd * deriv_C).clamp_min(0)
+    lambda_C = _project(torch.where(finite_C, raw_C, state.lambda_C), cfg, fixed_C=~finite_C)
+    delay = max(int(pid.delay), 1)
+    cost_hist = [(h + [float(c)])[-delay:] if ok else list(h)
+                 for h, c, ok in zip(state.cost_hist, cost_ema_C.tolist(), finite_C.tolist())]
+    return replace(state, lambda_C=lambda_C, integral_C=integral_C, p_C=p_C, cost_ema_C=cost_ema_C,
+                   cost_hist=cost_hist)
+
+
+DUAL_RULES: dict[str, Callable[[DualState, Tensor, Tensor, DualConfig], DualState]] = {
+    "projected": projected_rule,
+    "pid": pid_rule,
+}
+
+
+def dual_step(state: DualState, measured_C: Tensor, cfg: DualConfig) -> tuple[DualState, dict[str, float]]:
+    """One dual update from D_hat_C (the batch measures, already averaged over the global batch).
+
+    The rule is ``DUAL_RULES[cfg.rule]``; ``cfg.fixed`` keeps lambda at lambda_init, ``cfg.enabled = False``
+    keeps it at 0 (both still log the measurements). Non-finite entries of measured_C leave their lambda
+    unchanged and are counted. Metrics per constraint name n: 'dual/lambda/n' (after the step),
+    'dual/measured/n', 'dual/tolerance/n', 'dual/violation/n' (D_hat - c); 'dual/skipped' (entries skipped
+    in this step).
+    """
+    if cfg.rule not in DUAL_RULES:
+        raise ValueError(f"unknown dual rule {cfg.rule!r}; known: {', '.join(DUAL_RULES)}")
+    measured_C = torch.as_tensor(measured_C, dtype=_F64).detach().cpu().reshape(-1)
+    n = len(cfg.constraints)
+    if measured_C.numel() != n or state.lambda_C.numel() != n:
+        raise ValueError(f"dual_step: {n} constraints, but {measured_C.numel()} measurements and "
+                         f"{state.lambda_C.numel()} multipliers")
+    tolerance_C = _per_constraint(cfg, "tolerance")
+    n_skipped = int((~torch.isfinite(measured_C)).sum())
+    if not cfg.enabled:
+        new = replace(state, lambda_C=torch.zeros(n, dtype=_F64))
+    elif cfg.fixed:
+        new = replace(state, lambda_C=_per_constraint(cfg, "lambda_init"))
+    else:
+        new = DUAL_RULES[cfg.rule](state, measured_C, tolerance_C, cfg)
+    new = replace(new, steps=state.steps + 1, skipped=state.skipped + n_skipped)
+
+    metrics: dict[str, float] = {"dual/skipped": float(n_skipped)}
+    for name, lam, d, c in zip(constraint_names(cfg.constraints), new.lambda_C.tolist(), measured_C.tolist(),
+                               tolerance_C.tolist()):
+        metrics[f"dual/lambda/{name}"] = lam
+        metrics[f"dual/measured/{name}"] = d
+        metrics[f"dual/tolerance/{name}"] = c
+        metrics[f"dual/violation/{name}"] = d - c
+    return new, metrics

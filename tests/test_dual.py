@@ -1,0 +1,250 @@
+"""Dual controller: projected arithmetic by hand, clipping, NaN skips, fixed/disabled, PID vs an independent
+float64 re-implementation, coupled projection vs closed forms and scipy, state round trip."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+
+import numpy as np
+import pytest
+import torch
+from scipy.optimize import minimize
+
+from constraints.config import ConstraintConfig
+from dcmdp.config import CouplingConfig, DualConfig, PIDConfig
+from dcmdp.dual import DUAL_RULES, DualState, dual_step, init_state, project
+
+torch.set_num_threads(1)
+
+
+def _cfg(**kw) -> DualConfig:
+    cons = kw.pop("constraints", [ConstraintConfig(measure="abs_prob_diff", tolerance=0.005, lambda_init=0.1, lr=1.0),
+                                  ConstraintConfig(measure="kl_k3", tolerance=0.01, lambda_init=0.5, lr=2.0)])
+    return DualConfig(constraints=cons, **kw)
+
+
+def test_projected_step_arithmetic_and_metrics():
+    cfg = _cfg()
+    state = init_state(cfg)
+    assert state.lambda_C.tolist() == [0.1, 0.5] and state.lambda_C.dtype == torch.float64
+    state, m = dual_step(state, torch.tensor([0.007, 0.004]), cfg)
+    # 0.1 + 1.0 * (0.007 - 0.005) = 0.102;  0.5 + 2.0 * (0.004 - 0.01) = 0.488
+    assert state.lambda_C.tolist() == pytest.approx([0.102, 0.488], abs=1e-7)
+    assert m["dual/lambda/abs_prob_diff"] == pytest.approx(0.102, abs=1e-7)
+    assert m["dual/lambda/kl_k3"] == pytest.approx(0.488, abs=1e-7)
+    assert m["dual/measured/kl_k3"] == pytest.approx(0.004, abs=1e-7)
+    assert m["dual/tolerance/kl_k3"] == 0.01
+    assert m["dual/violation/abs_prob_diff"] == pytest.approx(0.002, abs=1e-7)
+    assert m["dual/skipped"] == 0.0
+    assert state.steps == 1 and state.skipped == 0
+    # float64 measurements give float64-exact arithmetic
+    state, _ = dual_step(state, torch.tensor([0.005, 0.01], dtype=torch.float64), cfg)
+    assert state.lambda_C.tolist() == pytest.approx([0.102, 0.488], abs=1e-7)
+
+
+def test_projected_clips_at_both_bounds():
+    cons = [ConstraintConfig(tolerance=0.1, lambda_init=0.5, lambda_min=0.2, lambda_max=1.0, lr=10.0)]
+    cfg = _cfg(constraints=cons)
+    state = init_state(cfg)
+    state, _ = dual_step(state, torch.tensor([0.2]), cfg)   # 0.5 + 10 * 0.1 = 1.5 -> 1.0
+    assert state.lambda_C.item() == pytest.approx(1.0)
+    state, _ = dual_step(state, torch.tensor([0.05]), cfg)  # 1.0 - 0.5 = 0.5
+    assert state.lambda_C.item() == pytest.approx(0.5)
+    state, _ = dual_step(state, torch.tensor([0.0]), cfg)   # 0.5 - 1.0 = -0.5 -> 0.2
+    assert state.lambda_C.item() == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("rule", ["projected", "pid"])
+def test_non_finite_measurements_are_skipped(rule):
+    cfg = _cfg(rule=rule, pid=PIDConfig(kp=1.0, kd=1.0, alpha_p=0.5, alpha_d=0.5, delay=2))
+    state = init_state(cfg)
+    state, _ = dual_step(state, torch.tensor([0.01, 0.02]), cfg)
+    before = state.state_dict()
+    state, m = dual_step(state, torch.tensor([float("nan"), 0.03]), cfg)
+    after = state.state_dict()
+    for key in ("lambda_C", "integral_C", "p_C", "cost_ema_C", "cost_hist"):
+        assert after[key][0] == before[key][0], key  # constraint 0 untouched, PID state included
+    assert after["lambda_C"][1] != before["lambda_C"][1]
+    assert m["dual/skipped"] == 1.0 and state.skipped == 1 and state.steps == 2
+    state, m = dual_step(state, torch.tensor([float("inf"), -float("inf")]), cfg)
+    assert state.lambda_C.tolist() == after["lambda_C"] and state.skipped == 3 and m["dual/skipped"] == 2.0
+
+
+def test_fixed_and_disabled():
+    fixed = _cfg(fixed=True)
+    state = init_state(fixed)
+    for _ in range(3):
+        state, m = dual_step(state, torch.tensor([1.0, 1.0]), fixed)
+    assert state.lambda_C.tolist() == [0.1, 0.5]
+    assert m["dual/violation/abs_prob_diff"] == pytest.approx(0.995)  # still measured and logged
+    off = _cfg(enabled=False)
+    state = init_state(off)
+    assert state.lambda_C.tolist() == [0.0, 0.0]
+    state, m = dual_step(state, torch.tensor([1.0, 1.0]), off)
+    assert state.lambda_C.tolist() == [0.0, 0.0] and m["dual/lambda/kl_k3"] == 0.0
+
+
+def test_duplicate_measures_get_suffixed_metric_names_and_shapes_are_checked():
+    cfg = _cfg(constraints=[ConstraintConfig(measure="kl_k3"), ConstraintConfig(measure="kl_k3", tolerance=0.1)])
+    state, m = dual_step(init_state(cfg), torch.tensor([0.0, 0.0]), cfg)
+    assert {"dual/lambda/kl_k3_1", "dual/lambda/kl_k3_2"} <= set(m)
+    with pytest.raises(ValueError, match="2 constraints"):
+        dual_step(state, torch.tensor([0.0]), cfg)
+    with pytest.raises(ValueError, match="unknown dual rule"):
+        dual_step(state, torch.tensor([0.0, 0.0]), _cfg(rule="pi"))
+
+
+# ---------------------------------------------------------------------------------------------- PID
+
+
+class ReferencePID:
+    """Stooke, Achiam, Abbeel (2020) for one constraint, written from the formula with python floats:
+    the integral clipped to [lo, hi] (= max(0, .) when lo = 0, hi = inf), C_bar starting at the first
+    measurement, the derivative against the oldest of the last `delay` C_bar values (0 before any)."""
+
+    def __init__(self, lam0, ki, kp, kd, alpha_p, alpha_d, delay, c, lo, hi):
+        self.i, self.p, self.cbar, self.lam = lam0, 0.0, None, lam0
+        self.hist = deque(maxlen=delay)
+        self.ki, self.kp, self.kd, self.ap, self.ad, self.c, self.lo, self.hi = ki, kp, kd, alpha_p, alpha_d, c, lo, hi
+
+    def step(self, cost):
+        if not math.isfinite(cost):
+            return self.lam
+        delta = cost - self.c
+        self.i = min(max(self.i + self.ki * delta, self.lo), self.hi)
+        self.p = self.ap * self.p + (1 - self.ap) * delta
+        self.cbar = cost if self.cbar is None else self.ad * self.cbar + (1 - self.ad) * cost
+        d = max(0.0, self.cbar - self.hist[0]) if self.hist else 0.0
+        self.hist.append(self.cbar)
+        self.lam = min(max(max(0.0, self.kp * self.p + self.i + self.kd * d), self.lo), self.hi)
+        return self.lam
+
+
+def test_pid_matches_independent_float64_reimplementation_step_by_step():
+    pid = PIDConfig(kp=2.0, kd=5.0, alpha_p=0.8, alpha_d=0.6, delay=3)
+    cons = [ConstraintConfig(measure="kl_k3", tolerance=0.01, lambda_init=0.2, lambda_max=1e6, lr=3.0),
+            ConstraintConfig(measure="chi2", tolerance=0.05, lambda_init=0.0, lambda_min=0.0, lambda_max=0.6, lr=1.0)]
+    cfg = DualConfig(rule="pid", constraints=cons, pid=pid)
+    refs = [ReferencePID(c.lambda_init, c.lr, pid.kp, pid.kd, pid.alpha_p, pid.alpha_d, pid.delay, c.tolerance,
+                         c.lambda_min, c.lambda_max) for c in cons]
+    rng = np.random.default_rng(0)
+    costs = rng.uniform(0.0, 0.12, size=(40, 2))
+    costs[7, 0] = np.nan
+    costs[20, 1] = np.inf
+    state = init_state(cfg)
+    hit_max = False
+    for k, row in enumerate(costs):
+        state, m = dual_step(state, torch.tensor(row, dtype=torch.float64), cfg)
+        expected = [ref.step(float(x)) for ref, x in zip(refs, row)]
+        np.testing.assert_allclose(state.lambda_C.numpy(), expected, rtol=1e-12, atol=1e-14, err_msg=f"step {k}")
+        assert m["dual/lambda/kl_k3"] == pytest.approx(expected[0], rel=1e-12)
+        hit_max |= expected[1] == 0.6
+    assert hit_max  # the box clip of the second constraint was exercised
+    assert state.skipped == 2
+
+
+def test_pid_first_steps_by_hand():
+    # K_I = 1, K_P = 2, K_D = 4, alpha_p = alpha_d = 0.5, delay 1, c = 0.1, lambda_0 = 0
+    cfg = DualConfig(rule="pid", constraints=[ConstraintConfig(tolerance=0.1, lambda_init=0.0, lr=1.0)],
+                     pid=PIDConfig(kp=2.0, kd=4.0, alpha_p=0.5, alpha_d=0.5, delay=1))
+    state = init_state(cfg)
+    # k=1, J=0.3: I = 0.2, P = 0.5*0.2 = 0.1, C_bar = 0.3 (first measurement), D = 0 -> 2*0.1 + 0.2 = 0.4
+    state, _ = dual_step(state, torch.tensor([0.3]), cfg)
+    assert state.lambda_C.item() == pytest.approx(0.4)
+    # k=2, J=0.5: I = 0.6, P = 0.05 + 0.2 = 0.25, C_bar = 0.4, D = 0.1 -> 0.5 + 0.6 + 0.4 = 1.5
+    state, _ = dual_step(state, torch.tensor([0.5]), cfg)
+    assert state.lambda_C.item() == pytest.approx(1.5)
+    # k=3, J=0.0: I = 0.5, P = 0.125 - 0.05 = 0.075, C_bar = 0.2, D = max(0, -0.2) = 0 -> 0.15 + 0.5 = 0.65
+    state, _ = dual_step(state, torch.tensor([0.0]), cfg)
+    assert state.lambda_C.item() == pytest.approx(0.65)
+
+
+def test_pid_without_p_and_d_is_the_projected_rule():
+    cons = [ConstraintConfig(tolerance=0.05, lambda_init=0.3, lambda_max=0.8, lr=1.5)]
+    proj, pid = DualConfig(rule="projected", constraints=cons), DualConfig(rule="pid", constraints=cons)
+    a, b = init_state(proj), init_state(pid)
+    for x in np.random.default_rng(1).uniform(0, 0.2, size=30):
+        a, _ = dual_step(a, torch.tensor([x]), proj)
+        b, _ = dual_step(b, torch.tensor([x]), pid)
+        assert b.lambda_C.item() == pytest.approx(a.lambda_C.item(), rel=1e-12, abs=1e-15)
+
+
+# ---------------------------------------------------------------------------------------------- coupling
+
+
+def _coupled(B: float, lam_max: float = 10.0) -> DualConfig:
+    cons = [ConstraintConfig(tolerance=0.0, lambda_init=0.0, lambda_max=lam_max),
+            ConstraintConfig(measure="kl_k3", tolerance=0.0, lambda_init=0.0, lambda_max=lam_max)]
+    return DualConfig(constraints=cons, coupling=CouplingConfig(A=[[1.0, 1.0]], b=[B]))
+
+
+@pytest.mark.parametrize("point, expected", [
+    ((1.5, 1.0), (1.25, 0.75)),   # sum 2.5 > 2: move along -(1, 1)/2 by 0.25 each
+    ((3.0, 0.2), (2.0, 0.0)),     # (2.4, -0.4) would leave the box: KKT with lambda_2 = 0 gives (2, 0)
+    ((0.5, 0.7), (0.5, 0.7)),     # feasible: unchanged
+    ((-1.0, 3.0), (0.0, 2.0)),    # box first, then the sum
+])
+def test_coupled_projection_sum_limit_closed_form(point, expected):
+    out = project(torch.tensor(point, dtype=torch.float64), _coupled(2.0))
+    np.testing.assert_allclose(out.numpy(), expected, atol=1e-6)
+
+
+def test_coupled_projection_matches_scipy_on_a_random_polytope():
+    rng = np.random.default_rng(3)
+    cons = [ConstraintConfig(tolerance=0.0, lambda_init=0.0, lambda_min=0.1 * i, lambda_max=2.0 + i) for i in range(3)]
+    A = rng.uniform(0.2, 1.5, size=(2, 3))
+    b = np.array([1.5, 2.0])
+    cfg = DualConfig(constraints=cons, coupling=CouplingConfig(A=A.tolist(), b=b.tolist()))
+    lo = np.array([c.lambda_min for c in cons])
+    hi = np.array([c.lambda_max for c in cons])
+    for _ in range(5):
+        y = rng.uniform(-1, 4, size=3)
+        res = minimize(lambda x: ((x - y) ** 2).sum(), x0=lo, jac=lambda x: 2 * (x - y), method="SLSQP",
+                       bounds=list(zip(lo, hi)), constraints=[{"type": "ineq", "fun": lambda x: b - A @ x,
+                                                               "jac": lambda x: -A}],
+                       options={"ftol": 1e-14, "maxiter": 500})
+        assert res.success
+        out = project(torch.tensor(y), cfg).numpy()
+        np.testing.assert_allclose(out, res.x, atol=1e-5)
+        assert np.all(A @ out <= b + 1e-6) and np.all(out >= lo - 1e-9) and np.all(out <= hi + 1e-9)
+
+
+def test_coupled_dual_step_keeps_a_skipped_lambda_fixed():
+    cfg = _coupled(1.0)
+    cfg.constraints[0].lambda_init, cfg.constraints[0].lr = 0.6, 1.0
+    cfg.constraints[1].lambda_init, cfg.constraints[1].lr = 0.2, 1.0
+    state = init_state(cfg)
+    # constraint 0 skipped (NaN); constraint 1 wants 0.2 + 1.0 -> but 0.6 + x <= 1 caps it at 0.4
+    state, _ = dual_step(state, torch.tensor([float("nan"), 1.0]), cfg)
+    np.testing.assert_allclose(state.lambda_C.numpy(), [0.6, 0.4], atol=1e-6)
+    # both move: target (0.6 + 1, 0.4 + 1) = (1.6, 1.4), sum 3 > 1 -> (1.6, 1.4) - 1 = (0.6, 0.4)
+    state, _ = dual_step(state, torch.tensor([1.0, 1.0]), cfg)
+    np.testing.assert_allclose(state.lambda_C.numpy(), [0.6, 0.4], atol=1e-6)
+
+
+def test_infeasible_initial_multipliers_are_an_error():
+    cfg = _coupled(0.5)
+    cfg.constraints[0].lambda_init = cfg.constraints[1].lambda_init = 0.4
+    with pytest.raises(ValueError, match="violates the coupled limits"):
+        init_state(cfg)
+
+
+# ---------------------------------------------------------------------------------------------- state
+
+
+@pytest.mark.parametrize("rule", sorted(DUAL_RULES))
+def test_state_dict_round_trip_continues_identically(rule):
+    cfg = _cfg(rule=rule, pid=PIDConfig(kp=1.0, kd=2.0, alpha_p=0.7, alpha_d=0.7, delay=4))
+    state = init_state(cfg)
+    rng = np.random.default_rng(2)
+    for _ in range(6):
+        state, _ = dual_step(state, torch.tensor(rng.uniform(0, 0.03, size=2)), cfg)
+    restored = DualState.from_state_dict(json.loads(json.dumps(state.state_dict())))
+    assert restored.state_dict() == state.state_dict()
+    for _ in range(6):
+        x = torch.tensor(rng.uniform(0, 0.03, size=2))
+        state, _ = dual_step(state, x, cfg)
+        restored, _ = dual_step(restored, x, cfg)
+        assert restored.state_dict() == state.state_dict()

@@ -1,0 +1,277 @@
+"""Discrepancy measures vs float64 numpy closed forms; routing mismatch on hand-built routes; extreme inputs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from constraints.config import ConstraintConfig
+from constraints.measures import (LOG_RATIO_MAX, MEASURES, discrepancy_metrics, measure_constraint, routing_mismatch,
+                                  routing_mismatch_per_token)
+
+torch.set_num_threads(1)
+
+LENGTHS = [7, 3, 0, 5, 1, 7]  # row 2 has no valid token
+B, T = len(LENGTHS), 7
+
+
+def _batch(seed: int, dtype=torch.float32, spread: float = 0.7):
+    """Random log-probs in [-8, 0) with rollout = train + noise; padding holds garbage (NaN / -inf)."""
+    rng = np.random.default_rng(seed)
+    train = np.log(rng.uniform(3e-4, 1.0, size=(B, T)))
+    rollout = np.minimum(train + rng.normal(0, spread, size=(B, T)), 0.0)
+    mask = np.arange(T)[None, :] < np.array(LENGTHS)[:, None]
+    train_t = torch.tensor(train, dtype=dtype)
+    rollout_t = torch.tensor(rollout, dtype=dtype)
+    # the float64 reference sees exactly the values the measure sees (after rounding to `dtype`)
+    train, rollout = train_t.double().numpy().copy(), rollout_t.double().numpy().copy()
+    train_t[~torch.tensor(mask)] = float("nan")
+    rollout_t[~torch.tensor(mask)] = -float("inf")
+    return train_t, rollout_t, torch.tensor(mask), train, rollout, mask
+
+
+def _reference(train: np.ndarray, rollout: np.ndarray, mask: np.ndarray, tau: float = 2.0) -> dict[str, float]:
+    x = (train - rollout)[mask]
+    rho = np.exp(x)
+    seq = [abs((train[b] - rollout[b])[mask[b]].sum()) for b in range(train.shape[0]) if mask[b].any()]
+    return {
+        "abs_prob_diff": np.mean(np.abs(np.exp(train[mask]) - np.exp(rollout[mask]))),
+        "kl_k1": np.mean(rollout[mask] - train[mask]),
+        "kl_k3": np.mean(rho - 1 - x),
+        "chi2": np.mean((rho - 1) ** 2),
+        "abs_log_ratio": np.mean(np.abs(x)),
+        "seq_log_ratio": np.mean(seq),
+        "extreme_rate": np.mean(np.maximum(rho, 1 / rho) > tau),
+        "ess": rho.sum() ** 2 / (len(rho) * (rho ** 2).sum()),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_measure_matches_float64_closed_form(seed, dtype):
+    train_t, rollout_t, mask_t, train, rollout, mask = _batch(seed, dtype)
+    ref = _reference(train, rollout, mask)
+    for name, expected in ref.items():
+        got = MEASURES[name].batch(train_t, rollout_t, mask_t)
+        assert got.dtype == torch.float64 and got.dim() == 0
+        assert got.item() == pytest.approx(expected, rel=1e-10, abs=1e-14), name
+
+
+def test_extreme_rate_tau_and_float_mask():
+    train_t, rollout_t, mask_t, train, rollout, mask = _batch(3, spread=2.0)
+    for tau in (1.5, 2.0, 5.0):
+        expected = _reference(train, rollout, mask, tau=tau)["extreme_rate"]
+        assert 0 < expected < 1  # the case is informative
+        assert MEASURES["extreme_rate"].batch(train_t, rollout_t, mask_t, tau=tau).item() == pytest.approx(expected)
+    # a float 0/1 mask means the same as a boolean one
+    got = MEASURES["kl_k3"].batch(train_t, rollout_t, mask_t.float()).item()
+    assert got == pytest.approx(_reference(train, rollout, mask)["kl_k3"], rel=1e-10)
+
+
+def test_token_forms_are_the_per_token_values():
+    _, _, _, train, rollout, mask = _batch(4, torch.float64)
+    a, b = torch.tensor(train), torch.tensor(rollout)
+    x = train - rollout
+    expected = {"abs_prob_diff": np.abs(np.exp(train) - np.exp(rollout)), "kl_k1": -x,
+                "kl_k3": np.exp(x) - 1 - x, "chi2": np.expm1(x) ** 2, "abs_log_ratio": np.abs(x)}
+    for name, ref in expected.items():
+        np.testing.assert_allclose(MEASURES[name].token(a, b).numpy(), ref, rtol=1e-10, atol=1e-15, err_msg=name)
+    for name in ("seq_log_ratio", "extreme_rate", "ess", "routing_mismatch"):
+        assert MEASURES[name].token is None
+
+
+def test_token_form_gradients_match_closed_forms():
+    _, _, _, train, rollout, _ = _batch(9, torch.float64)
+    x, rho = train - rollout, np.exp(train - rollout)
+    expected = {"abs_prob_diff": np.sign(np.exp(train) - np.exp(rollout)) * np.exp(train), "kl_k1": -np.ones_like(x),
+                "kl_k3": rho - 1, "chi2": 2 * (rho - 1) * rho, "abs_log_ratio": np.sign(x)}
+    for name, ref in expected.items():
+        a = torch.tensor(train, requires_grad=True)
+        (grad,) = torch.autograd.grad(MEASURES[name].token(a, torch.tensor(rollout)).sum(), a)
+        np.testing.assert_allclose(grad.numpy(), ref, rtol=1e-10, atol=1e-15, err_msg=name)
+
+
+def test_empty_batch_and_all_masked_rows():
+    train_t, rollout_t, mask_t, train, rollout, mask = _batch(5)
+    none = torch.zeros_like(mask_t)
+    for name in ("abs_prob_diff", "kl_k1", "kl_k3", "chi2", "abs_log_ratio", "seq_log_ratio", "extreme_rate"):
+        assert MEASURES[name].batch(train_t, rollout_t, none).item() == 0.0, name
+    assert MEASURES["ess"].batch(train_t, rollout_t, none).item() == 1.0
+    # all-masked rows are ignored: dropping row 2 (no valid token) changes nothing
+    keep = torch.tensor([0, 1, 3, 4, 5])
+    for name in ("kl_k3", "seq_log_ratio", "ess"):
+        full = MEASURES[name].batch(train_t, rollout_t, mask_t).item()
+        dropped = MEASURES[name].batch(train_t[keep], rollout_t[keep], mask_t[keep]).item()
+        assert full == pytest.approx(dropped, rel=1e-12), name
+
+
+def test_seq_log_ratio_is_the_sum_not_the_geometric_mean():
+    # one sequence of 4 tokens, each log rho = 0.1 -> |sum| = 0.4 (the geometric mean would give 0.1)
+    train = torch.full((1, 4), -1.0, dtype=torch.float64)
+    rollout = train - 0.1
+    value = MEASURES["seq_log_ratio"].batch(train, rollout, torch.ones(1, 4, dtype=torch.bool))
+    assert value.item() == pytest.approx(0.4, rel=1e-12)
+
+
+def test_identical_engines_give_zero_discrepancy():
+    train_t, _, mask_t, *_ = _batch(6)
+    m = discrepancy_metrics(train_t, train_t.clone(), mask_t)
+    for key, value in m.items():
+        expected = 1.0 if key == "is/ess_frac" else 0.0
+        assert value == expected, key
+
+
+def test_discrepancy_metrics_keys_and_values():
+    train_t, rollout_t, mask_t, train, rollout, mask = _batch(7)
+    ref = _reference(train, rollout, mask)
+    m = discrepancy_metrics(train_t, rollout_t, mask_t)
+    expected_keys = {f"discrepancy/{n}" for n in ("abs_prob_diff", "kl_k1", "kl_k3", "chi2", "abs_log_ratio",
+                                                  "seq_log_ratio")} | {"discrepancy/extreme_rate_2", "is/ess_frac"}
+    assert set(m) == expected_keys
+    assert all(isinstance(v, float) for v in m.values())
+    assert m["discrepancy/kl_k3"] == pytest.approx(ref["kl_k3"], rel=1e-10)
+    assert m["discrepancy/extreme_rate_2"] == pytest.approx(ref["extreme_rate"])
+    assert m["is/ess_frac"] == pytest.approx(ref["ess"], rel=1e-10)
+    experts = torch.zeros(B, T + 2, 2, 2, dtype=torch.long)
+    experts[..., 1] = 1
+    other = experts.clone()
+    other[0, 0, 0] = torch.tensor([1, 3])  # 1 of B*(T+2)*2 pairs differs
+    m = discrepancy_metrics(train_t, rollout_t, mask_t, experts_train_BSLK=experts, experts_rollout_BSLK=other)
+    assert m["routing/mismatch"] == pytest.approx(1 / (B * (T + 2) * 2))
+
+
+# ---------------------------------------------------------------------------------------------- routing
+
+
+def _hand_routes():
+    # B=1, S=3, L=2, K=2
+    train = torch.tensor([[[[1, 2], [0, 3]],      # pos 0: layer 0 same set, other order; layer 1 differs
+                           [[5, 6], [1, 2]],      # pos 1: layer 0 same; layer 1 unrecorded on the rollout side
+                           [[-1, -1], [-1, -1]]]])  # pos 2: never routed
+    rollout = torch.tensor([[[[2, 1], [0, 4]],
+                             [[5, 6], [-1, -1]],
+                             [[-1, -1], [-1, -1]]]])
+    return train, rollout
+
+
+def test_routing_mismatch_on_hand_built_routes():
+    train, rollout = _hand_routes()
+    # valid pairs: (0, 0) same, (0, 1) differs, (1, 0) same -> 1/3
+    assert routing_mismatch(train, rollout).item() == pytest.approx(1 / 3)
+    assert routing_mismatch(train, rollout, torch.tensor([[False, True, True]])).item() == 0.0
+    assert routing_mismatch(train, rollout, torch.tensor([[True, False, False]])).item() == pytest.approx(1 / 2)
+    per_token = routing_mismatch_per_token(train, rollout)
+    torch.testing.assert_close(per_token, torch.tensor([[0.5, 0.0, 0.0]]))
+    # same sets in a different order are never a mismatch
+    assert routing_mismatch(train, train.flip(-1)).item() == 0.0
+    # nothing valid -> 0
+    assert routing_mismatch(train[:, 2:], rollout[:, 2:]).item() == 0.0
+
+
+def test_routing_mismatch_vs_python_sets():
+    rng = np.random.default_rng(0)
+    Bq, S, L, K, E = 3, 6, 4, 2, 5
+    train = np.stack([[[rng.choice(E, K, replace=False) for _ in range(L)] for _ in range(S)] for _ in range(Bq)])
+    rollout = train.copy()
+    flip = rng.uniform(size=(Bq, S, L)) < 0.3
+    for b, s, layer in zip(*np.nonzero(flip)):
+        rollout[b, s, layer] = rng.choice(E, K, replace=False)
+    rollout[0, 0] = -1
+    mask = rng.uniform(size=(Bq, S)) < 0.8
+    same, total = 0, 0
+    for b in range(Bq):
+        for s in range(S):
+            for layer in range(L):
+                if not mask[b, s] or (train[b, s, layer] < 0).any() or (rollout[b, s, layer] < 0).any():
+                    continue
+                total += 1
+                same += set(train[b, s, layer]) == set(rollout[b, s, layer])
+    got = routing_mismatch(torch.tensor(train), torch.tensor(rollout), torch.tensor(mask)).item()
+    assert got == pytest.approx((total - same) / total)
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+
+
+def test_measure_constraint_passes_tau_and_requires_routes():
+    train_t, rollout_t, mask_t, train, rollout, mask = _batch(8, spread=2.0)
+    got = measure_constraint(ConstraintConfig(measure="extreme_rate", tau=3.0), train_t, rollout_t, mask_t)
+    assert got.item() == pytest.approx(_reference(train, rollout, mask, tau=3.0)["extreme_rate"])
+    got = measure_constraint(ConstraintConfig(measure="kl_k3"), train_t, rollout_t, mask_t)
+    assert got.item() == pytest.approx(_reference(train, rollout, mask)["kl_k3"], rel=1e-10)
+    with pytest.raises(ValueError, match="routes"):
+        measure_constraint(ConstraintConfig(measure="routing_mismatch"), train_t, rollout_t, mask_t)
+    r_train, r_rollout = _hand_routes()
+    got = measure_constraint(ConstraintConfig(measure="routing_mismatch"), train_t, rollout_t, mask_t,
+                             experts_train_BSLK=r_train, experts_rollout_BSLK=r_rollout)
+    assert got.item() == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="higher is better"):
+        measure_constraint(ConstraintConfig(measure="ess"), train_t, rollout_t, mask_t)
+    with pytest.raises(ValueError, match="unknown measure"):
+        measure_constraint(ConstraintConfig(measure="kl"), train_t, rollout_t, mask_t)
+
+
+# ---------------------------------------------------------------------------------------------- extreme inputs
+
+logps = st.one_of(st.just(-1e4), st.just(0.0), st.floats(-1e4, 0.0, allow_nan=False, allow_infinity=False))
+
+
+@settings(max_examples=150, deadline=None)
+@given(train=st.lists(logps, min_size=1, max_size=6), rollout=st.lists(logps, min_size=6, max_size=6),
+       dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_extreme_log_probs_give_finite_values_and_gradients(train, rollout, dtype):
+    n = len(train)
+    a = torch.tensor([train], dtype=dtype, requires_grad=True)
+    b = torch.tensor([rollout[:n]], dtype=dtype)
+    mask = torch.ones(1, n, dtype=torch.bool)
+    for name, m in MEASURES.items():
+        if m.kind == "routing":
+            continue
+        value = m.batch(a, b, mask)
+        assert torch.isfinite(value), name
+        if m.token is not None:
+            d = m.token(a, b)
+            assert torch.isfinite(d).all(), name
+            (grad,) = torch.autograd.grad(d.sum(), a)
+            assert torch.isfinite(grad).all(), name
+    assert MEASURES["kl_k3"].batch(a, b, mask) >= 0
+    assert MEASURES["chi2"].batch(a, b, mask) >= 0
+    assert 0 <= MEASURES["abs_prob_diff"].batch(a, b, mask) <= 1
+    assert 0 < MEASURES["ess"].batch(a, b, mask) <= 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(base=st.floats(-30.0, 0.0), delta=st.floats(1e-13, 1e-6), sign=st.sampled_from([-1.0, 1.0]))
+def test_tiny_differences_keep_their_leading_order(base, delta, sign):
+    """log rho = delta ~ 1e-12: kl_k3 ~ delta^2/2, chi2 ~ delta^2, abs_prob_diff ~ pi delta (relative 1e-5)."""
+    a = torch.tensor([[base]], dtype=torch.float64)
+    b = a - sign * delta
+    x = (a - b).item()  # the difference after rounding of b
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    assert MEASURES["kl_k3"].batch(a, b, mask).item() == pytest.approx(x * x / 2, rel=1e-5)
+    assert MEASURES["chi2"].batch(a, b, mask).item() == pytest.approx(x * x, rel=1e-5)
+    assert MEASURES["abs_prob_diff"].batch(a, b, mask).item() == pytest.approx(math.exp(base) * abs(x), rel=1e-5)
+    assert MEASURES["kl_k3"].batch(a, b, mask).item() > 0
+
+
+def test_linear_continuation_above_the_log_ratio_cap():
+    X = LOG_RATIO_MAX
+    x = torch.tensor([[X - 1.0, X, X + 5.0, 1e4]], dtype=torch.float64, requires_grad=True)
+    zero = torch.zeros_like(x)
+    k3 = MEASURES["kl_k3"].token(x, zero)
+    expected_k3 = [math.expm1(X - 1) - (X - 1), math.expm1(X) - X, math.expm1(X) - X + math.expm1(X) * 5,
+                   math.expm1(X) - X + math.expm1(X) * (1e4 - X)]
+    np.testing.assert_allclose(k3.detach().numpy()[0], expected_k3, rtol=1e-12)
+    (grad,) = torch.autograd.grad(k3.sum(), x)
+    np.testing.assert_allclose(grad.numpy()[0], [math.expm1(X - 1)] + [math.expm1(X)] * 3, rtol=1e-12)
+    chi2 = MEASURES["chi2"].token(x, zero)
+    slope = 2 * math.expm1(X) * math.exp(X)
+    assert chi2[0, 2].item() == pytest.approx(math.expm1(X) ** 2 + 5 * slope, rel=1e-12)
+    # float32 stays finite well beyond the point where exp overflows (x > 88)
+    x32 = torch.tensor([[200.0, 1e4]], dtype=torch.float32)
+    assert torch.isfinite(MEASURES["chi2"].token(x32, torch.zeros_like(x32))).all()
