@@ -28,12 +28,22 @@ class PIDConfig:
     kp: float = 0.0
     # Derivative gain K_D, acting on increases of the smoothed cost only.
     kd: float = 0.0
-    # EMA factor alpha_p of the proportional term.
-    alpha_p: float = 0.9
+    # EMA factor alpha_p of the proportional term (Stooke et al.'s reference value).
+    alpha_p: float = 0.95
     # EMA factor alpha_d of the cost used by the derivative term.
-    alpha_d: float = 0.9
+    alpha_d: float = 0.95
     # Delay (in dual steps) of the derivative term.
-    delay: int = 1
+    delay: int = 10
+
+    def check(self, prefix: str = "dual.pid") -> None:
+        for key in ("kp", "kd"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"config error at '{prefix}.{key}': must be >= 0, got {getattr(self, key)}")
+        for key in ("alpha_p", "alpha_d"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ValueError(f"config error at '{prefix}.{key}': must be in [0, 1), got {getattr(self, key)}")
+        if self.delay < 1:
+            raise ValueError(f"config error at '{prefix}.delay': must be >= 1, got {self.delay}")
 
 
 @dataclass
@@ -200,6 +210,7 @@ def validate(cfg: RunConfig) -> None:
         cfg.cold_start.check()
         cfg.algo.check()
         cfg.optim.check()
+        cfg.dual.pid.check()
         for i, c in enumerate(cfg.dual.constraints):
             c.check(f"dual.constraints[{i}]")
     except ValueError as exc:
@@ -219,7 +230,7 @@ def validate(cfg: RunConfig) -> None:
 def _validate_registries(cfg: RunConfig) -> None:
     """Names chosen from a registry must exist; messages list the registry's names."""
     from constraints.measures import MEASURES
-    from constraints.penalties import PENALTIES
+    from constraints.penalties import PENALTIES, check_penalty_constraints
     from trainers.advantages import ADVANTAGES
     from trainers.engines import ENGINES
     from trainers.losses import IS_MODES, POLICY_LOSSES
@@ -242,6 +253,11 @@ def _validate_registries(cfg: RunConfig) -> None:
     one_of(cfg.dual.penalty, PENALTIES, "dual.penalty")
     for i, c in enumerate(cfg.dual.constraints):
         one_of(c.measure, MEASURES, f"dual.constraints[{i}].measure")
+    if cfg.dual.enabled:
+        try:
+            check_penalty_constraints(cfg.dual.constraints)
+        except ValueError as exc:
+            raise ConfigError(f"config error at 'dual.constraints': {exc}") from exc
     if cfg.algo.routing_replay != "none" and not PRESETS[cfg.model.preset].is_moe:
         raise ConfigError(f"config error at 'algo.routing_replay': {cfg.algo.routing_replay} replays MoE routes, "
                           f"but model.preset={cfg.model.preset!r} is a dense model; use routing_replay=none")
