@@ -1,0 +1,182 @@
+"""Summaries of finished runs read back from MLflow: report.md, report.csv and report.png.
+
+Per run and constraint ``<n>`` (found from the keys ``dual/lambda/<n>`` and ``dual/measured/<n>``):
+final and mean multiplier λ, mean and final measured discrepancy D, the tolerance c (last logged
+``dual/tolerance/<n>``) and the share of steps with D ≤ c; per run the final ``eval/accuracy`` (if
+logged), the number of distinct steps logged and the MLflow status. Means skip NaN values.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from dcmdp.plots import plot_runs
+
+ACCURACY_KEY = "eval/accuracy"
+CSV_COLUMNS = ["run_id", "run_name", "status", "steps", "eval_accuracy_final", "constraint", "tolerance",
+               "lambda_final", "lambda_mean", "measured_mean", "measured_final", "within_tolerance_frac"]
+
+
+@dataclass
+class ConstraintSummary:
+    name: str
+    tolerance: Optional[float]
+    lambda_final: Optional[float]
+    lambda_mean: Optional[float]
+    measured_mean: Optional[float]
+    measured_final: Optional[float]
+    within_tolerance_frac: Optional[float]
+
+
+@dataclass
+class RunSummary:
+    run_id: str
+    run_name: str
+    status: str
+    steps: int
+    eval_accuracy_final: Optional[float]
+    constraints: list[ConstraintSummary]
+    history: dict[str, list[tuple[int, float]]] = field(repr=False)
+
+
+def _mean(values: list[float]) -> Optional[float]:
+    finite = [v for v in values if not math.isnan(v)]
+    return sum(finite) / len(finite) if finite else None
+
+
+def _final(points: list[tuple[int, float]]) -> Optional[float]:
+    return points[-1][1] if points else None
+
+
+def _expand(client: Any, items: list[str]) -> list[Any]:
+    """Experiment names become their runs (oldest first); anything else must be a run id."""
+    runs, seen = [], set()
+    for item in items:
+        exp = client.get_experiment_by_name(item)
+        if exp is not None:
+            found, token = [], None
+            while True:
+                page = client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"],
+                                          page_token=token)
+                found += list(page)
+                token = page.token
+                if not token:
+                    break
+        else:
+            try:
+                found = [client.get_run(item)]
+            except Exception as exc:
+                raise ValueError(f"{item!r} is neither an experiment name nor a run id in this store") from exc
+        for run in found:
+            if run.info.run_id not in seen:
+                seen.add(run.info.run_id)
+                runs.append(run)
+    return runs
+
+
+def _summarise(client: Any, run: Any) -> RunSummary:
+    history: dict[str, list[tuple[int, float]]] = {}
+    for key in run.data.metrics:
+        # One value per step: if a step was logged twice (a resumed run), the later one counts.
+        by_step = {m.step: m.value for m in sorted(client.get_metric_history(run.info.run_id, key),
+                                                    key=lambda m: (m.step, m.timestamp))}
+        history[key] = sorted(by_step.items())
+    names = sorted({k.split("/", 2)[2] for k in history
+                    if k.startswith(("dual/lambda/", "dual/measured/")) and k.count("/") >= 2})
+    constraints = []
+    for name in names:
+        lam = history.get(f"dual/lambda/{name}", [])
+        measured = history.get(f"dual/measured/{name}", [])
+        tol = history.get(f"dual/tolerance/{name}", [])
+        tol_at = dict(tol)
+        judged = [v <= tol_at[s] for s, v in measured if s in tol_at and not math.isnan(v)]
+        constraints.append(ConstraintSummary(
+            name=name, tolerance=_final(tol), lambda_final=_final(lam), lambda_mean=_mean([v for _, v in lam]),
+            measured_mean=_mean([v for _, v in measured]), measured_final=_final(measured),
+            within_tolerance_frac=sum(judged) / len(judged) if judged else None))
+    steps = len({s for points in history.values() for s, _ in points})
+    return RunSummary(run_id=run.info.run_id, run_name=run.info.run_name or "", status=run.info.status,
+                      steps=steps, eval_accuracy_final=_final(history.get(ACCURACY_KEY, [])),
+                      constraints=constraints, history=history)
+
+
+def _fmt(x: Optional[float], pct: bool = False) -> str:
+    if x is None:
+        return "–"
+    if pct:
+        return f"{100 * x:.0f}%"
+    return f"{x:.4g}"
+
+
+def _markdown(summaries: list[RunSummary], tracking_uri: str) -> str:
+    lines = ["# dcmdp report", "", f"Tracking URI: `{tracking_uri}`", "",
+             f"| run | run id | status | steps | final {ACCURACY_KEY} |", "|---|---|---|---:|---:|"]
+    for r in summaries:
+        lines.append(f"| {r.run_name} | `{r.run_id}` | {r.status} | {r.steps} | {_fmt(r.eval_accuracy_final)} |")
+    lines += ["", "![λ, discrepancy and accuracy over steps](report.png)", ""]
+    for r in summaries:
+        lines += [f"## {r.run_name or r.run_id}", "",
+                  f"Run `{r.run_id}`: {r.status}, {r.steps} steps, final {ACCURACY_KEY} {_fmt(r.eval_accuracy_final)}.",
+                  ""]
+        if not r.constraints:
+            lines += ["No dual metrics (`dual/lambda/*`) were logged.", ""]
+            continue
+        lines += ["| constraint | tolerance c | final λ | mean λ | mean D | final D | steps with D ≤ c |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for c in r.constraints:
+            lines.append(f"| {c.name} | {_fmt(c.tolerance)} | {_fmt(c.lambda_final)} | {_fmt(c.lambda_mean)} | "
+                         f"{_fmt(c.measured_mean)} | {_fmt(c.measured_final)} | "
+                         f"{_fmt(c.within_tolerance_frac, pct=True)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _csv_rows(summaries: list[RunSummary]) -> list[dict[str, Any]]:
+    rows = []
+    for r in summaries:
+        base = {"run_id": r.run_id, "run_name": r.run_name, "status": r.status, "steps": r.steps,
+                "eval_accuracy_final": r.eval_accuracy_final}
+        for c in r.constraints or [None]:
+            row = dict(base, constraint="")
+            if c is not None:
+                row.update(constraint=c.name, tolerance=c.tolerance, lambda_final=c.lambda_final,
+                           lambda_mean=c.lambda_mean, measured_mean=c.measured_mean, measured_final=c.measured_final,
+                           within_tolerance_frac=c.within_tolerance_frac)
+            rows.append({k: ("" if row.get(k) is None else row[k]) for k in CSV_COLUMNS})
+    return rows
+
+
+def write_report(run_ids_or_experiment: list[str], out_dir: str | Path, tracking_uri: Optional[str] = None) -> Path:
+    """Write report.md, report.csv and report.png for the given runs into out_dir; return report.md.
+
+    Each entry is an MLflow experiment name (expanded to all its runs) or a run id. tracking_uri
+    defaults to MLflow's own resolution ($MLFLOW_TRACKING_URI, else its default store).
+    """
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    runs = _expand(client, list(run_ids_or_experiment))
+    if not runs:
+        raise ValueError(f"no runs found for {list(run_ids_or_experiment)}")
+    summaries = [_summarise(client, run) for run in runs]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    md_path = out_dir / "report.md"
+    md_path.write_text(_markdown(summaries, client.tracking_uri) + "\n")
+    with open(out_dir / "report.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerows(_csv_rows(summaries))
+
+    names = sorted({c.name for r in summaries for c in r.constraints})
+    keys = [f"dual/lambda/{n}" for n in names] + [f"dual/measured/{n}" for n in names] + [ACCURACY_KEY]
+    labels = {r.run_id: f"{r.run_name} ({r.run_id[:8]})" for r in summaries}
+    plot_runs({labels[r.run_id]: r.history for r in summaries}, keys, out_dir / "report.png",
+              overlays={f"dual/measured/{n}": f"dual/tolerance/{n}" for n in names},
+              ncols=len(names) if len(names) > 1 else 3)  # rows: λ | D | accuracy
+    return md_path

@@ -1,0 +1,662 @@
+"""MLflow tracking that never stops a run and never loses a metric.
+
+``Tracker`` talks to MLflow through ``MlflowClient`` with explicit run ids (no global active run).
+Every call turns into a few *records* (create run, params, tags, metric, artifact, end). While the
+tracking store answers, records are sent directly. When a call fails, the record and every later one
+are appended to a JSONL *segment* in the buffer directory (``tracking.buffer_dir``, default
+``<output_dir>/tracking_buffer/``) and sent later, in order: on the next call after a back-off
+interval, at ``finish``, or by ``sync_buffer`` (``dcmdp sync``). Training never sees an exception.
+
+Buffer layout (one segment per outage of one tracker; removed once fully sent)::
+
+    <buffer_dir>/<time_ns>-<hex>.jsonl   records, one JSON object per line, first line a header
+                                          with the tracking URI
+    <buffer_dir>/<time_ns>-<hex>.sent    {"offset": n}: bytes of the segment already sent,
+                                          replaced atomically after each successful request
+    <buffer_dir>/<time_ns>-<hex>.files/  copies of artifacts logged during the outage
+    <buffer_dir>/runs.json               placeholder run id ("local-<hex>") -> MLflow run id
+
+A live tracker holds an exclusive ``flock`` on its segment, so ``sync_buffer`` from another process
+skips it instead of sending it twice.
+
+Crash window: if the process dies after MLflow stored a request but before the ``.sent`` offset was
+replaced, the next sync sends that one request again (at most 1000 metrics). Records keep their
+original timestamps, so a SQL backend store (sqlite, the default, and the usual server backends)
+drops the repeat: its metric primary key is (run, key, timestamp, step, value). A file store would
+keep the duplicate. Runs are created with the tag ``dcmdp.local_id``; a sync looks that tag up
+before creating a run, so a creation whose answer was lost is not repeated either.
+
+Network: unless already set, ``MLFLOW_HTTP_REQUEST_MAX_RETRIES=1`` and
+``MLFLOW_HTTP_REQUEST_TIMEOUT=10`` are put in the environment (they are read per request), so a dead
+server costs milliseconds (connection refused) and a hung one at most ~20 s, once per back-off
+interval (``retry_interval`` doubling up to ``max_retry_interval``).
+
+Non-finite metric values are sent as they are: MLflow stores NaN as NaN and +-inf as +-1.797e308.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Iterable, Iterator, Optional
+
+from dcmdp.config import TrackingConfig
+
+logger = logging.getLogger(__name__)
+
+# MLflow's log_batch limits (mlflow/utils/validation.py).
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAMS_TAGS_PER_BATCH = 100
+MAX_PARAM_VAL_LENGTH = 6000
+MAX_TAG_VAL_LENGTH = 8000
+
+LOCAL_ID_PREFIX = "local-"
+LOCAL_ID_TAG = "dcmdp.local_id"
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+# MLflow error codes that mean "this record can never be stored", as opposed to "try later".
+_REJECTED_CODES = {"INVALID_PARAMETER_VALUE", "INVALID_STATE"}
+
+
+def resolve_tracking_uri(cfg: TrackingConfig, output_dir: str | Path) -> str:
+    """cfg.uri, else $MLFLOW_TRACKING_URI, else ``sqlite:///<abs output_dir>/mlflow.db``.
+
+    MLflow 3 makes sqlite its default store (the file store is deprecated); it needs no server.
+    Artifacts of the local store go to ``<output_dir>/mlartifacts`` (see ``Tracker``).
+    """
+    if cfg.uri:
+        return cfg.uri
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    return local_store_uri(output_dir)
+
+
+def local_store_uri(output_dir: str | Path) -> str:
+    return f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
+
+
+def resolve_buffer_dir(cfg: TrackingConfig, output_dir: str | Path) -> Path:
+    return Path(cfg.buffer_dir) if cfg.buffer_dir else Path(output_dir) / "tracking_buffer"
+
+
+def _set_http_defaults() -> None:
+    for name, value in HTTP_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _is_rejection(exc: BaseException) -> bool:
+    """True when the store answered that the record itself is invalid (retrying cannot help)."""
+    from mlflow.exceptions import MlflowException
+
+    return isinstance(exc, MlflowException) and exc.error_code in _REJECTED_CODES
+
+
+def _chunks(items: dict[str, str], size: int) -> list[dict[str, str]]:
+    keys = list(items)
+    return [{k: items[k] for k in keys[i:i + size]} for i in range(0, len(keys), size)]
+
+
+def _clip(kind: str, values: dict[str, Any], limit: int) -> dict[str, str]:
+    out = {}
+    for k, v in values.items():
+        s = str(v)
+        if len(s) > limit:
+            logger.warning("%s %r is %d characters long; MLflow keeps %d, the rest is cut", kind, k, len(s), limit)
+            s = s[:limit]
+        out[str(k)] = s
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Segments: append-only JSONL files with a durable sent-offset.
+
+
+class _Segment:
+    """One buffer file, locked by its owner; ``offset`` is the number of bytes already sent."""
+
+    def __init__(self, path: Path, fh: IO[bytes], offset: int):
+        self.path, self.fh, self.offset = path, fh, offset
+        self.sent_path = path.with_suffix(".sent")
+        self.files_dir = path.with_suffix(".files")
+        self._n_files = 0
+
+    @classmethod
+    def create(cls, buffer_dir: Path, tracking_uri: str) -> "_Segment":
+        buffer_dir.mkdir(parents=True, exist_ok=True)
+        path = buffer_dir / f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.jsonl"
+        fh = open(path, "ab")
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        seg = cls(path, fh, 0)
+        seg.append({"t": "header", "uri": tracking_uri, "created": _now_ms()})
+        seg.mark_sent(seg.fh.tell())  # the header is never sent
+        return seg
+
+    @classmethod
+    def open_existing(cls, path: Path) -> Optional["_Segment"]:
+        """Lock a leftover segment; None when a live tracker holds it or it was just removed."""
+        try:
+            fh = open(path, "ab")
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.close()
+            return None
+        try:
+            # The owner may have drained and unlinked it between our open() and flock().
+            if os.stat(path).st_ino != os.fstat(fh.fileno()).st_ino:
+                raise FileNotFoundError
+        except FileNotFoundError:
+            fh.close()
+            return None
+        seg = cls(path, fh, 0)
+        try:
+            seg.offset = int(json.loads(seg.sent_path.read_text())["offset"])
+        except FileNotFoundError:
+            seg.offset = 0
+        if seg.files_dir.is_dir():
+            seg._n_files = sum(1 for _ in seg.files_dir.iterdir())
+        return seg
+
+    def append(self, record: dict) -> None:
+        if record["t"] == "artifact":
+            record = dict(record, path=str(self._keep_copy(Path(record["path"]))))
+        self.fh.write(json.dumps(record).encode() + b"\n")
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+
+    def _keep_copy(self, src: Path) -> Path:
+        """Artifacts are copied so that later edits or cleanup of the original change nothing."""
+        dst = self.files_dir / str(self._n_files) / src.name
+        self._n_files += 1
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst)
+        else:
+            shutil.copy2(src, dst)
+        return dst
+
+    def header(self) -> dict:
+        with open(self.path, "rb") as f:
+            line = f.readline()
+        return json.loads(line) if line.endswith(b"\n") else {}
+
+    def pending(self) -> Iterator[tuple[int, dict]]:
+        """(end offset, record) of every complete unsent line; a torn last line is not a record."""
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            pos = self.offset
+            for line in f:
+                pos += len(line)
+                if not line.endswith(b"\n"):
+                    break
+                try:
+                    yield pos, json.loads(line)
+                except json.JSONDecodeError:
+                    logger.warning("skipping an unreadable line in %s at byte %d", self.path, pos - len(line))
+
+    def mark_sent(self, offset: int) -> None:
+        tmp = self.sent_path.with_suffix(".sent.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"offset": offset}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.sent_path)
+        self.offset = offset
+
+    def drained(self) -> bool:
+        return self.offset >= os.fstat(self.fh.fileno()).st_size
+
+    def remove(self) -> None:
+        """Unlink the records before the offset file: an orphan offset file is harmless."""
+        self.path.unlink(missing_ok=True)
+        self.sent_path.unlink(missing_ok=True)
+        shutil.rmtree(self.files_dir, ignore_errors=True)
+        self.close()
+
+    def close(self) -> None:
+        if not self.fh.closed:
+            self.fh.close()  # releases the lock
+
+
+def _segments(buffer_dir: Path) -> list[Path]:
+    return sorted(buffer_dir.glob("*.jsonl")) if buffer_dir.is_dir() else []
+
+
+# --------------------------------------------------------------------------------------------------
+# Sending records.
+
+
+class _Blocked(Exception):
+    """A record refers to a placeholder run that no earlier record creates yet."""
+
+
+@dataclass
+class _Sender:
+    """Sends records in order through one MlflowClient; remembers placeholder -> MLflow run ids."""
+
+    tracking_uri: str
+    buffer_dir: Path
+    client: Any = None
+    run_map: dict[str, str] = field(default_factory=dict)
+    _experiments: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.run_map.update(_read_run_map(self.buffer_dir))
+
+    def _client(self) -> Any:
+        if self.client is None:
+            from mlflow.tracking import MlflowClient
+
+            self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        return self.client
+
+    def resolve(self, run: str) -> str:
+        if not run.startswith(LOCAL_ID_PREFIX):
+            return run
+        if run not in self.run_map:
+            self.run_map.update(_read_run_map(self.buffer_dir))
+        if run not in self.run_map:
+            raise _Blocked(run)
+        return self.run_map[run]
+
+    def send(self, records: Iterable[tuple[int, dict]]) -> Iterator[tuple[int, int]]:
+        """Send in order; after each stored request yield (end offset of the last record it held,
+        metrics in it). Consecutive metrics of one run share a log_batch request. Raises on
+        failures worth retrying; drops (with a warning) only what the store rejects as invalid."""
+        group: list[dict] = []
+        group_end = 0
+        for end, rec in records:
+            if group and (rec["t"] != "metric" or rec["run"] != group[0]["run"]
+                          or len(group) == MAX_METRICS_PER_BATCH):
+                yield group_end, self._metrics(group)
+                group = []
+            if rec["t"] == "metric":
+                group.append(rec)
+                group_end = end
+                continue
+            try:
+                self._one(rec)
+            except Exception as exc:
+                if not _is_rejection(exc):
+                    raise
+                logger.warning("MLflow rejected a %r record of run %s: %s; dropped", rec["t"],
+                               rec.get("run", rec.get("id")), exc)
+            yield end, 0
+        if group:
+            yield group_end, self._metrics(group)
+
+    def _metrics(self, recs: list[dict]) -> int:
+        from mlflow.entities import Metric
+
+        run_id = self.resolve(recs[0]["run"])
+        metrics = [Metric(r["key"], float(r["value"]), int(r["ts"]), int(r["step"])) for r in recs]
+        client = self._client()
+        try:
+            client.log_batch(run_id, metrics=metrics)
+            return len(metrics)
+        except Exception as exc:
+            if not _is_rejection(exc):
+                raise
+        sent = 0  # one bad metric must not drop the batch: send them one by one
+        for m in metrics:
+            try:
+                client.log_batch(run_id, metrics=[m])
+                sent += 1
+            except Exception as exc:
+                if not _is_rejection(exc):
+                    raise
+                logger.warning("MLflow rejected metric %s=%r at step %d of run %s: %s", m.key, m.value, m.step,
+                               run_id, exc)
+        return sent
+
+    def _one(self, rec: dict) -> None:
+        kind = rec["t"]
+        if kind == "header":
+            return
+        if kind == "run":
+            self._create_run(rec)
+            return
+        client = self._client()
+        run_id = self.resolve(rec["run"])
+        if kind == "params":
+            self._params(run_id, rec["params"])
+        elif kind == "tags":
+            self._tags(run_id, rec["tags"])
+        elif kind == "reopen":
+            client.update_run(run_id, status="RUNNING")
+        elif kind == "artifact":
+            try:
+                client.log_artifact(run_id, rec["path"], rec.get("artifact_path"))
+            except FileNotFoundError:
+                logger.warning("artifact %s of run %s no longer exists; not logged", rec["path"], run_id)
+        elif kind == "end":
+            client.set_terminated(run_id, status=rec["status"], end_time=rec["end_time"])
+        else:
+            logger.warning("unknown tracking record kind %r; skipped", kind)
+
+    def _params(self, run_id: str, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        client = self._client()
+        try:
+            client.log_batch(run_id, params=[Param(k, v) for k, v in params.items()])
+            return
+        except Exception as exc:
+            if not _is_rejection(exc):
+                raise
+        # MLflow params are immutable: on a resumed run, keep the stored values and log only new keys.
+        stored = client.get_run(run_id).data.params
+        changed = sorted(k for k, v in params.items() if k in stored and stored[k] != v)
+        if changed:
+            logger.warning("run %s already has different values for params %s; MLflow params cannot change, "
+                           "the stored values are kept", run_id, changed)
+        new = [Param(k, v) for k, v in params.items() if k not in stored]
+        if new:
+            client.log_batch(run_id, params=new)
+
+    def _tags(self, run_id: str, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        self._client().log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+
+    def _experiment_id(self, name: str, artifact_location: Optional[str]) -> str:
+        if name in self._experiments:
+            return self._experiments[name]
+        client = self._client()
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            try:
+                exp_id = client.create_experiment(name, artifact_location=artifact_location)
+            except Exception:
+                exp = client.get_experiment_by_name(name)  # created by someone else meanwhile
+                if exp is None:
+                    raise
+                exp_id = exp.experiment_id
+        else:
+            exp_id = exp.experiment_id
+        self._experiments[name] = exp_id
+        return exp_id
+
+    def _create_run(self, rec: dict) -> None:
+        local_id = rec["id"]
+        if local_id in self.run_map:
+            return
+        client = self._client()
+        exp_id = self._experiment_id(rec["experiment"], rec.get("artifact_location"))
+        # A creation whose answer was lost left a run carrying our tag: adopt it instead of a second run.
+        found = client.search_runs([exp_id], filter_string=f"tags.`{LOCAL_ID_TAG}` = '{local_id}'", max_results=1)
+        if found:
+            run_id = found[0].info.run_id
+        else:
+            tags = dict(rec.get("tags") or {}, **{LOCAL_ID_TAG: local_id})
+            run_id = client.create_run(exp_id, start_time=rec["start_time"], tags=tags,
+                                       run_name=rec.get("run_name")).info.run_id
+        self.run_map[local_id] = run_id
+        if self.buffer_dir.is_dir():  # a healthy run leaves no buffer directory behind
+            _write_run_map(self.buffer_dir, {local_id: run_id})
+
+
+def _read_run_map(buffer_dir: Path) -> dict[str, str]:
+    try:
+        return json.loads((buffer_dir / "runs.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _write_run_map(buffer_dir: Path, new: dict[str, str]) -> None:
+    buffer_dir.mkdir(parents=True, exist_ok=True)
+    merged = {**_read_run_map(buffer_dir), **new}
+    tmp = buffer_dir / f"runs.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(merged, indent=1))
+    os.replace(tmp, buffer_dir / "runs.json")
+
+
+def _drain(segment: _Segment, sender: _Sender) -> int:
+    """Send a segment's unsent records, advancing its offset after each stored request."""
+    sent = 0
+    for end, n in sender.send(segment.pending()):
+        segment.mark_sent(end)
+        sent += n
+    return sent
+
+
+def sync_buffer(buffer_dir: str | Path, tracking_uri: Optional[str] = None) -> int:
+    """Replay every leftover segment in ``buffer_dir`` (oldest first); return the metrics sent.
+
+    ``tracking_uri`` overrides the URI recorded in each segment. Segments held by a live tracker are
+    skipped. Fully sent segments are removed, so a second sync sends nothing.
+    """
+    _set_http_defaults()
+    buffer_dir = Path(buffer_dir)
+    senders: dict[str, _Sender] = {}
+    total = 0
+    for path in _segments(buffer_dir):
+        seg = _Segment.open_existing(path)
+        if seg is None:
+            logger.info("segment %s is in use by a running tracker; skipped", path)
+            continue
+        try:
+            uri = tracking_uri or seg.header().get("uri")
+            if not uri:
+                logger.warning("segment %s names no tracking URI; pass one", path)
+                continue
+            sender = senders.setdefault(uri, _Sender(uri, buffer_dir))
+            total += _drain(seg, sender)
+            if seg.drained():
+                seg.remove()
+        except _Blocked as exc:
+            logger.warning("segment %s refers to run %s, which no earlier segment creates; kept", path, exc)
+        except Exception as exc:
+            logger.warning("sync of %s stopped at byte %d: %s; the rest stays buffered", path, seg.offset, exc)
+        finally:
+            seg.close()
+    return total
+
+
+# --------------------------------------------------------------------------------------------------
+# The tracker.
+
+
+class Tracker:
+    """MLflow run of one training job; no method raises because of the tracking store.
+
+    ``start`` returns the MLflow run id, or a placeholder ``local-<hex>`` while the store cannot be
+    reached; ``run_id`` becomes the MLflow id once the run is created. ``buffered`` counts metrics
+    waiting on local disk.
+    """
+
+    def __init__(self, cfg: TrackingConfig, output_dir: str | Path, *, retry_interval: float = 10.0,
+                 max_retry_interval: float = 300.0):
+        _set_http_defaults()
+        self.cfg = cfg
+        self.output_dir = Path(output_dir)
+        self.tracking_uri = resolve_tracking_uri(cfg, output_dir)
+        self.buffer_dir = resolve_buffer_dir(cfg, output_dir)
+        # The default local store keeps its artifacts next to its database.
+        self._artifact_location = ((self.output_dir.resolve() / "mlartifacts").as_uri()
+                                   if self.tracking_uri == local_store_uri(output_dir) else None)
+        self._sender = _Sender(self.tracking_uri, self.buffer_dir)
+        self._segment: Optional[_Segment] = None
+        self._id: Optional[str] = None
+        self.buffered = 0
+        self._retry_interval = self._interval = retry_interval
+        self._max_interval = max_retry_interval
+        self._retry_at = 0.0
+        self._outage = False
+        self._warned_values = False
+        self._finished = False
+
+    @property
+    def run_id(self) -> Optional[str]:
+        if self._id is not None and self._id.startswith(LOCAL_ID_PREFIX):
+            return self._sender.run_map.get(self._id, self._id)
+        return self._id
+
+    def start(self, params: dict[str, str], *, run_id: Optional[str] = None,
+              tags: Optional[dict[str, str]] = None) -> str:
+        """Create the run (or reopen ``run_id``), log params in batches of 100 and tags."""
+        self._sync_leftovers()
+        tags = _clip("tag", tags or {}, MAX_TAG_VAL_LENGTH)
+        records: list[dict] = []
+        if run_id is None:
+            self._id = LOCAL_ID_PREFIX + uuid.uuid4().hex
+            records.append({"t": "run", "id": self._id, "experiment": self.cfg.experiment,
+                            "artifact_location": self._artifact_location, "run_name": self.cfg.run_name,
+                            "tags": tags, "start_time": _now_ms()})
+        else:
+            self._id = run_id
+            records.append({"t": "reopen", "run": run_id})
+            records += [{"t": "tags", "run": run_id, "tags": c} for c in _chunks(tags, MAX_PARAMS_TAGS_PER_BATCH)]
+        params = _clip("param", params, MAX_PARAM_VAL_LENGTH)
+        records += [{"t": "params", "run": self._id, "params": c} for c in _chunks(params, MAX_PARAMS_TAGS_PER_BATCH)]
+        self._emit(records, force=True)
+        return self.run_id  # type: ignore[return-value]
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self._id is None:
+            raise RuntimeError("Tracker.log_metrics before Tracker.start")
+        ts, run = _now_ms(), self.run_id
+        records = []
+        for key, value in metrics.items():
+            try:
+                value = float(value)
+            except Exception:  # a string, a tensor of several elements, ...
+                if not self._warned_values:
+                    logger.warning("metric %s=%r is not a number; such metrics are not logged", key, value)
+                    self._warned_values = True
+                continue
+            records.append({"t": "metric", "run": run, "key": key, "value": value, "step": int(step), "ts": ts})
+        self._emit(records)
+
+    def log_artifact(self, path: str | Path, artifact_path: Optional[str] = None) -> None:
+        if self._id is None:
+            raise RuntimeError("Tracker.log_artifact before Tracker.start")
+        path = Path(path)
+        if not path.exists():
+            logger.warning("artifact %s does not exist; not logged", path)
+            return
+        self._emit([{"t": "artifact", "run": self.run_id, "path": str(path.resolve()), "artifact_path": artifact_path}])
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        if self._id is None:
+            raise RuntimeError("Tracker.set_tags before Tracker.start")
+        tags = _clip("tag", tags, MAX_TAG_VAL_LENGTH)
+        self._emit([{"t": "tags", "run": self.run_id, "tags": c} for c in _chunks(tags, MAX_PARAMS_TAGS_PER_BATCH)])
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """Send what is buffered (one try, whatever the back-off), end the run, release the buffer.
+
+        A second call does nothing."""
+        if self._id is None or self._finished:
+            return
+        self._finished = True
+        self._emit([{"t": "end", "run": self.run_id, "status": status, "end_time": _now_ms()}], force=True)
+        if self._segment is not None:
+            logger.warning("MLflow at %s is unreachable: %d metrics of run %s stay buffered in %s; send them with "
+                           "`dcmdp sync` (dcmdp.tracking.sync_buffer)", self.tracking_uri, self.buffered,
+                           self.run_id, self._segment.path)
+            self._segment.close()
+            self._segment = None
+
+    def __enter__(self) -> "Tracker":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.finish("FAILED" if exc_type is not None else "FINISHED")
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _emit(self, records: list[dict], force: bool = False) -> None:
+        """Send directly when nothing is buffered; otherwise append, then try to drain in order."""
+        if not records:
+            return
+        if self._segment is None:
+            if not (force or time.monotonic() >= self._retry_at):
+                self._buffer(records)
+                return
+            done = 0
+            try:
+                for done, _ in self._sender.send(enumerate(records, start=1)):
+                    pass
+                self._recovered(0)
+                return
+            except Exception as exc:
+                self._failed(exc)
+                self._buffer(records[done:])
+                return
+        self._buffer(records)
+        if force or time.monotonic() >= self._retry_at:
+            self._try_drain()
+
+    def _buffer(self, records: list[dict]) -> None:
+        try:
+            if self._segment is None:
+                self._segment = _Segment.create(self.buffer_dir, self.tracking_uri)
+                if self._sender.run_map:  # buffered records may name the placeholder id
+                    _write_run_map(self.buffer_dir, self._sender.run_map)
+            for rec in records:
+                self._segment.append(rec)
+                self.buffered += rec["t"] == "metric"
+        except OSError as exc:
+            # The disk itself fails: nothing more can be done without stopping the run.
+            logger.error("cannot write the tracking buffer in %s: %s; %d records lost", self.buffer_dir, exc,
+                         len(records))
+
+    def _try_drain(self) -> None:
+        seg = self._segment
+        assert seg is not None
+        sent = 0
+        try:
+            for end, n in self._sender.send(seg.pending()):
+                seg.mark_sent(end)
+                sent += n
+                self.buffered -= n
+        except Exception as exc:
+            self._failed(exc)
+            return
+        # Metrics the store rejected were dropped: recount from what is left (nothing, if drained).
+        if seg.drained():
+            self.buffered = 0
+            seg.remove()
+            self._segment = None
+        self._recovered(sent)
+
+    def _failed(self, exc: BaseException) -> None:
+        if not self._outage:
+            logger.warning("MLflow tracking at %s failed (%s: %s); training goes on and metrics are buffered in %s "
+                           "until the store answers (sent on a later call, at finish, or by `dcmdp sync`)",
+                           self.tracking_uri, type(exc).__name__, str(exc)[:300], self.buffer_dir)
+            self._outage = True
+        self._retry_at = time.monotonic() + self._interval
+        self._interval = min(2 * self._interval, self._max_interval)
+
+    def _recovered(self, sent: int) -> None:
+        if self._outage:
+            logger.warning("MLflow tracking at %s answers again; %d buffered metrics sent", self.tracking_uri, sent)
+        self._outage = False
+        self._interval = self._retry_interval
+        self._retry_at = 0.0
+
+    def _sync_leftovers(self) -> None:
+        """Segments left by earlier processes go first, so resumed runs keep their order."""
+        if not _segments(self.buffer_dir):
+            return
+        try:
+            n = sync_buffer(self.buffer_dir)
+            if n:
+                logger.info("sent %d metrics left in %s by an earlier process", n, self.buffer_dir)
+        except Exception as exc:
+            logger.warning("could not sync leftover tracking buffer %s: %s", self.buffer_dir, exc)
