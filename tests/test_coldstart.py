@@ -1,0 +1,116 @@
+"""Supervised cold start: the loss falls, accuracy rises above a random model's, the result is cached."""
+
+import dataclasses
+import math
+import os
+import random
+
+import torch
+
+from trainers.coldstart import cache_key, cold_start, encode_batch, sampled_accuracy
+from trainers.config import ColdStartConfig, ModelConfig
+from trainers.models import build_model
+from trainers.tokenizer import build_char_tokenizer
+
+torch.set_num_threads(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    prompt: str
+    answer: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SumConfig:
+    digits: int = 1
+
+
+class SingleDigitSum:
+    """Stand-in task with the trainers.tasks interface: "3+4=" -> "7" (learnable in seconds)."""
+
+    name = "single_digit_sum"
+
+    def __init__(self, cfg: SumConfig = SumConfig()):
+        self.cfg = cfg
+
+    def _example(self, rng: random.Random) -> Example:
+        a, b = rng.randrange(10), rng.randrange(10)
+        return Example(f"{a}+{b}=", str(a + b))
+
+    def sample(self, rng: random.Random, n: int) -> list[Example]:
+        return [self._example(rng) for _ in range(n)]
+
+    def demonstration(self, ex: Example) -> str:
+        return ex.answer
+
+    def eval_set(self) -> list[Example]:
+        return self.sample(random.Random(1234), 64)
+
+    def reward(self, completion: str, ex: Example) -> float:
+        return float(completion.strip() == ex.answer)
+
+
+def test_encode_batch_layout():
+    tok = build_char_tokenizer()
+    ids, mask, P = encode_batch(tok, [Example("1+2=", "3"), Example("10+20=", "30")], ["3", "30"], eos_id=1, pad_id=0)
+    assert P == 6
+    assert ids[0].tolist() == [0, 0] + tok.encode("1+2=") + tok.encode("3") + [1, 0]
+    assert ids[1].tolist() == tok.encode("10+20=") + tok.encode("30") + [1]
+    assert mask[0].tolist() == [False, False] + [True] * 6 + [False]
+
+
+def test_cold_start_learns_and_is_cached(tmp_path):
+    tok, task = build_char_tokenizer(), SingleDigitSum()
+    model_cfg = ModelConfig(preset="tiny-dense")
+    cfg = ColdStartConfig(steps=100, batch_size=32, lr=6e-3, cache_dir=str(tmp_path / "cache"))
+    random_model = build_model(model_cfg, len(tok), seed=0)
+    random_acc = sampled_accuracy(random_model, tok, task, task.eval_set(), eos_id=tok.eos_token_id)
+
+    model, info = cold_start(random_model, tok, task, cfg, model_cfg, seed=0, eos_id=tok.eos_token_id, progress=False)
+    assert info["coldstart/cached"] == 0.0
+    # Uniform over 101 tokens costs log(101) = 4.6 nats; the trained model is far below.
+    assert info["coldstart/loss_first"] > 4.0 and info["coldstart/loss"] < 0.5 * info["coldstart/loss_first"]
+    assert random_acc <= 0.05 and info["coldstart/accuracy"] >= random_acc + 0.3
+    assert os.path.isfile(os.path.join(info["model_dir"], "config.json"))
+    assert os.path.isfile(os.path.join(info["model_dir"], "tokenizer.json"))
+    assert os.path.dirname(info["model_dir"]) == os.path.abspath(cfg.cache_dir)
+
+    fresh = build_model(model_cfg, len(tok), seed=0)
+    again, info2 = cold_start(fresh, tok, task, cfg, model_cfg, seed=0, eos_id=tok.eos_token_id, progress=False)
+    assert info2["coldstart/cached"] == 1.0 and math.isnan(info2["coldstart/loss"])
+    assert info2["model_dir"] == info["model_dir"] and info2["coldstart/accuracy"] == info["coldstart/accuracy"]
+    for (name, p), q in zip(model.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(p, q), name
+    assert len(os.listdir(cfg.cache_dir)) == 1
+
+
+def test_cache_key_covers_what_determines_the_weights():
+    tok, task = build_char_tokenizer(), SingleDigitSum()
+    model_cfg = ModelConfig(preset="tiny-dense")
+    model = build_model(model_cfg, len(tok), seed=0)
+    cfg = ColdStartConfig(steps=10)
+    base = cache_key(model, tok, task, cfg, model_cfg, seed=0)
+    assert base == cache_key(model, tok, task, dataclasses.replace(cfg, cache_dir="elsewhere"), model_cfg, seed=0)
+    moe_cfg = ModelConfig(preset="tiny-moe")
+    variants = [
+        cache_key(model, tok, task, cfg, model_cfg, seed=1),
+        cache_key(model, tok, task, dataclasses.replace(cfg, lr=1e-3), model_cfg, seed=0),
+        cache_key(model, tok, task, dataclasses.replace(cfg, steps=11), model_cfg, seed=0),
+        cache_key(model, tok, SingleDigitSum(SumConfig(digits=2)), cfg, model_cfg, seed=0),
+        cache_key(build_model(moe_cfg, len(tok), seed=0), tok, task, cfg, moe_cfg, seed=0),
+        cache_key(model, tok, task, cfg, dataclasses.replace(model_cfg, dtype="bfloat16"), seed=0),
+    ]
+    assert len(set(variants + [base])) == len(variants) + 1
+
+
+def test_zero_steps_saves_the_untouched_model(tmp_path):
+    tok, task = build_char_tokenizer(), SingleDigitSum()
+    model_cfg = ModelConfig(preset="tiny-moe")
+    model = build_model(model_cfg, len(tok), seed=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = ColdStartConfig(steps=0, cache_dir=str(tmp_path))
+    out, info = cold_start(model, tok, task, cfg, model_cfg, seed=2, eos_id=tok.eos_token_id, progress=False)
+    assert math.isnan(info["coldstart/loss"]) and info["coldstart/cached"] == 0.0
+    assert all(torch.equal(before[k], v) for k, v in out.state_dict().items())
+    assert os.path.isfile(os.path.join(info["model_dir"], "model.safetensors"))

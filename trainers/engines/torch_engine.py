@@ -1,0 +1,171 @@
+"""The embedded rollout engine: batched sampling with a KV cache on the engine's own copy of the model.
+
+It departs from the trainer only where the user asks it to: the copy runs in ``rollout.precision``
+(fp32 | bf16 | fp16 | int8 weight-only, see ``trainers.quant``), and its LM head runs in that
+precision (logits are upcast to float32 before the softmax, as serving engines do). In fp32 every
+log-prob it reports equals ``trainers.scoring.response_logprobs`` of the trainer's model to float
+rounding, because both compute ``log softmax(logits / temperature)`` of the same network at the same
+positions (``scoring.position_ids`` over the full left-padded sequence).
+
+Decoding: one prefill over the left-padded prompts, then one token per step for the whole batch
+(finished rows keep being fed padding, masked out, so that no per-row bookkeeping is needed). Each
+row stops at EOS (kept in the response and its mask); the loop stops when every row has stopped or
+after ``max_new_tokens``. The returned T is the longest response of the batch, not necessarily
+``max_new_tokens``.
+
+Top-p: ``rollout_logp`` is the log-probability under the renormalised nucleus distribution that was
+actually sampled from, while the trainer scores the full tempered distribution. With ``top_p < 1``
+the importance ratios pi_old / mu are then biased (tokens in the nucleus look under-weighted): keep
+``top_p = 1`` for an unbiased training-inference correction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+from trainers import routing
+from trainers.batch import Rollout
+from trainers.config import RolloutConfig
+from trainers.quant import PRECISION_DTYPES, cast_for_precision, quantize_int8_
+from trainers.scoring import lm_head_logits, position_ids, tempered_logp
+
+
+def nucleus_logp(logp_BV: Tensor, top_p: float) -> Tensor:
+    """(B, V) log-probs renormalised over the smallest set of top tokens with mass >= ``top_p``.
+
+    Holtzman et al. 2020 (arXiv 1904.09751). A token is kept when the mass of the tokens strictly more
+    likely than it is below ``top_p`` (so the most likely token is always kept); the rest get -inf.
+    """
+    if top_p >= 1.0:
+        return logp_BV
+    sorted_logp, order = logp_BV.sort(dim=-1, descending=True)
+    mass_before = sorted_logp.exp().cumsum(dim=-1) - sorted_logp.exp()
+    keep_sorted = mass_before < top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    kept = logp_BV.masked_fill(~keep, float("-inf"))
+    return kept - torch.logsumexp(kept, dim=-1, keepdim=True)
+
+
+class TorchEngine:
+    name = "torch"
+
+    def __init__(self, cfg: RolloutConfig, model: torch.nn.Module, *, eos_id: int, pad_id: int):
+        cfg.check()
+        self.cfg = cfg
+        self.eos_id = int(eos_id)
+        self.pad_id = int(pad_id)
+        # The engine's own frozen copy: the trainer's parameters are never touched or aliased.
+        self.model = cast_for_precision(model, cfg.precision)
+        self.dtype = PRECISION_DTYPES[cfg.precision]
+        self.is_moe = routing.is_moe(self.model)
+        # Decoding runs where the model lives; the returned Rollout is always on the CPU.
+        self.device = next(self.model.parameters()).device
+        self.version = 0
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], seed: int) -> Rollout:
+        """Sample one response per prompt; identical ``seed`` and weights give identical rollouts."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs at least one prompt and no empty prompt")
+        B, P, T = len(prompts), max(len(p) for p in prompts), self.cfg.max_new_tokens
+        dev = self.device
+        prompt_ids_BP = torch.full((B, P), self.pad_id, dtype=torch.long)
+        prompt_mask_BP = torch.zeros((B, P), dtype=torch.bool)
+        for b, p in enumerate(prompts):
+            prompt_ids_BP[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
+            prompt_mask_BP[b, P - len(p):] = True
+        prompt_ids_BP, prompt_mask_BP = prompt_ids_BP.to(dev), prompt_mask_BP.to(dev)
+        gen = torch.Generator(device=dev).manual_seed(int(seed))
+
+        response_ids_BT = torch.full((B, T), self.pad_id, dtype=torch.long, device=dev)
+        response_mask_BT = torch.zeros((B, T), dtype=torch.bool, device=dev)
+        rollout_logp_BT = torch.zeros((B, T), dtype=torch.float32, device=dev)
+        # Mask over every position fed so far; grows by one column per decode step.
+        mask_BS = prompt_mask_BP.clone()
+        cache = DynamicCache(config=self.model.config)
+        alive_B = torch.ones(B, dtype=torch.bool, device=dev)
+        next_pos_B = prompt_mask_BP.sum(dim=-1)  # position of the first response token
+        base = self.model.model
+
+        with routing.capture_routes(self.model) if self.is_moe else contextlib.nullcontext() as capture:
+            out = base(input_ids=prompt_ids_BP, attention_mask=mask_BS, position_ids=position_ids(mask_BS),
+                       past_key_values=cache, use_cache=True)
+            hidden_BH = out.last_hidden_state[:, -1]
+            steps = 0
+            for t in range(T):
+                token_B, logp_B = self._sample(hidden_BH, gen)
+                response_ids_BT[:, t] = torch.where(alive_B, token_B, self.pad_id)
+                response_mask_BT[:, t] = alive_B
+                rollout_logp_BT[:, t] = torch.where(alive_B, logp_B, 0.0)
+                alive_B = alive_B & (token_B != self.eos_id)
+                steps = t + 1
+                if t == T - 1 or not bool(alive_B.any()):
+                    break
+                # Feed token t back at its position in the full sequence (scoring.position_ids); in rows
+                # already finished it is padding, masked out of every later query.
+                mask_BS = torch.cat([mask_BS, response_mask_BT[:, t:t + 1]], dim=1)
+                out = base(input_ids=response_ids_BT[:, t:t + 1], attention_mask=mask_BS,
+                           position_ids=(next_pos_B + t)[:, None],
+                           past_key_values=cache, use_cache=True)
+                hidden_BH = out.last_hidden_state[:, -1]
+
+        response_ids_BT = response_ids_BT[:, :steps].contiguous()
+        response_mask_BT = response_mask_BT[:, :steps].contiguous()
+        rollout_logp_BT = rollout_logp_BT[:, :steps].contiguous()
+        experts_BSLK = None
+        if self.is_moe:
+            experts_BSLK = self._assemble_routes(capture, prompt_mask_BP, response_mask_BT)
+        return Rollout(prompt_ids_BP=prompt_ids_BP.cpu(), prompt_mask_BP=prompt_mask_BP.cpu(),
+                       response_ids_BT=response_ids_BT.cpu(), response_mask_BT=response_mask_BT.cpu(),
+                       rollout_logp_BT=rollout_logp_BT.cpu(),
+                       rollout_experts_BSLK=None if experts_BSLK is None else experts_BSLK.cpu(),
+                       version_B=torch.full((B,), self.version, dtype=torch.long))
+
+    def _sample(self, hidden_BH: Tensor, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+        """Sample one token per row from the tempered (top-p) distribution; returns (token_B, logp_B)."""
+        logits_BV = lm_head_logits(self.model, hidden_BH, fp32_lm_head=False).float()
+        logp_BV = nucleus_logp(tempered_logp(logits_BV, self.cfg.temperature), self.cfg.top_p)
+        token_B = torch.multinomial(logp_BV.exp(), 1, generator=gen).squeeze(-1)
+        return token_B, logp_BV.gather(-1, token_B[:, None]).squeeze(-1)
+
+    def _assemble_routes(self, capture: routing.RouteCapture, prompt_mask_BP: Tensor,
+                         response_mask_BT: Tensor) -> Tensor:
+        """(B, S, L, K) experts per fed position: router call 0 is the prefill over the P prompt
+        positions, call t >= 1 fed response token t-1 at position P + t - 1. -1 where nothing real was
+        routed (padding) and at the last response column, which is never fed back."""
+        B, P = prompt_mask_BP.shape
+        T = response_mask_BT.shape[1]
+        L, K = capture.num_layers, capture.top_k
+        experts_BSLK = torch.full((B, P + T, L, K), -1, dtype=torch.long, device=prompt_mask_BP.device)
+        for layer in range(L):
+            calls = capture.calls(layer)
+            experts_BSLK[:, :P, layer] = calls[0].reshape(B, P, K)
+            if len(calls) > 1:
+                experts_BSLK[:, P:P + len(calls) - 1, layer] = torch.stack(calls[1:], dim=1).reshape(B, -1, K)
+        fed_BS = torch.cat([prompt_mask_BP, response_mask_BT[:, :-1], torch.zeros_like(response_mask_BT[:, :1])], dim=1)
+        return experts_BSLK.masked_fill(~fed_BS[:, :, None, None], -1)
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, Tensor], version: int) -> None:
+        """Copy the trainer's weights into the engine's tensors in place (cast; re-quantised for int8)."""
+        own = self.model.state_dict()
+        missing = sorted(set(own) - set(state_dict))
+        if missing:
+            raise KeyError(f"load_weights: state dict lacks {len(missing)} engine tensors, e.g. {missing[:3]}")
+        for name, tensor in own.items():
+            src = state_dict[name]
+            if src.shape != tensor.shape:
+                raise ValueError(f"load_weights: {name} has shape {tuple(src.shape)}, engine expects "
+                                 f"{tuple(tensor.shape)}")
+            tensor.copy_(src.detach().to(device=tensor.device, dtype=tensor.dtype))
+        if self.cfg.precision == "int8":
+            quantize_int8_(self.model)
+        self.version = int(version)
+
+    def close(self) -> None:
+        self.model = None
+

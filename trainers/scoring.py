@@ -1,0 +1,66 @@
+"""Log-probabilities of response tokens under a causal LM: the training engine's scorer.
+
+The rollout engine (``trainers.engines.torch_engine``) computes the same quantity token by token with
+a KV cache; with identical precision the two agree to float rounding (~1e-6), so any larger gap is
+the discrepancy the precision switches introduce.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def position_ids(attention_mask_BS: Tensor) -> Tensor:
+    """(B, S) RoPE positions ``cumsum(mask) - 1`` clamped at 0.
+
+    With left padding the first real token gets position 0 whatever the padding length, so a prompt
+    is encoded identically in every batch; padding positions get 0 (their values are masked anyway).
+    """
+    return (attention_mask_BS.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def lm_head_logits(model: torch.nn.Module, hidden_BTH: Tensor, *, fp32_lm_head: bool) -> Tensor:
+    """(B, T, V) logits of the model's LM head; in float32 if ``fp32_lm_head`` (MiniMax-M1 §3.2)."""
+    head = model.get_output_embeddings()
+    if fp32_lm_head:
+        bias = None if head.bias is None else head.bias.float()
+        return F.linear(hidden_BTH.float(), head.weight.float(), bias)
+    return head(hidden_BTH)
+
+
+def tempered_logp(logits_BTV: Tensor, temperature: float) -> Tensor:
+    """(B, T, V) ``log softmax(logits / temperature)`` in the logits' dtype."""
+    return torch.log_softmax(logits_BTV / temperature, dim=-1)
+
+
+def response_logprobs(model: torch.nn.Module, input_ids_BS: Tensor, attention_mask_BS: Tensor,
+                      num_prompt_positions: int, *, temperature: float, fp32_lm_head: bool = True,
+                      with_entropy: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+    """Per-token log pi(y_t) and entropy of the response under ``softmax(logits / temperature)``.
+
+    ``input_ids_BS`` is ``cat(prompt_ids_BP, response_ids_BT)`` (S = P + T), ``num_prompt_positions``
+    is P. One full forward over all S positions (so that routing capture/replay contexts see exactly
+    the positions the rollout engine routed); only the hidden states at positions P-1 ... S-2, the ones
+    that predict response tokens, go through the LM head.
+
+    Returns ``(logp_BT, entropy_BT)`` with ``entropy_BT = -sum_v p_v log p_v`` (None unless
+    ``with_entropy``). Values at padded response positions are finite but meaningless: mask them.
+    """
+    S = input_ids_BS.shape[1]
+    P = num_prompt_positions
+    if not 1 <= P < S:
+        raise ValueError(f"need 1 <= num_prompt_positions < sequence length, got P={P}, S={S}")
+    out = model.model(input_ids=input_ids_BS, attention_mask=attention_mask_BS,
+                      position_ids=position_ids(attention_mask_BS), use_cache=False)
+    hidden_BTH = out.last_hidden_state[:, P - 1:S - 1]
+    logp_BTV = tempered_logp(lm_head_logits(model, hidden_BTH, fp32_lm_head=fp32_lm_head), temperature)
+    response_BT = input_ids_BS[:, P:]
+    logp_BT = logp_BTV.gather(-1, response_BT.unsqueeze(-1)).squeeze(-1)
+    entropy_BT = None
+    if with_entropy:
+        entropy_BT = -(logp_BTV.exp() * logp_BTV).sum(dim=-1)
+    return logp_BT, entropy_BT
