@@ -239,3 +239,24 @@ def test_speed_128_prompts(preset):
     print(f"{preset}: {tokens} tokens in {seconds:.3f} s = {tokens / seconds:.0f} tokens/s")
     # ~0.05 s on an idle core; a per-row Python loop in the decode step would cost seconds.
     assert seconds < 3.0
+
+
+def test_int8_engine_routes_replay_in_the_trainer():
+    """R3 alignment: every route the engine reports is replayed at the position the trainer sees."""
+    model = _model("tiny-moe")
+    engine = TorchEngine(RolloutConfig(max_new_tokens=6, precision="int8"), model, eos_id=EOS, pad_id=PAD)
+    r = engine.generate(_prompts(32), seed=4)
+    e = r.rollout_experts_BSLK
+    with torch.no_grad():
+        with routing.capture_routes(model) as cap:
+            plain = _scorer_logp(model, r, 1.0)
+        with routing.replay_routes(model, e) as stats:
+            replayed = _scorer_logp(model, r, 1.0)
+    own = cap.experts(*r.input_ids_BS.shape)
+    valid = (e >= 0).all(-1)
+    assert stats.replayed_pairs == routing.expected_replay_pairs(e) == int(valid.sum())
+    # The quantised engine routes some (token, layer) pairs differently from the fp32 trainer, and
+    # replaying its routes moves the trainer's log-probs.
+    differs = (own.sort(-1).values != e.sort(-1).values).any(-1) & valid
+    assert differs.any()
+    assert (replayed - plain)[r.response_mask_BT].abs().max() > 1e-4
