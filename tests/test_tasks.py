@@ -1,0 +1,165 @@
+"""Verifiable tasks: determinism, held-out disjointness, rewards, demonstrations, math JSONL and math-verify."""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from pathlib import Path
+
+import pytest
+
+from trainers.config import TaskConfig
+from trainers.tasks import TASKS, Example, load_math_jsonl, parse_math_record
+
+DATA = Path(__file__).parent / "data" / "math_sample.jsonl"
+PRINTABLE = set(string.printable) - set("\t\r\x0b\x0c")
+
+
+@pytest.mark.parametrize("name", ["addition", "sorting"])
+def test_generated_tasks_are_deterministic_and_disjoint(name):
+    cfg = TaskConfig(name=name, eval_size=200)
+    task = TASKS[name](cfg, 0)
+    a = task.sample(random.Random(7), 500)
+    b = TASKS[name](cfg, 0).sample(random.Random(7), 500)
+    assert a == b
+    assert a != task.sample(random.Random(8), 500)
+    # the held-out set depends on the task config only: same questions whatever the run seed
+    ev = task.eval_set()
+    assert ev == TASKS[name](cfg, 123).eval_set()
+    assert len(ev) == 200 and len({e.prompt for e in ev}) == 200
+    train_prompts = {e.prompt for e in task.sample(random.Random(1), 5000)}
+    assert not train_prompts & {e.prompt for e in ev}
+
+
+def test_eval_set_disjoint_even_when_it_covers_half_the_space():
+    # digits=1, items=2: 100 prompts, eval takes 50; 2000 training draws cover the other 50 and nothing else
+    task = TASKS["addition"](TaskConfig(digits=1, items=2, eval_size=50), 0)
+    held = {e.prompt for e in task.eval_set()}
+    seen = {e.prompt for e in task.sample(random.Random(0), 2000)}
+    assert len(held) == 50 and len(seen) == 50 and not held & seen
+    with pytest.raises(ValueError, match="task.eval_size=51"):
+        TASKS["addition"](TaskConfig(digits=1, items=2, eval_size=51), 0)
+
+
+def test_addition_format_and_rewards():
+    task = TASKS["addition"](TaskConfig(digits=2, items=2, eval_size=16), 0)
+    ex = Example("47+38=", "85")
+    assert task.reward("85", ex) == 1.0
+    assert task.reward(" 85\n", ex) == 1.0  # surrounding whitespace is stripped
+    assert task.reward("84", ex) == 0.0
+    assert task.reward("85 ", ex) == 1.0 and task.reward("8 5", ex) == 0.0
+    assert task.reward("085", ex) == 0.0 and task.reward("85.0", ex) == 0.0
+    assert task.reward("", ex) == 0.0 and task.reward("x#~", ex) == 0.0
+    for e in task.sample(random.Random(3), 300) + task.eval_set():
+        left, right = e.prompt[:-1].split("+")
+        assert e.prompt.endswith("=") and int(left) + int(right) == int(e.answer)
+        assert 0 <= int(left) < 100 and 0 <= int(right) < 100
+        assert len(e.answer) <= 3 and set(e.prompt + e.answer) <= PRINTABLE
+        assert task.reward(task.demonstration(e), e) == 1.0
+
+
+def test_addition_three_operands():
+    task = TASKS["addition"](TaskConfig(digits=1, items=3, eval_size=10), 0)
+    for e in task.sample(random.Random(0), 50):
+        assert e.prompt.count("+") == 2 and sum(map(int, e.prompt[:-1].split("+"))) == int(e.answer)
+
+
+def test_sorting_format_and_rewards():
+    task = TASKS["sorting"](TaskConfig(name="sorting", digits=1, items=4, eval_size=32), 0)
+    ex = Example("S:3,1,2,1=", "1,1,2,3")
+    assert task.reward("1,1,2,3", ex) == 1.0
+    assert task.reward("1,2,3", ex) == 0.0 and task.reward("3,2,1,1", ex) == 0.0
+    assert task.reward("1, 1, 2, 3", ex) == 0.0 and task.reward("1,1,2,3,", ex) == 0.0
+    for e in task.sample(random.Random(5), 300) + task.eval_set():
+        assert e.prompt.startswith("S:") and e.prompt.endswith("=")
+        xs = [int(x) for x in e.prompt[2:-1].split(",")]
+        assert len(xs) == 4 and e.answer == ",".join(map(str, sorted(xs)))
+        assert len(e.answer) <= 8 and set(e.prompt + e.answer) <= PRINTABLE
+        assert task.reward(task.demonstration(e), e) == 1.0
+
+
+def test_task_exposes_name_and_config():
+    cfg = TaskConfig(name="sorting", digits=1, items=3, eval_size=8)
+    task = TASKS["sorting"](cfg, 0)
+    assert task.name == "sorting" and task.cfg is cfg
+
+
+# ------------------------------------------------------------------------------------------------------ math
+
+
+def test_math_jsonl_parses_all_layouts():
+    exs = load_math_jsonl(DATA)
+    assert [e.answer for e in exs] == ["7", "180", "\\frac{1}{2}", "28", "3", "2", "1/2"]
+    assert exs[0].prompt.startswith("Tom has 3 boxes")  # GSM8K question
+    assert exs[2].prompt == "What is the value of $\\frac{3}{6}$ as a reduced fraction?"  # chat: user content
+    assert exs[3].prompt == "Compute $2^{5} - 4$."  # the system message is not part of the problem text
+    assert exs[4].prompt.startswith("Find the positive root")  # DAPO with a plain string prompt
+    assert exs[5].answer == "2"  # last \boxed{} of a MATH-style solution
+
+
+def test_boxed_answer_with_nested_braces():
+    ex = parse_math_record({"problem": "p", "solution": "first \\boxed{1} then \\boxed{\\frac{1}{\\sqrt{2}}}."})
+    assert ex.answer == "\\frac{1}{\\sqrt{2}}"
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "malformed"),
+    ('["a list"]', "JSON object"),
+    ('{"question": "q", "answer": "no marker"}', "####"),
+    ('{"prompt": "p", "reward_model": {"style": "rule"}}', "ground_truth"),
+    ('{"prompt": [{"role": "system", "content": "x"}], "reward_model": {"ground_truth": "1"}}', "user message"),
+    ('{"problem": "p", "solution": "no box"}', "boxed"),
+    ('{"text": "unknown"}', "unknown layout"),
+    ('{"question": "  ", "answer": "#### 3"}', "empty"),
+])
+def test_malformed_line_names_file_and_line(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    good = json.dumps({"question": "q", "answer": "#### 1"})
+    path.write_text(f"{good}\n\n{line}\n{good}\n")
+    with pytest.raises(ValueError) as err:
+        load_math_jsonl(path)
+    assert f"{path}:3:" in str(err.value) and message in str(err.value)
+    # skip mode drops the line and keeps the rest
+    assert len(load_math_jsonl(path, on_error="skip")) == 2
+
+
+def test_empty_or_missing_file_errors(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    with pytest.raises(ValueError, match="no examples"):
+        load_math_jsonl(empty)
+    with pytest.raises(FileNotFoundError):
+        load_math_jsonl(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="task.path"):
+        TASKS["math"](TaskConfig(name="math"), 0)
+
+
+def test_math_task_split_and_rewards():
+    pytest.importorskip("math_verify")
+    task = TASKS["math"](TaskConfig(name="math", path=str(DATA), eval_size=2), 0)
+    ev = task.eval_set()
+    assert [e.answer for e in ev] == ["2", "1/2"]  # the last eval_size lines
+    train = task.sample(random.Random(0), 200)
+    assert {e.answer for e in train} == {"7", "180", "\\frac{1}{2}", "28", "3"}
+    assert train == task.sample(random.Random(0), 200)
+    half = Example("What is $0.25 + 0.25$?", "1/2")
+    for good in ["0.5", "1/2", "\\frac{1}{2}", "The answer is \\boxed{\\frac12}.", " 0.50 "]:
+        assert task.reward(good, half) == 1.0, good
+    for bad in ["0.25", "2", "", "}}{\\boxed{", "!!??"]:
+        assert task.reward(bad, half) == 0.0, bad
+    frac = Example("q", "\\frac{1}{2}")
+    assert task.reward("0.5", frac) == 1.0 and task.reward("1/3", frac) == 0.0
+    for e in load_math_jsonl(DATA):
+        assert task.reward(task.demonstration(e), e) == 1.0, e
+
+
+def test_math_task_eval_path_removes_overlap(tmp_path):
+    pytest.importorskip("math_verify")
+    ev_path = tmp_path / "eval.jsonl"
+    ev_path.write_text(DATA.read_text().splitlines()[0] + "\n")
+    task = TASKS["math"](TaskConfig(name="math", path=str(DATA), eval_path=str(ev_path), eval_size=1), 0)
+    assert [e.answer for e in task.eval_set()] == ["7"]
+    assert "7" not in {e.answer for e in task.sample(random.Random(0), 300)}
+    with pytest.raises(ValueError, match="eval_size=7"):
+        TASKS["math"](TaskConfig(name="math", path=str(DATA), eval_size=7), 0)

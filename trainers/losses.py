@@ -1,0 +1,330 @@
+"""Policy losses and the training-inference IS correction (DESIGN.md §5, sources in §8).
+
+Per token, pi_theta / mu = (pi_old / mu) * (pi_theta / pi_old) (Zheng et al., arXiv 2512.01374): the first
+factor rho_t = pi_old / mu is the training-inference discrepancy, corrected by an IS weight w_t computed
+once per rollout batch (``IS_MODES``); the second, r_t = pi_theta / pi_old, is policy staleness, which the
+policy losses clip or mask (``POLICY_LOSSES``). Decoupling the two follows decoupled PPO (Hilton et al.
+2021; AReaL, arXiv 2505.24298).
+
+Shapes: B sequences, T response tokens. Log-probs by source: ``rollout_logp_BT`` (mu, rollout engine),
+``old_logp_BT`` (pi_old, training engine before the updates), ``logp_BT`` (pi_theta, differentiable).
+Masks are True (or nonzero) on valid response tokens.
+
+Signatures, one per registry::
+
+    IS_MODES[name](old_logp_BT, rollout_logp_BT, mask_BT, cfg) -> (weights_BT, kept_BT, metrics)
+    POLICY_LOSSES[name](logp_BT, old_logp_BT, advantages_BT, weights_BT, mask_BT, cfg, normalizer)
+        -> (loss, metrics)
+
+``weights_BT`` is detached, in the dtype of ``old_logp_BT``, and 0 outside ``kept_BT``; ``kept_BT`` (bool)
+is the input mask minus the tokens the mode drops. The learner passes ``kept_BT`` as the policy loss's
+``mask_BT``.
+
+Aggregation (every loss): loss = sum_t mask_t * l_t / normalizer, with ``normalizer`` the number of valid
+tokens of the GLOBAL mini-batch, given by the caller, so gradient accumulation and data parallelism
+reproduce the big-batch gradient. No per-sequence length normalisation (Zheng et al.). A normalizer below
+1 is taken as 1.
+
+Numerics. Garbage at invalid positions (-inf, NaN) is replaced by 0 with ``torch.where`` before any
+arithmetic, so it reaches neither the value nor the gradient. log r is clamped to [-LOG_RATIO_MAX,
+LOG_RATIO_MAX] before the exponential (as verl does), so r stays finite in float32; a token with r beyond
+e^20 ~ 4.9e8 gets no gradient from the ratio (such a token is already clipped whenever A > 0). A
+non-finite ``logp_BT`` on a VALID token is not hidden: it makes the loss non-finite, which the learner
+detects (it then skips the update).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from trainers.config import AlgoConfig
+
+LOG_RATIO_MAX = 20.0
+"""log r and sequence-level log ratios are clamped to +-LOG_RATIO_MAX before exp (see the module docstring)."""
+
+_METRIC_LOG_MAX = 700.0  # raw weights reported as metrics saturate at e^700 (float64 stays finite)
+
+ISMode = Callable[[Tensor, Tensor, Tensor, AlgoConfig], tuple[Tensor, Tensor, dict[str, float]]]
+PolicyLoss = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, AlgoConfig, float], tuple[Tensor, dict[str, float]]]
+
+
+# ------------------------------------------------------------------------------------------ IS correction
+
+
+def _log_rho(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
+    """(log_rho_BT float64 with 0 off ``valid``, mask_BT bool, valid_BT bool, non-finite token count).
+
+    valid = mask and log rho finite. Float64 because log rho of two well-matched engines is ~1e-7 and the
+    sequence modes sum it over hundreds of tokens.
+    """
+    mask_BT = mask_BT.bool()
+    log_rho_BT = old_logp_BT.detach().double() - rollout_logp_BT.detach().double()
+    finite_BT = torch.isfinite(log_rho_BT)
+    valid_BT = mask_BT & finite_BT
+    nonfinite = int((mask_BT & ~finite_BT).sum())
+    return torch.where(valid_BT, log_rho_BT, 0.0), mask_BT, valid_BT, nonfinite
+
+
+def _is_result(weights_BT: Tensor, kept_BT: Tensor, mask_BT: Tensor, raw_log_BT: Tensor, raw_valid_BT: Tensor,
+               truncated_BT: Tensor, nonfinite: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """Zero the weights off ``kept_BT``, cast, and compute the shared metrics.
+
+    raw_log_BT: log of the raw (pre-truncation) weight per token, meaningful on raw_valid_BT.
+    Fractions are over the valid tokens of the input mask; an empty batch reports 0 everywhere.
+    """
+    weights_BT = torch.where(kept_BT, weights_BT, 0.0)
+    n_mask = int(mask_BT.sum())
+    n_kept = int(kept_BT.sum())
+    if bool(raw_valid_BT.any()):
+        raw = raw_log_BT[raw_valid_BT]
+        raw_max = math.exp(min(float(raw.max()), _METRIC_LOG_MAX))
+        raw_min = math.exp(min(float(raw.min()), _METRIC_LOG_MAX))
+    else:
+        raw_max = raw_min = 0.0
+    metrics = {
+        "is/weight_mean": float(weights_BT[kept_BT].mean()) if n_kept else 0.0,
+        "is/weight_max": float(weights_BT[kept_BT].max()) if n_kept else 0.0,
+        "is/weight_max_raw": raw_max,
+        "is/weight_min_raw": raw_min,
+        "is/truncated_frac": float((truncated_BT & kept_BT).sum()) / n_mask if n_mask else 0.0,
+        "is/masked_frac": (n_mask - n_kept) / n_mask if n_mask else 0.0,
+        "is/nonfinite_tokens": float(nonfinite),
+    }
+    return weights_BT.to(dtype), kept_BT, metrics
+
+
+def is_none(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor, cfg: AlgoConfig):
+    """No correction: w_t = 1. Tokens with a non-finite log rho are still dropped (a broken sample).
+
+    Metrics report the raw rho statistics all the same, so a run without correction shows what it ignores.
+    """
+    log_rho_BT, mask_BT, valid_BT, nonfinite = _log_rho(old_logp_BT, rollout_logp_BT, mask_BT)
+    ones_BT = torch.ones_like(log_rho_BT)
+    return _is_result(ones_BT, valid_BT, mask_BT, log_rho_BT, valid_BT, torch.zeros_like(valid_BT), nonfinite,
+                      old_logp_BT.dtype)
+
+
+def is_tis(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor, cfg: AlgoConfig):
+    """Truncated IS (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+    Training"): w_t = min(rho_t, C), C = cfg.is_cap, evaluated as exp(min(log rho_t, log C)).
+
+    Only the upper side is truncated; tokens with a non-finite log rho are dropped.
+    """
+    log_rho_BT, mask_BT, valid_BT, nonfinite = _log_rho(old_logp_BT, rollout_logp_BT, mask_BT)
+    log_cap = math.log(cfg.is_cap)
+    weights_BT = torch.exp(log_rho_BT.clamp(max=log_cap))
+    truncated_BT = valid_BT & (log_rho_BT > log_cap)
+    return _is_result(weights_BT, valid_BT, mask_BT, log_rho_BT, valid_BT, truncated_BT, nonfinite,
+                      old_logp_BT.dtype)
+
+
+def is_icepop(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor, cfg: AlgoConfig):
+    """IcePop (Ring-1T, arXiv 2510.18855): keep token t only if rho_t in [alpha, beta] =
+    [cfg.is_low, cfg.is_high] (paper: [0.5, 5]), with w_t = rho_t there; tokens outside the band are masked
+    out (they leave ``kept_BT``, so they contribute neither loss nor gradient). Bounds are inclusive.
+    """
+    log_rho_BT, mask_BT, valid_BT, nonfinite = _log_rho(old_logp_BT, rollout_logp_BT, mask_BT)
+    lo = math.log(cfg.is_low) if cfg.is_low > 0 else -math.inf
+    hi = math.log(cfg.is_high)
+    kept_BT = valid_BT & (log_rho_BT >= lo) & (log_rho_BT <= hi)
+    weights_BT = torch.exp(log_rho_BT)
+    return _is_result(weights_BT, kept_BT, mask_BT, log_rho_BT, valid_BT, torch.zeros_like(kept_BT), nonfinite,
+                      old_logp_BT.dtype)
+
+
+def _seq_log_rho(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor):
+    """Per-sequence sums for the sequence modes: (mask_BT, seq_valid_BT, log_sum_B, count_B, nonfinite).
+
+    A sequence containing any valid-position token with a non-finite log rho is dropped entirely: its
+    sequence ratio is undefined. seq_valid_BT = mask of the sequences that remain, broadcast over tokens.
+    """
+    log_rho_BT, mask_BT, valid_BT, nonfinite = _log_rho(old_logp_BT, rollout_logp_BT, mask_BT)
+    broken_B = (mask_BT & ~valid_BT).any(dim=1)
+    seq_valid_BT = mask_BT & ~broken_B[:, None]
+    return mask_BT, seq_valid_BT, log_rho_BT.sum(dim=1), seq_valid_BT.sum(dim=1), nonfinite
+
+
+def is_seq_tis(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor, cfg: AlgoConfig):
+    """Sequence-level truncated IS (Liu, Li et al. 2025, "When Speed Kills Stability"):
+    w_i = min(prod_t rho_t, C) = exp(min(sum_t log rho_t, log C)), C = cfg.is_cap, broadcast to the
+    sequence's tokens. Only the upper side is truncated, so a long sequence with rho_t slightly below 1 gets
+    a small weight. Sequences with a non-finite token are dropped.
+    """
+    mask_BT, seq_valid_BT, log_sum_B, _, nonfinite = _seq_log_rho(old_logp_BT, rollout_logp_BT, mask_BT)
+    log_cap = math.log(cfg.is_cap)
+    weights_BT = torch.exp(log_sum_B.clamp(max=log_cap))[:, None].expand(seq_valid_BT.shape)
+    raw_log_BT = log_sum_B[:, None].expand(seq_valid_BT.shape)
+    truncated_BT = seq_valid_BT & (raw_log_BT > log_cap)
+    return _is_result(weights_BT, seq_valid_BT, mask_BT, raw_log_BT, seq_valid_BT, truncated_BT, nonfinite,
+                      old_logp_BT.dtype)
+
+
+def is_seq_mis(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor, cfg: AlgoConfig):
+    """Sequence-level masked IS with the geometric mean (Liu, Li et al. 2025, "When Speed Kills
+    Stability", geometric rejection): g_i = (prod_t rho_t)^(1/|T_i|) = exp(mean_t log rho_t); sequences
+    with g_i outside [cfg.is_low, cfg.is_high] are dropped whole, kept sequences get w = 1.
+
+    w = 1 (not rho) on kept sequences because the source uses the geometric mean for rejection only, not
+    as an IS weight (verl's "geometric" rollout rejection follows it); a truncated weight can be had from
+    ``seq_tis``. The source's band is tight, e.g. [0.999, 1.001]: the AlgoConfig defaults [0.5, 5] are
+    icepop's and must be overridden for this mode. ``is/weight_max_raw`` reports the largest g_i.
+    """
+    mask_BT, seq_valid_BT, log_sum_B, count_B, nonfinite = _seq_log_rho(old_logp_BT, rollout_logp_BT, mask_BT)
+    log_geo_B = log_sum_B / count_B.clamp(min=1)
+    lo = math.log(cfg.is_low) if cfg.is_low > 0 else -math.inf
+    hi = math.log(cfg.is_high)
+    inside_B = (log_geo_B >= lo) & (log_geo_B <= hi)
+    kept_BT = seq_valid_BT & inside_B[:, None]
+    weights_BT = torch.ones_like(log_sum_B)[:, None].expand(kept_BT.shape)
+    raw_log_BT = log_geo_B[:, None].expand(kept_BT.shape)
+    return _is_result(weights_BT, kept_BT, mask_BT, raw_log_BT, seq_valid_BT, torch.zeros_like(kept_BT),
+                      nonfinite, old_logp_BT.dtype)
+
+
+IS_MODES: dict[str, ISMode] = {
+    "none": is_none,
+    "tis": is_tis,
+    "icepop": is_icepop,
+    "seq_tis": is_seq_tis,
+    "seq_mis": is_seq_mis,
+}
+
+
+# ------------------------------------------------------------------------------------------ policy losses
+
+
+def _sanitize(logp_BT: Tensor, old_logp_BT: Tensor, advantages_BT: Tensor, weights_BT: Tensor, mask_BT: Tensor):
+    """Zero every input off the mask (before any arithmetic) and bring them to logp's dtype."""
+    mask_BT = mask_BT.bool()
+    dt = logp_BT.dtype
+    logp_BT = torch.where(mask_BT, logp_BT, 0.0)
+    old_logp_BT = torch.where(mask_BT, old_logp_BT.detach().to(dt), 0.0)
+    advantages_BT = torch.where(mask_BT, advantages_BT.detach().to(dt), 0.0)
+    weights_BT = torch.where(mask_BT, weights_BT.detach().to(dt), 0.0)
+    return logp_BT, old_logp_BT, advantages_BT, weights_BT, mask_BT
+
+
+def _clip_masks(ratio_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+    """Tokens where the clip is active in the gradient sense: (A > 0, r > 1 + eps_high), (A < 0, r < 1 - eps_low)."""
+    high_BT = mask_BT & (advantages_BT > 0) & (ratio_BT > 1.0 + cfg.clip_high)
+    low_BT = mask_BT & (advantages_BT < 0) & (ratio_BT < 1.0 - cfg.clip_low)
+    return low_BT, high_BT
+
+
+@torch.no_grad()
+def _loss_metrics(loss: Tensor, log_r_BT: Tensor, ratio_BT: Tensor, low_BT: Tensor, high_BT: Tensor,
+                  mask_BT: Tensor) -> dict[str, float]:
+    """Shared metrics; means over the valid tokens of this (micro-)batch, 0 when it has none.
+
+    policy/approx_kl is k3 of r on the valid tokens: E[r - 1 - log r], an estimator of KL(pi_old || pi_theta)
+    on pi_old-samples (Schulman's k3). policy/ratio_mean is the mean of the ratio the clip acts on.
+    """
+    n = int(mask_BT.sum())
+    if n == 0:
+        return {"loss/policy": float(loss), "clip/frac": 0.0, "clip/frac_low": 0.0, "clip/frac_high": 0.0,
+                "policy/approx_kl": 0.0, "policy/ratio_mean": 0.0}
+    log_r = log_r_BT[mask_BT].double()
+    k3 = torch.expm1(log_r) - log_r
+    return {
+        "loss/policy": float(loss),
+        "clip/frac": float((low_BT | high_BT).sum()) / n,
+        "clip/frac_low": float(low_BT.sum()) / n,
+        "clip/frac_high": float(high_BT.sum()) / n,
+        "policy/approx_kl": float(k3.mean()),
+        "policy/ratio_mean": float(ratio_BT[mask_BT].double().mean()),
+    }
+
+
+def ppo_clip_loss(logp_BT: Tensor, old_logp_BT: Tensor, advantages_BT: Tensor, weights_BT: Tensor, mask_BT: Tensor,
+                  cfg: AlgoConfig, normalizer: float) -> tuple[Tensor, dict[str, float]]:
+    """Decoupled PPO (AReaL, arXiv 2505.24298; Hilton et al. 2021):
+
+        l_t = -w_t * min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t),  r_t = exp(logp_t - old_logp_t)
+
+    w_t is the IS weight of rho_t = pi_old / mu (``IS_MODES``), eps_low = cfg.clip_low, eps_high =
+    cfg.clip_high. loss = sum_t mask_t l_t / normalizer. Gradient: -w_t A_t r_t grad log pi_t where the clip
+    is inactive, 0 where active (``clip/frac``).
+    """
+    logp_BT, old_logp_BT, adv_BT, w_BT, mask_BT = _sanitize(logp_BT, old_logp_BT, advantages_BT, weights_BT, mask_BT)
+    log_r_BT = (logp_BT - old_logp_BT).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
+    ratio_BT = torch.exp(log_r_BT)
+    clipped_BT = ratio_BT.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    surrogate_BT = torch.minimum(ratio_BT * adv_BT, clipped_BT * adv_BT)
+    per_token_BT = -w_BT * surrogate_BT
+    loss = torch.where(mask_BT, per_token_BT, 0.0).sum() / max(float(normalizer), 1.0)
+    low_BT, high_BT = _clip_masks(ratio_BT.detach(), adv_BT, mask_BT, cfg)
+    return loss, _loss_metrics(loss.detach(), log_r_BT.detach(), ratio_BT.detach(), low_BT, high_BT, mask_BT)
+
+
+def minirl_loss(logp_BT: Tensor, old_logp_BT: Tensor, advantages_BT: Tensor, weights_BT: Tensor, mask_BT: Tensor,
+                cfg: AlgoConfig, normalizer: float) -> tuple[Tensor, dict[str, float]]:
+    """MiniRL (Zheng et al., arXiv 2512.01374, Eq. 7): masked, IS-weighted REINFORCE,
+
+        J = sum_t M_t * sg(pi_theta(y_t) / mu(y_t)) * A_t * log pi_theta(y_t),   loss = -J / normalizer,
+
+    with pi_theta / mu = r_t * rho_t: r_t = pi_theta / pi_old is computed here, the training-inference factor
+    rho_t enters as ``weights_BT`` (already truncated by the IS mode; the paper truncates at 5, TIS). The
+    mask M_t = 0 iff (A_t > 0 and r_t > 1 + eps_high) or (A_t < 0 and r_t < 1 - eps_low) (paper: eps_high
+    0.27, eps_low 0.2). The gradient is -M_t r_t w_t A_t grad log pi_t, the REINFORCE form -w_t A_t grad log
+    pi_t at r = 1. The loss VALUE is -sum M sg(r w) A log pi / N, not a PPO surrogate: compare its gradient,
+    not its value, with the other losses.
+    """
+    logp_BT, old_logp_BT, adv_BT, w_BT, mask_BT = _sanitize(logp_BT, old_logp_BT, advantages_BT, weights_BT, mask_BT)
+    log_r_BT = (logp_BT.detach() - old_logp_BT).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
+    ratio_BT = torch.exp(log_r_BT)
+    low_BT, high_BT = _clip_masks(ratio_BT, adv_BT, mask_BT, cfg)
+    active_BT = mask_BT & ~(low_BT | high_BT)
+    coef_BT = ratio_BT * w_BT * adv_BT  # sg(pi_theta / mu) * A: no gradient through r
+    per_token_BT = -coef_BT * logp_BT
+    loss = torch.where(active_BT, per_token_BT, 0.0).sum() / max(float(normalizer), 1.0)
+    return loss, _loss_metrics(loss.detach(), log_r_BT, ratio_BT, low_BT, high_BT, mask_BT)
+
+
+def gspo_loss(logp_BT: Tensor, old_logp_BT: Tensor, advantages_BT: Tensor, weights_BT: Tensor, mask_BT: Tensor,
+              cfg: AlgoConfig, normalizer: float) -> tuple[Tensor, dict[str, float]]:
+    """GSPO (Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071), in its GSPO-token form:
+
+        s_i     = exp( mean_{t in T_i} (logp_t - old_logp_t) )              (sequence ratio, valid tokens)
+        s_{i,t} = sg(s_i) * pi_theta(y_t) / sg(pi_theta(y_t))               (value s_i, grad s_i grad log pi_t)
+        l_t     = -w_t * min(s_{i,t} A_t, clip(s_{i,t}, 1 - eps_low, 1 + eps_high) A_t)
+
+    The clip decision is taken per sequence (the value of s_{i,t} is s_i); with A_t and w_t constant over a
+    sequence the gradient equals that of GSPO's sequence objective. GSPO-token is used so that per-token
+    advantages (the ``advantage`` penalty form shapes A_t per token) and per-token IS weights keep their
+    per-token meaning: the training-inference weight w_t (``IS_MODES``; constant per sequence under seq_tis /
+    seq_mis) multiplies each token's term, as in decoupled PPO.
+
+    The clip range is cfg.clip_low / cfg.clip_high as for ppo_clip, but on a length-normalised ratio: the
+    GSPO paper uses eps_low = 3e-4, eps_high = 4e-4, and users must set those (the AlgoConfig defaults
+    0.2 / 0.28 would almost never clip).
+
+    Aggregation: sum_t mask_t l_t / normalizer like the other losses. Per sequence this is |y_i| times
+    GSPO's (1/G) s_i A_i term up to the global constant, i.e. sequences are weighted by their length instead
+    of GSPO's per-sequence mean over tokens (no length normalisation, Zheng et al. 2512.01374).
+    ``policy/ratio_mean`` reports the token-weighted mean of s_i; ``clip/frac*`` count the tokens of clipped
+    sequences.
+    """
+    logp_BT, old_logp_BT, adv_BT, w_BT, mask_BT = _sanitize(logp_BT, old_logp_BT, advantages_BT, weights_BT, mask_BT)
+    log_r_BT = logp_BT - old_logp_BT  # 0 off the mask
+    count_B = mask_BT.sum(dim=1).clamp(min=1)
+    seq_log_ratio_B = (log_r_BT.sum(dim=1) / count_B).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
+    s_B = torch.exp(seq_log_ratio_B.detach())
+    s_BT = s_B[:, None] * torch.exp(logp_BT - logp_BT.detach())
+    clipped_BT = s_BT.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    per_token_BT = -w_BT * torch.minimum(s_BT * adv_BT, clipped_BT * adv_BT)
+    loss = torch.where(mask_BT, per_token_BT, 0.0).sum() / max(float(normalizer), 1.0)
+    seq_ratio_BT = s_B[:, None].expand_as(mask_BT)
+    low_BT, high_BT = _clip_masks(seq_ratio_BT, adv_BT, mask_BT, cfg)
+    token_log_r_BT = log_r_BT.detach().clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
+    return loss, _loss_metrics(loss.detach(), token_log_r_BT, seq_ratio_BT, low_BT, high_BT, mask_BT)
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "ppo_clip": ppo_clip_loss,
+    "minirl": minirl_loss,
+    "gspo": gspo_loss,
+}
