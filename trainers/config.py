@@ -85,11 +85,11 @@ class TaskConfig:
 @dataclass
 class ColdStartConfig:
     # Supervised steps on task demonstrations before RL (0 disables). Cached by content hash.
-    steps: int = 150
+    steps: int = 500
     # Sequences per supervised step.
     batch_size: int = 64
     # Learning rate of the supervised cold start.
-    lr: float = 3e-3
+    lr: float = 6e-3
     # Directory for cached cold-started models (relative to the working directory).
     cache_dir: str = ".dcmdp_cache"
 
