@@ -48,9 +48,9 @@ def test_qwen3_30b_a3b_shapes_and_counts():
 
 
 def test_tiny_param_counts_by_hand():
-    # tiny-dense: V=101, H=64, 2 layers, 4 heads x 16, 2 KV heads, intermediate 192, untied head.
+    # tiny-dense: V=101, H=64, 2 layers, 2 heads x 32, 1 KV head, intermediate 192, untied head.
     dense = build_model(ModelConfig(preset="tiny-dense"), 101, seed=0)
-    attn = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 2 * 16  # q, k, v, o, q_norm, k_norm
+    attn = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 2 * 32  # q, k, v, o, q_norm, k_norm
     layer = attn + 3 * 64 * 192 + 2 * 64  # + MLP + two RMSNorms
     expected = 2 * 101 * 64 + 2 * layer + 64  # embeddings, LM head, final norm
     assert param_counts(dense) == (expected, expected)

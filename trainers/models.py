@@ -60,9 +60,10 @@ class Preset:
 
 
 def _tiny_attention() -> dict:
-    # 4 query heads sharing 2 KV heads (GQA like the real models), head_dim 16.
-    return dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, max_position_embeddings=128, rope_parameters={"rope_type": "default",
+    # 2 query heads sharing 1 KV head (GQA like the real models); head_dim 32, the smallest that vLLM's CPU
+    # attention kernels accept, so the same directory serves both rollout engines.
+    return dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=32, max_position_embeddings=128, rope_parameters={"rope_type": "default",
                                                                             "rope_theta": 10000.0},
                 rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.02)
 
