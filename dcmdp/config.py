@@ -258,6 +258,12 @@ def _validate_registries(cfg: RunConfig) -> None:
             check_penalty_constraints(cfg.dual.constraints)
         except ValueError as exc:
             raise ConfigError(f"config error at 'dual.constraints': {exc}") from exc
+    if cfg.rollout.engine == "vllm" and cfg.rollout.precision == "int8":
+        raise ConfigError("config error at 'rollout.precision': vLLM has no weight-only int8 path on this build; "
+                          "use rollout.engine=torch for int8 rollouts, or bf16/fp16/fp32 with vLLM")
+    if cfg.rollout.engine == "vllm" and cfg.algo.routing_replay == "r3" and not cfg.rollout.enforce_eager:
+        raise ConfigError("config error at 'rollout.enforce_eager': R3 with the vllm engine records routes through "
+                          "router hooks that only run in eager mode; set rollout.enforce_eager=true")
     if cfg.algo.routing_replay != "none" and not PRESETS[cfg.model.preset].is_moe:
         raise ConfigError(f"config error at 'algo.routing_replay': {cfg.algo.routing_replay} replays MoE routes, "
                           f"but model.preset={cfg.model.preset!r} is a dense model; use routing_replay=none")

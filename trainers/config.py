@@ -69,7 +69,8 @@ class TaskConfig:
     digits: int = 2
     # Number of items (sorting) or operands (addition).
     items: int = 2
-    # Size of the held-out evaluation set (generated with a seed disjoint from training).
+    # Size of the held-out evaluation set: a fixed sample per task config that training never draws (at most
+    # half of the prompt space of a generated task).
     eval_size: int = 256
     # JSONL file with prompts and reference answers (task `math`).
     path: Optional[str] = None
@@ -103,15 +104,16 @@ class ColdStartConfig:
 class AlgoConfig:
     # Policy loss: ppo_clip | minirl | gspo (see trainers.losses.POLICY_LOSSES).
     loss: str = "ppo_clip"
-    # Lower clip range eps_low on r = pi_theta / pi_old.
+    # Lower clip range eps_low on r = pi_theta / pi_old (gspo acts on a sequence ratio: use ~3e-4).
     clip_low: float = 0.2
-    # Upper clip range eps_high (DAPO-style asymmetric clip).
+    # Upper clip range eps_high (DAPO-style asymmetric clip; gspo: ~4e-4).
     clip_high: float = 0.28
     # Training-inference IS correction of rho = pi_old / mu: none | tis | icepop | seq_tis | seq_mis.
     is_mode: str = "tis"
     # Truncation cap C for tis / seq_tis.
     is_cap: float = 5.0
-    # Lower bound of the kept band (icepop on rho, seq_mis on the geometric mean of rho).
+    # Lower bound of the kept band (icepop on rho; seq_mis on the geometric mean of rho, where a tight band
+    # such as [0.999, 1.001] is usual: set both bounds when choosing seq_mis).
     is_low: float = 0.5
     # Upper bound of the kept band (icepop on rho, seq_mis on the geometric mean of rho).
     is_high: float = 5.0
