@@ -211,14 +211,13 @@ def test_replay_that_does_nothing_raises(monkeypatch):
         _update(model, batch, cfg)
 
 
-@pytest.mark.xfail(strict=True, reason="a same-shape shift keeps the replayed count equal to the expected one; "
-                                       "the learner does not yet check routes against the attention mask")
 def test_same_shape_shift_is_detected():
+    """A shift that keeps the shape and the replayed count is caught by the check against the attention mask."""
     model = _model()
     rollout = _rollout(model)
     batch, cfg = _score(model, rollout, "r3")
     e = batch.replay_experts_BSLK
     shifted = torch.cat([torch.full_like(e[:, :1], -1), e[:, :-1]], dim=1)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(learner.ReplayError, match="line up"):
         learner.score_old(model, rollout.with_(rollout_experts_BSLK=shifted), torch.ones(len(rollout)), cfg,
                           temperature=TEMP, fp32_lm_head=True, moe=True)

@@ -52,6 +52,14 @@ def _forward_logp(model, rollout: Rollout, *, temperature: float, fp32_lm_head: 
     kwargs = dict(temperature=temperature, fp32_lm_head=fp32_lm_head, with_entropy=with_entropy)
     P = rollout.num_prompt_positions
     if replay_experts_BSLK is not None:
+        if replay_experts_BSLK.shape[:2] != (B, S):
+            raise ReplayError(f"routing replay: routes cover {tuple(replay_experts_BSLK.shape[:2])} positions, the batch "
+                              f"has {(B, S)} (positions misaligned)")
+        valid_BS = (replay_experts_BSLK >= 0).all(-1).all(-1)
+        real_BS = mask_BS.bool()
+        # routes only at real tokens, and at every real prompt token: a shifted replay of the same shape fails here
+        if (valid_BS & ~real_BS).any() or not torch.equal(valid_BS[:, :P], real_BS[:, :P]):
+            raise ReplayError("routing replay: routes do not line up with the attention mask (positions misaligned)")
         with routing.replay_routes(model, replay_experts_BSLK, capture=capture) as stats:
             logp_BT, ent_BT = response_logprobs(model, ids_BS, mask_BS, P, **kwargs)
         expected = routing.expected_replay_pairs(replay_experts_BSLK)
