@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import Optional, Sequence
 
+from dcmdp.checkpoint import CheckpointError
 from dcmdp.config import ConfigError, load_config
 
 
@@ -24,6 +25,25 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     cfg = load_config(path, overrides)
     summary = train(cfg)
     print("\n".join(summary.lines()))
+    return 0
+
+
+def _cmd_calibrate(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dcmdp.calibrate import calibrate
+
+    path, overrides = _split_config_args(ns.args)
+    cfg = load_config(path, overrides)
+    measures = [m for m in ns.measures.split(",") if m] if ns.measures else []
+    result = calibrate(cfg, batches=ns.batches, slack=ns.slack, measures=measures)
+    print(result.table())
+    snippet = result.snippet()
+    if ns.out:
+        Path(ns.out).write_text(snippet)
+        print(f"\nconstraints with the proposed c written to {ns.out} (use it as a config file or paste it)")
+    else:
+        print("\n" + snippet)
     return 0
 
 
@@ -53,6 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("args", nargs="*", help="a YAML config file and/or dotlist overrides (algo.minibatches=4)")
     t.set_defaults(func=_cmd_train)
 
+    c = sub.add_parser("calibrate", help="measure the discrepancy floor with identical weights and propose c: "
+                       "dcmdp calibrate [CONFIG.yaml] [key=value ...]")
+    c.add_argument("args", nargs="*", help="a YAML config file and/or dotlist overrides")
+    c.add_argument("--batches", type=int, default=8, help="rollout batches to measure (default: 8)")
+    c.add_argument("--slack", type=float, default=0.25, help="c = floor x (1 + slack) (default: 0.25)")
+    c.add_argument("--measures", default="", help="comma-separated measures for the snippet (default: the "
+                   "config's dual.constraints)")
+    c.add_argument("--out", default=None, help="write the YAML snippet here (default: print it)")
+    c.set_defaults(func=_cmd_calibrate)
+
     r = sub.add_parser("report", help="compare MLflow runs: tables + plots of lambda, discrepancy, accuracy")
     r.add_argument("runs", nargs="+", help="run ids or an experiment name")
     r.add_argument("--out", default="report", help="output folder (default: ./report)")
@@ -77,7 +107,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as exc:
         print(f"dcmdp: {exc}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, CheckpointError) as exc:
         print(f"dcmdp: error: {exc}", file=sys.stderr)
         return 1
 

@@ -21,6 +21,8 @@ from tqdm.auto import tqdm
 
 from constraints.measures import discrepancy_metrics, measure_constraint
 from constraints.penalties import constraint_names
+from dcmdp.checkpoint import (SignalCheckpointer, capture_rng, find_resume_checkpoint, load_checkpoint,
+                              restore_rng, save_checkpoint)
 from dcmdp.config import RunConfig, flatten, to_yaml
 from dcmdp.dual import DualState, dual_step, init_state
 from dcmdp.plots import plot_dual
@@ -86,39 +88,56 @@ def train(cfg: RunConfig) -> Summary:
     acc_before = evaluate(s, seed=cfg.seed)
     s.tracker.log_metrics({"eval/accuracy": acc_before}, step=s.start_step)
     steps = range(s.start_step, cfg.steps)
-    bar = tqdm(steps, desc="dcmdp train", disable=not cfg.progress, dynamic_ncols=True)
-    for step in bar:
-        t0 = time.perf_counter()
-        examples, rollout = rollout_phase(s, step)
-        t1 = time.perf_counter()
-        rewards_B, reward_metrics = reward_phase(s, examples, rollout)
-        advantages_B, adv_metrics = ADVANTAGES[cfg.algo.advantage](rewards_B, cfg.algo.samples_per_prompt, cfg.algo)
-        batch = learner.score_old(s.model, rollout, advantages_B, cfg.algo, temperature=cfg.rollout.temperature,
-                                  fp32_lm_head=cfg.model.fp32_lm_head, moe=s.moe)
-        t2 = time.perf_counter()
-        measured_C, disc_metrics = measure_phase(s, batch)
-        t3 = time.perf_counter()
-        update_metrics = learner.update(
-            s.model, s.optimizer, s.scheduler, batch, lambda_C=s.dual.lambda_C.float(),
-            constraints=cfg.dual.constraints, penalty=cfg.dual.penalty, dual_enabled=cfg.dual.enabled,
-            cfg=cfg.algo, temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
-            grad_clip=cfg.optim.grad_clip, generator=torch.Generator().manual_seed(_step_seed(cfg.seed, step, 2)))
-        t4 = time.perf_counter()
-        s.dual, dual_metrics = dual_step(s.dual, measured_C, cfg.dual)
-        t5 = time.perf_counter()
-        s.engine.load_weights(s.model.state_dict(), version=step + 1)
-        t6 = time.perf_counter()
-        metrics = {**reward_metrics, **adv_metrics, **disc_metrics, **dual_metrics, **_mean_dicts(update_metrics)}
-        metrics.update(_timings(rollout, t0, t1, t2, t3, t4, t5, t6))
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-            metrics["eval/accuracy"] = evaluate(s, seed=cfg.seed)
-        s.history.append(metrics)
-        s.tracker.log_metrics(metrics, step=step + 1)
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}",
-                        **{f"lam_{n}": f"{float(v):.3g}" for n, v in zip(s.names, s.dual.lambda_C)})
+    bar = tqdm(steps, desc="dcmdp train", disable=not cfg.progress, dynamic_ncols=True, initial=s.start_step,
+               total=cfg.steps)
+    with SignalCheckpointer() as stop:
+        for step in bar:
+            _train_step(s, step, bar)
+            if stop.requested or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):
+                checkpoint(s, step + 1)
+            if stop.requested:
+                log.warning("%s received: checkpoint written at step %d, stopping", stop.signal_name, step + 1)
+                s.tracker.finish("KILLED")
+                raise SystemExit(128 + int(stop.signum))
+    if cfg.steps > s.start_step and not (cfg.checkpoint.every and cfg.steps % cfg.checkpoint.every == 0):
+        checkpoint(s, cfg.steps)
     acc_after = evaluate(s, seed=cfg.seed)
     s.tracker.log_metrics({"eval/accuracy": acc_after}, step=cfg.steps)
     return finish(s, acc_before, acc_after, time.perf_counter() - t_start)
+
+
+def _train_step(s: Setup, step: int, bar) -> None:
+    """One rollout batch: rollout -> pi_old -> measure -> updates -> dual step -> sync -> log."""
+    cfg = s.cfg
+    t0 = time.perf_counter()
+    examples, rollout = rollout_phase(s, step)
+    t1 = time.perf_counter()
+    rewards_B, reward_metrics = reward_phase(s, examples, rollout)
+    advantages_B, adv_metrics = ADVANTAGES[cfg.algo.advantage](rewards_B, cfg.algo.samples_per_prompt, cfg.algo)
+    batch = learner.score_old(s.model, rollout, advantages_B, cfg.algo, temperature=cfg.rollout.temperature,
+                              fp32_lm_head=cfg.model.fp32_lm_head, moe=s.moe)
+    t2 = time.perf_counter()
+    measured_C, disc_metrics = measure_phase(s, batch)
+    t3 = time.perf_counter()
+    update_metrics = learner.update(
+        s.model, s.optimizer, s.scheduler, batch, lambda_C=s.dual.lambda_C.float(),
+        constraints=cfg.dual.constraints, penalty=cfg.dual.penalty, dual_enabled=cfg.dual.enabled,
+        cfg=cfg.algo, temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
+        grad_clip=cfg.optim.grad_clip, generator=torch.Generator().manual_seed(_step_seed(cfg.seed, step, 2)))
+    t4 = time.perf_counter()
+    s.dual, dual_metrics = dual_step(s.dual, measured_C, cfg.dual)
+    t5 = time.perf_counter()
+    s.engine.load_weights(s.model.state_dict(), version=step + 1)
+    t6 = time.perf_counter()
+    metrics = {**reward_metrics, **adv_metrics, **disc_metrics, **dual_metrics, **_mean_dicts(update_metrics)}
+    metrics.update(_timings(rollout, t0, t1, t2, t3, t4, t5, t6))
+    if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+        metrics["eval/accuracy"] = evaluate(s, seed=cfg.seed)
+    metrics = {k: float(v) for k, v in metrics.items()}
+    s.history.append(metrics)
+    s.tracker.log_metrics(metrics, step=step + 1)
+    bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}",
+                    **{f"lam_{n}": f"{float(v):.3g}" for n, v in zip(s.names, s.dual.lambda_C)})
 
 
 def setup(cfg: RunConfig) -> Setup:
@@ -156,11 +175,37 @@ def setup(cfg: RunConfig) -> Setup:
     if cfg.optim.warmup_steps > 0:
         warm = cfg.optim.warmup_steps * cfg.algo.minibatches
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warm))
+    dual, history, start_step, run_id = init_state(cfg.dual), [], 0, None
+    resume = find_resume_checkpoint(out / "checkpoints", cfg.checkpoint.resume)
+    if resume is not None:
+        state = load_checkpoint(resume)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None and state["scheduler"] is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        dual, history = DualState.from_state_dict(state["dual"]), list(state["history"])
+        start_step, run_id = int(state["step"]), state["run_id"]
+        restore_rng(state["rng"])
+        # the engine must sample from the trainer's weights, not the cold start's, from the first new rollout
+        engine.load_weights(model.state_dict(), version=int(state["engine_version"]))
+        log.info("resumed from %s at step %d (MLflow run %s)", resume, start_step, run_id)
+    elif cfg.checkpoint.resume and cfg.checkpoint.resume != "auto":
+        raise FileNotFoundError(f"checkpoint.resume={cfg.checkpoint.resume!r}: no checkpoint there")
     tracker = Tracker(cfg.tracking, out)
-    tracker.start(flatten(cfg), tags={"model.preset": cfg.model.preset, "dcmdp.version": _version()})
+    tracker.start(flatten(cfg), run_id=run_id,
+                  tags={"model.preset": cfg.model.preset, "dcmdp.version": _version()})
     tracker.log_artifact(out / "config.yaml")
-    return Setup(cfg, tokenizer, task, model, model_dir, engine, optimizer, scheduler, init_state(cfg.dual),
-                 tracker, is_moe(model), constraint_names(cfg.dual.constraints))
+    return Setup(cfg, tokenizer, task, model, model_dir, engine, optimizer, scheduler, dual, tracker,
+                 is_moe(model), constraint_names(cfg.dual.constraints), history, start_step)
+
+
+def checkpoint(s: Setup, step: int) -> None:
+    """Everything a bitwise-identical continuation needs; written atomically, last ``keep`` kept."""
+    payload = {"step": step, "model": s.model.state_dict(), "optimizer": s.optimizer.state_dict(),
+               "scheduler": s.scheduler.state_dict() if s.scheduler is not None else None,
+               "dual": s.dual.state_dict(), "engine_version": s.engine.version, "run_id": s.tracker.run_id,
+               "history": s.history, "rng": capture_rng()}
+    save_checkpoint(Path(s.cfg.output_dir) / "checkpoints", step, payload, keep=s.cfg.checkpoint.keep)
 
 
 def rollout_phase(s: Setup, step: int) -> tuple[list[Example], Rollout]:
