@@ -1,0 +1,106 @@
+"""dcmdp calibrate: the discrepancy floor with identical weights in both engines, and the proposed c.
+
+Real runs on tiny-moe (20-step cold start, 4 prompts x 2 samples, 3 batches): fp32 rollouts have a floor
+of ~0, int8 rollouts a positive one; the per-batch values equal a float64 numpy computation from the
+kept log-probs; the snippet loads as a config file and holds c = mean x (1 + slack).
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+
+import numpy as np
+import pytest
+import torch
+
+from dcmdp.calibrate import calibrate, floor_stats, proposed_tolerance
+from dcmdp.cli import main
+from dcmdp.config import load_config
+
+BATCHES = 3
+SLACK = 0.25
+
+
+def _overrides(tmp_path, precision: str) -> list[str]:
+    return [f"output_dir={tmp_path / precision}", "model.preset=tiny-moe", "rollout.engine=torch",
+            f"rollout.precision={precision}", "cold_start.steps=20", "algo.prompts_per_step=4",
+            "algo.samples_per_prompt=2", "threads=1", "progress=false", "seed=3"]
+
+
+def _direct(old_BT: torch.Tensor, rollout_BT: torch.Tensor, mask_BT: torch.Tensor) -> dict[str, float]:
+    """float64 numpy reference of the token-level measures over the valid tokens."""
+    m = mask_BT.numpy()
+    a, b = old_BT.double().numpy()[m], rollout_BT.double().numpy()[m]
+    x = a - b
+    rho = np.exp(x)
+    return {"discrepancy/abs_prob_diff": float(np.mean(np.abs(np.exp(a) - np.exp(b)))),
+            "discrepancy/kl_k1": float(np.mean(-x)),
+            "discrepancy/kl_k3": float(np.mean(rho - 1 - x)),
+            "discrepancy/chi2": float(np.mean((rho - 1) ** 2)),
+            "discrepancy/abs_log_ratio": float(np.mean(np.abs(x))),
+            "discrepancy/extreme_rate_2": float(np.mean(np.abs(x) > math.log(2.0)))}
+
+
+def test_fp32_floor_is_zero_and_values_match_a_direct_computation(tmp_path):
+    cfg = load_config(None, _overrides(tmp_path, "fp32"))
+    result = calibrate(cfg, batches=BATCHES, slack=SLACK, keep_batches=True)
+    apd = result.row("discrepancy/abs_prob_diff")
+    assert len(apd.values) == BATCHES
+    assert 0 <= apd.mean <= 1e-6 and apd.p99 <= 1e-6
+    assert result.row("discrepancy/extreme_rate_2").mean == 0
+    assert result.row("routing/mismatch").mean <= 0.01  # MoE routes reported and (nearly) identical
+    for n, kept in enumerate(result.kept):
+        for key, ref in _direct(*kept).items():
+            assert result.row(key).values[n] == pytest.approx(ref, rel=1e-6, abs=1e-12), key
+    # the MLflow run is tagged as a calibration, one metric value per batch
+    db = sqlite3.connect(tmp_path / "fp32" / "mlflow.db")
+    tags = dict(db.execute("select key, value from tags where run_uuid = ?", (result.run_id,)).fetchall())
+    steps = db.execute("select step from metrics where run_uuid = ? and key = 'discrepancy/abs_prob_diff' "
+                       "order by step", (result.run_id,)).fetchall()
+    db.close()
+    assert tags["dcmdp.kind"] == "calibrate"
+    assert [s for (s,) in steps] == list(range(1, BATCHES + 1))
+
+
+def test_int8_floor_is_positive_and_snippet_loads_as_a_config(tmp_path):
+    snippet = tmp_path / "tol.yaml"
+    argv = ["calibrate", *_overrides(tmp_path, "int8"), "--batches", str(BATCHES), "--slack", str(SLACK),
+            "--measures", "abs_prob_diff,kl_k3", "--out", str(snippet)]
+    assert main(argv) == 0
+    cfg = load_config(None, _overrides(tmp_path, "int8"))
+    # the same seeds give the same batches: rerun in-process to read the numbers back
+    result = calibrate(cfg, batches=BATCHES, slack=SLACK, measures=["abs_prob_diff", "kl_k3"], keep_batches=True)
+    apd = result.row("discrepancy/abs_prob_diff")
+    assert apd.mean > 1e-5  # weight-only int8 moves every probability a little
+    for n, kept in enumerate(result.kept):
+        ref = _direct(*kept)
+        assert apd.values[n] == pytest.approx(ref["discrepancy/abs_prob_diff"], rel=1e-6)
+    assert apd.mean == pytest.approx(np.mean(apd.values), rel=1e-12)
+    loaded = load_config(snippet, [])
+    assert [c.measure for c in loaded.dual.constraints] == ["abs_prob_diff", "kl_k3"]
+    expected = [apd.mean * (1 + SLACK), result.row("discrepancy/kl_k3").mean * (1 + SLACK)]
+    for c, want in zip(loaded.dual.constraints, expected):
+        assert c.tolerance == pytest.approx(want, rel=1e-9)
+    # the snippet overrides only the constraints of a full config
+    merged = load_config("configs/default.yaml", [])
+    assert merged.dual.constraints[0].tolerance == 0.005
+
+
+def test_floor_stats_against_numpy():
+    rng = np.random.default_rng(0)
+    values = rng.gamma(2.0, 1e-3, size=40)
+    st = floor_stats("discrepancy/abs_prob_diff", values, slack=0.5, seed=1)
+    assert st.mean == pytest.approx(values.mean(), rel=1e-12)
+    assert (st.p50, st.p90, st.p99) == pytest.approx(tuple(np.percentile(values, [50, 90, 99])), rel=1e-12)
+    assert st.ci_low < st.mean < st.ci_high
+    # the interval of the mean is about +-1.96 standard errors wide
+    se = values.std(ddof=1) / math.sqrt(len(values))
+    assert (st.ci_high - st.ci_low) == pytest.approx(2 * 1.96 * se, rel=0.25)
+    assert st.proposed == pytest.approx(1.5 * values.mean(), rel=1e-12)
+    # a signed estimator with a negative floor proposes c = 0; equal batches give a point interval
+    assert proposed_tolerance(-1e-4, 0.25) == 0.0
+    flat = floor_stats("discrepancy/kl_k1", [2e-4] * 5, slack=0.25)
+    assert (flat.ci_low, flat.ci_high, flat.proposed) == (2e-4, 2e-4, pytest.approx(2.5e-4))
+    single = floor_stats("discrepancy/kl_k1", [2e-4], slack=0.25)
+    assert math.isnan(single.ci_low) and single.mean == 2e-4
