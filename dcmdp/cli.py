@@ -47,25 +47,6 @@ def _cmd_calibrate(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_calibrate(ns: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from dcmdp.calibrate import calibrate
-
-    path, overrides = _split_config_args(ns.args)
-    cfg = load_config(path, overrides)
-    measures = [m for m in ns.measures.split(",") if m] if ns.measures else []
-    result = calibrate(cfg, batches=ns.batches, slack=ns.slack, measures=measures)
-    print(result.table())
-    snippet = result.snippet()
-    if ns.out:
-        Path(ns.out).write_text(snippet)
-        print(f"\nconstraints with the proposed c written to {ns.out} (use it as a config file or paste it)")
-    else:
-        print("\n" + snippet)
-    return 0
-
-
 def _cmd_report(ns: argparse.Namespace) -> int:
     from dcmdp.report import write_report
 
@@ -91,16 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train with a config: dcmdp train [CONFIG.yaml] [key=value ...]")
     t.add_argument("args", nargs="*", help="a YAML config file and/or dotlist overrides (algo.minibatches=4)")
     t.set_defaults(func=_cmd_train)
-
-    c = sub.add_parser("calibrate", help="measure the discrepancy floor with identical weights and propose c: "
-                       "dcmdp calibrate [CONFIG.yaml] [key=value ...]")
-    c.add_argument("args", nargs="*", help="a YAML config file and/or dotlist overrides")
-    c.add_argument("--batches", type=int, default=8, help="rollout batches to measure (default: 8)")
-    c.add_argument("--slack", type=float, default=0.25, help="c = floor x (1 + slack) (default: 0.25)")
-    c.add_argument("--measures", default="", help="comma-separated measures for the snippet (default: the "
-                   "config's dual.constraints)")
-    c.add_argument("--out", default=None, help="write the YAML snippet here (default: print it)")
-    c.set_defaults(func=_cmd_calibrate)
 
     c = sub.add_parser("calibrate", help="measure the discrepancy floor with identical weights and propose c: "
                        "dcmdp calibrate [CONFIG.yaml] [key=value ...]")
