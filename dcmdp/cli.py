@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 from dcmdp.checkpoint import CheckpointError
 from dcmdp.config import ConfigError, load_config
+from trainers.guards import TooManyBadStepsError
 
 
 def _split_config_args(args: Sequence[str]) -> tuple[Optional[str], list[str]]:
@@ -107,6 +108,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as exc:
         print(f"dcmdp: {exc}", file=sys.stderr)
         return 2
+    except TooManyBadStepsError as exc:
+        print(f"dcmdp: training stopped: {exc}", file=sys.stderr)
+        return 4
     except (FileNotFoundError, ValueError, CheckpointError) as exc:
         print(f"dcmdp: error: {exc}", file=sys.stderr)
         return 1

@@ -96,6 +96,13 @@ class CheckpointConfig:
 
 
 @dataclass
+class GuardConfig:
+    # Stop the run (after writing a checkpoint) after this many consecutive bad steps: every sample dropped
+    # as non-finite, or a mini-batch update skipped for a non-finite loss or gradient norm.
+    max_bad_steps: int = 5
+
+
+@dataclass
 class RunConfig:
     # Seed of everything (python, numpy, torch, task generators).
     seed: int = 0
@@ -118,6 +125,7 @@ class RunConfig:
     dual: DualConfig = field(default_factory=DualConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
 
 def _valid_keys(node: Any) -> list[str]:
@@ -219,6 +227,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"config error at 'steps': must be >= 0, got {cfg.steps}")
     if cfg.checkpoint.keep < 1:
         raise ConfigError(f"config error at 'checkpoint.keep': must be >= 1, got {cfg.checkpoint.keep}")
+    if cfg.guard.max_bad_steps < 1:
+        raise ConfigError(f"config error at 'guard.max_bad_steps': must be >= 1, got {cfg.guard.max_bad_steps}")
     if cfg.dual.coupling.A or cfg.dual.coupling.b:
         n = len(cfg.dual.constraints)
         if len(cfg.dual.coupling.A) != len(cfg.dual.coupling.b) or any(len(r) != n for r in cfg.dual.coupling.A):

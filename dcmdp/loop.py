@@ -27,7 +27,7 @@ from dcmdp.config import RunConfig, flatten, to_yaml
 from dcmdp.dual import DualState, dual_step, init_state
 from dcmdp.plots import plot_dual
 from dcmdp.tracking import Tracker
-from trainers import learner
+from trainers import guards, learner
 from trainers.advantages import ADVANTAGES
 from trainers.batch import Rollout
 from trainers.coldstart import cold_start
@@ -58,6 +58,8 @@ class Setup:
     names: list[str]
     history: list[dict[str, float]] = field(default_factory=list)
     start_step: int = 0
+    # Consecutive bad steps so far (every sample dropped or an update skipped; see guard.max_bad_steps).
+    bad_steps: int = 0
 
 
 @dataclass
@@ -93,6 +95,8 @@ def train(cfg: RunConfig) -> Summary:
     with SignalCheckpointer() as stop:
         for step in bar:
             _train_step(s, step, bar)
+            if s.bad_steps >= cfg.guard.max_bad_steps:
+                _stop_bad_run(s, step + 1)
             if stop.requested or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):
                 checkpoint(s, step + 1)
             if stop.requested:
@@ -113,31 +117,85 @@ def _train_step(s: Setup, step: int, bar) -> None:
     examples, rollout = rollout_phase(s, step)
     t1 = time.perf_counter()
     rewards_B, reward_metrics = reward_phase(s, examples, rollout)
-    advantages_B, adv_metrics = ADVANTAGES[cfg.algo.advantage](rewards_B, cfg.algo.samples_per_prompt, cfg.algo)
+    rollout, advantages_B, keep_B, guard_metrics = screen_phase(s, rollout, rewards_B)
     batch = learner.score_old(s.model, rollout, advantages_B, cfg.algo, temperature=cfg.rollout.temperature,
                               fp32_lm_head=cfg.model.fp32_lm_head, moe=s.moe)
+    batch, keep_B, old_metrics = learner.screen_old(batch, keep_B)
+    kept = bool(keep_B.any())
     t2 = time.perf_counter()
-    measured_C, disc_metrics = measure_phase(s, batch)
+    # nothing left to measure: a NaN D-hat makes the dual step keep lambda and report the skip
+    measured_C, disc_metrics = (measure_phase(s, batch) if kept else
+                                (torch.full((len(s.names),), float("nan"), dtype=torch.float64), {}))
     t3 = time.perf_counter()
     update_metrics = learner.update(
         s.model, s.optimizer, s.scheduler, batch, lambda_C=s.dual.lambda_C.float(),
         constraints=cfg.dual.constraints, penalty=cfg.dual.penalty, dual_enabled=cfg.dual.enabled,
         cfg=cfg.algo, temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
-        grad_clip=cfg.optim.grad_clip, generator=torch.Generator().manual_seed(_step_seed(cfg.seed, step, 2)))
+        grad_clip=cfg.optim.grad_clip,
+        generator=torch.Generator().manual_seed(_step_seed(cfg.seed, step, 2))) if kept else []
     t4 = time.perf_counter()
     s.dual, dual_metrics = dual_step(s.dual, measured_C, cfg.dual)
     t5 = time.perf_counter()
     s.engine.load_weights(s.model.state_dict(), version=step + 1)
     t6 = time.perf_counter()
-    metrics = {**reward_metrics, **adv_metrics, **disc_metrics, **dual_metrics, **_mean_dicts(update_metrics)}
+    metrics = {**reward_metrics, **disc_metrics, **dual_metrics, **_mean_dicts(update_metrics)}
+    metrics.update(guard_metrics)
+    metrics.update(old_metrics)
+    metrics.update(_guard_step(s, step, metrics, kept))
     metrics.update(_timings(rollout, t0, t1, t2, t3, t4, t5, t6))
     if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
         metrics["eval/accuracy"] = evaluate(s, seed=cfg.seed)
     metrics = {k: float(v) for k, v in metrics.items()}
     s.history.append(metrics)
     s.tracker.log_metrics(metrics, step=step + 1)
-    bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}",
+    bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.2f}",
                     **{f"lam_{n}": f"{float(v):.3g}" for n, v in zip(s.names, s.dual.lambda_C)})
+
+
+def screen_phase(s: Setup, rollout: Rollout, rewards_B: torch.Tensor
+                 ) -> tuple[Rollout, torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Drop the samples with a non-finite rollout log-prob, reward or advantage (``trainers.guards``).
+
+    Advantages come from the kept samples of each group only; returns the masked rollout, advantages_B
+    (0 at dropped samples), keep_B and the guard/ and advantage metrics.
+    """
+    cfg = s.cfg
+    keep_B, metrics = guards.screen_rows(rollout.rollout_logp_BT, rollout.response_mask_BT, rewards_B)
+    advantages_B, adv_metrics = guards.screened_advantages(ADVANTAGES[cfg.algo.advantage], rewards_B, keep_B,
+                                                           cfg.algo.samples_per_prompt, cfg.algo)
+    keep_B, adv_guard = guards.screen_advantages(advantages_B, keep_B)
+    advantages_B = torch.where(keep_B, advantages_B, torch.zeros((), dtype=advantages_B.dtype))
+    return guards.mask_rows(rollout, keep_B), advantages_B, keep_B, {**metrics, **adv_guard, **adv_metrics}
+
+
+def _guard_step(s: Setup, step: int, metrics: dict[str, float], kept: bool) -> dict[str, float]:
+    """Count the step as bad (every sample dropped, or an update skipped), warn, and report guard/ metrics."""
+    skipped = metrics.get("guard/skipped_updates", 0.0)
+    bad = not kept or skipped > 0
+    s.bad_steps = s.bad_steps + 1 if bad else 0
+    dropped = {k: v for k, v in metrics.items() if k.startswith("guard/bad_") and v > 0}
+    if dropped or bad:
+        what = ", ".join(f"{int(v)} for a non-finite {k.removeprefix('guard/bad_').removesuffix('_samples')}"
+                         for k, v in dropped.items())
+        log.warning("step %d: non-finite values (samples dropped: %s; updates skipped: %d)%s; %d consecutive bad "
+                    "step(s)", step + 1, what or "none", int(skipped), "; every sample dropped" if not kept else "",
+                    s.bad_steps)
+    return {"guard/dropped_samples": float(sum(dropped.values())), "guard/skipped_step": float(not kept),
+            "guard/bad_step": float(bad), "guard/consecutive_bad_steps": float(s.bad_steps)}
+
+
+def _stop_bad_run(s: Setup, step: int) -> None:
+    """Checkpoint, mark the run failed and raise: too many consecutive bad steps."""
+    path = checkpoint(s, step)
+    last = s.history[-1]
+    what = ", ".join(f"{k}={v:g}" for k, v in last.items()
+                     if k.startswith("guard/") and k != "guard/consecutive_bad_steps" and v)
+    s.tracker.finish("FAILED")
+    s.engine.close()
+    raise guards.TooManyBadStepsError(
+        f"{s.bad_steps} consecutive bad steps up to step {step} (guard.max_bad_steps={s.cfg.guard.max_bad_steps}): "
+        f"non-finite values in the rollout log-probs, rewards, advantages, pi_old log-probs, loss or gradient norm; "
+        f"last step: {what}; checkpoint of step {step} written to {path}")
 
 
 def setup(cfg: RunConfig) -> Setup:
@@ -175,7 +233,7 @@ def setup(cfg: RunConfig) -> Setup:
     if cfg.optim.warmup_steps > 0:
         warm = cfg.optim.warmup_steps * cfg.algo.minibatches
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warm))
-    dual, history, start_step, run_id = init_state(cfg.dual), [], 0, None
+    dual, history, start_step, run_id, bad_steps = init_state(cfg.dual), [], 0, None, 0
     resume = find_resume_checkpoint(out / "checkpoints", cfg.checkpoint.resume)
     if resume is not None:
         state = load_checkpoint(resume)
@@ -185,6 +243,7 @@ def setup(cfg: RunConfig) -> Setup:
             scheduler.load_state_dict(state["scheduler"])
         dual, history = DualState.from_state_dict(state["dual"]), list(state["history"])
         start_step, run_id = int(state["step"]), state["run_id"]
+        bad_steps = int(state.get("guard", {}).get("consecutive_bad_steps", 0))
         restore_rng(state["rng"])
         # the engine must sample from the trainer's weights, not the cold start's, from the first new rollout
         engine.load_weights(model.state_dict(), version=int(state["engine_version"]))
@@ -196,16 +255,16 @@ def setup(cfg: RunConfig) -> Setup:
                   tags={"model.preset": cfg.model.preset, "dcmdp.version": _version()})
     tracker.log_artifact(out / "config.yaml")
     return Setup(cfg, tokenizer, task, model, model_dir, engine, optimizer, scheduler, dual, tracker,
-                 is_moe(model), constraint_names(cfg.dual.constraints), history, start_step)
+                 is_moe(model), constraint_names(cfg.dual.constraints), history, start_step, bad_steps)
 
 
-def checkpoint(s: Setup, step: int) -> None:
+def checkpoint(s: Setup, step: int) -> Path:
     """Everything a bitwise-identical continuation needs; written atomically, last ``keep`` kept."""
     payload = {"step": step, "model": s.model.state_dict(), "optimizer": s.optimizer.state_dict(),
                "scheduler": s.scheduler.state_dict() if s.scheduler is not None else None,
                "dual": s.dual.state_dict(), "engine_version": s.engine.version, "run_id": s.tracker.run_id,
-               "history": s.history, "rng": capture_rng()}
-    save_checkpoint(Path(s.cfg.output_dir) / "checkpoints", step, payload, keep=s.cfg.checkpoint.keep)
+               "history": s.history, "rng": capture_rng(), "guard": {"consecutive_bad_steps": s.bad_steps}}
+    return save_checkpoint(Path(s.cfg.output_dir) / "checkpoints", step, payload, keep=s.cfg.checkpoint.keep)
 
 
 def rollout_phase(s: Setup, step: int) -> tuple[list[Example], Rollout]:
@@ -256,8 +315,9 @@ def finish(s: Setup, acc_before: float, acc_after: float, seconds: float) -> Sum
     if s.history and s.names:
         plot_dual(s.history, s.names, out / "dual.png")
         s.tracker.log_artifact(out / "dual.png")
-    mean_disc = {k.split("/", 1)[1]: float(np.mean([h[k] for h in s.history]))
-                 for k in (s.history[0] if s.history else {}) if k.startswith("discrepancy/")}
+    # steps with every sample dropped measured nothing and have no discrepancy/ keys
+    disc_keys = dict.fromkeys(k for h in s.history for k in h if k.startswith("discrepancy/"))
+    mean_disc = {k.split("/", 1)[1]: float(np.mean([h[k] for h in s.history if k in h])) for k in disc_keys}
     summary = Summary(acc_before, acc_after, {n: float(v) for n, v in zip(s.names, s.dual.lambda_C)}, mean_disc,
                       cfg.steps, s.tracker.run_id, s.tracker.tracking_uri, str(out), seconds)
     (out / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))

@@ -9,6 +9,7 @@ recorded while computing pi_old; R3: the rollout engine's routes) in the pi_old 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -18,11 +19,14 @@ from torch import Tensor
 from constraints.config import ConstraintConfig
 from constraints.measures import routing_mismatch_per_token
 from constraints.penalties import PENALTIES
-from trainers import routing
+from trainers import guards, routing
 from trainers.batch import Rollout
 from trainers.config import AlgoConfig
 from trainers.losses import IS_MODES, POLICY_LOSSES
 from trainers.scoring import response_logprobs
+
+
+log = logging.getLogger(__name__)
 
 
 class ReplayError(RuntimeError):
@@ -95,6 +99,35 @@ def score_old(model, rollout: Rollout, advantages_B: Tensor, cfg: AlgoConfig, *,
     return ScoredBatch(rollout, old_logp_BT.float(), advantages_BT, train_experts, replay)
 
 
+def drop_rows(batch: ScoredBatch, keep_B: Tensor) -> ScoredBatch:
+    """The batch with the samples outside ``keep_B`` masked out (``guards.mask_rows``): zero response mask,
+    log-probs and advantages, and no recorded route at their response positions."""
+    if bool(keep_B.all()):
+        return batch
+    keep_B = keep_B.bool()
+    P = batch.rollout.num_prompt_positions
+
+    def no_routes(experts_BSLK: Optional[Tensor]) -> Optional[Tensor]:
+        if experts_BSLK is None:
+            return None
+        out = experts_BSLK.clone()
+        out[~keep_B, P:] = -1
+        return out
+
+    rollout = guards.mask_rows(batch.rollout, keep_B)
+    old_logp_BT = torch.where(keep_B[:, None], batch.old_logp_BT, 0.0)
+    advantages_BT = torch.where(keep_B[:, None], batch.advantages_BT, 0.0)
+    replay = batch.replay_experts_BSLK
+    replay = rollout.rollout_experts_BSLK if replay is batch.rollout.rollout_experts_BSLK else no_routes(replay)
+    return ScoredBatch(rollout, old_logp_BT, advantages_BT, no_routes(batch.train_experts_BSLK), replay)
+
+
+def screen_old(batch: ScoredBatch, keep_B: Tensor) -> tuple[ScoredBatch, Tensor, dict[str, float]]:
+    """Drop the kept samples whose pi_old log-probs are non-finite (``guards.screen_old_logp``)."""
+    keep_B, metrics = guards.screen_old_logp(batch.old_logp_BT, batch.rollout.response_mask_BT, keep_B)
+    return drop_rows(batch, keep_B), keep_B, metrics
+
+
 def minibatch_indices(batch_size: int, num_minibatches: int, generator: torch.Generator) -> list[Tensor]:
     """A seeded permutation of the rows split into ``num_minibatches`` equal parts."""
     perm = torch.randperm(batch_size, generator=generator)
@@ -104,7 +137,12 @@ def minibatch_indices(batch_size: int, num_minibatches: int, generator: torch.Ge
 def update(model, optimizer, scheduler, batch: ScoredBatch, *, lambda_C: Tensor,
            constraints: Sequence[ConstraintConfig], penalty: str, dual_enabled: bool, cfg: AlgoConfig,
            temperature: float, fp32_lm_head: bool, grad_clip: float, generator: torch.Generator) -> list[dict]:
-    """N mini-batch optimiser steps on one scored rollout batch; returns one metrics dict per step."""
+    """N mini-batch optimiser steps on one scored rollout batch; returns one metrics dict per step.
+
+    A mini-batch whose loss or gradient norm is non-finite gets no optimiser step (its gradients are
+    zeroed, a warning is logged); 'guard/skipped_update' says so per mini-batch, and the first dict carries
+    'guard/skipped_updates', the number skipped in this call.
+    """
     rollout = batch.rollout
     mask_BT = rollout.response_mask_BT.bool()
     weights_BT, kept_BT, is_metrics = IS_MODES[cfg.is_mode](batch.old_logp_BT, rollout.rollout_logp_BT.float(),
@@ -116,6 +154,7 @@ def update(model, optimizer, scheduler, batch: ScoredBatch, *, lambda_C: Tensor,
         # the route at position s shapes the logits that predict token s + 1
         routing_BT = routing_BS[:, P - 1:-1]
     out = []
+    skipped = 0
     model.train()
     for idx in minibatch_indices(len(rollout), cfg.minibatches, generator):
         mb = rollout.select(idx)
@@ -145,6 +184,10 @@ def update(model, optimizer, scheduler, batch: ScoredBatch, *, lambda_C: Tensor,
         else:
             # a non-finite loss or gradient would poison the weights: drop this update, keep going
             optimizer.zero_grad(set_to_none=True)
+            skipped += 1
+            log.warning("non-finite %s in a mini-batch update (loss %s, grad norm %s): optimizer step skipped",
+                        "loss" if not bool(torch.isfinite(loss.detach())) else "gradient norm",
+                        float(loss.detach()), float(grad_norm))
         if scheduler is not None:
             scheduler.step()
         metrics["guard/skipped_update"] = 0.0 if finite else 1.0
@@ -153,4 +196,6 @@ def update(model, optimizer, scheduler, batch: ScoredBatch, *, lambda_C: Tensor,
                         "optim/grad_norm": float(grad_norm), "optim/lr": optimizer.param_groups[0]["lr"]})
         out.append(metrics)
     out[0].update(is_metrics)
+    # a count, carried by the first dict only so that averaging over the mini-batches keeps it a count
+    out[0]["guard/skipped_updates"] = float(skipped)
     return out
