@@ -48,6 +48,13 @@ def _cmd_calibrate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tune(ns: argparse.Namespace) -> int:
+    from dcmdp.tune import run_tune_file
+
+    trials, best = run_tune_file(ns.tune_file, workers=ns.workers)
+    return 0 if best is not None else 3
+
+
 def _cmd_report(ns: argparse.Namespace) -> int:
     from dcmdp.report import write_report
 
@@ -84,6 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default=None, help="write the YAML snippet here (default: print it)")
     c.set_defaults(func=_cmd_calibrate)
 
+    u = sub.add_parser("tune", help="sweep dual settings (grid + optional bounded refinement) as nested MLflow runs "
+                       "and select by held-out accuracy within tolerance: dcmdp tune TUNE.yaml (exit code 3: no "
+                       "trial met the selection rule)")
+    u.add_argument("tune_file", help="tune file: base, overrides, space, refine, select, workers, output_dir "
+                   "(see dcmdp/tune.py)")
+    u.add_argument("--workers", type=int, default=None, help="trials at once (default: the tune file's workers)")
+    u.set_defaults(func=_cmd_tune)
+
     r = sub.add_parser("report", help="compare MLflow runs: tables + plots of lambda, discrepancy, accuracy")
     r.add_argument("runs", nargs="+", help="run ids or an experiment name")
     r.add_argument("--out", default="report", help="output folder (default: ./report)")
@@ -111,7 +126,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except TooManyBadStepsError as exc:
         print(f"dcmdp: training stopped: {exc}", file=sys.stderr)
         return 4
-    except (FileNotFoundError, ValueError, CheckpointError) as exc:
+    except (OSError, ValueError, CheckpointError) as exc:
         print(f"dcmdp: error: {exc}", file=sys.stderr)
         return 1
 

@@ -83,6 +83,8 @@ class TrackingConfig:
     run_name: Optional[str] = None
     # Directory for metrics buffered while the tracking server is unreachable.
     buffer_dir: Optional[str] = None
+    # MLflow run id of a parent run (``dcmdp tune``): the run is created nested under it.
+    parent_run_id: Optional[str] = None
 
 
 @dataclass
@@ -227,6 +229,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"config error at 'steps': must be >= 0, got {cfg.steps}")
     if cfg.checkpoint.keep < 1:
         raise ConfigError(f"config error at 'checkpoint.keep': must be >= 1, got {cfg.checkpoint.keep}")
+    for key, value in (("eval_every", cfg.eval_every), ("threads", cfg.threads),
+                       ("checkpoint.every", cfg.checkpoint.every)):
+        if value < 0:
+            raise ConfigError(f"config error at '{key}': must be >= 0, got {value}")
     if cfg.guard.max_bad_steps < 1:
         raise ConfigError(f"config error at 'guard.max_bad_steps': must be >= 1, got {cfg.guard.max_bad_steps}")
     if cfg.dual.coupling.A or cfg.dual.coupling.b:

@@ -59,6 +59,7 @@ MAX_TAG_VAL_LENGTH = 8000
 
 LOCAL_ID_PREFIX = "local-"
 LOCAL_ID_TAG = "dcmdp.local_id"
+PARENT_RUN_TAG = "mlflow.parentRunId"
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 # MLflow error codes that mean "this record can never be stored", as opposed to "try later".
 _REJECTED_CODES = {"INVALID_PARAMETER_VALUE", "INVALID_STATE"}
@@ -509,7 +510,10 @@ class Tracker:
               tags: Optional[dict[str, str]] = None) -> str:
         """Create the run (or reopen ``run_id``), log params in batches of 100 and tags."""
         self._sync_leftovers()
-        tags = _clip("tag", tags or {}, MAX_TAG_VAL_LENGTH)
+        tags = dict(tags or {})
+        if self.cfg.parent_run_id:  # the tag MLflow itself uses to nest runs (start_run(nested=True))
+            tags.setdefault(PARENT_RUN_TAG, self.cfg.parent_run_id)
+        tags = _clip("tag", tags, MAX_TAG_VAL_LENGTH)
         records: list[dict] = []
         if run_id is None:
             self._id = LOCAL_ID_PREFIX + uuid.uuid4().hex
