@@ -1,0 +1,127 @@
+def test_trl_throughput_smoke(tmp_path):
+    """benchmarks/trl_throughput.py --smoke: a real 3-step `dcmdp train` timed from its MLflow store.
+
+    Checks the throughput arithmetic on hand-made steps, then that the smoke run's numbers are
+    consistent with each other and within the bounds the workload allows.
+    """
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "trl_throughput.py"
+    spec = importlib.util.spec_from_file_location("trl_throughput", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    # Steps end at 0, 1, 3, 4 s; warm-up 1 leaves steps 2 and 3 timed, with periods 3 - 1 = 2 s and 4 - 3 = 1 s:
+    # tokens/s = (30 + 60) / 3 = 30, steps/s = 2 / 3, other = median(2 - 0.5, 1 - 0.25) = 1.125.
+    steps = [{"end": 0.0, "tokens": 99, "time/a": 9.0}, {"end": 1.0, "tokens": 99, "time/a": 9.0},
+             {"end": 3.0, "tokens": 30, "time/a": 0.5}, {"end": 4.0, "tokens": 60, "time/a": 0.25}]
+    s = bench.summarize(steps, ("time/a",), warmup=1)
+    assert abs(s["tokens_per_s"] - 30.0) < 1e-12 and abs(s["steps_per_s"] - 2 / 3) < 1e-12
+    assert s["tokens_per_step"] == 45.0 and s["period_median"] == 1.5 and s["time/other"] == 1.125
+
+    result = bench.main(["--smoke", "--out-dir", str(tmp_path)])
+    d = result["summary"]["dcmdp"]
+    assert "trl" not in result["summary"]  # smoke runs the dcmdp side only
+    args = result["args"]
+    P, G, T = args["prompts"], args["samples"], args["max_new_tokens"]
+    assert len(result["steps"]["dcmdp"][0]) == args["steps"]
+    # every response has between 1 token (an immediate EOS) and max_new_tokens tokens
+    assert P * G <= d["tokens_per_step"] <= P * G * T
+    # one repetition: tokens/s = (tokens / timed steps) x (timed steps / seconds)
+    assert abs(d["tokens_per_s"] - d["tokens_per_step"] * d["steps_per_s"]) < 1e-9 * d["tokens_per_s"]
+    for phase in bench.DCMDP_PHASES:
+        assert d[phase] >= 0.0
+    # the phases lie inside the step period (MLflow's timestamp is taken after them); 1 ms timestamp resolution
+    assert d["time/other"] >= -0.002
+    assert sum(d[p] for p in bench.DCMDP_PHASES) <= d["period_median"] + 0.002
+    saved = json.loads((tmp_path / "trl_throughput.json").read_text())
+    assert saved["summary"]["dcmdp"] == d
+    assert "| response tokens / s (median) |" in (tmp_path / "trl_throughput.md").read_text()
+
+
+def _load_benchmark(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_overheads_smoke(tmp_path):
+    """benchmarks/overheads.py on a 2 x 2 batch: real loop steps through dcmdp.loop.setup, R3 pairs."""
+    import json
+
+    bench = _load_benchmark("overheads")
+    out = tmp_path / "overheads.md"
+    rows = bench.main(["--steps", "3", "--warmup", "1", "--repeats", "3", "--no-larger", "--out", str(out),
+                       "cold_start.steps=0", "algo.prompts_per_step=2", "algo.samples_per_prompt=2",
+                       "algo.minibatches=1"])
+    (row,) = rows
+    c, r3 = row["controller"], row["r3"]
+    assert c["steps"] == 2  # 3 steps, the first one dropped
+    # the controller is part of the step: every per-step share lies in (0, 1)
+    assert 0.0 < c["share"] <= c["share_max"] < 1.0
+    assert c["measure_ms"] > 0 and c["dual_ms"] > 0 and c["measure_ms"] + c["dual_ms"] < c["step_ms"]
+    # 2 prompts x 2 samples, 1 to 8 response tokens each
+    assert 4 <= c["tokens"] <= 32
+    # the R3 pass runs on one mini-batch of the 4 rows; the ratio of two timings of the same work is near 1
+    assert r3["rows"] == 4 and r3["base_ms"] > 0 and 0.5 < r3["ratio"] < 2.0
+    assert json.loads(out.with_suffix(".json").read_text())["rows"][0]["controller"] == c
+    assert "| controller share" in out.read_text().splitlines()[-3] and out.with_suffix(".png").stat().st_size > 0
+
+
+def test_discrepancy_smoke(tmp_path):
+    """benchmarks/discrepancy.py on random-init tiny models: fp32 rollouts match the trainer, bf16 do not."""
+    bench = _load_benchmark("discrepancy")
+    out = tmp_path / "discrepancy.md"
+    rows = bench.main(["--presets", "tiny-dense", "tiny-moe", "--precisions", "fp32", "bf16", "--batches", "2",
+                       "--prompts", "3", "--samples", "2", "--cold-start-steps", "0", "--cache-dir",
+                       str(tmp_path / "cache"), "--no-vllm", "--out", str(out)])
+    by = {(r["model"], r["precision"], r["replay"]): r for r in rows}
+    assert set(by) == {("tiny-dense", "fp32", "none"), ("tiny-dense", "bf16", "none"), ("tiny-moe", "fp32", "none"),
+                       ("tiny-moe", "fp32", "r3"), ("tiny-moe", "bf16", "none"), ("tiny-moe", "bf16", "r3")}
+    kl = {k: r["stats"]["discrepancy/kl_k3"][0] for k, r in by.items()}
+    for model in ("tiny-dense", "tiny-moe"):
+        # identical weights and fp32 on both sides: only float rounding (log-probs agree to ~1e-6)
+        assert kl[(model, "fp32", "none")] < 1e-10
+        # bf16 weights in the engine: a discrepancy orders of magnitude above the fp32 floor
+        assert kl[(model, "bf16", "none")] > 1e3 * kl[(model, "fp32", "none")]
+    for r in rows:
+        assert len(r["values"]["discrepancy/kl_k3"]) == 2  # one value per batch
+        mean, lo, hi = r["stats"]["discrepancy/kl_k3"]
+        assert lo <= mean <= hi
+    # dense models report no routes; R3 replays the rollout's routes, so their mismatch is 0 by construction
+    assert "routing/mismatch" not in by[("tiny-dense", "bf16", "none")]["values"]
+    assert by[("tiny-moe", "bf16", "r3")]["values"]["routing/mismatch"] == [0.0, 0.0]
+    assert "| tiny-moe | torch | bf16 | r3 |" in out.read_text()
+
+
+def test_mfu_dry_run(tmp_path, capsys):
+    """benchmarks/mfu_gpu.py --cpu-dry-run: the FLOP formula by hand and against torch's FLOP counter."""
+    import torch
+
+    bench = _load_benchmark("mfu_gpu")
+    # tiny shape: hidden 64, 2 layers, 2 query heads / 1 KV head of dim 32, MLP 192, vocab 512 (tied head).
+    # N_body per layer = q 64*64 + k 64*32 + v 64*32 + o 64*64 + 3 * 64*192 = 49152, x 2 layers = 98304;
+    # N_head = 512*64 = 32768. B = 2, S = 32: 6*2*(32*98304 + 31*32768) = 49938432 matmul FLOPs,
+    # attention 12 * L 2 * H 2 * Q 32 * B 2 * S^2 1024 = 3145728; total 53084160.
+    rows = bench.main(["--cpu-dry-run", "--out", str(tmp_path / "mfu.md")])
+    (row,) = rows
+    assert (row["n_body"], row["n_head"]) == (98304, 32768)
+    assert row["flops_per_step"] == 53084160.0
+    # FlopCounterMode counts every matmul and the attention of one real step: the formula is exact here
+    assert abs(row["counted_flops"] / row["flops_per_step"] - 1.0) < 1e-6
+    for key in ("bf16_head", "fp32_head"):
+        m = row[key]
+        assert abs(m["tokens_per_s"] * m["step_s"] - 2 * 32) < 1e-6
+        assert abs(m["mfu"] - m["tflops"] / row["peak_tflops"]) < 1e-12
+    assert "| tiny | 0M | 2 x 32 | fp32 |" in (tmp_path / "mfu.md").read_text()
+    if not torch.cuda.is_available():
+        capsys.readouterr()
+        assert bench.main([]) == []
+        assert capsys.readouterr().out.strip() == "no CUDA device: skipped"
