@@ -1,0 +1,513 @@
+"""Stability matrix: which methods keep RL stable under a real training-inference discrepancy, as
+off-policiness grows (Zheng et al. arXiv 2512.01374; DCMDP, Liu et al. arXiv 2606.08779).
+
+Every run is ``configs/default.yaml`` (tiny-moe, 2-digit addition, int8 weight-only rollouts from the
+torch engine against an fp32 trainer, 1150-step cached cold start, lr 2e-4, 32 prompts x 16 samples)
+plus the overrides of its method (``METHODS``, data: name -> dotlist), its off-policiness N
+(``algo.minibatches``: one optimiser step per mini-batch, N = 1 is on-policy) and its seed. Every method
+carries the same constraint (``abs_prob_diff <= TOLERANCE``) so the same measurement is logged for all;
+only the methods with the dual on let lambda act.
+
+Methods:
+
+* ``grpo_no_is``: the MiniRL loss (group-mean advantages, clip mask on r = pi_theta / pi_old) with no
+  training-inference IS correction (w = 1): the one-factor ablation of IS.
+* ``minirl``: Zheng et al. Eq. 7: TIS weight min(pi_old / mu, 5) and the clip mask; ``_r2`` / ``_r3`` add
+  routing replay.
+* ``fixed_penalty``: MiniRL plus the hinge penalty with a constant lambda = LAMBDA_INIT (``dual.fixed``):
+  a fixed-coefficient penalty, no dual controller.
+* ``dcmdp_r2`` / ``dcmdp_r3``: MiniRL plus the hinge penalty, lambda from projected dual ascent
+  (lambda_0 = LAMBDA_INIT, eta = 1, the paper's settings) with R2 / R3.
+
+Tolerance, fixed before any matrix run: c = the ``dcmdp calibrate`` proposal on the default config
+(seed 0, routing none, 8 batches with identical weights): floor 2.145e-3 x (1 + 0.25 slack) = 2.68e-3,
+rounded to TOLERANCE = 2.7e-3.
+
+Per run: held-out accuracy (``task.eval_size`` prompts, sampled at temperature 1) before, every
+``eval_every`` steps and after; reward accuracy, discrepancy, lambda and guard metrics per step.
+A run COLLAPSES (``collapsed``) if any of: (a) some update had a non-finite loss (``guard/skipped_update``);
+(b) the final held-out accuracy is below half the best held-out accuracy of the run (step 0 included);
+(c) the mean reward accuracy over the last W steps is below half the best W-step running mean after the
+LR warm-up (W = max(5, steps // 20)).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/stability.py --profile quick [--workers 2]
+
+runs the missing cells (a cell whose ``summary.json`` and ``history.json`` exist is skipped; a killed run
+resumes from its last checkpoint), prints a table last, and writes ``benchmarks/results/stability_<profile>``
+(.md, .csv, .json and two plots). ``--profile smoke`` runs 2 methods x 3 steps on a tiny batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import platform
+import queue
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+BASE_CONFIG = ROOT / "configs" / "default.yaml"
+TOLERANCE = 2.7e-3
+LAMBDA_INIT = 0.1
+DUAL_LR = 1.0
+
+_MINIRL = ["algo.loss=minirl", "algo.is_mode=tis"]
+METHODS: dict[str, list[str]] = {
+    "grpo_no_is": ["algo.loss=minirl", "algo.is_mode=none", "dual.enabled=false"],
+    "minirl": _MINIRL + ["dual.enabled=false"],
+    "minirl_r2": _MINIRL + ["dual.enabled=false", "algo.routing_replay=r2"],
+    "minirl_r3": _MINIRL + ["dual.enabled=false", "algo.routing_replay=r3"],
+    "fixed_penalty": _MINIRL + ["dual.fixed=true"],
+    "dcmdp_r2": _MINIRL + ["algo.routing_replay=r2"],
+    "dcmdp_r3": _MINIRL + ["algo.routing_replay=r3"],
+}
+
+
+@dataclass(frozen=True)
+class Profile:
+    seeds: tuple[int, ...]
+    methods: tuple[str, ...]
+    minibatches: tuple[int, ...]
+    # dotlist overrides on top of configs/default.yaml, applied before the method's
+    overrides: tuple[str, ...]
+    about: str
+
+
+PROFILES: dict[str, Profile] = {
+    "smoke": Profile(
+        seeds=(0,), methods=("minirl", "dcmdp_r3"), minibatches=(2,),
+        overrides=("steps=3", "eval_every=2", "cold_start.steps=20", "algo.prompts_per_step=4",
+                   "algo.samples_per_prompt=4", "task.eval_size=16", "optim.warmup_steps=0"),
+        about="plumbing check: 1 seed, 2 methods, N = 2, 3 steps of 4 prompts x 4 samples, 20-step cold start"),
+    "quick": Profile(
+        seeds=(0, 1, 2), methods=tuple(METHODS), minibatches=(1, 8),
+        overrides=("steps=100", "eval_every=20", "algo.prompts_per_step=16", "algo.samples_per_prompt=8"),
+        about="all 7 methods, N in {1, 8}, 3 seeds, 100 RL steps of 16 prompts x 8 samples "
+              "(the default run: 650 steps of 32 x 16), held-out eval every 20 steps"),
+    "full": Profile(
+        seeds=(0, 1, 2), methods=tuple(METHODS), minibatches=(1, 4, 8), overrides=("eval_every=50",),
+        about="all 7 methods, N in {1, 4, 8}, 3 seeds, the default run (650 steps of 32 prompts x 16 samples), "
+              "held-out eval every 50 steps"),
+}
+
+# per-step metrics kept in history.json (the checkpoint's history has every metric)
+_KEEP_PREFIXES = ("reward/", "eval/", "discrepancy/", "dual/", "policy/", "guard/", "loss/", "routing/", "is/",
+                  "clip/", "time/step")
+
+
+def constraint_override() -> str:
+    return (f"dual.constraints=[{{measure: abs_prob_diff, tolerance: {TOLERANCE}, lambda_init: {LAMBDA_INIT}, "
+            f"lr: {DUAL_LR}}}]")
+
+
+def cell_overrides(profile: Profile, method: str, n: int, seed: int, output_dir: Path) -> list[str]:
+    """The full dotlist of one run, on top of configs/default.yaml."""
+    return [*profile.overrides, constraint_override(), *METHODS[method], f"algo.minibatches={n}", f"seed={seed}",
+            f"output_dir={output_dir}", "threads=1", "progress=false", "checkpoint.every=25", "checkpoint.keep=1",
+            "checkpoint.resume=auto"]
+
+
+def cell_dir(bench_dir: Path, method: str, n: int, seed: int) -> Path:
+    return bench_dir / f"{method}__N{n}__seed{seed}"
+
+
+# ------------------------------------------------------------------------------------------- one run
+
+
+def run_cell(out: Path) -> None:
+    """Worker: train the run described by ``out/cell.json`` and write ``out/history.json``."""
+    from dcmdp.config import load_config
+    from dcmdp.loop import train
+
+    spec = json.loads((out / "cell.json").read_text())
+    if not (out / "summary.json").exists():
+        train(load_config(BASE_CONFIG, spec["overrides"]))
+    write_history(out)
+
+
+def write_history(out: Path) -> None:
+    """history.json from the final checkpoint (train() keeps the per-step history only there and in MLflow)."""
+    from dcmdp.checkpoint import find_resume_checkpoint, load_checkpoint
+
+    ckpt = find_resume_checkpoint(out / "checkpoints", "auto")
+    if ckpt is None:
+        raise FileNotFoundError(f"{out}: summary.json but no checkpoint to read the history from")
+    history = load_checkpoint(ckpt)["history"]
+    kept = [{k: v for k, v in h.items() if k.startswith(_KEEP_PREFIXES)} for h in history]
+    tmp = out / "history.json.tmp"
+    tmp.write_text(json.dumps(kept))
+    tmp.replace(out / "history.json")
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+
+
+class Worker:
+    """A long-lived worker process (one torch thread) that trains the cells it is sent, one at a time.
+
+    Importing torch / transformers / mlflow costs seconds per process, so cells share a process. Protocol:
+    a cell folder per stdin line; the worker answers ``@@ok`` or ``@@fail`` on stdout (other stdout lines are
+    ignored) and appends the run's log to ``<cell>/log.txt``.
+    """
+
+    def __init__(self, log_path: Path):
+        self.log_path = log_path
+        self.proc: Optional[subprocess.Popen] = None
+
+    def _start(self) -> subprocess.Popen:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        log = open(self.log_path, "a")
+        return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve"], cwd=ROOT, env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1)
+
+    def run(self, out: Path) -> bool:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = self._start()
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{out}\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith("@@"):
+                return line.strip() == "@@ok"
+        return False  # the worker died; the next run starts a fresh one
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+def serve() -> None:
+    """Worker mode: train the cell folders read from stdin (see ``Worker``)."""
+    import logging
+    import traceback
+
+    logging.basicConfig(level=logging.INFO)
+    for line in sys.stdin:
+        out = Path(line.strip())
+        handler = logging.FileHandler(out / "log.txt")
+        logging.getLogger().addHandler(handler)
+        try:
+            run_cell(out)
+            ok = True
+        except Exception:  # a failed cell is reported and the matrix goes on
+            logging.getLogger("stability").error("run failed:\n%s", traceback.format_exc())
+            ok = False
+        finally:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+        print("@@ok" if ok else "@@fail", flush=True)
+
+
+def mlflow_template(bench_dir: Path) -> Path:
+    """An empty MLflow sqlite store, created once: a fresh store runs its schema migrations (~5-20 s each)."""
+    path = bench_dir / "mlflow_template.db"
+    if not path.exists():
+        from mlflow.tracking import MlflowClient
+
+        tmp = bench_dir / "mlflow_template.tmp.db"
+        tmp.unlink(missing_ok=True)
+        MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments()
+        tmp.replace(path)
+    return path
+
+
+def prepare(out: Path, overrides: list[str], template: Path) -> bool:
+    """Write the cell's spec; False when the cell already finished."""
+    if (out / "summary.json").exists() and (out / "history.json").exists():
+        return False
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cell.json").write_text(json.dumps({"overrides": overrides}, indent=1))
+    if not (out / "mlflow.db").exists():
+        shutil.copyfile(template, out / "mlflow.db")
+    return True
+
+
+def warm_cold_starts(profile: Profile) -> None:
+    """Train (or find cached) each seed's cold start once, before parallel workers could race on it."""
+    from dcmdp.config import load_config
+    from trainers.coldstart import cold_start
+    from trainers.models import build_model
+    from trainers.tasks import TASKS
+    from trainers.tokenizer import build_char_tokenizer
+
+    for seed in profile.seeds:
+        cfg = load_config(BASE_CONFIG, [*profile.overrides, f"seed={seed}", "progress=false"])
+        if cfg.cold_start.steps == 0:
+            continue
+        tok = build_char_tokenizer()
+        model = build_model(cfg.model, len(tok), seed=seed)
+        cold_start(model, tok, TASKS[cfg.task.name](cfg.task, seed), cfg.cold_start, cfg.model, seed=seed,
+                   eos_id=tok.eos_token_id, progress=False)
+
+
+# ------------------------------------------------------------------------------------------- analysis
+
+
+@dataclass
+class RunResult:
+    method: str
+    n: int
+    seed: int
+    steps: int
+    acc_before: float
+    acc_after: float
+    eval_steps: list[int]
+    eval_acc: list[float]
+    collapsed: bool
+    collapse_reason: str
+    mean_discrepancy: float
+    inside_share: float
+    final_lambda: float
+    nonfinite_updates: int
+    seconds: float
+
+
+def collapse_check(eval_acc: Sequence[float], reward_acc: Sequence[float], nonfinite: int,
+                   warmup: int) -> tuple[bool, str]:
+    """(collapsed, reason) by the module docstring's rule (a) non-finite, (b) held-out, (c) running reward."""
+    if nonfinite > 0:
+        return True, f"{nonfinite} non-finite updates"
+    if eval_acc and eval_acc[-1] < 0.5 * max(eval_acc):
+        return True, f"held-out {eval_acc[-1]:.3f} < half of peak {max(eval_acc):.3f}"
+    r = np.asarray(reward_acc, dtype=np.float64)
+    w = max(5, len(r) // 20)
+    if len(r) >= w + warmup:
+        running = np.convolve(r, np.ones(w) / w, mode="valid")  # running[i] = mean of r[i : i + w]
+        peak = running[warmup:].max()
+        if running[-1] < 0.5 * peak:
+            return True, f"reward accuracy {running[-1]:.3f} < half of peak {peak:.3f}"
+    return False, ""
+
+
+def load_run(out: Path, method: str, n: int, seed: int, warmup: int) -> RunResult:
+    summary = json.loads((out / "summary.json").read_text())
+    history = json.loads((out / "history.json").read_text())
+    eval_steps, eval_acc = [0], [summary["accuracy_before"]]
+    for i, h in enumerate(history):
+        if "eval/accuracy" in h:
+            eval_steps.append(i + 1), eval_acc.append(h["eval/accuracy"])
+    eval_steps.append(summary["steps"]), eval_acc.append(summary["accuracy_after"])
+    nonfinite = int(sum(h.get("guard/skipped_update", 0.0) > 0 for h in history))
+    collapsed, reason = collapse_check(eval_acc, [h["reward/accuracy"] for h in history], nonfinite, warmup)
+    measured = np.array([h["dual/measured/abs_prob_diff"] for h in history])
+    tol = np.array([h["dual/tolerance/abs_prob_diff"] for h in history])
+    return RunResult(method, n, seed, summary["steps"], summary["accuracy_before"], summary["accuracy_after"],
+                     eval_steps, eval_acc, collapsed, reason,
+                     float(np.mean([h["discrepancy/abs_prob_diff"] for h in history])),
+                     float(np.mean(measured <= tol)), float(summary["final_lambda"].get("abs_prob_diff", 0.0)),
+                     nonfinite, float(summary["seconds"]))
+
+
+def aggregate(runs: list[RunResult], profile: Profile) -> list[dict]:
+    cells = []
+    for n in profile.minibatches:
+        for method in profile.methods:
+            rs = [r for r in runs if r.method == method and r.n == n]
+            if not rs:
+                continue
+            acc = np.array([r.acc_after for r in rs])
+            cells.append({"method": method, "N": n, "seeds": len(rs),
+                          "acc_before": float(np.mean([r.acc_before for r in rs])),
+                          "acc_mean": float(acc.mean()), "acc_sd": float(acc.std(ddof=1)) if len(rs) > 1 else 0.0,
+                          "collapses": int(sum(r.collapsed for r in rs)),
+                          "mean_discrepancy": float(np.mean([r.mean_discrepancy for r in rs])),
+                          "inside_share": float(np.mean([r.inside_share for r in rs])),
+                          "final_lambda": float(np.mean([r.final_lambda for r in rs])),
+                          "minutes": float(np.sum([r.seconds for r in rs]) / 60)})
+    return cells
+
+
+def table(cells: list[dict]) -> list[str]:
+    lines = ["| N | method | held-out acc before | final held-out acc (mean ± sd) | collapses | "
+             "mean abs_prob_diff | steps inside c | final λ |", "|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        lines.append(f"| {c['N']} | {c['method']} | {c['acc_before']:.3f} | {c['acc_mean']:.3f} ± {c['acc_sd']:.3f} | "
+                     f"{c['collapses']}/{c['seeds']} | {c['mean_discrepancy']:.3e} | {c['inside_share']:.0%} | "
+                     f"{c['final_lambda']:.3g} |")
+    return lines
+
+
+def plot(runs: list[RunResult], cells: list[dict], profile: Profile, prefix: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    n_max = max(profile.minibatches)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method in profile.methods:
+        rs = [r for r in runs if r.method == method and r.n == n_max]
+        if not rs:
+            continue
+        steps = rs[0].eval_steps
+        acc = np.mean([r.eval_acc for r in rs if r.eval_steps == steps], axis=0)
+        ax.plot(steps, acc, marker="o", ms=3, label=f"{method} ({len(rs)} seeds)")
+    ax.set_xlabel("RL step"), ax.set_ylabel("held-out accuracy (mean over seeds)")
+    ax.set_title(f"tiny-moe, int8 rollouts, N = {n_max} mini-batches"), ax.grid(alpha=0.3), ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(prefix.with_name(prefix.name + "_accuracy_N%d.png" % n_max))
+    fig.savefig(paths[-1], dpi=120), plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(profile.minibatches)
+    x = np.arange(len(profile.methods))
+    for j, n in enumerate(profile.minibatches):
+        by = {c["method"]: c for c in cells if c["N"] == n}
+        mean = [by[m]["acc_mean"] if m in by else np.nan for m in profile.methods]
+        sd = [by[m]["acc_sd"] if m in by else 0.0 for m in profile.methods]
+        ax.bar(x + (j - (len(profile.minibatches) - 1) / 2) * width, mean, width, yerr=sd, capsize=2, label=f"N = {n}")
+    before = np.mean([c["acc_before"] for c in cells])
+    ax.axhline(before, color="k", ls="--", lw=1, label="before RL (mean)")
+    ax.set_xticks(x, profile.methods, rotation=20), ax.set_ylabel("final held-out accuracy (mean ± sd)")
+    ax.grid(axis="y", alpha=0.3), ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(prefix.with_name(prefix.name + "_final_accuracy.png"))
+    fig.savefig(paths[-1], dpi=120), plt.close(fig)
+    return paths
+
+
+def write_results(runs: list[RunResult], cells: list[dict], profile_name: str, profile: Profile, prefix: Path,
+                  cmd: str, wall_s: float) -> list[str]:
+    import torch
+    import transformers
+
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    lines = table(cells)
+    pngs = plot(runs, cells, profile, prefix)
+    with open(prefix.with_suffix(".csv"), "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["method", "N", "seed", "steps", "acc_before", "acc_after", "collapsed", "collapse_reason",
+                    "mean_abs_prob_diff", "inside_share", "final_lambda", "nonfinite_updates", "seconds"])
+        for r in runs:
+            w.writerow([r.method, r.n, r.seed, r.steps, r.acc_before, r.acc_after, r.collapsed, r.collapse_reason,
+                        r.mean_discrepancy, r.inside_share, r.final_lambda, r.nonfinite_updates, round(r.seconds, 1)])
+    prefix.with_suffix(".json").write_text(json.dumps(
+        {"profile": profile_name, "tolerance": TOLERANCE, "methods": {m: METHODS[m] for m in profile.methods},
+         "overrides": list(profile.overrides), "cells": cells,
+         "runs": [{"method": r.method, "N": r.n, "seed": r.seed, "eval_steps": r.eval_steps, "eval_acc": r.eval_acc,
+                   "collapsed": r.collapsed, "collapse_reason": r.collapse_reason} for r in runs]}, indent=1))
+    methods = ["| method | overrides (on top of the profile) |", "|---|---|"]
+    methods += [f"| {m} | `{' '.join(METHODS[m])}` |" for m in profile.methods]
+    header = [
+        f"# Stability matrix ({profile_name} profile): tiny-moe, int8 rollouts, off-policiness N", "",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+        f"- machine: {platform.node()} {platform.machine()}, {os.cpu_count()} logical CPUs shared with other "
+        "workers; every run one process with one torch thread",
+        f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}",
+        f"- command: `{cmd}` ({wall_s / 60:.0f} min wall for the runs this invocation trained; "
+        f"{sum(r.seconds for r in runs) / 60:.0f} run-minutes in all)",
+        f"- profile: {profile.about}",
+        f"- base: `configs/default.yaml` + `{' '.join(profile.overrides)}` + the constraint "
+        f"`abs_prob_diff <= {TOLERANCE}` (lambda_0 {LAMBDA_INIT}, eta {DUAL_LR}) + the method + "
+        "`algo.minibatches=N seed=S`",
+        f"- tolerance rule (fixed before the runs): c = `dcmdp calibrate configs/default.yaml` proposal, floor of "
+        f"abs_prob_diff with identical weights (2.145e-3, seed 0, 8 batches, p90 2.84e-3) x 1.25, rounded: {TOLERANCE}",
+        "- collapse (any of): a non-finite loss in some update; final held-out accuracy < half the run's best "
+        "held-out accuracy (step 0 included); mean reward accuracy over the last W = max(5, steps/20) steps < half "
+        "the best W-step running mean after the LR warm-up",
+        "- columns: held-out accuracy on the task's fixed eval set, sampled at temperature 1, before RL and after "
+        "the last step (mean ± sd over seeds); mean abs_prob_diff = pi_old vs mu before the updates, mean over "
+        "steps and seeds; steps inside c = share of steps with that batch value <= c; final λ = mean over seeds "
+        "(0 where the dual is off)", "",
+        *methods, ""]
+    plots = [f"![{p.stem}]({p.name})" for p in pngs]
+    prefix.with_suffix(".md").write_text("\n".join(header + lines + [""] + plots) + "\n")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def run_matrix(profile_name: str, bench_dir: Path, results_prefix: Path, workers: int,
+               argv: Optional[Sequence[str]] = None) -> list[dict]:
+    from dcmdp.config import load_config
+
+    profile = PROFILES[profile_name]
+    bench_dir.mkdir(parents=True, exist_ok=True)
+    warm_cold_starts(profile)
+    jobs = []
+    for seed in profile.seeds:  # seed-major: a partial matrix already has every cell at some seeds
+        for n in profile.minibatches:
+            for method in profile.methods:
+                out = cell_dir(bench_dir, method, n, seed)
+                overrides = cell_overrides(profile, method, n, seed, out)
+                load_config(BASE_CONFIG, overrides)  # a bad override fails here, before anything trains
+                jobs.append(((method, n, seed), out, overrides))
+    template = mlflow_template(bench_dir)
+    todo = [(out, ov) for _, out, ov in jobs if prepare(out, ov, template)]
+    print(f"{len(jobs) - len(todo)} of {len(jobs)} runs already finished; training {len(todo)} with {workers} "
+          f"workers", flush=True)
+    pool_workers: queue.Queue[Worker] = queue.Queue()
+    for k in range(max(1, workers)):
+        pool_workers.put(Worker(bench_dir / f"worker{k}.log"))
+
+    def one(out: Path) -> tuple[Path, bool]:
+        worker = pool_workers.get()
+        try:
+            return out, worker.run(out)
+        finally:
+            pool_workers.put(worker)
+
+    t0 = time.perf_counter()
+    failed = []
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        futures = [pool.submit(one, out) for out, _ in todo]
+        for i, fut in enumerate(futures):
+            out, ok = fut.result()
+            if not ok:
+                failed.append(out)
+            print(f"[{i + 1}/{len(todo)}] {out.name}: {'done' if ok else 'FAILED, see ' + str(out / 'log.txt')} "
+                  f"({(time.perf_counter() - t0) / 60:.1f} min)", flush=True)
+    while not pool_workers.empty():
+        pool_workers.get().close()
+    wall = time.perf_counter() - t0
+    warmup = load_config(BASE_CONFIG, list(profile.overrides)).optim.warmup_steps
+    runs = [load_run(out, *key, warmup=warmup) for key, out, _ in jobs
+            if (out / "summary.json").exists() and (out / "history.json").exists()]
+    cells = aggregate(runs, profile)
+    cmd = "OMP_NUM_THREADS=%s .venv/bin/python benchmarks/stability.py %s" % (
+        os.environ.get("OMP_NUM_THREADS", "<unset>"), " ".join(argv if argv is not None else sys.argv[1:]))
+    lines = write_results(runs, cells, profile_name, profile, results_prefix, cmd, wall)
+    print()
+    print("\n".join(lines))
+    if failed:
+        raise SystemExit(f"{len(failed)} runs failed: {', '.join(p.name for p in failed)}")
+    return cells
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--profile", choices=list(PROFILES), default="quick")
+    ap.add_argument("--workers", type=int, default=2, help="runs in parallel, one process and one thread each")
+    ap.add_argument("--bench-dir", default=None, help="run folders (default: outputs/stability_<profile>)")
+    ap.add_argument("--results", default=None,
+                    help="results prefix (default: benchmarks/results/stability_<profile>)")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # worker mode (see Worker)
+    args = ap.parse_args(argv)
+    if args.serve:
+        serve()
+        return
+    bench = Path(args.bench_dir) if args.bench_dir else ROOT / "outputs" / f"stability_{args.profile}"
+    results = Path(args.results) if args.results else ROOT / "benchmarks" / "results" / f"stability_{args.profile}"
+    run_matrix(args.profile, bench.resolve(), results.resolve(), args.workers, argv)
+
+
+if __name__ == "__main__":
+    main()
