@@ -206,7 +206,11 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
         raise ConfigError(f"unknown config key: {exc}") from exc
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None)
-        raise ConfigError(f"bad value for '{key}': {exc.msg if hasattr(exc, 'msg') else exc}") from exc
+        # OmegaConf appends full_key / reference_type lines: keep the first, and say "list" in plain words
+        msg = str(exc.msg if hasattr(exc, "msg") else exc).splitlines()[0]
+        if "is not a ListConfig" in msg:
+            msg = "expected a list"
+        raise ConfigError(f"bad value for '{key}': {msg}") from exc
     validate(cfg)
     return cfg
 

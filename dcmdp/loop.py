@@ -32,7 +32,7 @@ from trainers.advantages import ADVANTAGES
 from trainers.batch import Rollout
 from trainers.coldstart import cold_start
 from trainers.engines import RolloutEngine, build_engine
-from trainers.models import PRESETS, build_model, save_model_dir
+from trainers.models import PRESETS, build_model, check_context, save_model_dir
 from trainers.routing import is_moe
 from trainers.tasks import TASKS, Example, Task
 from trainers.tokenizer import build_char_tokenizer, load_tokenizer
@@ -204,8 +204,12 @@ def setup(cfg: RunConfig) -> Setup:
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(to_yaml(cfg))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(to_yaml(cfg))
+    except OSError as exc:
+        raise OSError(exc.errno, f"output_dir={cfg.output_dir!r} is not a writable directory: "
+                                 f"{exc.strerror or exc} ({exc.filename or out})") from exc
     preset = PRESETS[cfg.model.preset]
     task = TASKS[cfg.task.name](cfg.task, cfg.seed)
     if cfg.model.path:
@@ -273,7 +277,7 @@ def rollout_phase(s: Setup, step: int) -> tuple[list[Example], Rollout]:
     rng = random.Random(_step_seed(cfg.seed, step, 0))
     prompts = s.task.sample(rng, cfg.algo.prompts_per_step)
     examples = [ex for ex in prompts for _ in range(cfg.algo.samples_per_prompt)]
-    ids = [encode_prompt(s.tokenizer, ex.prompt) for ex in examples]
+    ids = encode_prompts(s, examples)
     rollout = s.engine.generate(ids, seed=_step_seed(cfg.seed, step, 1))
     return examples, rollout
 
@@ -304,7 +308,7 @@ def measure_phase(s: Setup, batch: learner.ScoredBatch) -> tuple[torch.Tensor, d
 def evaluate(s: Setup, seed: int) -> float:
     """Held-out accuracy: share of eval prompts whose sampled response (rollout temperature) is correct."""
     examples = s.task.eval_set()
-    ids = [encode_prompt(s.tokenizer, ex.prompt) for ex in examples]
+    ids = encode_prompts(s, examples)
     rollout = s.engine.generate(ids, seed=_step_seed(seed, 10**6, 3))
     completions = decode_responses(s.tokenizer, rollout)
     return float(np.mean([s.task.reward(c, ex) for c, ex in zip(completions, examples)]))
@@ -332,6 +336,13 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
         return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                              tokenize=True)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_prompts(s: Setup, examples: list[Example]) -> list[list[int]]:
+    """Token ids of every prompt; a prompt that leaves no room for the response in the context is an error."""
+    ids = [encode_prompt(s.tokenizer, ex.prompt) for ex in examples]
+    check_context(ids, s.cfg.rollout.max_new_tokens, s.model, [ex.prompt for ex in examples])
+    return ids
 
 
 def decode_responses(tokenizer, rollout: Rollout) -> list[str]:

@@ -34,6 +34,28 @@ class Rollout:
     # Policy version (trainer step) of the weights that produced this sample, per sequence (B,).
     version_B: Optional[Tensor] = None
 
+    def __post_init__(self) -> None:
+        """Check that every field describes the same B rows, P prompt and T response positions.
+
+        An engine that returns, say, fewer log-probs than tokens fails here with the shapes named, instead
+        of deep inside a loss or a measure.
+        """
+        B, P = tuple(self.prompt_ids_BP.shape) if self.prompt_ids_BP.dim() == 2 else (None, None)
+        T = self.response_ids_BT.shape[1] if self.response_ids_BT.dim() == 2 else None
+        expected = {"prompt_ids_BP": (B, P), "prompt_mask_BP": (B, P), "response_ids_BT": (B, T),
+                    "response_mask_BT": (B, T), "rollout_logp_BT": (B, T)}
+        got = {name: tuple(getattr(self, name).shape) for name in expected}
+        if B is None or T is None or any(got[name] != shape for name, shape in expected.items()):
+            raise ValueError("Rollout fields disagree on (B, P) / (B, T): " +
+                             ", ".join(f"{name} {got[name]}" for name in expected) +
+                             " (every response token needs exactly one rollout log-prob)")
+        if self.rollout_experts_BSLK is not None and (self.rollout_experts_BSLK.dim() != 4 or
+                                                      tuple(self.rollout_experts_BSLK.shape[:2]) != (B, P + T)):
+            raise ValueError(f"Rollout rollout_experts_BSLK has shape {tuple(self.rollout_experts_BSLK.shape)}, "
+                             f"expected ({B}, {P + T}, L, K): one route per input position (P={P} + T={T})")
+        if self.version_B is not None and tuple(self.version_B.shape) != (B,):
+            raise ValueError(f"Rollout version_B has shape {tuple(self.version_B.shape)}, expected ({B},)")
+
     @property
     def input_ids_BS(self) -> Tensor:
         return torch.cat([self.prompt_ids_BP, self.response_ids_BT], dim=1)

@@ -197,6 +197,25 @@ def save_model_dir(model: PreTrainedModel, tokenizer, path: str | os.PathLike) -
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def check_context(prompts: list[list[int]], max_new_tokens: int, model: torch.nn.Module,
+                  texts: list[str] | None = None) -> None:
+    """Raise ValueError when a prompt plus ``max_new_tokens`` does not fit the model's context.
+
+    The context is ``config.max_position_embeddings``: beyond it rotary positions were never trained on
+    (and a learned position table would fail with an index error deep in the forward pass).
+    """
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not limit or not prompts:
+        return
+    i = max(range(len(prompts)), key=lambda j: len(prompts[j]))
+    n = len(prompts[i])
+    if n + max_new_tokens > limit:
+        text = f" ({texts[i][:60]!r}{'...' if len(texts[i]) > 60 else ''})" if texts else ""
+        raise ValueError(f"prompt {i}{text} has {n} tokens; with rollout.max_new_tokens={max_new_tokens} that is "
+                         f"{n + max_new_tokens} positions, beyond the model's context of {limit} "
+                         f"(max_position_embeddings): shorten the prompts or lower rollout.max_new_tokens")
+
+
 def param_counts(model: torch.nn.Module) -> tuple[int, int]:
     """(total, active per token) parameter counts.
 

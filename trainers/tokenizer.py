@@ -14,10 +14,13 @@ stops on it. Any other character encodes to ``<|unk|>``, a token no demonstratio
 
 from __future__ import annotations
 
+import logging
 import os
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+log = logging.getLogger(__name__)
 
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"
@@ -50,12 +53,31 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
+# Any of these marks a directory that holds a tokenizer (fast, slow BPE, sentencepiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
 def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
-    """Load a tokenizer saved in Hugging Face format from a local directory (no hub access)."""
+    """Load a tokenizer saved in Hugging Face format from a local directory (no hub access).
+
+    The directory must hold one of ``TOKENIZER_FILES`` (transformers would otherwise build an empty
+    tokenizer from the model's config.json alone) and the tokenizer must define EOS, which ends every
+    response; a missing pad token falls back to EOS with a warning (padding is always masked out).
+    """
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"tokenizer directory not found: {path!r}")
+        raise FileNotFoundError(f"tokenizer directory not found: {path!r} (model.path must be a local directory "
+                                f"with the weights and the tokenizer)")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"no tokenizer in {path!r}: expected one of {', '.join(TOKENIZER_FILES)} "
+                                f"(save it there with tokenizer.save_pretrained)")
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise FileNotFoundError(f"no loadable tokenizer in {path!r}: {exc}") from exc
+    if tok.eos_token_id is None:
+        raise ValueError(f"the tokenizer in {path!r} defines no EOS token: responses could never end")
+    if tok.pad_token_id is None:
+        log.warning("the tokenizer in %r defines no pad token: padding with EOS (%r)", path, tok.eos_token)
+        tok.pad_token = tok.eos_token
+    return tok
