@@ -125,3 +125,80 @@ def test_mfu_dry_run(tmp_path, capsys):
         capsys.readouterr()
         assert bench.main([]) == []
         assert capsys.readouterr().out.strip() == "no CUDA device: skipped"
+
+
+def _load_stability():
+    """benchmarks/stability.py as a module (benchmarks/ is not a package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "stability.py"
+    spec = importlib.util.spec_from_file_location("bench_stability", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stability_smoke(tmp_path):
+    """benchmarks/stability.py --profile smoke: 2 methods x 3 steps through real worker processes."""
+    import csv
+    import json
+
+    stability = _load_stability()
+    prefix = tmp_path / "results" / "stability_smoke"
+    bench = tmp_path / "runs"
+    stability.main(["--profile", "smoke", "--workers", "1", "--bench-dir", str(bench), "--results", str(prefix)])
+
+    profile = stability.PROFILES["smoke"]
+    rows = list(csv.DictReader(open(prefix.with_suffix(".csv"))))
+    assert sorted((r["method"], int(r["N"]), int(r["seed"])) for r in rows) == sorted(
+        (m, n, s) for m in profile.methods for n in profile.minibatches for s in profile.seeds)
+    for method in profile.methods:
+        out = stability.cell_dir(bench, method, 2, 0)
+        history = json.loads((out / "history.json").read_text())
+        assert len(history) == 3  # 3 RL steps, one entry each
+        assert not (out / "checkpoints").exists()  # removed once the history is extracted
+        lam = [h["dual/lambda/abs_prob_diff"] for h in history]
+        measured = [h["dual/measured/abs_prob_diff"] for h in history]
+        if method == "minirl":  # dual off: lambda stays 0, the constraint is still measured
+            assert lam == [0.0, 0.0, 0.0]
+        else:  # projected ascent, eta = 1: lambda_k = lambda_{k-1} + (D_k - c), clipped at 0
+            expected, prev = [], stability.LAMBDA_INIT
+            for d in measured:
+                prev = max(0.0, prev + stability.DUAL_LR * (d - stability.TOLERANCE))
+                expected.append(prev)
+            assert all(abs(a - b) < 1e-9 for a, b in zip(lam, expected))
+        # R3 replays mu's routes in the pi_old pass: no route differs between the engines
+        if method == "dcmdp_r3":
+            assert all(h["routing/mismatch"] == 0.0 for h in history)
+
+    data = json.loads(prefix.with_suffix(".json").read_text())
+    assert {c["method"] for c in data["cells"]} == set(profile.methods)
+    for r in data["runs"]:  # held-out eval at step 0, every eval_every = 2 steps (not at the last), and after
+        assert r["eval_steps"] == [0, 2, 3]
+        assert all(0.0 <= a <= 1.0 for a in r["eval_acc"])
+    md = prefix.with_suffix(".md").read_text()
+    assert "| 2 | minirl |" in md and "| 2 | dcmdp_r3 |" in md and str(stability.TOLERANCE) in md
+    assert prefix.with_name("stability_smoke_accuracy_N2.png").stat().st_size > 0
+    assert prefix.with_name("stability_smoke_final_accuracy.png").stat().st_size > 0
+
+    # a second invocation finds every cell finished and trains nothing
+    mtime = (stability.cell_dir(bench, "minirl", 2, 0) / "summary.json").stat().st_mtime
+    stability.main(["--profile", "smoke", "--workers", "1", "--bench-dir", str(bench), "--results", str(prefix)])
+    assert (stability.cell_dir(bench, "minirl", 2, 0) / "summary.json").stat().st_mtime == mtime
+
+
+def test_stability_collapse_rule():
+    stability = _load_stability()
+    flat = [0.5] * 40
+    assert stability.collapse_check([0.3, 0.4, 0.35], flat, 0, warmup=0) == (False, "")
+    assert stability.collapse_check([0.3, 0.4, 0.35], flat, 2, warmup=0)[0]  # non-finite updates
+    assert stability.collapse_check([0.3, 0.6, 0.29], flat, 0, warmup=0)[0]  # 0.29 < 0.6 / 2
+    assert not stability.collapse_check([0.3, 0.6, 0.30], flat, 0, warmup=0)[0]  # exactly half is not below
+    # running reward, W = max(5, 40 // 20) = 5: peak window 0.8, last window 0.2 < 0.4
+    falling = [0.8] * 20 + [0.2] * 20
+    assert stability.collapse_check([0.3, 0.3], falling, 0, warmup=0)[0]
+    # the peak is only taken after the warm-up: a high start inside the warm-up does not count
+    assert not stability.collapse_check([0.3, 0.3], [0.8] * 5 + [0.3] * 35, 0, warmup=5)[0]
