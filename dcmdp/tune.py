@@ -58,7 +58,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -444,7 +444,7 @@ def tune(cfg: TuneConfig) -> tuple[list[Trial], Optional[Trial]]:
         trials = sweep.run_many([(f"g{i:03d}", s) for i, s in enumerate(grid(cfg.space))])
         select(trials, cfg.select)
         if cfg.refine is not None:
-            trials += refine(sweep, trials)
+            trials += refine(trials, cfg.refine, cfg.space[cfg.refine.key], cfg.select, sweep.run)
         best = select(trials, cfg.select)
         seconds = time.perf_counter() - t0
         paths = write_outputs(cfg, sweep, trials, best, seconds)
@@ -460,13 +460,18 @@ def tune(cfg: TuneConfig) -> tuple[list[Trial], Optional[Trial]]:
         sweep.tracker.finish(status)
 
 
-def refine(sweep: _Sweep, grid_trials: list[Trial]) -> list[Trial]:
-    """minimize_scalar(method="bounded") of -held-out accuracy over ``refine.key``, the other keys fixed at the
-    best grid point; an ineligible or failed trial scores +1 (worse than any accuracy). At most ``budget`` trials."""
+def refine(grid_trials: list[Trial], spec: RefineSpec, grid_values: Sequence[Any], rule: SelectRule,
+           run_trial: Callable[[str, dict[str, Any]], Trial]) -> list[Trial]:
+    """Bounded 1-D search of ``spec.key`` around the best grid trial, the other keys fixed at its values.
+
+    Minimises score(x) = -held-out accuracy of an eligible trial, +1 for an ineligible or failed one (worse
+    than any accuracy), with ``scipy.optimize.minimize_scalar(method="bounded")`` (Brent's method on
+    [low, high]); each new point is one trial ``run_trial("r<j>", settings)``, at most ``spec.budget`` of
+    them. Points already evaluated (grid points on the same line included) are not run again; integer grids
+    are searched on integers. The grid trial to refine around is the selected one, else the best finished.
+    """
     from scipy.optimize import minimize_scalar
 
-    spec = sweep.cfg.refine
-    assert spec is not None
     ranked = [t for t in grid_trials if t.eligible] or [t for t in grid_trials if t.status == "ok"]
     if not ranked:
         log.warning("refine: no grid trial finished; nothing to refine around")
@@ -476,15 +481,23 @@ def refine(sweep: _Sweep, grid_trials: list[Trial]) -> list[Trial]:
     if spec.bounds is not None:
         lo, hi = float(spec.bounds[0]), float(spec.bounds[1])
     else:
-        values = sorted({float(v) for v in sweep.cfg.space[spec.key]})
+        values = sorted({float(v) for v in grid_values})
         i = values.index(x0)
         lo, hi = values[max(i - 1, 0)], values[min(i + 1, len(values) - 1)]
     if not lo < hi:
         log.warning("refine: the interval around %s=%g is empty; give refine.bounds", spec.key, x0)
         return []
-    as_int = all(isinstance(v, int) and not isinstance(v, bool) for v in sweep.cfg.space[spec.key])
+    as_int = all(isinstance(v, int) and not isinstance(v, bool) for v in grid_values)
+
+    def score(t: Trial) -> float:
+        select([t], rule)
+        return -t.accuracy_after if t.eligible else 1.0
+
+    others = {k: v for k, v in best.settings.items() if k != spec.key}
+    seen: dict[Any, float] = {t.settings[spec.key]: score(t) for t in grid_trials
+                              if {k: v for k, v in t.settings.items() if k != spec.key} == others}
+    select(grid_trials, rule)  # score() marked single trials; restore the grid's own marks
     out: list[Trial] = []
-    seen: dict[Any, float] = {}
 
     class _Spent(Exception):
         pass
@@ -495,15 +508,15 @@ def refine(sweep: _Sweep, grid_trials: list[Trial]) -> list[Trial]:
             return seen[value]
         if len(out) >= spec.budget:
             raise _Spent
-        trial = sweep.run(f"r{len(out):03d}", {**best.settings, spec.key: value})
+        trial = run_trial(f"r{len(out):03d}", {**best.settings, spec.key: value})
         out.append(trial)
-        select([trial], sweep.cfg.select)
-        seen[value] = -trial.accuracy_after if trial.eligible else 1.0
+        seen[value] = score(trial)
         return seen[value]
 
     try:
-        minimize_scalar(objective, bounds=(lo, hi), method="bounded",
-                        options={"maxiter": spec.budget, "xatol": 1e-12})
+        # xatol far below any useful resolution: the budget, not the tolerance, ends the search
+        minimize_scalar(objective, bounds=(lo, hi), method="bounded", options={"maxiter": 10 * spec.budget,
+                                                                             "xatol": 1e-12})
     except _Spent:
         pass
     return out

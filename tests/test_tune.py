@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from dcmdp.config import ConfigError, load_config
-from dcmdp.tune import (SelectRule, Trial, apply_settings, assess, grid, load_tune_config, run_tune_file, select)
+from dcmdp.tune import (RefineSpec, SelectRule, Trial, apply_settings, assess, grid, load_tune_config, refine,
+                        run_tune_file, select)
 
 # --------------------------------------------------------------------------------------------------
 # The rule on hand-made records.
@@ -95,6 +96,56 @@ def test_grid_keys_and_settings(tmp_path):
                                          "space": {"steps": [1, 2]}, "refine": {"key": "seed"}}))
     with pytest.raises(ConfigError, match="refine.key"):
         load_tune_config(tune_file)
+
+
+def _curve_trial(trial_id, settings, key="dual.constraints[0].tolerance"):
+    """A finished trial whose held-out accuracy is 0.6 - 1000 (c - 0.003)^2, eligible only for c <= 0.0045."""
+    c = settings[key]
+    return Trial(trial_id, dict(settings), accuracy_before=0.3, accuracy_after=0.6 - 1000 * (c - 0.003) ** 2,
+                 inside_frac=1.0 if c <= 0.0045 else 0.5, mean_discrepancy={"m": 1e-3})
+
+
+def test_refine_finds_the_peak_between_grid_points_within_budget():
+    key = "dual.constraints[0].tolerance"
+    values = [0.001, 0.002, 0.005, 0.01]
+    rule = SelectRule()
+    grid_trials = [_curve_trial(f"g{i:03d}", {key: v, "dual.constraints[0].lr": 1.0}) for i, v in enumerate(values)]
+    select(grid_trials, rule)
+    assert [t.eligible for t in grid_trials] == [True, True, False, False]
+    calls = []
+
+    def run_trial(trial_id, settings):
+        calls.append((trial_id, settings))
+        return _curve_trial(trial_id, settings)
+
+    out = refine(grid_trials, RefineSpec(key=key, budget=6), values, rule, run_trial)
+    assert 1 <= len(out) == len(calls) <= 6
+    assert [t for t, _ in calls] == [f"r{j:03d}" for j in range(len(calls))]
+    xs = [s[key] for _, s in calls]
+    # best grid point 0.002 -> searched between its neighbours 0.001 and 0.005, no point twice
+    assert all(0.001 <= x <= 0.005 for x in xs) and len(set(xs)) == len(xs)
+    assert all(s["dual.constraints[0].lr"] == 1.0 for _, s in calls)
+    best = select(grid_trials + out, rule)
+    assert best in out and abs(best.settings[key] - 0.003) < 2e-4  # 0.6 - 1000 (2e-4)^2 = 0.59996 > 0.599 at 0.002
+    assert [t.selected for t in grid_trials] == [False] * 4
+
+
+def test_refine_on_an_integer_key_runs_new_integers_only_within_the_budget():
+    key = "algo.minibatches"
+    grid_trials = [Trial(f"g{i}", {key: v}, accuracy_after=-(v - 6.4) ** 2 / 100, inside_frac=1.0)
+                   for i, v in enumerate([1, 4, 10])]
+    select(grid_trials, SelectRule())
+    calls = []
+
+    def run_trial(trial_id, settings):
+        calls.append(settings[key])
+        return Trial(trial_id, dict(settings), accuracy_after=-(settings[key] - 6.4) ** 2 / 100, inside_frac=1.0)
+
+    out = refine(grid_trials, RefineSpec(key=key, budget=3), [1, 4, 10], SelectRule(), run_trial)
+    # best grid point 4 -> interval [1, 10]; Brent's steps are rounded, and a rounded point already seen is not rerun
+    assert 1 <= len(calls) <= 3 and len(set(calls)) == len(calls)
+    assert all(isinstance(x, int) and 1 < x < 10 and x != 4 for x in calls)
+    assert abs(select(grid_trials + out, SelectRule()).settings[key] - 6.4) < 1
 
 
 # --------------------------------------------------------------------------------------------------
