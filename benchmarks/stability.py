@@ -106,8 +106,8 @@ PROFILES: dict[str, Profile] = {
 }
 
 # per-step metrics kept in history.json (the checkpoint's history has every metric)
-_KEEP_PREFIXES = ("reward/", "eval/", "discrepancy/", "dual/", "policy/", "guard/", "loss/", "routing/", "is/",
-                  "clip/", "time/step")
+_KEEP_PREFIXES = ("reward/", "eval/", "discrepancy/", "dual/", "penalty/", "policy/", "guard/", "loss/", "routing/",
+                  "is/", "clip/", "time/step")
 
 
 def constraint_override() -> str:
@@ -275,6 +275,30 @@ class RunResult:
     final_lambda: float
     nonfinite_updates: int
     seconds: float
+    # means over steps of the DIAGNOSTICS metrics (nan where a method does not log one)
+    diagnostics: dict[str, float]
+
+
+# diagnostics table: column -> (metric, over which steps: "all" or "last10")
+DIAGNOSTICS: dict[str, tuple[str, str]] = {
+    "mean λ": ("dual/lambda/abs_prob_diff", "all"),
+    "penalty loss": ("penalty/loss", "all"),
+    "tokens outside c in updates": ("dual/outside_frac/abs_prob_diff", "all"),
+    "|policy loss|": ("loss/policy", "all"),
+    "approx KL(π_old‖π_θ)": ("policy/approx_kl", "all"),
+    "clip frac": ("clip/frac", "all"),
+    "routing mismatch": ("routing/mismatch", "all"),
+    "entropy, last 10 steps": ("policy/entropy", "last10"),
+}
+
+
+def diagnostics(history: list[dict[str, float]]) -> dict[str, float]:
+    out = {}
+    for col, (key, which) in DIAGNOSTICS.items():
+        rows = history[-10:] if which == "last10" else history
+        vals = [abs(h[key]) if key == "loss/policy" else h[key] for h in rows if key in h]
+        out[col] = float(np.mean(vals)) if vals else math.nan
+    return out
 
 
 def collapse_check(eval_acc: Sequence[float], reward_acc: Sequence[float], nonfinite: int,
@@ -310,7 +334,7 @@ def load_run(out: Path, method: str, n: int, seed: int, warmup: int) -> RunResul
                      eval_steps, eval_acc, collapsed, reason,
                      float(np.mean([h["discrepancy/abs_prob_diff"] for h in history])),
                      float(np.mean(measured <= tol)), float(summary["final_lambda"].get("abs_prob_diff", 0.0)),
-                     nonfinite, float(summary["seconds"]))
+                     nonfinite, float(summary["seconds"]), diagnostics(history))
 
 
 def aggregate(runs: list[RunResult], profile: Profile) -> list[dict]:
@@ -328,7 +352,10 @@ def aggregate(runs: list[RunResult], profile: Profile) -> list[dict]:
                           "mean_discrepancy": float(np.mean([r.mean_discrepancy for r in rs])),
                           "inside_share": float(np.mean([r.inside_share for r in rs])),
                           "final_lambda": float(np.mean([r.final_lambda for r in rs])),
-                          "minutes": float(np.sum([r.seconds for r in rs]) / 60)})
+                          "minutes": float(np.sum([r.seconds for r in rs]) / 60),
+                          "diagnostics": {k: float(np.nanmean([r.diagnostics[k] for r in rs]))
+                                          if any(np.isfinite(r.diagnostics[k]) for r in rs) else math.nan
+                                          for k in DIAGNOSTICS}})
     return cells
 
 
@@ -339,6 +366,14 @@ def table(cells: list[dict]) -> list[str]:
         lines.append(f"| {c['N']} | {c['method']} | {c['acc_before']:.3f} | {c['acc_mean']:.3f} ± {c['acc_sd']:.3f} | "
                      f"{c['collapses']}/{c['seeds']} | {c['mean_discrepancy']:.3e} | {c['inside_share']:.0%} | "
                      f"{c['final_lambda']:.3g} |")
+    return lines
+
+
+def diagnostics_table(cells: list[dict]) -> list[str]:
+    lines = ["| N | method | " + " | ".join(DIAGNOSTICS) + " |", "|---|---|" + "---|" * len(DIAGNOSTICS)]
+    for c in cells:
+        vals = ["-" if not np.isfinite(v) else f"{v:.3g}" for v in c["diagnostics"].values()]
+        lines.append(f"| {c['N']} | {c['method']} | " + " | ".join(vals) + " |")
     return lines
 
 
@@ -428,7 +463,10 @@ def write_results(runs: list[RunResult], cells: list[dict], profile_name: str, p
         "(0 where the dual is off)", "",
         *methods, ""]
     plots = [f"![{p.stem}]({p.name})" for p in pngs]
-    prefix.with_suffix(".md").write_text("\n".join(header + lines + [""] + plots) + "\n")
+    diag = ["", "Diagnostics (means over steps and seeds; penalty loss and tokens outside c are logged only where "
+            "the penalty is on; approx KL and clip frac measure how far the N mini-batch updates move π_θ from "
+            "π_old):", "", *diagnostics_table(cells)]
+    prefix.with_suffix(".md").write_text("\n".join(header + lines + diag + [""] + plots) + "\n")
     return lines
 
 
