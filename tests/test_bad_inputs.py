@@ -167,8 +167,8 @@ def test_engine_returning_fewer_logprobs_than_tokens_names_the_shapes():
         rollout.with_(rollout_logp_BT=rollout.rollout_logp_BT[:, :-1])
     with pytest.raises(ValueError, match=rf"rollout_logp_BT \({B - 1}, {T}\)"):
         rollout.with_(rollout_logp_BT=rollout.rollout_logp_BT[1:])
-    with pytest.raises(ValueError, match=r"rollout_experts_BSLK has shape \(4, 2, 1, 1\), expected \(4, \d+, L, K\)"):
-        rollout.with_(rollout_experts_BSLK=torch.zeros(4, 2, 1, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match=rf"version_B has shape \(3,\), expected \({B},\)"):
+        rollout.with_(version_B=torch.zeros(3, dtype=torch.long))
 
 
 def test_all_masked_responses_give_a_finite_zero_update():

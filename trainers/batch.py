@@ -38,7 +38,8 @@ class Rollout:
         """Check that every field describes the same B rows, P prompt and T response positions.
 
         An engine that returns, say, fewer log-probs than tokens fails here with the shapes named, instead
-        of deep inside a loss or a measure.
+        of deep inside a loss or a measure. MoE routes are checked where they are replayed
+        (``learner.ReplayError`` names misaligned positions).
         """
         B, P = tuple(self.prompt_ids_BP.shape) if self.prompt_ids_BP.dim() == 2 else (None, None)
         T = self.response_ids_BT.shape[1] if self.response_ids_BT.dim() == 2 else None
@@ -49,10 +50,6 @@ class Rollout:
             raise ValueError("Rollout fields disagree on (B, P) / (B, T): " +
                              ", ".join(f"{name} {got[name]}" for name in expected) +
                              " (every response token needs exactly one rollout log-prob)")
-        if self.rollout_experts_BSLK is not None and (self.rollout_experts_BSLK.dim() != 4 or
-                                                      tuple(self.rollout_experts_BSLK.shape[:2]) != (B, P + T)):
-            raise ValueError(f"Rollout rollout_experts_BSLK has shape {tuple(self.rollout_experts_BSLK.shape)}, "
-                             f"expected ({B}, {P + T}, L, K): one route per input position (P={P} + T={T})")
         if self.version_B is not None and tuple(self.version_B.shape) != (B,):
             raise ValueError(f"Rollout version_B has shape {tuple(self.version_B.shape)}, expected ({B},)")
 
