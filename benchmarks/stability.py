@@ -481,8 +481,9 @@ def run_matrix(profile_name: str, bench_dir: Path, results_prefix: Path, workers
     bench_dir.mkdir(parents=True, exist_ok=True)
     warm_cold_starts(profile)
     jobs = []
-    for seed in profile.seeds:  # seed-major: a partial matrix already has every cell at some seeds
-        for n in profile.minibatches:
+    # largest N first, then seed-major: a partial matrix has every method at the most off-policy N first
+    for n in sorted(profile.minibatches, reverse=True):
+        for seed in profile.seeds:
             for method in profile.methods:
                 out = cell_dir(bench_dir, method, n, seed)
                 overrides = cell_overrides(profile, method, n, seed, out)
