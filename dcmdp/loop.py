@@ -180,7 +180,8 @@ def _guard_step(s: Setup, step: int, metrics: dict[str, float], kept: bool) -> d
         log.warning("step %d: non-finite values (samples dropped: %s; updates skipped: %d)%s; %d consecutive bad "
                     "step(s)", step + 1, what or "none", int(skipped), "; every sample dropped" if not kept else "",
                     s.bad_steps)
-    return {"guard/dropped_samples": float(sum(dropped.values())), "guard/skipped_step": float(not kept),
+    return {"guard/dropped_samples": float(sum(dropped.values())), "guard/skipped_updates": float(skipped),
+            "guard/skipped_step": float(not kept),
             "guard/bad_step": float(bad), "guard/consecutive_bad_steps": float(s.bad_steps)}
 
 

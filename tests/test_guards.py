@@ -215,6 +215,8 @@ def test_nan_rollout_logp_is_dropped_counted_and_lambda_kept(tmp_path, monkeypat
     assert _metric(client, summary.run_id, "guard/skipped_step") == {1: 0.0, 2: 0.0, 3: 1.0, 4: 0.0}
     assert _metric(client, summary.run_id, "guard/consecutive_bad_steps") == {1: 0.0, 2: 0.0, 3: 1.0, 4: 0.0}
     assert _metric(client, summary.run_id, "dual/skipped") == {1: 0.0, 2: 0.0, 3: 1.0, 4: 0.0}
+    assert _metric(client, summary.run_id, "guard/skipped_updates") == {1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0}
+    assert _metric(client, summary.run_id, "guard/dropped_samples") == {1: 0.0, 2: 1.0, 3: 4.0, 4: 0.0}
     lam = _metric(client, summary.run_id, "dual/lambda/abs_prob_diff")
     # fp32 engine: D ~ 1e-9 << c = 0.005, so a finite measurement moves lambda down by ~0.005 (lr 1)
     assert lam[2] == pytest.approx(lam[1] - 0.005, abs=1e-6) and lam[4] == pytest.approx(lam[3] - 0.005, abs=1e-6)
