@@ -55,6 +55,15 @@ def _cmd_tune(ns: argparse.Namespace) -> int:
     return 0 if best is not None else 3
 
 
+def _cmd_eval(ns: argparse.Namespace) -> int:
+    from dcmdp.evaluation import evaluate_checkpoint
+
+    path, overrides = _split_config_args(ns.args)
+    cfg = load_config(path, overrides)
+    print(evaluate_checkpoint(cfg, ns.checkpoint).line())
+    return 0
+
+
 def _cmd_report(ns: argparse.Namespace) -> int:
     from dcmdp.report import write_report
 
@@ -98,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "(see dcmdp/tune.py)")
     u.add_argument("--workers", type=int, default=None, help="trials at once (default: the tune file's workers)")
     u.set_defaults(func=_cmd_tune)
+
+    e = sub.add_parser("eval", help="held-out accuracy of a checkpoint: dcmdp eval [CONFIG.yaml] [key=value ...] "
+                       "--checkpoint PATH|auto")
+    e.add_argument("args", nargs="*", help="the run's YAML config and/or dotlist overrides (output_dir=... for auto)")
+    e.add_argument("--checkpoint", default="auto", help="a checkpoint directory, or auto: the newest valid one in "
+                   "<output_dir>/checkpoints (default: auto)")
+    e.set_defaults(func=_cmd_eval)
 
     r = sub.add_parser("report", help="compare MLflow runs: tables + plots of lambda, discrepancy, accuracy")
     r.add_argument("runs", nargs="+", help="run ids or an experiment name")

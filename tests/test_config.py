@@ -67,3 +67,11 @@ def test_missing_and_malformed_files(tmp_path):
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
 def test_every_shipped_config_loads(name):
     load_config(CONFIGS / name)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (CONFIGS / "tune").glob("*.yaml")))
+def test_every_shipped_tune_file_loads(name):
+    from dcmdp.tune import load_tune_config
+
+    cfg = load_tune_config(CONFIGS / "tune" / name)
+    load_config(cfg.base, cfg.overrides)

@@ -1,0 +1,41 @@
+"""``dcmdp eval`` scores a checkpoint with the end-of-training evaluation: the checkpoint written at the end
+of a real run reproduces that run's final held-out accuracy exactly (same prompts, engine and seed)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dcmdp.config import load_config
+from dcmdp.evaluation import evaluate_checkpoint
+
+
+def _overrides(out, cache) -> list[str]:
+    return ["model.preset=tiny-moe", "rollout.precision=int8", "cold_start.steps=20", f"cold_start.cache_dir={cache}",
+            "algo.prompts_per_step=4", "algo.samples_per_prompt=2", "task.eval_size=32", "steps=3", "threads=1",
+            "progress=false", f"output_dir={out}"]
+
+
+def test_eval_of_the_final_checkpoint_reproduces_the_final_accuracy(tmp_path):
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "dcmdp.cli", "train", *_overrides(out, cache)], check=True, env=env,
+                   timeout=300, capture_output=True)
+    summary = json.loads((out / "summary.json").read_text())
+
+    result = evaluate_checkpoint(load_config(None, _overrides(out, cache)), "auto")
+    assert result.step == 3 and result.prompts == 32
+    assert result.accuracy == summary["accuracy_after"]
+
+    cli = subprocess.run([sys.executable, "-m", "dcmdp.cli", "eval", *_overrides(out, cache), "--checkpoint",
+                          result.checkpoint], env=env, timeout=300, capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert f"held-out accuracy: {summary['accuracy_after']:.1%} on 32 prompts" in cli.stdout
+
+
+def test_eval_without_a_checkpoint_is_a_clear_error(tmp_path):
+    cfg = load_config(None, _overrides(tmp_path / "empty", tmp_path / "cache"))
+    with pytest.raises(FileNotFoundError, match="no valid checkpoint"):
+        evaluate_checkpoint(cfg, "auto")
