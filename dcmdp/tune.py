@@ -323,6 +323,7 @@ class _Sweep:
         self.parent_id: Optional[str] = None
         self.tracker: Optional[Tracker] = None
         self.started = 0  # trials launched by this call
+        self.stopping = False  # set on an interrupt: no new trial starts
 
     def start_parent(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -360,11 +361,16 @@ class _Sweep:
         if (d / "summary.json").is_file() and cached.is_file():
             return Trial(**json.loads(cached.read_text()))
         trial = Trial(trial_id, settings)
+        if self.stopping:
+            trial.status, trial.error = "failed", "not started: the sweep was interrupted"
+            return trial
         if not (d / "summary.json").is_file():
             overrides = {"output_dir": str(d.resolve()), "tracking.uri": self.tracking_uri,
                          "tracking.run_name": f"{self.out.name}-{trial_id}", "tracking.buffer_dir": None,
                          "tracking.parent_run_id": None if self.parent_id is None or self.parent_id.startswith(
-                             LOCAL_ID_PREFIX) else self.parent_id, "progress": False}
+                             LOCAL_ID_PREFIX) else self.parent_id, "progress": False,
+                         # a trial interrupted with the sweep continues from its last checkpoint, same child run
+                         "checkpoint.resume": "auto"}
             try:
                 run_cfg = apply_settings(self.base, {**overrides, **settings})
             except ConfigError as exc:
@@ -427,8 +433,15 @@ class _Sweep:
                 and self.base.cold_start.steps > 0 and not self.base.model.path):
             first = [self.run(*pending[0])]
         done = {t.trial: t for t in first}
-        with ThreadPoolExecutor(max_workers=self.cfg.workers) as pool:
+        pool = ThreadPoolExecutor(max_workers=self.cfg.workers)
+        try:
             rest = list(pool.map(lambda j: self.run(*j), [j for j in jobs if j[0] not in done]))
+        except BaseException:
+            # Ctrl-C reaches the trials too (same process group): they checkpoint and exit; start no new one
+            self.stopping = True
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        pool.shutdown()
         done.update({t.trial: t for t in rest})
         return [done[j[0]] for j in jobs]
 
@@ -456,6 +469,9 @@ def tune(cfg: TuneConfig) -> tuple[list[Trial], Optional[Trial]]:
                                    "tune/seconds": seconds}, step=0)
         status = "FINISHED"
         return trials, best
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
     finally:
         sweep.tracker.finish(status)
 
