@@ -28,6 +28,7 @@ ratios dcmdp / TRL.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trl_throughput.py            # full, writes results/
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trl_throughput.py --smoke    # seconds, dcmdp side only
+    .venv/bin/python benchmarks/trl_throughput.py --render benchmarks/results/trl_throughput.json  # md only
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ def _env(threads: int) -> dict[str, str]:
 
 def run_dcmdp(args, model_dir: str, work: Path, rep: int) -> dict:
     out = work / f"dcmdp-{rep}"
-    cmd = [sys.executable, "-m", "dcmdp.cli", "train", str(CONFIG.relative_to(ROOT))] + run_config(args, model_dir, str(out))
+    cmd = [sys.executable, "-m", "dcmdp.cli", "train", str(CONFIG.relative_to(ROOT)),
+           *run_config(args, model_dir, str(out))]
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, env=_env(args.threads), check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
@@ -199,7 +201,13 @@ def main(argv: list[str] | None = None) -> dict:
                     "1 repetition, dcmdp side only, results to --out-dir (a temporary folder by default)")
     ap.add_argument("--out-dir", default=None, help="where trl_throughput.{md,json} go (default "
                     "benchmarks/results, or a temporary folder with --smoke)")
+    ap.add_argument("--render", default=None, metavar="JSON", help="only rewrite the markdown next to a saved "
+                    "trl_throughput.json from it (no runs)")
     args = ap.parse_args(argv)
+    if args.render:
+        result = json.loads(Path(args.render).read_text())
+        Path(args.render).with_suffix(".md").write_text(markdown(argparse.Namespace(**result["args"]), result))
+        return result
     if args.smoke:
         args.steps, args.warmup, args.repeats, args.prompts, args.samples = 3, 1, 1, 4, 2
         args.max_new_tokens, args.coldstart_steps, args.eval_size, args.skip_trl = 4, 0, 8, True
@@ -209,7 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="trl-throughput-") as tmp:
         work = Path(tmp)
-        out_dir = Path(args.out_dir) if args.out_dir else (work / "results" if args.smoke else ROOT / "benchmarks/results")
+        default_out = work / "results" if args.smoke else ROOT / "benchmarks" / "results"
+        out_dir = Path(args.out_dir) if args.out_dir else default_out
         model_dir, coldstart_info = prepare_model(args, work)
         prompts = step_prompts(args)
         runs: dict[str, list[dict]] = {"dcmdp": [], "trl": []}
@@ -266,7 +275,9 @@ def _cpu_model() -> str:
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
-    return "-" if x is None else f"{x:.{digits}g}"
+    if x is None:
+        return "-"
+    return f"{x:.0f}" if abs(x) >= 10 ** digits else f"{x:.{digits}g}"
 
 
 def write_results(args, result: dict, out_dir: Path) -> None:
@@ -303,8 +314,9 @@ def markdown(args, result: dict) -> str:
         f"{_fmt(r.get('steps_per_s'))} |",
         f"| response tokens / step | {_fmt(d.get('tokens_per_step'))} | {_fmt(t.get('tokens_per_step'))} | |",
         f"| step period, s (median) | {_fmt(d.get('period_median'))} | {_fmt(t.get('period_median'))} | |", "",
-        "Ratios per repetition (tokens/s): "
-        + (", ".join(f"{x:.2f}" for x in r.get("per_repetition_tokens_per_s", [])) or "-"), "",
+        target_line(r), "",
+        "| repetition (order) | dcmdp tokens/s | TRL tokens/s | dcmdp / TRL |", "|---|---|---|---|",
+        *repetition_rows(result), "",
         "Where a step's time goes (median seconds per step over timed steps, then over repetitions; "
         "rows side by side are the closest counterparts):", "",
         "| dcmdp phase | s | TRL phase | s |", "|---|---|---|---|",
@@ -325,9 +337,42 @@ def markdown(args, result: dict) -> str:
         lines.append(f"| {dl} | {_fmt(d.get(dk))} | {tl} | {_fmt(tv)} |")
     if t:
         lines += ["", "TRL update split: " + ", ".join(f"{k} {_fmt(t[k])} s" for k in
-                                                        ("time/loss_forward", "time/backward", "time/optimizer"))]
+                                                        ("time/loss_forward", "time/backward", "time/optimizer")),
+                  "", reading(d, t, upd)]
     lines += ["", NOTES]
     return "\n".join(lines) + "\n"
+
+
+def reading(d: dict, t: dict, trl_update: float) -> str:
+    """The per-phase differences in words (computed, so a rerun rewrites them)."""
+    extra = d["time/measure"] + d["time/dual"] + d["time/sync"]
+    return (f"Reading: per step dcmdp gains {trl_update - d['time/update']:+.3f} s in the update and "
+            f"{t['time/generate'] - d['time/rollout']:+.3f} s in generation, and loses "
+            f"{d['time/old_logp'] - t['time/score']:.3f} s in the pi_old + reward phase (TRL skips the pi_old "
+            f"forward at N = 1), {d['time/other'] - t['time/other']:.3f} s between steps (MLflow logging of every "
+            f"metric) and {extra:.3f} s to measure + dual + "
+            f"sync. A 2x lead needs a dcmdp step of {t['period_median'] / 2:.2f} s; its generation alone takes "
+            f"{d['time/rollout']:.2f} s of the {d['period_median']:.2f} s it now needs.")
+
+
+def target_line(ratio: dict) -> str:
+    if not ratio:
+        return "TRL side not run: no ratio."
+    x = ratio["tokens_per_s"]
+    verdict = "met" if x >= 2.0 else "not met"
+    return (f"Target dcmdp >= 2x TRL tokens/s: {verdict} (median ratio {x:.2f}, per repetition "
+            f"{min(ratio['per_repetition_tokens_per_s']):.2f} to {max(ratio['per_repetition_tokens_per_s']):.2f}).")
+
+
+def repetition_rows(result: dict) -> list[str]:
+    rows = []
+    d_runs, t_runs = result["per_run"]["dcmdp"], result["per_run"]["trl"]
+    for i, d in enumerate(d_runs):
+        t = t_runs[i] if i < len(t_runs) else None
+        order = "dcmdp, TRL" if i % 2 == 0 else "TRL, dcmdp"
+        rows.append(f"| {i + 1} ({order}) | {_fmt(d['tokens_per_s'])} | {_fmt(t and t['tokens_per_s'])} | "
+                    f"{_fmt(t and d['tokens_per_s'] / t['tokens_per_s'])} |")
+    return rows
 
 
 NOTES = """Settings matched, and where they differ:
@@ -347,6 +392,8 @@ NOTES = """Settings matched, and where they differ:
 - Generation: dcmdp's embedded engine runs its own KV-cached decode loop (one forward per token, stops when
   every row has emitted EOS); TRL calls `model.generate` (the same stopping rule). Both count response tokens
   with the EOS token.
+- Threads: one torch thread per side (`OMP_NUM_THREADS=1`, `threads=1`): the machine's two cores are shared
+  with other jobs, and a second thread per side would only add contention.
 - Timing: wall-clock periods between consecutive step ends, so everything a step costs is in; processes,
   imports and model loading are outside. The 2-core machine is shared with other jobs, so single numbers
   move; the sides were alternated and compared as per-repetition ratios."""
