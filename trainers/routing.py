@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
@@ -67,11 +68,13 @@ class _RouteContext:
     router_calls: int = 0
 
 
-_ACTIVE: Optional[_RouteContext] = None
+# The active context is per thread: the asynchronous rollout worker (dcmdp.async_rollout) captures the
+# rollout engine's routes while the trainer captures or replays its own in the main thread.
+_LOCAL = threading.local()
 
 
 def _patched_forward(self, hidden_states: Tensor):
-    ctx = _ACTIVE
+    ctx = getattr(_LOCAL, "active", None)
     layer = getattr(self, "_dcmdp_layer", None)
     if ctx is None or layer is None:
         return _original_forward(self, hidden_states)
@@ -114,14 +117,13 @@ def is_moe(model: torch.nn.Module) -> bool:
 
 @contextlib.contextmanager
 def _activate(ctx: _RouteContext) -> Iterator[_RouteContext]:
-    global _ACTIVE
-    if _ACTIVE is not None:
+    if getattr(_LOCAL, "active", None) is not None:
         raise RuntimeError("routing capture/replay contexts cannot be nested")
-    _ACTIVE = ctx
+    _LOCAL.active = ctx
     try:
         yield ctx
     finally:
-        _ACTIVE = None
+        _LOCAL.active = None
 
 
 class RouteCapture:
