@@ -115,23 +115,45 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, payload: dict[str, Any], *,
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
+    _check_plain(payload, "payload")
+    return publish_checkpoint(prepare_checkpoint_dir(ckpt_dir, step), ckpt_dir, step, payload, keep=keep)
+
+
+def prepare_checkpoint_dir(ckpt_dir: str | Path, step: int) -> Path:
+    """The temporary directory a checkpoint of ``step`` is written into (first half of ``save_checkpoint``).
+
+    Other writers (``torch.distributed.checkpoint`` shards) may add files to it before
+    ``publish_checkpoint``, which lists every file in the manifest.
+    """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    _check_plain(payload, "payload")
     ckpt_dir = Path(ckpt_dir)
     try:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CheckpointError(f"cannot create checkpoint directory {ckpt_dir}: {_why(exc)}") from exc
     _clean_leftovers(ckpt_dir)
-    final = ckpt_dir / _dir_name(step)
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{final.name}-", dir=ckpt_dir))
+        return Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{_dir_name(step)}-", dir=ckpt_dir))
     except OSError as exc:
         raise CheckpointError(f"checkpoint directory {ckpt_dir} is not writable: {_why(exc)}") from exc
+
+
+def publish_checkpoint(tmp: Path, ckpt_dir: str | Path, step: int, payload: dict[str, Any], *, keep: int) -> Path:
+    """Write ``payload`` into ``tmp`` as ``state.pt``, checksum every file there, rename ``tmp`` into place and
+    prune (second half of ``save_checkpoint``). On failure ``tmp`` is removed and ``CheckpointError`` raised."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    _check_plain(payload, "payload")
+    ckpt_dir = Path(ckpt_dir)
+    final = ckpt_dir / _dir_name(step)
     t0 = time.perf_counter()
     try:
         files = {STATE_FILE: _write_state(tmp / STATE_FILE, payload)}
+        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            name = f.relative_to(tmp).as_posix()
+            if name != STATE_FILE:
+                files[name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
         manifest = {"format_version": FORMAT_VERSION, "step": int(step), "files": files,
                     "payload_keys": sorted(map(str, payload)),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -144,8 +166,8 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, payload: dict[str, Any], *,
             raise CheckpointError(f"could not write checkpoint step {step} to {ckpt_dir}: {_why(exc)}; "
                                   f"existing checkpoints were left as they were") from exc
         raise
-    log.info("saved checkpoint %s (%.1f MB in %.2f s)", final, files[STATE_FILE]["bytes"] / 1e6,
-             time.perf_counter() - t0)
+    size = sum(meta["bytes"] for meta in files.values())
+    log.info("saved checkpoint %s (%.1f MB in %.2f s)", final, size / 1e6, time.perf_counter() - t0)
     _prune(ckpt_dir, keep, final)
     return final
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -25,7 +26,8 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     path, overrides = _split_config_args(ns.args)
     cfg = load_config(path, overrides)
     summary = train(cfg)
-    print("\n".join(summary.lines()))
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
+        print("\n".join(summary.lines()))
     return 0
 
 

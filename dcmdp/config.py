@@ -105,6 +105,23 @@ class GuardConfig:
 
 
 @dataclass
+class DistConfig:
+    # Process-group backend under torchrun: auto (gloo: the trainer runs on the CPU) | gloo | nccl.
+    backend: str = "auto"
+    # FSDP2 compute dtype of the sharded model (master weights stay float32): fp32 | bf16.
+    param_dtype: str = "fp32"
+    # FSDP2 dtype of the gradient reduce-scatter: fp32 | bf16.
+    reduce_dtype: str = "fp32"
+
+    def check(self, prefix: str = "dist") -> None:
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"config error at '{prefix}.backend': got {self.backend!r}, expected auto, gloo or nccl")
+        for key in ("param_dtype", "reduce_dtype"):
+            if getattr(self, key) not in ("fp32", "bf16"):
+                raise ValueError(f"config error at '{prefix}.{key}': got {getattr(self, key)!r}, expected fp32 or bf16")
+
+
+@dataclass
 class RunConfig:
     # Seed of everything (python, numpy, torch, task generators).
     seed: int = 0
@@ -128,6 +145,7 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
 
 def _valid_keys(node: Any) -> list[str]:
@@ -225,6 +243,7 @@ def validate(cfg: RunConfig) -> None:
         cfg.algo.check()
         cfg.optim.check()
         cfg.dual.pid.check()
+        cfg.dist.check()
         for i, c in enumerate(cfg.dual.constraints):
             c.check(f"dual.constraints[{i}]")
     except ValueError as exc:

@@ -24,6 +24,7 @@ from constraints.penalties import constraint_names
 from dcmdp.checkpoint import (SignalCheckpointer, capture_rng, find_resume_checkpoint, load_checkpoint,
                               restore_rng, save_checkpoint)
 from dcmdp.config import RunConfig, flatten, to_yaml
+from dcmdp import distributed
 from dcmdp.dual import DualState, dual_step, init_state
 from dcmdp.plots import plot_dual
 from dcmdp.tracking import Tracker
@@ -60,6 +61,8 @@ class Setup:
     start_step: int = 0
     # Consecutive bad steps so far (every sample dropped or an update skipped; see guard.max_bad_steps).
     bad_steps: int = 0
+    # Rank and world size under torchrun (world 1: a single process).
+    dist: distributed.Dist = field(default_factory=distributed.Dist)
 
 
 @dataclass
@@ -95,6 +98,7 @@ def train(cfg: RunConfig) -> Summary:
     with SignalCheckpointer() as stop:
         for step in bar:
             _train_step(s, step, bar)
+            distributed.agree_stop(stop, s.dist)
             if s.bad_steps >= cfg.guard.max_bad_steps:
                 _stop_bad_run(s, step + 1)
             if stop.requested or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):
@@ -119,7 +123,7 @@ def _train_step(s: Setup, step: int, bar) -> None:
     rewards_B, reward_metrics = reward_phase(s, examples, rollout)
     rollout, advantages_B, keep_B, guard_metrics = screen_phase(s, rollout, rewards_B)
     batch = learner.score_old(s.model, rollout, advantages_B, cfg.algo, temperature=cfg.rollout.temperature,
-                              fp32_lm_head=cfg.model.fp32_lm_head, moe=s.moe)
+                              fp32_lm_head=cfg.model.fp32_lm_head, moe=s.moe, shard=s.dist.shard)
     batch, keep_B, old_metrics = learner.screen_old(batch, keep_B)
     kept = bool(keep_B.any())
     t2 = time.perf_counter()
@@ -132,7 +136,7 @@ def _train_step(s: Setup, step: int, bar) -> None:
         constraints=cfg.dual.constraints, penalty=cfg.dual.penalty, dual_enabled=cfg.dual.enabled,
         cfg=cfg.algo, temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
         grad_clip=cfg.optim.grad_clip,
-        generator=torch.Generator().manual_seed(_step_seed(cfg.seed, step, 2))) if kept else []
+        generator=torch.Generator().manual_seed(_step_seed(cfg.seed, step, 2)), shard=s.dist.shard) if kept else []
     t4 = time.perf_counter()
     s.dual, dual_metrics = dual_step(s.dual, measured_C, cfg.dual)
     t5 = time.perf_counter()
@@ -201,13 +205,15 @@ def _stop_bad_run(s: Setup, step: int) -> None:
 
 def setup(cfg: RunConfig) -> Setup:
     """Seeds, tokenizer, task, (cold-started) model, rollout engine, optimiser, dual state, tracker."""
+    d = distributed.init(cfg)
     _seed_everything(cfg.seed)
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(to_yaml(cfg))
+        if d.main:
+            (out / "config.yaml").write_text(to_yaml(cfg))
     except OSError as exc:
         raise OSError(exc.errno, f"output_dir={cfg.output_dir!r} is not a writable directory: "
                                  f"{exc.strerror or exc} ({exc.filename or out})") from exc
@@ -225,13 +231,17 @@ def setup(cfg: RunConfig) -> Setup:
     if cfg.model.path:
         model_dir = cfg.model.path
     elif cfg.cold_start.steps > 0:
-        model, info = cold_start(model, tokenizer, task, cfg.cold_start, cfg.model, seed=cfg.seed, eos_id=eos_id,
-                                 progress=cfg.progress)
+        with d.main_first():  # rank 0 fills the on-disk cache, the other ranks load from it
+            model, info = cold_start(model, tokenizer, task, cfg.cold_start, cfg.model, seed=cfg.seed, eos_id=eos_id,
+                                     progress=cfg.progress and d.main)
         model_dir = str(info["model_dir"])
     else:
         model_dir = str(out / "initial_model")
-        save_model_dir(model, tokenizer, model_dir)
-    engine = build_engine(cfg.rollout, model, model_dir, eos_id=eos_id, pad_id=pad_id)
+        if d.main:
+            save_model_dir(model, tokenizer, model_dir)
+    engine = build_engine(cfg.rollout, model, model_dir, eos_id=eos_id, pad_id=pad_id) if d.main else None
+    engine = distributed.rank_zero_engine(engine, d)
+    model = distributed.shard_model(model, cfg, d)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
     scheduler = None
@@ -239,28 +249,27 @@ def setup(cfg: RunConfig) -> Setup:
         warm = cfg.optim.warmup_steps * cfg.algo.minibatches
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warm))
     dual, history, start_step, run_id, bad_steps = init_state(cfg.dual), [], 0, None, 0
-    resume = find_resume_checkpoint(out / "checkpoints", cfg.checkpoint.resume)
+    resume = d.from_main(find_resume_checkpoint(out / "checkpoints", cfg.checkpoint.resume) if d.main else None)
     if resume is not None:
         state = load_checkpoint(resume)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        distributed.restore_model_optimizer(resume, state, model, optimizer, d)
         if scheduler is not None and state["scheduler"] is not None:
             scheduler.load_state_dict(state["scheduler"])
         dual, history = DualState.from_state_dict(state["dual"]), list(state["history"])
         start_step, run_id = int(state["step"]), state["run_id"]
         bad_steps = int(state.get("guard", {}).get("consecutive_bad_steps", 0))
-        restore_rng(state["rng"])
+        distributed.restore_rank_rng(state, d)
         # the engine must sample from the trainer's weights, not the cold start's, from the first new rollout
         engine.load_weights(model.state_dict(), version=int(state["engine_version"]))
         log.info("resumed from %s at step %d (MLflow run %s)", resume, start_step, run_id)
     elif cfg.checkpoint.resume and cfg.checkpoint.resume != "auto":
         raise FileNotFoundError(f"checkpoint.resume={cfg.checkpoint.resume!r}: no checkpoint there")
-    tracker = Tracker(cfg.tracking, out)
+    tracker = Tracker(cfg.tracking, out) if d.main else distributed.NoTracker()
     tracker.start(flatten(cfg), run_id=run_id,
                   tags={"model.preset": cfg.model.preset, "dcmdp.version": _version()})
     tracker.log_artifact(out / "config.yaml")
     return Setup(cfg, tokenizer, task, model, model_dir, engine, optimizer, scheduler, dual, tracker,
-                 is_moe(model), constraint_names(cfg.dual.constraints), history, start_step, bad_steps)
+                 is_moe(model), constraint_names(cfg.dual.constraints), history, start_step, bad_steps, dist=d)
 
 
 def checkpoint(s: Setup, step: int) -> Path:
@@ -269,7 +278,12 @@ def checkpoint(s: Setup, step: int) -> Path:
                "scheduler": s.scheduler.state_dict() if s.scheduler is not None else None,
                "dual": s.dual.state_dict(), "engine_version": s.engine.version, "run_id": s.tracker.run_id,
                "history": s.history, "rng": capture_rng(), "guard": {"consecutive_bad_steps": s.bad_steps}}
-    return save_checkpoint(Path(s.cfg.output_dir) / "checkpoints", step, payload, keep=s.cfg.checkpoint.keep)
+    ckpt_dir = Path(s.cfg.output_dir) / "checkpoints"
+    if s.dist.world > 1:
+        payload = {k: v for k, v in payload.items() if k not in ("model", "optimizer")}
+        return distributed.save_sharded_checkpoint(ckpt_dir, step, payload, s.model, s.optimizer,
+                                                   keep=s.cfg.checkpoint.keep, d=s.dist)
+    return save_checkpoint(ckpt_dir, step, payload, keep=s.cfg.checkpoint.keep)
 
 
 def rollout_phase(s: Setup, step: int) -> tuple[list[Example], Rollout]:
@@ -317,7 +331,7 @@ def evaluate(s: Setup, seed: int) -> float:
 
 def finish(s: Setup, acc_before: float, acc_after: float, seconds: float) -> Summary:
     cfg, out = s.cfg, Path(s.cfg.output_dir)
-    if s.history and s.names:
+    if s.history and s.names and s.dist.main:
         plot_dual(s.history, s.names, out / "dual.png")
         s.tracker.log_artifact(out / "dual.png")
     # steps with every sample dropped measured nothing and have no discrepancy/ keys
@@ -325,10 +339,12 @@ def finish(s: Setup, acc_before: float, acc_after: float, seconds: float) -> Sum
     mean_disc = {k.split("/", 1)[1]: float(np.mean([h[k] for h in s.history if k in h])) for k in disc_keys}
     summary = Summary(acc_before, acc_after, {n: float(v) for n, v in zip(s.names, s.dual.lambda_C)}, mean_disc,
                       cfg.steps, s.tracker.run_id, s.tracker.tracking_uri, str(out), seconds)
-    (out / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
+    if s.dist.main:
+        (out / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
     s.tracker.log_artifact(out / "summary.json")
     s.tracker.finish()
     s.engine.close()
+    distributed.shutdown(s.dist)
     return summary
 
 

@@ -5,6 +5,12 @@ is IS-corrected for the training-inference discrepancy rho = pi_old / mu (``is_m
 staleness ratio r = pi_theta / pi_old that the clip acts on; no length normalisation (sum over tokens
 divided by the mini-batch's token count); MoE routes may be replayed (R2: the training engine's routes
 recorded while computing pi_old; R3: the rollout engine's routes) in the pi_old pass and every update.
+
+Data parallelism (``DataShard``, world > 1 under ``torchrun`` with an FSDP2-sharded model): every rank holds
+the whole rollout batch but runs the model only on its own block of rows; the per-token log-probs are
+all-gathered, so everything computed from them (pi_old screening, measures, IS weights, every metric) is
+the full-batch value on every rank, and each loss is the rank's token sum divided by the GLOBAL token
+count of the mini-batch, so the summed gradients equal the single-process gradient.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from constraints.config import ConstraintConfig
@@ -31,6 +38,31 @@ log = logging.getLogger(__name__)
 
 class ReplayError(RuntimeError):
     """A requested routing replay did not replace the expected number of (token, layer) routes."""
+
+
+@dataclass(frozen=True)
+class DataShard:
+    """This process's share of a batch under data parallelism: rank ``rank`` of ``world`` takes the
+    ``rank``-th of ``world`` equal contiguous blocks of rows. ``world == 1``: the whole batch, no collective."""
+
+    rank: int = 0
+    world: int = 1
+
+    def rows(self, n: int) -> Tensor:
+        """Indices of this rank's block of ``n`` rows (``n`` must divide evenly)."""
+        if n % self.world:
+            raise ValueError(f"{n} rows do not split evenly over {self.world} ranks")
+        k = n // self.world
+        return torch.arange(self.rank * k, (self.rank + 1) * k)
+
+    def gather_rows(self, local: Tensor) -> Tensor:
+        """Concatenation over ranks (in rank order) of every rank's ``local`` block: the full-batch tensor."""
+        if self.world == 1:
+            return local
+        local = local.contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        dist.all_gather(parts, local)
+        return torch.cat(parts)
 
 
 @dataclass
@@ -82,16 +114,24 @@ def _forward_logp(model, rollout: Rollout, *, temperature: float, fp32_lm_head: 
 
 @torch.no_grad()
 def score_old(model, rollout: Rollout, advantages_B: Tensor, cfg: AlgoConfig, *, temperature: float,
-              fp32_lm_head: bool, moe: bool) -> ScoredBatch:
-    """Recompute log pi_old with the training engine (replaying the rollout's routes under R3)."""
+              fp32_lm_head: bool, moe: bool, shard: DataShard = DataShard()) -> ScoredBatch:
+    """Recompute log pi_old with the training engine (replaying the rollout's routes under R3).
+
+    Under data parallelism each rank scores its block of rows and the results are gathered: every rank
+    returns the full batch.
+    """
     if cfg.routing_replay != "none" and not moe:
         raise ValueError(f"routing_replay={cfg.routing_replay} needs an MoE model")
     r3 = cfg.routing_replay == "r3"
     if r3 and rollout.rollout_experts_BSLK is None:
         raise ValueError("routing_replay=r3 needs the rollout engine's routes, and this engine reported none")
+    local = rollout.select(shard.rows(len(rollout))) if shard.world > 1 else rollout
     old_logp_BT, _, train_experts = _forward_logp(
-        model, rollout, temperature=temperature, fp32_lm_head=fp32_lm_head, with_entropy=False,
-        replay_experts_BSLK=rollout.rollout_experts_BSLK if r3 else None, capture=moe and not r3)
+        model, local, temperature=temperature, fp32_lm_head=fp32_lm_head, with_entropy=False,
+        replay_experts_BSLK=local.rollout_experts_BSLK if r3 else None, capture=moe and not r3)
+    old_logp_BT = shard.gather_rows(old_logp_BT)
+    if train_experts is not None:
+        train_experts = shard.gather_rows(train_experts)
     if r3:
         train_experts = rollout.rollout_experts_BSLK
     replay = {"none": None, "r2": train_experts, "r3": rollout.rollout_experts_BSLK}[cfg.routing_replay]
@@ -134,14 +174,51 @@ def minibatch_indices(batch_size: int, num_minibatches: int, generator: torch.Ge
     return list(perm.chunk(num_minibatches))
 
 
+def _minibatch_terms(logp_BT: Tensor, ent_BT: Tensor, rows: Tensor, batch: ScoredBatch, weights_BT: Tensor,
+                     kept_BT: Tensor, routing_BT: Optional[Tensor], normalizer: int, *, lambda_C: Tensor,
+                     constraints: Sequence[ConstraintConfig], penalty: str, dual_enabled: bool,
+                     cfg: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
+    """Loss of the batch rows ``rows`` (whose current log-probs and entropies are ``logp_BT``, ``ent_BT``):
+    policy loss + penalty - entropy_coef * entropy, each a token sum over these rows / ``normalizer``."""
+    rollout = batch.rollout
+    m_BT = rollout.response_mask_BT.bool()[rows]
+    adv_BT = batch.advantages_BT[rows]
+    metrics: dict[str, float] = {}
+    pen_loss = logp_BT.new_zeros(())
+    if dual_enabled and constraints:
+        pen_loss, adv_BT, pen_metrics = PENALTIES[penalty](
+            logp_BT, rollout.rollout_logp_BT[rows].float(), adv_BT, m_BT, lambda_C, constraints, normalizer,
+            routing_mismatch_BT=routing_BT[rows] if routing_BT is not None else None)
+        metrics.update(pen_metrics)
+    pg_loss, pg_metrics = POLICY_LOSSES[cfg.loss](logp_BT, batch.old_logp_BT[rows], adv_BT, weights_BT[rows],
+                                                  kept_BT[rows], cfg, normalizer)
+    metrics.update(pg_metrics)
+    entropy = (ent_BT * m_BT).sum() / normalizer
+    loss = pg_loss + pen_loss - cfg.entropy_coef * entropy
+    metrics.update({"loss/total": float(loss.detach()), "policy/entropy": float(entropy.detach())})
+    return loss, metrics
+
+
+def _global_norm(grad_norm: Tensor) -> Tensor:
+    """The gradient norm as a plain tensor (FSDP2 returns the norm of sharded gradients as a DTensor)."""
+    return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+
+
 def update(model, optimizer, scheduler, batch: ScoredBatch, *, lambda_C: Tensor,
            constraints: Sequence[ConstraintConfig], penalty: str, dual_enabled: bool, cfg: AlgoConfig,
-           temperature: float, fp32_lm_head: bool, grad_clip: float, generator: torch.Generator) -> list[dict]:
+           temperature: float, fp32_lm_head: bool, grad_clip: float, generator: torch.Generator,
+           shard: DataShard = DataShard()) -> list[dict]:
     """N mini-batch optimiser steps on one scored rollout batch; returns one metrics dict per step.
 
     A mini-batch whose loss or gradient norm is non-finite gets no optimiser step (its gradients are
     zeroed, a warning is logged); 'guard/skipped_update' says so per mini-batch, and the first dict carries
     'guard/skipped_updates', the number skipped in this call.
+
+    Under data parallelism (``shard.world > 1``) the mini-batches are the single-process ones (same seeded
+    permutation); each rank back-propagates its block of every mini-batch with the mini-batch's global token
+    count as normalizer (the FSDP gradient reduction sums), and the metrics, the loss included, are
+    recomputed from the gathered per-token log-probs and entropies, so they are the full mini-batch's on
+    every rank and every rank takes the same skip decision.
     """
     rollout = batch.rollout
     mask_BT = rollout.response_mask_BT.bool()
@@ -153,32 +230,31 @@ def update(model, optimizer, scheduler, batch: ScoredBatch, *, lambda_C: Tensor,
         routing_BS = routing_mismatch_per_token(batch.train_experts_BSLK, rollout.rollout_experts_BSLK)
         # the route at position s shapes the logits that predict token s + 1
         routing_BT = routing_BS[:, P - 1:-1]
+    terms = dict(lambda_C=lambda_C, constraints=constraints, penalty=penalty, dual_enabled=dual_enabled, cfg=cfg)
     out = []
     skipped = 0
     model.train()
     for idx in minibatch_indices(len(rollout), cfg.minibatches, generator):
-        mb = rollout.select(idx)
-        replay = batch.replay_experts_BSLK[idx] if batch.replay_experts_BSLK is not None else None
-        logp_BT, ent_BT, _ = _forward_logp(model, mb, temperature=temperature, fp32_lm_head=fp32_lm_head,
-                                           with_entropy=True, replay_experts_BSLK=replay, capture=False)
-        m_BT = mask_BT[idx]
-        normalizer = max(int(m_BT.sum()), 1)
-        adv_BT = batch.advantages_BT[idx]
-        metrics: dict[str, float] = {}
-        pen_loss = logp_BT.new_zeros(())
-        if dual_enabled and constraints:
-            pen_loss, adv_BT, pen_metrics = PENALTIES[penalty](
-                logp_BT, rollout.rollout_logp_BT[idx].float(), adv_BT, m_BT, lambda_C, constraints, normalizer,
-                routing_mismatch_BT=routing_BT[idx] if routing_BT is not None else None)
-            metrics.update(pen_metrics)
-        pg_loss, pg_metrics = POLICY_LOSSES[cfg.loss](logp_BT, batch.old_logp_BT[idx], adv_BT, weights_BT[idx],
-                                                      kept_BT[idx], cfg, normalizer)
-        entropy = (ent_BT * m_BT).sum() / normalizer
-        loss = pg_loss + pen_loss - cfg.entropy_coef * entropy
+        local = idx[shard.rows(len(idx))] if shard.world > 1 else idx
+        replay = batch.replay_experts_BSLK[local] if batch.replay_experts_BSLK is not None else None
+        logp_BT, ent_BT, _ = _forward_logp(model, rollout.select(local), temperature=temperature,
+                                           fp32_lm_head=fp32_lm_head, with_entropy=True,
+                                           replay_experts_BSLK=replay, capture=False)
+        normalizer = max(int(mask_BT[idx].sum()), 1)
+        loss, metrics = _minibatch_terms(logp_BT, ent_BT, local, batch, weights_BT, kept_BT, routing_BT,
+                                         normalizer, **terms)
+        if shard.world > 1:
+            with torch.no_grad():
+                full_loss, metrics = _minibatch_terms(shard.gather_rows(logp_BT.detach()),
+                                                      shard.gather_rows(ent_BT.detach()), idx, batch, weights_BT,
+                                                      kept_BT, routing_BT, normalizer, **terms)
+        else:
+            full_loss = loss.detach()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-        finite = bool(torch.isfinite(loss.detach())) and bool(torch.isfinite(grad_norm))
+        grad_norm = _global_norm(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                                grad_clip if grad_clip > 0 else float("inf")))
+        finite = bool(torch.isfinite(full_loss)) and bool(torch.isfinite(grad_norm))
         if finite:
             optimizer.step()
         else:
@@ -186,14 +262,12 @@ def update(model, optimizer, scheduler, batch: ScoredBatch, *, lambda_C: Tensor,
             optimizer.zero_grad(set_to_none=True)
             skipped += 1
             log.warning("non-finite %s in a mini-batch update (loss %s, grad norm %s): optimizer step skipped",
-                        "loss" if not bool(torch.isfinite(loss.detach())) else "gradient norm",
-                        float(loss.detach()), float(grad_norm))
+                        "loss" if not bool(torch.isfinite(full_loss)) else "gradient norm",
+                        float(full_loss), float(grad_norm))
         if scheduler is not None:
             scheduler.step()
         metrics["guard/skipped_update"] = 0.0 if finite else 1.0
-        metrics.update(pg_metrics)
-        metrics.update({"loss/total": float(loss.detach()), "policy/entropy": float(entropy.detach()),
-                        "optim/grad_norm": float(grad_norm), "optim/lr": optimizer.param_groups[0]["lr"]})
+        metrics.update({"optim/grad_norm": float(grad_norm), "optim/lr": optimizer.param_groups[0]["lr"]})
         out.append(metrics)
     out[0].update(is_metrics)
     # a count, carried by the first dict only so that averaging over the mini-batches keeps it a count

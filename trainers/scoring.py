@@ -7,6 +7,7 @@ the discrepancy the precision switches introduce.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -23,13 +24,34 @@ def position_ids(attention_mask_BS: Tensor) -> Tensor:
     return (attention_mask_BS.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
+FSDP_FORWARD_METHOD = "dcmdp_response_logprobs"
+"""Name under which an FSDP2-sharded model carries ``response_logprobs`` (see ``register_fsdp_scoring``)."""
+
+
 def lm_head_logits(model: torch.nn.Module, hidden_BTH: Tensor, *, fp32_lm_head: bool) -> Tensor:
-    """(B, T, V) logits of the model's LM head; in float32 if ``fp32_lm_head`` (MiniMax-M1 §3.2)."""
+    """(B, T, V) logits of the model's LM head; in float32 if ``fp32_lm_head`` (MiniMax-M1 §3.2).
+
+    A float32 head is called as a module (an FSDP2-sharded head gathers its weight in its forward hook);
+    a low-precision head is upcast here.
+    """
     head = model.get_output_embeddings()
-    if fp32_lm_head:
+    if fp32_lm_head and head.weight.dtype != torch.float32:
         bias = None if head.bias is None else head.bias.float()
         return F.linear(hidden_BTH.float(), head.weight.float(), bias)
-    return head(hidden_BTH)
+    return head(hidden_BTH.float() if fp32_lm_head else hidden_BTH)
+
+
+def register_fsdp_scoring(model: torch.nn.Module) -> None:
+    """Make ``response_logprobs(model, ...)`` run as an FSDP2 forward of the root ``model``.
+
+    Scoring calls the decoder (``model.model``) and the LM head, never ``model.forward``; the root's
+    parameters (embedding, final norm) are gathered only in the root's forward hooks, so the scorer is
+    attached to the model and registered as an FSDP forward method.
+    """
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    setattr(model, FSDP_FORWARD_METHOD, functools.partial(_response_logprobs, model))
+    register_fsdp_forward_method(model, FSDP_FORWARD_METHOD)
 
 
 def tempered_logp(logits_BTV: Tensor, temperature: float) -> Tensor:
@@ -50,6 +72,17 @@ def response_logprobs(model: torch.nn.Module, input_ids_BS: Tensor, attention_ma
     Returns ``(logp_BT, entropy_BT)`` with ``entropy_BT = -sum_v p_v log p_v`` (None unless
     ``with_entropy``). Values at padded response positions are finite but meaningless: mask them.
     """
+    sharded = getattr(model, FSDP_FORWARD_METHOD, None)
+    if sharded is not None:
+        return sharded(input_ids_BS, attention_mask_BS, num_prompt_positions, temperature=temperature,
+                       fp32_lm_head=fp32_lm_head, with_entropy=with_entropy)
+    return _response_logprobs(model, input_ids_BS, attention_mask_BS, num_prompt_positions,
+                              temperature=temperature, fp32_lm_head=fp32_lm_head, with_entropy=with_entropy)
+
+
+def _response_logprobs(model: torch.nn.Module, input_ids_BS: Tensor, attention_mask_BS: Tensor,
+                       num_prompt_positions: int, *, temperature: float, fp32_lm_head: bool,
+                       with_entropy: bool) -> tuple[Tensor, Optional[Tensor]]:
     S = input_ids_BS.shape[1]
     P = num_prompt_positions
     if not 1 <= P < S:

@@ -1,0 +1,321 @@
+"""Scale-out: FSDP2 data parallelism under ``torchrun``, sharded checkpoints, rank-0 rollouts.
+
+Launched by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) the run becomes data parallel:
+
+- every rank builds the same model (same seed; rank 0 runs or caches the cold start first, the others
+  load the cached result), then ``shard_model`` wraps it with ``torch.distributed.fsdp.fully_shard``: each
+  decoder layer, the LM head (its own unit so it can keep float32 parameters when ``model.fp32_lm_head``),
+  then the root (embedding, final norm), with the ``dist`` block's ``MixedPrecisionPolicy``;
+- rank 0 alone holds the rollout engine and the MLflow run: ``RankZeroEngine`` broadcasts every Rollout it
+  samples, and each rank computes the rewards and the group advantages over that FULL batch (so group
+  statistics never depend on the world size); the other ranks log nothing (``NoTracker``);
+- each rank scores and back-propagates its own block of rows (``trainers.learner.DataShard``); per-token
+  log-probs are all-gathered, so the measures, the dual step and every metric see the full batch, and
+  losses are normalised by the global token count (the gradient reduction sums, divide factor 1);
+- after the updates each sharded tensor is gathered and rank 0 pushes the full weights into its engine;
+- checkpoints are written with ``torch.distributed.checkpoint`` (``save_sharded_checkpoint``).
+
+A world size of 1 (plain ``dcmdp train``, or ``torchrun --nproc_per_node 1``) is the single-process run,
+untouched: no process group, no sharding, the plain checkpoint format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from dcmdp.checkpoint import (CheckpointError, capture_rng, prepare_checkpoint_dir, publish_checkpoint,
+                              restore_rng)
+from trainers.learner import DataShard
+
+log = logging.getLogger(__name__)
+
+SHARDED_DIR = "sharded"
+"""Sub-directory of a checkpoint holding the ``torch.distributed.checkpoint`` files (model and optimiser)."""
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class DistributedSetupError(ValueError):
+    """A run that cannot be made data parallel as configured; the message names the key to change."""
+
+
+@dataclass
+class Dist:
+    """Where this process stands in the run: rank ``rank`` of ``world`` (world 1: not distributed)."""
+
+    rank: int = 0
+    world: int = 1
+    backend: Optional[str] = None
+    shard: DataShard = field(default_factory=DataShard)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def from_main(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (pickled broadcast); ``obj`` itself when not distributed."""
+        if self.world == 1:
+            return obj
+        box = [obj if self.main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather_to_main(self, obj: Any) -> Optional[list[Any]]:
+        """Every rank's ``obj``, in rank order, on rank 0 (None elsewhere)."""
+        if self.world == 1:
+            return [obj]
+        out: Optional[list[Any]] = [None] * self.world if self.main else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    @contextlib.contextmanager
+    def main_first(self) -> Iterator[None]:
+        """Rank 0 runs the block before the others (e.g. to fill an on-disk cache they then read)."""
+        if not self.main:
+            self.barrier()
+        yield
+        if self.main:
+            self.barrier()
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The unsharded weights on rank 0 (an empty dict on the other ranks); a collective when distributed."""
+        if self.world == 1:
+            return model.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def world_from_env() -> tuple[int, int]:
+    """(rank, world size) as ``torchrun`` sets them; (0, 1) outside it."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_world(cfg, world: int) -> None:
+    """Raise DistributedSetupError for a config that cannot run on ``world`` data-parallel ranks."""
+    if world == 1:
+        return
+    algo = cfg.algo
+    batch = algo.prompts_per_step * algo.samples_per_prompt
+    if cfg.rollout.engine == "vllm":
+        raise DistributedSetupError(
+            f"rollout.engine=vllm is not supported under torchrun ({world} ranks): the trainer's ranks would each "
+            f"have to host a tensor-parallel part of one colocated vLLM engine (distributed_executor_backend="
+            f"'external_launcher') and load the gathered full weights; that is not built yet. Use "
+            f"rollout.engine=torch under torchrun, or vLLM with world size 1 (plain dcmdp train)")
+    if getattr(getattr(cfg, "async_rollout", None), "enabled", False):
+        raise DistributedSetupError(
+            f"config error at 'async_rollout.enabled': asynchronous rollouts run in a single process; under "
+            f"torchrun ({world} ranks) use async_rollout.enabled=false")
+    if (batch // algo.minibatches) % world:
+        raise DistributedSetupError(
+            f"config error at 'algo.minibatches': mini-batches of {batch // algo.minibatches} samples "
+            f"({algo.prompts_per_step} x {algo.samples_per_prompt} / {algo.minibatches}) do not split evenly over "
+            f"{world} ranks")
+    if cfg.model.dtype != "float32":
+        raise DistributedSetupError(
+            f"config error at 'model.dtype': under FSDP2 the sharded master weights stay float32 and "
+            f"dist.param_dtype sets the compute dtype; use model.dtype=float32 dist.param_dtype=bf16 instead of "
+            f"model.dtype={cfg.model.dtype}")
+    if cfg.dist.backend == "nccl":
+        raise DistributedSetupError(
+            "config error at 'dist.backend': nccl needs the trainer on GPUs, and the training loop keeps its "
+            "model and batches on the CPU; use dist.backend=gloo")
+
+
+def init(cfg) -> Dist:
+    """Join the ``torchrun`` process group (gloo) when WORLD_SIZE > 1; a single-process Dist otherwise."""
+    rank, world = world_from_env()
+    check_world(cfg, world)
+    if world == 1:
+        return Dist()
+    backend = "gloo" if cfg.dist.backend == "auto" else cfg.dist.backend
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+    return Dist(rank=dist.get_rank(), world=dist.get_world_size(), backend=backend,
+                shard=DataShard(rank=dist.get_rank(), world=dist.get_world_size()))
+
+
+def shutdown(d: Dist) -> None:
+    if d.world > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def shard_model(model: torch.nn.Module, cfg, d: Dist) -> torch.nn.Module:
+    """FSDP2: ``fully_shard`` every decoder layer, the LM head (float32 parameters when ``model.fp32_lm_head``),
+    then the root; gradients are summed across ranks (divide factor 1: the losses already divide by the
+    global token count). Returns ``model`` itself (FSDP2 shards in place)."""
+    if d.world == 1:
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    from trainers.scoring import register_fsdp_scoring
+
+    mesh = init_device_mesh("cpu", (d.world,))
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.dist.param_dtype], reduce_dtype=DTYPES[cfg.dist.reduce_dtype])
+    head_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    head = model.get_output_embeddings()
+    # a tied head shares the embedding's parameter, which the root unit holds: it cannot be its own unit
+    if head.weight is not model.get_input_embeddings().weight:
+        fully_shard(head, mesh=mesh, mp_policy=head_policy if cfg.model.fp32_lm_head else policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # a plain SUM: gloo has no pre-multiplied sum
+            module.set_force_sum_reduction_for_comms(True)
+    register_fsdp_scoring(model)
+    return model
+
+
+class RankZeroEngine:
+    """The rollout engine as every rank sees it: rank 0 drives the real engine (``inner``) and broadcasts each
+    Rollout, so every rank computes rewards and advantages over the same full batch; ``load_weights`` takes
+    the FSDP2-sharded state dict, gathers each tensor (a collective, every rank calls it) and hands the full
+    weights to rank 0's engine."""
+
+    def __init__(self, inner, d: Dist):
+        self.inner, self.d = inner, d
+        self.version = inner.version if inner is not None else 0
+
+    def generate(self, prompts: list[list[int]], seed: int):
+        return self.d.from_main(self.inner.generate(prompts, seed) if self.d.main else None)
+
+    def load_weights(self, state_dict: dict[str, Any], version: int) -> None:
+        full = {}
+        for name, tensor in state_dict.items():
+            tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            if self.d.main:  # the other ranks drop each gathered tensor at once
+                full[name] = tensor
+        if self.d.main:
+            self.inner.load_weights(full, version=version)
+        self.version = int(version)
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+
+
+def rank_zero_engine(engine, d: Dist):
+    """``engine`` itself in a single process; a ``RankZeroEngine`` around it (None off rank 0) under torchrun."""
+    return engine if d.world == 1 else RankZeroEngine(engine, d)
+
+
+def agree_stop(stop, d: Dist) -> None:
+    """Make every rank see a stop signal that any rank received (SignalCheckpointer), so that all ranks write
+    the checkpoint and leave at the same step; the signal number is the largest one received."""
+    if d.world == 1:
+        return
+    flag = torch.tensor([(stop.signum or 0) if stop.requested else 0], dtype=torch.long)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if int(flag) and not stop.requested:
+        stop.requested, stop.signum = True, int(flag)
+
+
+class NoTracker:
+    """The tracker of ranks other than 0: only rank 0 logs to MLflow."""
+
+    run_id = None
+    tracking_uri = ""
+
+    def start(self, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, *args, **kwargs) -> None:
+        pass
+
+    def log_artifact(self, *args, **kwargs) -> None:
+        pass
+
+    def finish(self, *args, **kwargs) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+
+def save_sharded_checkpoint(ckpt_dir: str | Path, step: int, payload: dict[str, Any], model: torch.nn.Module,
+                            optimizer: torch.optim.Optimizer, *, keep: int, d: Dist) -> Path:
+    """A checkpoint of a data-parallel run: model and optimiser shards with ``torch.distributed.checkpoint``
+    under ``<step dir>/sharded/``, and rank 0's ``payload`` (dual state, history, scheduler, ...) plus every
+    rank's RNG state in ``state.pt``; the same atomic, checksummed layout as ``checkpoint.save_checkpoint``
+    (every DCP file is listed in the manifest). A collective: every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    rngs = d.gather_to_main(capture_rng())
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    tmp, error = None, None
+    if d.main:
+        try:
+            tmp = prepare_checkpoint_dir(ckpt_dir, step)
+        except CheckpointError as exc:
+            error = str(exc)
+    tmp, error = d.from_main((tmp, error))
+    if error:
+        raise CheckpointError(error)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=Path(tmp) / SHARDED_DIR)
+    path = None
+    if d.main:
+        try:
+            path = publish_checkpoint(Path(tmp), ckpt_dir, step, {**payload, "rng_ranks": rngs, "world_size": d.world},
+                                      keep=keep)
+        except CheckpointError as exc:
+            error = str(exc)
+    path, error = d.from_main((path, error))
+    if error:
+        raise CheckpointError(error)
+    return Path(path)
+
+
+def restore_model_optimizer(path: str | Path, state: dict[str, Any], model: torch.nn.Module,
+                            optimizer: torch.optim.Optimizer, d: Dist) -> None:
+    """Load model and optimiser from checkpoint ``path`` (its ``state.pt`` already loaded as ``state``).
+
+    A sharded checkpoint is read with ``torch.distributed.checkpoint``, which reshards: it loads at any world
+    size, 1 included. A single-process checkpoint (full state dicts in ``state.pt``) loads at world size 1
+    only: its optimiser state is keyed by parameter index, not by name.
+    """
+    if "model" in state:
+        if d.world > 1:
+            raise CheckpointError(
+                f"checkpoint {path} was written by a single-process run; resume it with world size 1 (without "
+                f"torchrun), or start the {d.world}-rank run afresh")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    saved = int(state.get("world_size", 0))
+    if saved != d.world:
+        log.warning("checkpoint %s was written by %d ranks, this run has %d: resharding the model and optimiser",
+                    path, saved, d.world)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    holder = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(holder, checkpoint_id=Path(path) / SHARDED_DIR)
+    set_state_dict(model, optimizer, model_state_dict=holder["model"], optim_state_dict=holder["optimizer"])
+
+
+def restore_rank_rng(state: dict[str, Any], d: Dist) -> None:
+    """This rank's RNG state from the checkpoint (rank 0's when the checkpoint has no state for this rank)."""
+    rngs = state.get("rng_ranks")
+    if rngs and d.rank < len(rngs):
+        restore_rng(rngs[d.rank])
+    else:
+        restore_rng(state["rng"])
