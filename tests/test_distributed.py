@@ -1,0 +1,140 @@
+"""FSDP2 data parallelism under torchrun (CPU, gloo, 2 ranks) against the single-process run.
+
+Tolerance of the 2-rank vs 1-rank comparison: |a - b| <= 1e-6 + 1e-3 |a| on the loss, every lambda and
+every discrepancy measure, per step. The two runs compute the same float32 quantities in a different order:
+each rank runs the model on half the rows of every batch (other GEMM blockings), the gradient is the sum of
+two half-batch gradients instead of one full-batch gradient, and the gradient norm is summed over shards.
+That moves the weights by float32 rounding (~1e-7 relative) per update, which AdamW's normalisation and the
+next rollouts carry on. The discrepancy measures are means of differences of nearly equal probabilities
+(~1e-4 here), so their relative error is the largest (observed up to ~1.3e-3 relative, ~2e-8 absolute, on
+chi2 at step 4). Resuming a 2-rank sharded checkpoint at 2 ranks is exact: bitwise-equal metrics.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dcmdp.checkpoint import find_resume_checkpoint, load_checkpoint
+from dcmdp.config import load_config
+from dcmdp.distributed import SHARDED_DIR, DistributedSetupError, check_world
+
+STEPS = 4
+CONSTRAINT = """dual:
+  constraints:
+    - measure: abs_prob_diff
+      tolerance: 0.0001
+      lambda_init: 0.1
+      lr: 20.0
+"""
+
+
+def _overrides(preset: str, out: Path, cache: Path, steps: int = STEPS, *extra: str) -> list[str]:
+    # int8 rollouts and a tight tolerance make the discrepancy, the hinge penalty and lambda's moves non-trivial
+    return [f"model.preset={preset}", "rollout.precision=int8", "cold_start.steps=40", f"cold_start.cache_dir={cache}",
+            "algo.prompts_per_step=4", "algo.samples_per_prompt=2", "algo.minibatches=2", "algo.entropy_coef=0.01",
+            "task.eval_size=8", f"steps={steps}", "checkpoint.every=2", "checkpoint.keep=3", "threads=1",
+            "progress=false", f"output_dir={out}", *extra]
+
+
+def _torchrun(nproc: int, config: Path, overrides: list[str]) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "dcmdp.cli", "train", str(config), *overrides]
+    done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=400)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+def _history(out: Path) -> list[dict]:
+    state = load_checkpoint(find_resume_checkpoint(out / "checkpoints", "auto"))
+    return [{k: v for k, v in h.items() if not k.startswith(("time/", "throughput/"))} for h in state["history"]]
+
+
+def _single_process(preset: str, config: Path, out: Path, cache: Path) -> list[dict]:
+    from dcmdp.loop import train
+
+    train(load_config(config, _overrides(preset, out, cache)))
+    return _history(out)
+
+
+def _assert_close(one: list[dict], two: list[dict]) -> None:
+    assert len(one) == len(two) == STEPS
+    for step, (a, b) in enumerate(zip(one, two), start=1):
+        assert set(a) == set(b)
+        keys = [k for k in a if k == "loss/total" or k.startswith(("dual/lambda/", "discrepancy/"))]
+        assert "loss/total" in keys and any(k.startswith("dual/lambda/") for k in keys)
+        for k in keys:
+            assert abs(a[k] - b[k]) <= 1e-6 + 1e-3 * abs(a[k]), (step, k, a[k], b[k])
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    (root / "config.yaml").write_text(CONSTRAINT)
+    return root
+
+
+@pytest.fixture(scope="module")
+def moe_two_ranks(workdir):
+    out = workdir / "moe2"
+    _torchrun(2, workdir / "config.yaml", _overrides("tiny-moe", out, workdir / "cache"))
+    return out
+
+
+def test_two_ranks_match_one_process_tiny_moe(workdir, moe_two_ranks):
+    one = _single_process("tiny-moe", workdir / "config.yaml", workdir / "moe1", workdir / "cache")
+    two = _history(moe_two_ranks)
+    _assert_close(one, two)
+    # the runs did train: the penalty was active and lambda moved
+    assert any(h["penalty/loss"] > 0 for h in two)
+    assert len({round(h["dual/lambda/abs_prob_diff"], 9) for h in two}) == STEPS
+
+
+def test_sharded_checkpoint_resumes_exactly_at_two_ranks(workdir, moe_two_ranks):
+    ckpt = moe_two_ranks / "checkpoints" / "step_00000002"
+    state = load_checkpoint(ckpt)
+    assert state["world_size"] == 2 and len(state["rng_ranks"]) == 2 and "model" not in state
+    assert len(list((ckpt / SHARDED_DIR).glob("*.distcp"))) == 2
+    # the run as it stood after step 2: only that checkpoint, then resume at 2 ranks up to step 4
+    resumed = workdir / "resumed"
+    shutil.copytree(moe_two_ranks, resumed)
+    for later in (resumed / "checkpoints").glob("step_*"):
+        if later.name != ckpt.name:
+            shutil.rmtree(later)
+    _torchrun(2, workdir / "config.yaml",
+              _overrides("tiny-moe", resumed, workdir / "cache", STEPS, "checkpoint.resume=auto"))
+    assert _history(resumed) == _history(moe_two_ranks)
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_process_tiny_dense(workdir):
+    out = workdir / "dense2"
+    _torchrun(2, workdir / "config.yaml", _overrides("tiny-dense", out, workdir / "cache"))
+    one = _single_process("tiny-dense", workdir / "config.yaml", workdir / "dense1", workdir / "cache")
+    _assert_close(one, _history(out))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.engine=vllm", "rollout.engine=vllm is not supported under torchrun"),
+    ("algo.minibatches=8", "do not split evenly over 2 ranks"),
+    ("model.dtype=bfloat16", "master weights stay float32"),
+    ("dist.backend=nccl", "use dist.backend=gloo"),
+])
+def test_configs_that_cannot_run_on_two_ranks_fail_before_anything_runs(override, message):
+    cfg = load_config(None, ["algo.prompts_per_step=4", "algo.samples_per_prompt=2", override])
+    check_world(cfg, 1)
+    with pytest.raises(DistributedSetupError, match=message):
+        check_world(cfg, 2)
+
+
+def test_data_shard_rows_cover_the_batch_once():
+    from trainers.learner import DataShard
+
+    rows = torch.cat([DataShard(rank=r, world=4).rows(12) for r in range(4)])
+    assert torch.equal(rows, torch.arange(12))
+    with pytest.raises(ValueError, match="do not split evenly"):
+        DataShard(rank=0, world=4).rows(10)
