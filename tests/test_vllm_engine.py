@@ -318,3 +318,60 @@ def test_r3_routes_match_transformers_topk(tiny, tok, prompts):
     assert stats.replayed_pairs == routing.expected_replay_pairs(rollout.rollout_experts_BSLK)
     diff = abs_diff(replayed_BT, rollout.rollout_logp_BT, rollout.response_mask_BT)
     assert diff.max() < 1e-5
+
+
+def test_native_route_placement_matches_the_capture_layout(tiny, tok, prompts):
+    """GPU R3 path: vLLM's ``routed_experts`` rows (one per fed position, in sequence order) placed by
+    ``place_routed_experts`` give the same (B, S, L, K) tensor as the CPU capture path. The rows are cut
+    from a real captured rollout, in the layout vLLM returns them."""
+    from trainers.engines.vllm_engine import place_routed_experts
+
+    moe = tiny["tiny-moe"]
+    engine = start(moe, tok)
+    try:
+        rollout = engine.generate(prompts, seed=5)
+    finally:
+        engine.close()
+    experts_BSLK = rollout.rollout_experts_BSLK
+    B, S, L, K = experts_BSLK.shape
+    P = rollout.prompt_ids_BP.shape[1]
+    prompt_len_B = rollout.prompt_mask_BP.sum(dim=1).tolist()
+    response_len_B = rollout.response_mask_BT.sum(dim=1).tolist()
+    rows_B = [experts_BSLK[b, P - n_p:P + n_r - 1].numpy() for b, (n_p, n_r) in
+              enumerate(zip(prompt_len_B, response_len_B))]
+    assert len({len(r) for r in rows_B}) > 1  # requests of different lengths
+    assert torch.equal(place_routed_experts(rows_B, prompt_len_B, response_len_B, L=L, K=K), experts_BSLK)
+    with pytest.raises(RuntimeError, match="expected"):
+        place_routed_experts([rows_B[0][:-1]] + rows_B[1:], prompt_len_B, response_len_B, L=L, K=K)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's own routed-experts return needs a GPU")
+def test_native_routes_on_gpu_match_transformers_topk(tiny, tok, prompts):
+    moe = tiny["tiny-moe"]
+    engine = start(moe, tok)
+    try:
+        assert engine.native_routes
+        rollout = engine.generate(prompts, seed=13)
+    finally:
+        engine.close()
+    assert_routes_match_transformers(moe.model, rollout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny-moe"])
+def test_multiprocess_engine_syncs_weights_through_files(preset):
+    """Workers in other processes (the set-up of tensor parallelism): after ``load_weights`` fresh samples
+    carry the new weights' log-probs (fp32, ~1e-5) and not the old ones'."""
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).with_name("vllm_multiprocess_sync.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT", str(script.parents[1] / ".dcmdp_cache" / "vllm"))}
+    done = subprocess.run([sys.executable, str(script), preset], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["tokens"] > 0 and result["version"] == 1
+    assert result["max_abs_diff_new"] < 1e-5
+    assert result["max_abs_diff_old"] > 0.1

