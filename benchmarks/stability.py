@@ -78,6 +78,26 @@ METHODS: dict[str, list[str]] = {
 }
 
 
+def _constraint(tolerance: float, lambda_init: float, lr: float) -> str:
+    return (f"dual.constraints=[{{measure: abs_prob_diff, tolerance: {tolerance}, lambda_init: {lambda_init}, "
+            f"lr: {lr}}}]")
+
+
+# Probes of why DCMDP does or does not differ from its baselines (profile ``probe``), not part of the matrix.
+# Each replaces the matrix's constraint (a later dotlist entry wins) or stresses the learner.
+PROBE_METHODS: dict[str, list[str]] = {
+    # a dual that can act within 100 steps: c below the measured int8 floor, eta 100
+    "dcmdp_r3_c1e-3_eta100": METHODS["dcmdp_r3"] + [_constraint(1e-3, 0.1, 100.0)],
+    # the same hinge penalty with a 10x larger constant coefficient
+    "fixed_r3_lambda1": _MINIRL + ["algo.routing_replay=r3", "dual.fixed=true", _constraint(2.7e-3, 1.0, 1.0)],
+    # stress: 5x the RL learning rate (configs/default.yaml notes 1e-3 "drifts or degrades the policy")
+    "grpo_no_is_lr1e-3": METHODS["grpo_no_is"] + ["optim.lr=1e-3"],
+    "minirl_r3_lr1e-3": METHODS["minirl_r3"] + ["optim.lr=1e-3"],
+    "dcmdp_r3_lr1e-3": METHODS["dcmdp_r3"] + ["optim.lr=1e-3"],
+}
+ALL_METHODS = {**METHODS, **PROBE_METHODS}
+
+
 @dataclass(frozen=True)
 class Profile:
     seeds: tuple[int, ...]
@@ -103,6 +123,11 @@ PROFILES: dict[str, Profile] = {
         seeds=(0, 1, 2), methods=tuple(METHODS), minibatches=(1, 4, 8), overrides=("eval_every=50",),
         about="all 7 methods, N in {1, 4, 8}, 3 seeds, the default run (650 steps of 32 prompts x 16 samples), "
               "held-out eval every 50 steps"),
+    "probe": Profile(
+        seeds=(0, 1, 2), methods=tuple(PROBE_METHODS), minibatches=(8,),
+        overrides=("steps=100", "eval_every=20", "algo.prompts_per_step=16", "algo.samples_per_prompt=8"),
+        about="the quick profile's runs at N = 8 for the probe methods (PROBE_METHODS): an active dual, a 10x "
+              "fixed penalty, and a 5x learning rate"),
 }
 
 # per-step metrics kept in history.json (the checkpoint's history has every metric)
@@ -111,13 +136,12 @@ _KEEP_PREFIXES = ("reward/", "eval/", "discrepancy/", "dual/", "penalty/", "poli
 
 
 def constraint_override() -> str:
-    return (f"dual.constraints=[{{measure: abs_prob_diff, tolerance: {TOLERANCE}, lambda_init: {LAMBDA_INIT}, "
-            f"lr: {DUAL_LR}}}]")
+    return _constraint(TOLERANCE, LAMBDA_INIT, DUAL_LR)
 
 
 def cell_overrides(profile: Profile, method: str, n: int, seed: int, output_dir: Path) -> list[str]:
     """The full dotlist of one run, on top of configs/default.yaml."""
-    return [*profile.overrides, constraint_override(), *METHODS[method], f"algo.minibatches={n}", f"seed={seed}",
+    return [*profile.overrides, constraint_override(), *ALL_METHODS[method], f"algo.minibatches={n}", f"seed={seed}",
             f"output_dir={output_dir}", "threads=1", "progress=false", "checkpoint.every=25", "checkpoint.keep=1",
             "checkpoint.resume=auto"]
 
@@ -345,9 +369,13 @@ def aggregate(runs: list[RunResult], profile: Profile) -> list[dict]:
             if not rs:
                 continue
             acc = np.array([r.acc_after for r in rs])
+            # paired by seed: the cold start (and so the starting accuracy) differs a lot between seeds
+            delta = np.array([r.acc_after - r.acc_before for r in rs])
             cells.append({"method": method, "N": n, "seeds": len(rs),
                           "acc_before": float(np.mean([r.acc_before for r in rs])),
                           "acc_mean": float(acc.mean()), "acc_sd": float(acc.std(ddof=1)) if len(rs) > 1 else 0.0,
+                          "delta_mean": float(delta.mean()),
+                          "delta_sd": float(delta.std(ddof=1)) if len(rs) > 1 else 0.0,
                           "collapses": int(sum(r.collapsed for r in rs)),
                           "mean_discrepancy": float(np.mean([r.mean_discrepancy for r in rs])),
                           "inside_share": float(np.mean([r.inside_share for r in rs])),
@@ -360,10 +388,12 @@ def aggregate(runs: list[RunResult], profile: Profile) -> list[dict]:
 
 
 def table(cells: list[dict]) -> list[str]:
-    lines = ["| N | method | held-out acc before | final held-out acc (mean ± sd) | collapses | "
-             "mean abs_prob_diff | steps inside c | final λ |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| N | method | held-out acc before | final held-out acc (mean ± sd) | change (after − before, "
+             "mean ± sd) | collapses | mean abs_prob_diff | steps inside c | final λ |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         lines.append(f"| {c['N']} | {c['method']} | {c['acc_before']:.3f} | {c['acc_mean']:.3f} ± {c['acc_sd']:.3f} | "
+                     f"{c['delta_mean']:+.3f} ± {c['delta_sd']:.3f} | "
                      f"{c['collapses']}/{c['seeds']} | {c['mean_discrepancy']:.3e} | {c['inside_share']:.0%} | "
                      f"{c['final_lambda']:.3g} |")
     return lines
@@ -433,12 +463,12 @@ def write_results(runs: list[RunResult], cells: list[dict], profile_name: str, p
             w.writerow([r.method, r.n, r.seed, r.steps, r.acc_before, r.acc_after, r.collapsed, r.collapse_reason,
                         r.mean_discrepancy, r.inside_share, r.final_lambda, r.nonfinite_updates, round(r.seconds, 1)])
     prefix.with_suffix(".json").write_text(json.dumps(
-        {"profile": profile_name, "tolerance": TOLERANCE, "methods": {m: METHODS[m] for m in profile.methods},
+        {"profile": profile_name, "tolerance": TOLERANCE, "methods": {m: ALL_METHODS[m] for m in profile.methods},
          "overrides": list(profile.overrides), "cells": cells,
          "runs": [{"method": r.method, "N": r.n, "seed": r.seed, "eval_steps": r.eval_steps, "eval_acc": r.eval_acc,
                    "collapsed": r.collapsed, "collapse_reason": r.collapse_reason} for r in runs]}, indent=1))
     methods = ["| method | overrides (on top of the profile) |", "|---|---|"]
-    methods += [f"| {m} | `{' '.join(METHODS[m])}` |" for m in profile.methods]
+    methods += [f"| {m} | `{' '.join(ALL_METHODS[m])}` |" for m in profile.methods]
     header = [
         f"# Stability matrix ({profile_name} profile): tiny-moe, int8 rollouts, off-policiness N", "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
@@ -446,7 +476,7 @@ def write_results(runs: list[RunResult], cells: list[dict], profile_name: str, p
         "workers; every run one process with one torch thread",
         f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
         f"transformers {transformers.__version__}",
-        f"- command: `{cmd}` ({wall_s / 60:.0f} min wall for the runs this invocation trained; "
+        f"- command: `{cmd}` ({wall_s / 60:.0f} min wall over the invocations that trained the runs; "
         f"{sum(r.seconds for r in runs) / 60:.0f} run-minutes in all)",
         f"- profile: {profile.about}",
         f"- base: `configs/default.yaml` + `{' '.join(profile.overrides)}` + the constraint "
@@ -466,7 +496,10 @@ def write_results(runs: list[RunResult], cells: list[dict], profile_name: str, p
     diag = ["", "Diagnostics (means over steps and seeds; penalty loss and tokens outside c are logged only where "
             "the penalty is on; approx KL and clip frac measure how far the N mini-batch updates move π_θ from "
             "π_old):", "", *diagnostics_table(cells)]
-    prefix.with_suffix(".md").write_text("\n".join(header + lines + diag + [""] + plots) + "\n")
+    # the hand-written reading of the numbers, kept next to the results so a re-run keeps it
+    reading_path = prefix.with_name(prefix.name + "_reading.md")
+    reading = ["", reading_path.read_text().rstrip()] if reading_path.exists() else []
+    prefix.with_suffix(".md").write_text("\n".join(header + lines + diag + [""] + plots + reading) + "\n")
     return lines
 
 
@@ -516,7 +549,10 @@ def run_matrix(profile_name: str, bench_dir: Path, results_prefix: Path, workers
                   f"({(time.perf_counter() - t0) / 60:.1f} min)", flush=True)
     while not pool_workers.empty():
         pool_workers.get().close()
-    wall = time.perf_counter() - t0
+    # wall time summed over the invocations that trained this bench dir's runs (a resumed matrix adds up)
+    wall_file = bench_dir / "wall_seconds.txt"
+    wall = time.perf_counter() - t0 + (float(wall_file.read_text()) if wall_file.exists() else 0.0)
+    wall_file.write_text(f"{wall:.1f}\n")
     warmup = load_config(BASE_CONFIG, list(profile.overrides)).optim.warmup_steps
     runs = [load_run(out, *key, warmup=warmup) for key, out, _ in jobs
             if (out / "summary.json").exists() and (out / "history.json").exists()]

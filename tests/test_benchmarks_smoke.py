@@ -176,6 +176,10 @@ def test_stability_smoke(tmp_path):
 
     data = json.loads(prefix.with_suffix(".json").read_text())
     assert {c["method"] for c in data["cells"]} == set(profile.methods)
+    for c in data["cells"]:  # the change column pairs each seed's final accuracy with its own start
+        mine = [r for r in rows if r["method"] == c["method"] and int(r["N"]) == c["N"]]
+        delta = sum(float(r["acc_after"]) - float(r["acc_before"]) for r in mine) / len(mine)
+        assert abs(c["delta_mean"] - delta) < 1e-12
     for r in data["runs"]:  # held-out eval at step 0, every eval_every = 2 steps (not at the last), and after
         assert r["eval_steps"] == [0, 2, 3]
         assert all(0.0 <= a <= 1.0 for a in r["eval_acc"])
@@ -202,3 +206,26 @@ def test_stability_collapse_rule():
     assert stability.collapse_check([0.3, 0.3], falling, 0, warmup=0)[0]
     # the peak is only taken after the warm-up: a high start inside the warm-up does not count
     assert not stability.collapse_check([0.3, 0.3], [0.8] * 5 + [0.3] * 35, 0, warmup=5)[0]
+
+
+def test_stability_probe_overrides():
+    """Each probe method's dotlist replaces the matrix constraint / learning rate as its name says."""
+    from pathlib import Path
+
+    from dcmdp.config import load_config
+
+    stability = _load_stability()
+    profile = stability.PROFILES["probe"]
+
+    def cfg(method):
+        return load_config(stability.BASE_CONFIG, stability.cell_overrides(profile, method, 8, 0, Path("unused")))
+
+    (c,) = cfg("dcmdp_r3_c1e-3_eta100").dual.constraints
+    assert (c.tolerance, c.lambda_init, c.lr) == (1e-3, 0.1, 100.0)
+    fixed = cfg("fixed_r3_lambda1")
+    assert fixed.dual.fixed and fixed.dual.constraints[0].lambda_init == 1.0 and fixed.algo.routing_replay == "r3"
+    for method in ("grpo_no_is_lr1e-3", "minirl_r3_lr1e-3", "dcmdp_r3_lr1e-3"):
+        c = cfg(method)
+        assert c.optim.lr == 1e-3 and c.dual.constraints[0].tolerance == stability.TOLERANCE
+    # the matrix methods keep the matrix constraint
+    assert cfg("dcmdp_r3").dual.constraints[0].lr == stability.DUAL_LR and cfg("dcmdp_r3").optim.lr == 2e-4
