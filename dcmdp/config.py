@@ -15,6 +15,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from constraints.config import ConstraintConfig
+from dcmdp.async_rollout import AsyncRolloutConfig
 from trainers.config import AlgoConfig, ColdStartConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig
 
 
@@ -146,6 +147,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    async_rollout: AsyncRolloutConfig = field(default_factory=AsyncRolloutConfig)
 
 
 def _valid_keys(node: Any) -> list[str]:
@@ -244,6 +246,7 @@ def validate(cfg: RunConfig) -> None:
         cfg.optim.check()
         cfg.dual.pid.check()
         cfg.dist.check()
+        cfg.async_rollout.check()
         for i, c in enumerate(cfg.dual.constraints):
             c.check(f"dual.constraints[{i}]")
     except ValueError as exc:
@@ -303,6 +306,10 @@ def _validate_registries(cfg: RunConfig) -> None:
     if cfg.rollout.engine == "vllm" and cfg.algo.routing_replay == "r3" and not cfg.rollout.enforce_eager:
         raise ConfigError("config error at 'rollout.enforce_eager': R3 with the vllm engine records routes through "
                           "router hooks that only run in eager mode; set rollout.enforce_eager=true")
+    if cfg.async_rollout.enabled and cfg.rollout.engine != "torch":
+        raise ConfigError(f"config error at 'async_rollout.enabled': the rollout worker thread drives the embedded "
+                          f"torch engine only; use rollout.engine=torch, or async_rollout.enabled=false with "
+                          f"rollout.engine={cfg.rollout.engine}")
     if cfg.algo.routing_replay != "none" and not PRESETS[cfg.model.preset].is_moe:
         raise ConfigError(f"config error at 'algo.routing_replay': {cfg.algo.routing_replay} replays MoE routes, "
                           f"but model.preset={cfg.model.preset!r} is a dense model; use routing_replay=none")

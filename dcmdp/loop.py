@@ -7,6 +7,7 @@ the next rollout batch, to every mini-batch alike.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -21,6 +22,7 @@ from tqdm.auto import tqdm
 
 from constraints.measures import discrepancy_metrics, measure_constraint
 from constraints.penalties import constraint_names
+from dcmdp.async_rollout import RolloutWorker, screen_stale
 from dcmdp.checkpoint import (SignalCheckpointer, capture_rng, find_resume_checkpoint, load_checkpoint,
                               restore_rng, save_checkpoint)
 from dcmdp.config import RunConfig, flatten, to_yaml
@@ -63,6 +65,8 @@ class Setup:
     bad_steps: int = 0
     # Rank and world size under torchrun (world 1: a single process).
     dist: distributed.Dist = field(default_factory=distributed.Dist)
+    # Rollout worker thread (async_rollout.enabled); None samples in the loop.
+    worker: Optional[RolloutWorker] = None
 
 
 @dataclass
@@ -92,10 +96,11 @@ def train(cfg: RunConfig) -> Summary:
     s = setup(cfg)
     acc_before = evaluate(s, seed=cfg.seed)
     s.tracker.log_metrics({"eval/accuracy": acc_before}, step=s.start_step)
+    s.worker = _rollout_worker(s)
     steps = range(s.start_step, cfg.steps)
     bar = tqdm(steps, desc="dcmdp train", disable=not cfg.progress, dynamic_ncols=True, initial=s.start_step,
                total=cfg.steps)
-    with SignalCheckpointer() as stop:
+    with SignalCheckpointer() as stop, s.worker or contextlib.nullcontext():
         for step in bar:
             _train_step(s, step, bar)
             distributed.agree_stop(stop, s.dist)
@@ -118,10 +123,10 @@ def _train_step(s: Setup, step: int, bar) -> None:
     """One rollout batch: rollout -> pi_old -> measure -> updates -> dual step -> sync -> log."""
     cfg = s.cfg
     t0 = time.perf_counter()
-    examples, rollout = rollout_phase(s, step)
+    examples, rollout, fresh_B, async_metrics = _next_rollout(s, step)
     t1 = time.perf_counter()
     rewards_B, reward_metrics = reward_phase(s, examples, rollout)
-    rollout, advantages_B, keep_B, guard_metrics = screen_phase(s, rollout, rewards_B)
+    rollout, advantages_B, keep_B, guard_metrics = screen_phase(s, rollout, rewards_B, fresh_B)
     batch = learner.score_old(s.model, rollout, advantages_B, cfg.algo, temperature=cfg.rollout.temperature,
                               fp32_lm_head=cfg.model.fp32_lm_head, moe=s.moe, shard=s.dist.shard)
     batch, keep_B, old_metrics = learner.screen_old(batch, keep_B)
@@ -140,13 +145,17 @@ def _train_step(s: Setup, step: int, bar) -> None:
     t4 = time.perf_counter()
     s.dual, dual_metrics = dual_step(s.dual, measured_C, cfg.dual)
     t5 = time.perf_counter()
-    s.engine.load_weights(s.model.state_dict(), version=step + 1)
+    if s.worker is None:
+        s.engine.load_weights(s.model.state_dict(), version=step + 1)
+    else:
+        s.worker.publish(s.model.state_dict(), version=step + 1)
     t6 = time.perf_counter()
     metrics = {**reward_metrics, **disc_metrics, **dual_metrics, **_mean_dicts(update_metrics)}
     metrics.update(guard_metrics)
     metrics.update(old_metrics)
     metrics.update(_guard_step(s, step, metrics, kept))
     metrics.update(_timings(rollout, t0, t1, t2, t3, t4, t5, t6))
+    metrics.update(async_metrics)
     if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
         metrics["eval/accuracy"] = evaluate(s, seed=cfg.seed)
     metrics = {k: float(v) for k, v in metrics.items()}
@@ -156,15 +165,18 @@ def _train_step(s: Setup, step: int, bar) -> None:
                     **{f"lam_{n}": f"{float(v):.3g}" for n, v in zip(s.names, s.dual.lambda_C)})
 
 
-def screen_phase(s: Setup, rollout: Rollout, rewards_B: torch.Tensor
+def screen_phase(s: Setup, rollout: Rollout, rewards_B: torch.Tensor, fresh_B: Optional[torch.Tensor] = None
                  ) -> tuple[Rollout, torch.Tensor, torch.Tensor, dict[str, float]]:
-    """Drop the samples with a non-finite rollout log-prob, reward or advantage (``trainers.guards``).
+    """Drop the samples with a non-finite rollout log-prob, reward or advantage (``trainers.guards``), and
+    those outside ``fresh_B`` (too stale, ``dcmdp.async_rollout.screen_stale``).
 
     Advantages come from the kept samples of each group only; returns the masked rollout, advantages_B
     (0 at dropped samples), keep_B and the guard/ and advantage metrics.
     """
     cfg = s.cfg
     keep_B, metrics = guards.screen_rows(rollout.rollout_logp_BT, rollout.response_mask_BT, rewards_B)
+    if fresh_B is not None:
+        keep_B = keep_B & fresh_B
     advantages_B, adv_metrics = guards.screened_advantages(ADVANTAGES[cfg.algo.advantage], rewards_B, keep_B,
                                                            cfg.algo.samples_per_prompt, cfg.algo)
     keep_B, adv_guard = guards.screen_advantages(advantages_B, keep_B)
@@ -274,6 +286,9 @@ def setup(cfg: RunConfig) -> Setup:
 
 def checkpoint(s: Setup, step: int) -> Path:
     """Everything a bitwise-identical continuation needs; written atomically, last ``keep`` kept."""
+    if s.worker is not None:
+        # the engine then holds version ``step``, and the rollout schedule restarts there, as on resume
+        s.worker.drain(s.model.state_dict(), step)
     payload = {"step": step, "model": s.model.state_dict(), "optimizer": s.optimizer.state_dict(),
                "scheduler": s.scheduler.state_dict() if s.scheduler is not None else None,
                "dual": s.dual.state_dict(), "engine_version": s.engine.version, "run_id": s.tracker.run_id,
@@ -295,6 +310,23 @@ def rollout_phase(s: Setup, step: int) -> tuple[list[Example], Rollout]:
     ids = encode_prompts(s, examples)
     rollout = s.engine.generate(ids, seed=_step_seed(cfg.seed, step, 1))
     return examples, rollout
+
+
+def _next_rollout(s: Setup, step: int) -> tuple[list[Example], Rollout, Optional[torch.Tensor], dict[str, float]]:
+    """The batch of ``step``: sampled here, or taken from the rollout worker with its staleness screen."""
+    if s.worker is None:
+        return (*rollout_phase(s, step), None, {})
+    batch = s.worker.get(step)
+    fresh_B, metrics = screen_stale(batch.rollout.version_B, step, s.cfg.async_rollout.max_staleness)
+    return batch.examples, batch.rollout, fresh_B, {**metrics, **batch.timings()}
+
+
+def _rollout_worker(s: Setup) -> Optional[RolloutWorker]:
+    cfg = s.cfg.async_rollout
+    if not cfg.enabled:
+        return None
+    return RolloutWorker(s.engine, lambda step: rollout_phase(s, step), start=s.start_step, stop=s.cfg.steps,
+                         max_staleness=cfg.max_staleness, threads=cfg.threads, state_dict=s.model.state_dict())
 
 
 def reward_phase(s: Setup, examples: list[Example], rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
@@ -322,6 +354,14 @@ def measure_phase(s: Setup, batch: learner.ScoredBatch) -> tuple[torch.Tensor, d
 @torch.no_grad()
 def evaluate(s: Setup, seed: int) -> float:
     """Held-out accuracy: share of eval prompts whose sampled response (rollout temperature) is correct."""
+    worker = getattr(s, "worker", None)
+    if worker is not None:
+        # between two worker batches, on the trainer's current weights
+        return worker.evaluate(lambda: _evaluate(s, seed), s.model.state_dict())
+    return _evaluate(s, seed)
+
+
+def _evaluate(s: Setup, seed: int) -> float:
     examples = s.task.eval_set()
     ids = encode_prompts(s, examples)
     rollout = s.engine.generate(ids, seed=_step_seed(seed, 10**6, 3))
