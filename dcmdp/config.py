@@ -195,6 +195,23 @@ def _list_element_schema(schema: DictConfig, key: str) -> Optional[DictConfig]:
     return None
 
 
+def _set_list_element(cfg: DictConfig, key: str, value: str) -> None:
+    """Apply one override whose path indexes a list (``dual.constraints[0].lr=50``); raise ConfigError naming
+    the key when the element or the field does not exist."""
+    parent_path, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_path, default=None) if parent_path else None
+    if not isinstance(parent, DictConfig):
+        list_path = key.split("[", 1)[0]
+        items = OmegaConf.select(cfg, list_path, default=None)
+        size = f"it has {len(items)} element(s)" if isinstance(items, ListConfig) else "it is not a list"
+        raise ConfigError(f"unknown config key '{key}': no element '{parent_path or key}' ({list_path}: {size})")
+    valid = _valid_keys(parent)
+    if leaf not in valid:
+        raise ConfigError(f"unknown config key '{key}'{_nearest(leaf, valid)}")
+    parsed = OmegaConf.from_dotlist([f"value={value}"])["value"]
+    OmegaConf.update(cfg, key, parsed, merge=False)
+
+
 def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()) -> RunConfig:
     """Compose defaults <- YAML file <- dotlist overrides into a checked RunConfig."""
     schema = OmegaConf.structured(RunConfig)
@@ -209,18 +226,23 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
             raise ConfigError(f"cannot parse config file {p}: {exc}") from exc
         if layers[-1] is None or not isinstance(layers[-1], DictConfig):
             raise ConfigError(f"config file {p} must hold a mapping of keys at top level")
-    if overrides:
-        bad = [o for o in overrides if "=" not in o]
-        if bad:
-            raise ConfigError(f"override {bad[0]!r} is not of the form key=value")
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r} is not of the form key=value")
+    # list elements (dual.constraints[0].tolerance=...) are set on the composed config; the rest merge as a layer
+    indexed = [o for o in overrides if "[" in o.split("=", 1)[0]]
+    plain = [o for o in overrides if o not in indexed]
+    if plain:
         try:
-            layers.append(OmegaConf.from_dotlist(list(overrides)))
+            layers.append(OmegaConf.from_dotlist(plain))
         except OmegaConfBaseException as exc:
-            raise ConfigError(f"cannot parse overrides {list(overrides)}: {exc}") from exc
+            raise ConfigError(f"cannot parse overrides {plain}: {exc}") from exc
     for layer in layers:
         _check_keys(layer, schema)
     try:
         merged = OmegaConf.merge(schema, *layers)
+        for override in indexed:
+            _set_list_element(merged, *override.split("=", 1))
         cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except (ConfigKeyError, ConfigAttributeError) as exc:
         raise ConfigError(f"unknown config key: {exc}") from exc

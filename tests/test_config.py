@@ -75,3 +75,21 @@ def test_every_shipped_tune_file_loads(name):
 
     cfg = load_tune_config(CONFIGS / "tune" / name)
     load_config(cfg.base, cfg.overrides)
+
+
+def test_overrides_address_list_elements():
+    cfg = load_config(CONFIGS / "default.yaml", ["dual.constraints[0].tolerance=0.001", "dual.constraints[0].lr=50",
+                                                 "steps=3"])
+    c = cfg.dual.constraints[0]
+    assert (c.tolerance, c.lr, c.measure, cfg.steps) == (0.001, 50.0, "abs_prob_diff", 3)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("dual.constraints[1].lr=2", r"no element 'dual.constraints\[1\]' \(dual.constraints: it has 1 element"),
+    ("dual.constraints[0].tolerence=1", "did you mean 'tolerance'"),
+    ("dual.constraints[0].lr=abc", r"bad value for 'dual.constraints\[0\].lr'"),
+    ("dual.constraints[0].tolerance=-1", "must be >= 0"),
+])
+def test_bad_list_element_overrides_name_the_key(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(CONFIGS / "default.yaml", [override])
