@@ -124,7 +124,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
 def test_sigterm_stops_an_async_run_with_a_checkpoint_and_it_resumes(tmp_path):
     out, cache = tmp_path / "run", tmp_path / "cache"
     args = [sys.executable, "-m", "dcmdp.cli", "train",
-            *_overrides(out, cache, 40, "async_rollout.enabled=true", "async_rollout.max_staleness=2",
+            *_overrides(out, cache, 14, "async_rollout.enabled=true", "async_rollout.max_staleness=2",
                         "checkpoint.every=2")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(args, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -139,14 +139,14 @@ def test_sigterm_stops_an_async_run_with_a_checkpoint_and_it_resumes(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "SIGTERM received: checkpoint written at step" in err
     stopped_at = load_checkpoint(find_resume_checkpoint(out / "checkpoints", "auto"))["step"]
-    assert 4 <= stopped_at < 40
+    assert 4 <= stopped_at < 14
 
     done = subprocess.run([*args, "checkpoint.resume=auto"], env=env, cwd=REPO, timeout=300, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"at step {stopped_at}" in done.stderr
     history = _history(out)
-    assert len(history) == 40 and all(h["async/staleness_max"] <= 2 for h in history)
+    assert len(history) == 14 and all(h["async/staleness_max"] <= 2 for h in history)
 
 
 @pytest.mark.slow
