@@ -101,6 +101,12 @@ def test_cache_key_covers_what_determines_the_weights():
         cache_key(build_model(moe_cfg, len(tok), seed=0), tok, task, cfg, moe_cfg, seed=0),
         cache_key(model, tok, task, cfg, dataclasses.replace(model_cfg, dtype="bfloat16"), seed=0),
     ]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)  # another thread count sums in another order: another model
+        variants.append(cache_key(model, tok, task, cfg, model_cfg, seed=0))
+    finally:
+        torch.set_num_threads(threads)
     assert len(set(variants + [base])) == len(variants) + 1
 
 
