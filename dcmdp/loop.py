@@ -160,6 +160,10 @@ def _train_step(s: Setup, step: int, bar) -> None:
         metrics["eval/accuracy"] = evaluate(s, seed=cfg.seed)
     metrics = {k: float(v) for k, v in metrics.items()}
     s.history.append(metrics)
+    if step == s.start_step and step > 0:
+        # the engine got the trainer's weights at resume: a spike here would mean it did not
+        log.info("first step after resume (step %d): %s", step + 1, ", ".join(
+            f"{k}={v:.4g}" for k, v in metrics.items() if k.startswith("discrepancy/")))
     s.tracker.log_metrics(metrics, step=step + 1)
     bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.2f}",
                     **{f"lam_{n}": f"{float(v):.3g}" for n, v in zip(s.names, s.dual.lambda_C)})

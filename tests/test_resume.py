@@ -58,6 +58,7 @@ def test_kill9_and_resume_matches_uninterrupted_run(tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"at step {killed_at}" in done.stderr
+    assert f"first step after resume (step {killed_at + 1}): discrepancy/" in done.stderr
     ref_hist, run_hist = _history(ref), _history(run)
     assert len(run_hist) == len(ref_hist) == STEPS
     for step, (a, b) in enumerate(zip(ref_hist, run_hist), start=1):
