@@ -1,4 +1,4 @@
-"""Scale-out: FSDP2 data parallelism under ``torchrun``, sharded checkpoints, rank-0 rollouts.
+"""Scale-out: FSDP2 under ``torchrun``, sharded checkpoints, rank-0 or tensor-parallel vLLM rollouts.
 
 Launched by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) the run becomes data parallel:
 
@@ -6,13 +6,17 @@ Launched by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) the run becomes
   load the cached result), then ``shard_model`` wraps it with ``torch.distributed.fsdp.fully_shard``: each
   decoder layer, the LM head (its own unit so it can keep float32 parameters when ``model.fp32_lm_head``),
   then the root (embedding, final norm), with the ``dist`` block's ``MixedPrecisionPolicy``;
-- rank 0 alone holds the rollout engine and the MLflow run: ``RankZeroEngine`` broadcasts every Rollout it
-  samples, and each rank computes the rewards and the group advantages over that FULL batch (so group
-  statistics never depend on the world size); the other ranks log nothing (``NoTracker``);
+- rank 0 alone holds the MLflow run (the other ranks log nothing, ``NoTracker``) and the torch rollout
+  engine: ``RankZeroEngine`` broadcasts every Rollout it samples. A vLLM engine is instead hosted by every
+  rank (``SpmdEngine``): vLLM's ``external_launcher`` executor makes rank r tensor-parallel part r of one
+  colocated engine (``rollout.tensor_parallel_size`` = world size), and all ranks generate from the same
+  prompts and seed. Either way each rank computes the rewards and the group advantages over the same FULL
+  batch (so group statistics never depend on the world size);
 - each rank scores and back-propagates its own block of rows (``trainers.learner.DataShard``); per-token
   log-probs are all-gathered, so the measures, the dual step and every metric see the full batch, and
   losses are normalised by the global token count (the gradient reduction sums, divide factor 1);
-- after the updates each sharded tensor is gathered and rank 0 pushes the full weights into its engine;
+- after the updates each sharded tensor is gathered and the full weights go into rank 0's torch engine, or
+  into every rank's vLLM worker, which keeps its tensor-parallel shard;
 - checkpoints are written with ``torch.distributed.checkpoint`` (``save_sharded_checkpoint``).
 
 A world size of 1 (plain ``dcmdp train``, or ``torchrun --nproc_per_node 1``) is the single-process run,
@@ -109,12 +113,11 @@ def check_world(cfg, world: int) -> None:
         return
     algo = cfg.algo
     batch = algo.prompts_per_step * algo.samples_per_prompt
-    if cfg.rollout.engine == "vllm":
+    if cfg.rollout.engine == "vllm" and cfg.rollout.tensor_parallel_size != world:
         raise DistributedSetupError(
-            f"rollout.engine=vllm is not supported under torchrun ({world} ranks): the trainer's ranks would each "
-            f"have to host a tensor-parallel part of one colocated vLLM engine (distributed_executor_backend="
-            f"'external_launcher') and load the gathered full weights; that is not built yet. Use "
-            f"rollout.engine=torch under torchrun, or vLLM with world size 1 (plain dcmdp train)")
+            f"config error at 'rollout.tensor_parallel_size': under torchrun every rank hosts its tensor-parallel "
+            f"part of one colocated vLLM engine, so the tensor-parallel size must be the world size; set "
+            f"rollout.tensor_parallel_size={world} (got {cfg.rollout.tensor_parallel_size})")
     if getattr(getattr(cfg, "async_rollout", None), "enabled", False):
         raise DistributedSetupError(
             f"config error at 'async_rollout.enabled': asynchronous rollouts run in a single process; under "
@@ -211,9 +214,65 @@ class RankZeroEngine:
             self.inner.close()
 
 
-def rank_zero_engine(engine, d: Dist):
-    """``engine`` itself in a single process; a ``RankZeroEngine`` around it (None off rank 0) under torchrun."""
-    return engine if d.world == 1 else RankZeroEngine(engine, d)
+class SpmdEngine:
+    """A vLLM engine hosted by every rank (``distributed_executor_backend="external_launcher"``): rank r holds
+    tensor-parallel part r of one engine, and all ranks call ``generate`` with the same prompts and seed, as
+    vLLM's external launcher requires (its scheduling is deterministic, the logits are all-gathered and each
+    rank samples with the same per-request seeds, so every rank returns the same Rollout; ``generate`` checks
+    that). ``load_weights`` gathers the FSDP2-sharded state dict into full tensors on every rank, and each
+    rank's vLLM worker keeps its own shard of them."""
+
+    def __init__(self, inner, d: Dist):
+        self.inner, self.d = inner, d
+        self.version = inner.version
+
+    def generate(self, prompts: list[list[int]], seed: int):
+        rollout = self.inner.generate(prompts, seed)
+        digests = [None] * self.d.world
+        dist.all_gather_object(digests, _rollout_digest(rollout))
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"vLLM under torchrun: the ranks' engines returned different rollouts for the same "
+                               f"prompts and seed (rank digests {digests}): their weight shards disagree (a failed "
+                               f"weight sync) or a kernel is not deterministic; the data-parallel batch must be one")
+        return rollout
+
+    def load_weights(self, state_dict: dict[str, Any], version: int) -> None:
+        full = {name: tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+                for name, tensor in state_dict.items()}
+        self.inner.load_weights(full, version=version)
+        self.version = int(version)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _rollout_digest(rollout) -> str:
+    """A hash of everything a Rollout holds (tokens, masks, log-probs, routes), to compare ranks cheaply."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, value in sorted(vars(rollout).items()):
+        if isinstance(value, torch.Tensor):
+            h.update(name.encode())
+            h.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def rollout_engine(cfg, model: torch.nn.Module, model_dir: str, *, eos_id: int, pad_id: int, d: Dist):
+    """The run's rollout engine: built as configured in a single process; under torchrun a vLLM engine
+    hosted by every rank (``SpmdEngine``), any other engine driven by rank 0 (``RankZeroEngine``)."""
+    from trainers.engines import build_engine
+
+    if d.world == 1:
+        return build_engine(cfg.rollout, model, model_dir, eos_id=eos_id, pad_id=pad_id)
+    if cfg.rollout.engine == "vllm":
+        from trainers.engines.vllm_engine import VllmEngine
+
+        d.barrier()  # rank 0 may have just written model_dir
+        return SpmdEngine(VllmEngine(cfg.rollout, model, model_dir, eos_id=eos_id, pad_id=pad_id,
+                                     distributed_executor_backend="external_launcher"), d)
+    return RankZeroEngine(build_engine(cfg.rollout, model, model_dir, eos_id=eos_id, pad_id=pad_id)
+                          if d.main else None, d)
 
 
 def agree_stop(stop, d: Dist) -> None:

@@ -34,7 +34,7 @@ from trainers import guards, learner
 from trainers.advantages import ADVANTAGES
 from trainers.batch import Rollout
 from trainers.coldstart import cold_start
-from trainers.engines import RolloutEngine, build_engine
+from trainers.engines import RolloutEngine
 from trainers.models import PRESETS, build_model, check_context, save_model_dir
 from trainers.routing import is_moe
 from trainers.tasks import TASKS, Example, Task
@@ -255,8 +255,7 @@ def setup(cfg: RunConfig) -> Setup:
         model_dir = str(out / "initial_model")
         if d.main:
             save_model_dir(model, tokenizer, model_dir)
-    engine = build_engine(cfg.rollout, model, model_dir, eos_id=eos_id, pad_id=pad_id) if d.main else None
-    engine = distributed.rank_zero_engine(engine, d)
+    engine = distributed.rollout_engine(cfg, model, model_dir, eos_id=eos_id, pad_id=pad_id, d=d)
     model = distributed.shard_model(model, cfg, d)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)

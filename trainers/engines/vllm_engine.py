@@ -15,8 +15,15 @@ torch engine, and why:
 - **In-process engine core by default.** The CPU route capture reaches the model object inside the
   worker, so the constructor sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless the caller set it (a
   script that creates a multiprocess engine also needs an ``if __name__ == "__main__":`` guard). With
-  a multiprocess engine core or tensor parallelism, weight sync goes through files (below) and the CPU
-  route capture is unavailable (R3 then needs vLLM's own route return, i.e. a GPU).
+  a multiprocess engine core or tensor parallelism in vLLM's own worker processes, weight sync goes
+  through files (below) and the CPU route capture is unavailable (R3 then needs vLLM's own route
+  return, i.e. a GPU).
+- **Under torchrun** (``distributed_executor_backend="external_launcher"``, built by ``dcmdp.distributed``)
+  every rank hosts its tensor-parallel part of one engine in its own process: vLLM joins the trainer's
+  process group (it creates its own groups inside it) and forces the in-process engine core, so each
+  rank's engine is ``in_process``: the CPU route capture runs on every rank (the router is replicated, so
+  each rank records every token's routes) and weight sync hands the full tensors to the rank's worker,
+  whose loader keeps its shard.
 - **Weight sync** goes through the worker's ``reload_weights`` (vLLM's in-place, layer-wise reload
   that re-runs each layer's post-load processing, so kernels that repack weights see the new values),
   redoes the CPU MoE kernel's prepacking that this reload skips in vLLM 0.32
@@ -164,11 +171,13 @@ class VllmEngine:
     name = "vllm"
 
     def __init__(self, cfg: RolloutConfig, model: torch.nn.Module, model_dir: Optional[str], *, eos_id: int,
-                 pad_id: int, seed: int = 0):
+                 pad_id: int, seed: int = 0, distributed_executor_backend: Optional[str] = None):
         """Start an offline vLLM engine on ``model_dir`` (a Hugging Face directory holding the weights of
         ``model``, the trainer's model at version 0). Without ``model_dir`` the weights of ``model`` are
         saved to a temporary directory that ``close()`` removes. Only token ids cross the interface, so
-        no tokenizer is loaded."""
+        no tokenizer is loaded. ``distributed_executor_backend="external_launcher"``: this process is one
+        ``torchrun`` rank hosting its tensor-parallel part of an engine that every rank builds and drives
+        alike (``dcmdp.distributed.SpmdEngine``); vLLM then joins the existing process group."""
         cfg.check()
         if cfg.precision not in VLLM_DTYPES:
             raise ValueError(_INT8_UNSUPPORTED.format(version=vllm.__version__))
@@ -204,6 +213,7 @@ class VllmEngine:
                            logprobs_mode="processed_logprobs", skip_tokenizer_init=True, generation_config="vllm",
                            enable_prefix_caching=self.num_moe_layers == 0,
                            enable_return_routed_experts=self.native_routes,
+                           distributed_executor_backend=distributed_executor_backend,
                            worker_extension_cls="trainers.engines.vllm_worker.DcmdpWorkerExtension", **memory)
         except BaseException:
             self._remove_tmp_dir()
