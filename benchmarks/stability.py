@@ -34,7 +34,10 @@ LR warm-up (W = max(5, steps // 20)).
 
 runs the missing cells (a cell whose ``summary.json`` and ``history.json`` exist is skipped; a killed run
 resumes from its last checkpoint), prints a table last, and writes ``benchmarks/results/stability_<profile>``
-(.md, .csv, .json and two plots). ``--profile smoke`` runs 2 methods x 3 steps on a tiny batch.
+(.md, .csv, .json and two plots). ``--profile smoke`` runs 2 methods x 3 steps on a tiny batch. The ``probe`` and
+``probe_n1`` profiles run the ``PROBE_METHODS`` (an active dual, a 10x fixed penalty, a 5x learning rate) used to
+read why DCMDP does or does not separate from its baselines. A hand-written
+``benchmarks/results/stability_<profile>_reading.md``, when present, is appended to the results page.
 """
 
 from __future__ import annotations
@@ -94,6 +97,10 @@ PROBE_METHODS: dict[str, list[str]] = {
     "grpo_no_is_lr1e-3": METHODS["grpo_no_is"] + ["optim.lr=1e-3"],
     "minirl_r3_lr1e-3": METHODS["minirl_r3"] + ["optim.lr=1e-3"],
     "dcmdp_r3_lr1e-3": METHODS["dcmdp_r3"] + ["optim.lr=1e-3"],
+    # does a penalty with bite (fixed 1, or the active dual) hold the 5x learning rate?
+    "fixed_r3_lambda1_lr1e-3": _MINIRL + ["algo.routing_replay=r3", "dual.fixed=true", _constraint(2.7e-3, 1.0, 1.0),
+                                          "optim.lr=1e-3"],
+    "dcmdp_r3_c1e-3_eta100_lr1e-3": METHODS["dcmdp_r3"] + [_constraint(1e-3, 0.1, 100.0), "optim.lr=1e-3"],
 }
 ALL_METHODS = {**METHODS, **PROBE_METHODS}
 
@@ -127,7 +134,11 @@ PROFILES: dict[str, Profile] = {
         seeds=(0, 1, 2), methods=tuple(PROBE_METHODS), minibatches=(8,),
         overrides=("steps=100", "eval_every=20", "algo.prompts_per_step=16", "algo.samples_per_prompt=8"),
         about="the quick profile's runs at N = 8 for the probe methods (PROBE_METHODS): an active dual, a 10x "
-              "fixed penalty, and a 5x learning rate"),
+              "fixed penalty, a 5x learning rate, and both penalties under the 5x learning rate"),
+    "probe_n1": Profile(
+        seeds=(0, 1, 2), methods=("minirl_r3_lr1e-3", "dcmdp_r3_lr1e-3"), minibatches=(1,),
+        overrides=("steps=100", "eval_every=20", "algo.prompts_per_step=16", "algo.samples_per_prompt=8"),
+        about="the 5x learning-rate probes on-policy (N = 1): is the collapse at N = 8 from off-policiness?"),
 }
 
 # per-step metrics kept in history.json (the checkpoint's history has every metric)
