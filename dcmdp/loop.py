@@ -242,13 +242,15 @@ def setup(cfg: RunConfig) -> Setup:
             raise FileNotFoundError(f"model.preset={cfg.model.preset!r} loads real weights: set model.path to a "
                                     f"local directory with the weights and tokenizer")
         tokenizer = build_char_tokenizer()
-    model = build_model(cfg.model, len(tokenizer), seed=cfg.seed)
+    # a cold start from its own seed starts every run seed from one model
+    init_seed = cfg.cold_start.seed if cfg.cold_start.seed is not None and not cfg.model.path else cfg.seed
+    model = build_model(cfg.model, len(tokenizer), seed=init_seed)
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     if cfg.model.path:
         model_dir = cfg.model.path
     elif cfg.cold_start.steps > 0:
         with d.main_first():  # rank 0 fills the on-disk cache, the other ranks load from it
-            model, info = cold_start(model, tokenizer, task, cfg.cold_start, cfg.model, seed=cfg.seed, eos_id=eos_id,
+            model, info = cold_start(model, tokenizer, task, cfg.cold_start, cfg.model, seed=init_seed, eos_id=eos_id,
                                      progress=cfg.progress and d.main)
         model_dir = str(info["model_dir"])
     else:

@@ -93,6 +93,9 @@ class ColdStartConfig:
     lr: float = 6e-3
     # Directory for cached cold-started models (relative to the working directory).
     cache_dir: str = ".dcmdp_cache"
+    # Seed of the cold start (initial weights and demonstration order); None: the run's seed. Fix it to give
+    # runs with different seeds one shared starting model, so their spread is RL's alone.
+    seed: Optional[int] = None
 
     def check(self, prefix: str = "cold_start") -> None:
         _require(self.steps >= 0, f"{prefix}.steps", f"must be >= 0, got {self.steps}")
