@@ -143,3 +143,28 @@ def test_cold_start_seed_gives_run_seeds_one_starting_model(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     c, d = start(1), start(2)
     assert not all(torch.equal(c[k], d[k]) for k in c)
+
+
+def test_target_accuracy_stops_at_the_first_check_that_reaches_it(tmp_path):
+    """SingleDigitSum on tiny-dense reaches >= 30% sampled accuracy well within 100 steps (see the test above):
+    with a 20% target checked every 10 steps the cold start stops at a multiple of 10 below 100, and the probe
+    accuracy of the model it returns (same probes, same seed) is >= the target. An unreachable target runs every
+    step."""
+    from trainers.coldstart import _EVAL_EXAMPLES, supervised_finetune
+
+    tok, task = build_char_tokenizer(), SingleDigitSum()
+    model_cfg = ModelConfig(preset="tiny-dense")
+    cfg = ColdStartConfig(steps=100, batch_size=32, lr=6e-3, target_accuracy=0.2, check_every=10)
+    probes = task.sample(random.Random("cold-start-probe-0"), _EVAL_EXAMPLES)
+    probe_tokens = max(len(tok.encode(task.demonstration(ex), add_special_tokens=False)) for ex in probes) + 2
+
+    def probe(m):
+        return sampled_accuracy(m, tok, task, probes, eos_id=tok.eos_token_id, seed=0, max_new_tokens=probe_tokens)
+
+    model = build_model(model_cfg, len(tok), seed=0)
+    losses = supervised_finetune(model, tok, task, cfg, seed=0, eos_id=tok.eos_token_id, progress=False)
+    assert len(losses) % 10 == 0 and len(losses) < 100
+    assert probe(model) >= 0.2
+    unreachable = build_model(model_cfg, len(tok), seed=0)
+    assert len(supervised_finetune(unreachable, tok, task, dataclasses.replace(cfg, steps=30, target_accuracy=1.0),
+                                   seed=0, eos_id=tok.eos_token_id, progress=False)) == 30

@@ -119,8 +119,14 @@ def _lr_factor(step: int, steps: int) -> float:
 
 def supervised_finetune(model: PreTrainedModel, tokenizer, task: _Task, cfg: ColdStartConfig, *, seed: int,
                         eos_id: int, progress: bool = True) -> list[float]:
-    """Train ``model`` in place for ``cfg.steps`` steps; returns the per-step losses."""
+    """Train ``model`` in place for ``cfg.steps`` steps, or until the sampled accuracy on fixed training-
+    distribution prompts reaches ``cfg.target_accuracy`` (checked every ``cfg.check_every`` steps); returns the
+    per-step losses (their count is the number of steps run)."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+    # probe prompts from the training distribution (never the held-out eval set), fixed by the seed
+    probes = task.sample(random.Random(f"cold-start-probe-{seed}"), _EVAL_EXAMPLES) if cfg.target_accuracy else []
+    probe_tokens = max((len(tokenizer.encode(task.demonstration(ex), add_special_tokens=False)) for ex in probes),
+                       default=0) + 2
     rng = random.Random(seed)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
@@ -141,6 +147,19 @@ def supervised_finetune(model: PreTrainedModel, tokenizer, task: _Task, cfg: Col
         scheduler.step()
         losses.append(float(loss.detach()))
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if probes and len(losses) % cfg.check_every == 0 and len(losses) < cfg.steps:
+            model.eval()
+            accuracy = sampled_accuracy(model, tokenizer, task, probes, eos_id=eos_id, seed=seed,
+                                        max_new_tokens=probe_tokens)
+            model.train()
+            if accuracy >= cfg.target_accuracy:
+                log.info("cold start: sampled accuracy %.1f%% >= target %.1f%% after %d steps: stopping",
+                         100 * accuracy, 100 * cfg.target_accuracy, len(losses))
+                break
+    else:
+        if probes:
+            log.warning("cold start: target accuracy %.1f%% not reached in %d steps", 100 * cfg.target_accuracy,
+                        cfg.steps)
     model.eval()
     return losses
 
@@ -200,6 +219,7 @@ def cold_start(model: PreTrainedModel, tokenizer, task: _Task, cfg: ColdStartCon
     info = {
         "coldstart/loss": sum(losses[-10:]) / len(losses[-10:]) if losses else nan,
         "coldstart/loss_first": losses[0] if losses else nan,
+        "coldstart/steps": float(len(losses)) if losses else nan,
         "coldstart/cached": float(cached),
         "coldstart/accuracy": accuracy,
         "coldstart/seconds": time.perf_counter() - t0,

@@ -96,11 +96,20 @@ class ColdStartConfig:
     # Seed of the cold start (initial weights and demonstration order); None: the run's seed. Fix it to give
     # runs with different seeds one shared starting model, so their spread is RL's alone.
     seed: Optional[int] = None
+    # Stop early once the sampled accuracy (T=1) on 256 training-distribution prompts reaches this; None: run
+    # every step. The cold start crosses a sharp transition whose position moves with seed, thread count and
+    # kernels, so a target lands RL's start in a learnable range where a fixed step count may not.
+    target_accuracy: Optional[float] = None
+    # Steps between two accuracy checks when target_accuracy is set.
+    check_every: int = 25
 
     def check(self, prefix: str = "cold_start") -> None:
         _require(self.steps >= 0, f"{prefix}.steps", f"must be >= 0, got {self.steps}")
         _require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
         _require(self.lr > 0, f"{prefix}.lr", "must be > 0")
+        _require(self.target_accuracy is None or 0 < self.target_accuracy <= 1, f"{prefix}.target_accuracy",
+                 f"must be in (0, 1] or null, got {self.target_accuracy}")
+        _require(self.check_every >= 1, f"{prefix}.check_every", "must be >= 1")
 
 
 @dataclass
