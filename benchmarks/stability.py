@@ -139,6 +139,12 @@ PROFILES: dict[str, Profile] = {
         seeds=(0, 1, 2), methods=("minirl_r3_lr1e-3", "dcmdp_r3_lr1e-3"), minibatches=(1,),
         overrides=("steps=100", "eval_every=20", "algo.prompts_per_step=16", "algo.samples_per_prompt=8"),
         about="the 5x learning-rate probes on-policy (N = 1): is the collapse at N = 8 from off-policiness?"),
+    "quick_shared": Profile(
+        seeds=(0, 1, 2), methods=tuple(METHODS), minibatches=(1, 8),
+        overrides=("steps=100", "eval_every=20", "algo.prompts_per_step=16", "algo.samples_per_prompt=8",
+                   "cold_start.seed=0"),
+        about="the quick matrix from one shared cold start (cold_start.seed=0, stopped at 30% sampled accuracy): "
+              "the seeds differ in RL sampling only"),
 }
 
 # per-step metrics kept in history.json (the checkpoint's history has every metric)
@@ -280,13 +286,17 @@ def warm_cold_starts(profile: Profile) -> None:
     from trainers.tasks import TASKS
     from trainers.tokenizer import build_char_tokenizer
 
+    import torch
+
+    torch.set_num_threads(1)  # the runs' threads=1: the cold start (and its cache key) depend on the thread count
     for seed in profile.seeds:
         cfg = load_config(BASE_CONFIG, [*profile.overrides, f"seed={seed}", "progress=false"])
         if cfg.cold_start.steps == 0:
             continue
         tok = build_char_tokenizer()
-        model = build_model(cfg.model, len(tok), seed=seed)
-        cold_start(model, tok, TASKS[cfg.task.name](cfg.task, seed), cfg.cold_start, cfg.model, seed=seed,
+        cs_seed = seed if cfg.cold_start.seed is None else cfg.cold_start.seed  # as dcmdp.loop.setup does
+        model = build_model(cfg.model, len(tok), seed=cs_seed)
+        cold_start(model, tok, TASKS[cfg.task.name](cfg.task, seed), cfg.cold_start, cfg.model, seed=cs_seed,
                    eos_id=tok.eos_token_id, progress=False)
 
 
