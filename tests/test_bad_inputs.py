@@ -6,7 +6,6 @@ Cases already tested elsewhere are listed in docs/bad_inputs.md with the test th
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import shutil
@@ -27,6 +26,7 @@ from trainers.engines.torch_engine import TorchEngine
 from trainers.models import build_model, save_model_dir
 from trainers.tasks import TASKS
 from trainers.tokenizer import build_char_tokenizer, load_tokenizer
+from fsutil import unprivileged
 
 torch.set_num_threads(1)
 
@@ -40,19 +40,6 @@ def _overrides(out, *extra: str) -> list[str]:
 def _snapshot(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-@contextlib.contextmanager
-def _unprivileged():
-    """Root ignores directory permissions: drop the effective uid to nobody for the block (if root)."""
-    if os.geteuid() != 0:
-        yield
-        return
-    os.seteuid(65534)
-    try:
-        yield
-    finally:
-        os.seteuid(0)
 
 
 # ------------------------------------------------------------------------------------------ config
@@ -205,7 +192,7 @@ def test_read_only_output_directory(tmp_path):
     out.mkdir()
     out.chmod(0o555)
     try:
-        with _unprivileged():
+        with unprivileged():
             with pytest.raises(OSError, match=rf"output_dir='{out}' is not a writable directory: Permission denied"):
                 train(load_config(None, _overrides(out)))
     finally:

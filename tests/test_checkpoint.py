@@ -26,6 +26,7 @@ import torch
 from dcmdp.checkpoint import (CheckpointError, SignalCheckpointer, capture_rng, find_resume_checkpoint,
                               load_checkpoint, restore_rng, save_checkpoint, verify_checkpoint)
 from dcmdp.dual import DualState
+from fsutil import unprivileged
 
 REPO = Path(__file__).resolve().parents[1]
 SUBPROCESS_TIMEOUT = 60.0
@@ -287,19 +288,6 @@ print(json.dumps(out))
     assert out["after_retry"] == ["step_00000001", "step_00000002", "step_00000004"]
 
 
-@contextlib.contextmanager
-def _unprivileged():
-    """Root ignores directory permissions: drop the effective uid to nobody for the block (if root)."""
-    if os.geteuid() != 0:
-        yield
-        return
-    os.seteuid(65534)
-    try:
-        yield
-    finally:
-        os.seteuid(0)
-
-
 def test_unwritable_directory_raises_naming_it(tmp_path):
     base = Path(tempfile.mkdtemp(prefix="dcmdp_ckpt_ro_"))
     try:
@@ -308,7 +296,7 @@ def test_unwritable_directory_raises_naming_it(tmp_path):
         save_checkpoint(ckpt, 1, _small(1), keep=1)
         before = _snapshot(ckpt)
         ckpt.chmod(0o555)
-        with _unprivileged():
+        with unprivileged():
             with pytest.raises(CheckpointError, match=f"{ckpt} is not writable: Permission denied"):
                 save_checkpoint(ckpt, 2, _small(2), keep=1)
             with pytest.raises(CheckpointError, match=f"cannot create checkpoint directory {ckpt / 'sub'}"):
