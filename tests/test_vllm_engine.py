@@ -303,15 +303,20 @@ def assert_routes_match_transformers(model, rollout):
     assert int(disagree.sum()) <= 0.01 * int(fed_BS.sum()) * experts_BSLK.shape[2]
 
 
-def test_r3_routes_match_transformers_topk(tiny, tok, prompts):
-    """R3: the experts vLLM routed each fed position to, batched, = transformers' fp32 top-k sets; replaying
-    them in the trainer reproduces mu."""
-    moe = tiny["tiny-moe"]
-    engine = start(moe, tok)
+@pytest.fixture(scope="module")
+def moe_rollout(tiny, tok, prompts):
+    """One batched tiny-moe rollout with the routes vLLM computed (one engine start for the route tests)."""
+    engine = start(tiny["tiny-moe"], tok)
     try:
-        rollout = engine.generate(prompts, seed=13)
+        return engine.generate(prompts, seed=13)
     finally:
         engine.close()
+
+
+def test_r3_routes_match_transformers_topk(tiny, moe_rollout):
+    """R3: the experts vLLM routed each fed position to, batched, = transformers' fp32 top-k sets; replaying
+    them in the trainer reproduces mu."""
+    moe, rollout = tiny["tiny-moe"], moe_rollout
     assert_routes_match_transformers(moe.model, rollout)
     with torch.no_grad(), routing.replay_routes(moe.model, rollout.rollout_experts_BSLK) as stats:
         replayed_BT = trainer_logp(moe.model, rollout, 1.0)
@@ -320,18 +325,13 @@ def test_r3_routes_match_transformers_topk(tiny, tok, prompts):
     assert diff.max() < 1e-5
 
 
-def test_native_route_placement_matches_the_capture_layout(tiny, tok, prompts):
+def test_native_route_placement_matches_the_capture_layout(moe_rollout):
     """GPU R3 path: vLLM's ``routed_experts`` rows (one per fed position, in sequence order) placed by
     ``place_routed_experts`` give the same (B, S, L, K) tensor as the CPU capture path. The rows are cut
     from a real captured rollout, in the layout vLLM returns them."""
     from trainers.engines.vllm_engine import place_routed_experts
 
-    moe = tiny["tiny-moe"]
-    engine = start(moe, tok)
-    try:
-        rollout = engine.generate(prompts, seed=5)
-    finally:
-        engine.close()
+    rollout = moe_rollout
     experts_BSLK = rollout.rollout_experts_BSLK
     B, S, L, K = experts_BSLK.shape
     P = rollout.prompt_ids_BP.shape[1]
