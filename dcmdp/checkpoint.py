@@ -113,10 +113,14 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, payload: dict[str, Any], *,
     not a directory): the temporary directory is removed and existing checkpoints are left untouched.
     Raises ``TypeError`` (before touching the disk) when the payload holds a non-plain value.
     """
+    _check_publishable(payload, keep)  # before any directory is made
+    return _write_and_publish(prepare_checkpoint_dir(ckpt_dir, step), ckpt_dir, step, payload, keep=keep)
+
+
+def _check_publishable(payload: dict[str, Any], keep: int) -> None:
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     _check_plain(payload, "payload")
-    return publish_checkpoint(prepare_checkpoint_dir(ckpt_dir, step), ckpt_dir, step, payload, keep=keep)
 
 
 def prepare_checkpoint_dir(ckpt_dir: str | Path, step: int) -> Path:
@@ -142,9 +146,11 @@ def prepare_checkpoint_dir(ckpt_dir: str | Path, step: int) -> Path:
 def publish_checkpoint(tmp: Path, ckpt_dir: str | Path, step: int, payload: dict[str, Any], *, keep: int) -> Path:
     """Write ``payload`` into ``tmp`` as ``state.pt``, checksum every file there, rename ``tmp`` into place and
     prune (second half of ``save_checkpoint``). On failure ``tmp`` is removed and ``CheckpointError`` raised."""
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
-    _check_plain(payload, "payload")
+    _check_publishable(payload, keep)
+    return _write_and_publish(tmp, ckpt_dir, step, payload, keep=keep)
+
+
+def _write_and_publish(tmp: Path, ckpt_dir: str | Path, step: int, payload: dict[str, Any], *, keep: int) -> Path:
     ckpt_dir = Path(ckpt_dir)
     final = ckpt_dir / _dir_name(step)
     t0 = time.perf_counter()
