@@ -70,7 +70,7 @@ def evaluate_checkpoint(cfg: RunConfig, checkpoint: str = "auto") -> EvalResult:
         try:
             engine.load_weights(model.state_dict(), version=int(state["engine_version"]))
             # evaluate() reads only these fields of a training Setup
-            s = SimpleNamespace(cfg=cfg, tokenizer=tokenizer, task=task, model=model, engine=engine)
+            s = SimpleNamespace(cfg=cfg, tokenizer=tokenizer, task=task, model=model, engine=engine, worker=None)
             accuracy = evaluate(s, seed=cfg.seed)  # type: ignore[arg-type]
         finally:
             engine.close()

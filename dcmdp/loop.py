@@ -359,10 +359,9 @@ def measure_phase(s: Setup, batch: learner.ScoredBatch) -> tuple[torch.Tensor, d
 @torch.no_grad()
 def evaluate(s: Setup, seed: int) -> float:
     """Held-out accuracy: share of eval prompts whose sampled response (rollout temperature) is correct."""
-    worker = getattr(s, "worker", None)
-    if worker is not None:
+    if s.worker is not None:
         # between two worker batches, on the trainer's current weights
-        return worker.evaluate(lambda: _evaluate(s, seed), s.model.state_dict())
+        return s.worker.evaluate(lambda: _evaluate(s, seed), s.model.state_dict())
     return _evaluate(s, seed)
 
 
