@@ -72,6 +72,12 @@ class DualConfig:
     coupling: CouplingConfig = field(default_factory=CouplingConfig)
     # Keep lambda fixed at lambda_init (the fixed-coefficient baseline).
     fixed: bool = False
+    # Which policy D-hat (the dual step's input) measures against the rollout engine mu:
+    # rollout (pi_old, before the updates: the engines' discrepancy at the weights that sampled the batch) |
+    # updates (pi_theta of every token at the mini-batch update that trained on it, before that update's
+    # optimiser step: the quantity the hinge penalty acts on, engine discrepancy plus update drift; equal to
+    # rollout at N = 1).
+    measure_at: str = "rollout"
 
 
 @dataclass
@@ -315,6 +321,7 @@ def _validate_registries(cfg: RunConfig) -> None:
     one_of(cfg.algo.advantage, ADVANTAGES, "algo.advantage")
     one_of(cfg.dual.rule, DUAL_RULES, "dual.rule")
     one_of(cfg.dual.penalty, PENALTIES, "dual.penalty")
+    one_of(cfg.dual.measure_at, ("rollout", "updates"), "dual.measure_at")
     for i, c in enumerate(cfg.dual.constraints):
         one_of(c.measure, MEASURES, f"dual.constraints[{i}].measure")
     if cfg.dual.enabled:

@@ -1,7 +1,8 @@
 """The training loop: rollout -> pi_old -> measure -> N mini-batch updates -> dual step -> sync -> log.
 
 One flat function, ``train``, reads top to bottom; each phase is a small helper below it. The dual
-step uses D-hat measured on this batch before the updates (pi_old vs mu); the updated lambdas apply from
+step uses D-hat measured on this batch before the updates (pi_old vs mu; with ``dual.measure_at: updates``,
+pi_theta as each mini-batch update saw it vs mu); the updated lambdas apply from
 the next rollout batch, to every mini-batch alike.
 """
 
@@ -136,13 +137,16 @@ def _train_step(s: Setup, step: int, bar) -> None:
     measured_C, disc_metrics = (measure_phase(s, batch) if kept else
                                 (torch.full((len(s.names),), float("nan"), dtype=torch.float64), {}))
     t3 = time.perf_counter()
+    trained_logp_BT = batch.old_logp_BT.clone() if kept and cfg.dual.measure_at == "updates" else None
     update_metrics = learner.update(
         s.model, s.optimizer, s.scheduler, batch, lambda_C=s.dual.lambda_C.float(),
         constraints=cfg.dual.constraints, penalty=cfg.dual.penalty, dual_enabled=cfg.dual.enabled,
         cfg=cfg.algo, temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
-        grad_clip=cfg.optim.grad_clip,
-        generator=torch.Generator().manual_seed(_step_seed(cfg.seed, step, 2)), shard=s.dist.shard) if kept else []
+        grad_clip=cfg.optim.grad_clip, generator=torch.Generator().manual_seed(_step_seed(cfg.seed, step, 2)),
+        shard=s.dist.shard, trained_logp_BT=trained_logp_BT) if kept else []
     t4 = time.perf_counter()
+    if trained_logp_BT is not None:
+        measured_C = constraint_values(s, batch, trained_logp_BT)
     s.dual, dual_metrics = dual_step(s.dual, measured_C, cfg.dual)
     t5 = time.perf_counter()
     if s.worker is None:
@@ -342,18 +346,31 @@ def reward_phase(s: Setup, examples: list[Example], rollout: Rollout) -> tuple[t
                        "response/length_mean": float(lengths.mean())}
 
 
-def measure_phase(s: Setup, batch: learner.ScoredBatch) -> tuple[torch.Tensor, dict[str, float]]:
-    """D-hat of every constraint (pi_old vs mu, before the updates) and all discrepancy measures."""
+def _routes(batch: learner.ScoredBatch) -> dict:
     r = batch.rollout
-    mask_BT = r.response_mask_BT.bool()
-    routes = dict(experts_train_BSLK=batch.train_experts_BSLK, experts_rollout_BSLK=r.rollout_experts_BSLK,
-                  mask_BS=r.attention_mask_BS.bool())
     if batch.train_experts_BSLK is None or r.rollout_experts_BSLK is None:
-        routes = {}
-    measured_C = torch.stack([
-        measure_constraint(c, batch.old_logp_BT, r.rollout_logp_BT.float(), mask_BT, **routes).double()
-        for c in s.cfg.dual.constraints]) if s.cfg.dual.constraints else torch.zeros(0, dtype=torch.float64)
-    return measured_C, discrepancy_metrics(batch.old_logp_BT, r.rollout_logp_BT.float(), mask_BT, **routes)
+        return {}
+    return dict(experts_train_BSLK=batch.train_experts_BSLK, experts_rollout_BSLK=r.rollout_experts_BSLK,
+                mask_BS=r.attention_mask_BS.bool())
+
+
+def constraint_values(s: Setup, batch: learner.ScoredBatch, train_logp_BT: torch.Tensor) -> torch.Tensor:
+    """D-hat of every constraint: the training engine's log-probs ``train_logp_BT`` vs mu (float64, [C])."""
+    r = batch.rollout
+    if not s.cfg.dual.constraints:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.stack([measure_constraint(c, train_logp_BT, r.rollout_logp_BT.float(), r.response_mask_BT.bool(),
+                                           **_routes(batch)).double() for c in s.cfg.dual.constraints])
+
+
+def measure_phase(s: Setup, batch: learner.ScoredBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    """D-hat of every constraint (pi_old vs mu, before the updates) and all discrepancy measures.
+
+    With ``dual.measure_at: updates`` the loop replaces D-hat after the updates (``constraint_values`` of
+    the log-probs the updates saw); the discrepancy/ metrics stay pi_old vs mu."""
+    r = batch.rollout
+    return constraint_values(s, batch, batch.old_logp_BT), discrepancy_metrics(
+        batch.old_logp_BT, r.rollout_logp_BT.float(), r.response_mask_BT.bool(), **_routes(batch))
 
 
 @torch.no_grad()

@@ -207,8 +207,12 @@ def _global_norm(grad_norm: Tensor) -> Tensor:
 def update(model, optimizer, scheduler, batch: ScoredBatch, *, lambda_C: Tensor,
            constraints: Sequence[ConstraintConfig], penalty: str, dual_enabled: bool, cfg: AlgoConfig,
            temperature: float, fp32_lm_head: bool, grad_clip: float, generator: torch.Generator,
-           shard: DataShard = DataShard()) -> list[dict]:
+           shard: DataShard = DataShard(), trained_logp_BT: Optional[Tensor] = None) -> list[dict]:
     """N mini-batch optimiser steps on one scored rollout batch; returns one metrics dict per step.
+
+    ``trained_logp_BT`` (optional, shaped like ``batch.old_logp_BT``) is filled in place with every row's
+    log pi_theta as its mini-batch saw it, before that mini-batch's optimiser step (detached): the policy
+    the penalty acted on (``dual.measure_at: updates``). With N = 1 it is pi_old.
 
     A mini-batch whose loss or gradient norm is non-finite gets no optimiser step (its gradients are
     zeroed, a warning is logged); 'guard/skipped_update' says so per mini-batch, and the first dict carries
@@ -250,6 +254,9 @@ def update(model, optimizer, scheduler, batch: ScoredBatch, *, lambda_C: Tensor,
                                                       kept_BT, routing_BT, normalizer, **terms)
         else:
             full_loss = loss.detach()
+        if trained_logp_BT is not None:
+            trained_logp_BT[idx] = (shard.gather_rows(logp_BT.detach()) if shard.world > 1
+                                    else logp_BT.detach()).to(trained_logp_BT.dtype)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = _global_norm(torch.nn.utils.clip_grad_norm_(model.parameters(),
