@@ -36,7 +36,8 @@ runs the missing cells (a cell whose ``summary.json`` and ``history.json`` exist
 resumes from its last checkpoint), prints a table last, and writes ``benchmarks/results/stability_<profile>``
 (.md, .csv, .json and two plots). ``--profile smoke`` runs 2 methods x 3 steps on a tiny batch. The ``probe`` and
 ``probe_n1`` profiles run the ``PROBE_METHODS`` (an active dual, a 10x fixed penalty, a 5x learning rate) used to
-read why DCMDP does or does not separate from its baselines. A hand-written
+read why DCMDP does or does not separate from its baselines; ``probe_updates`` feeds the dual the discrepancy the
+updates trained on (``dual.measure_at=updates``). A hand-written
 ``benchmarks/results/stability_<profile>_reading.md``, when present, is appended to the results page.
 """
 
@@ -101,6 +102,11 @@ PROBE_METHODS: dict[str, list[str]] = {
     "fixed_r3_lambda1_lr1e-3": _MINIRL + ["algo.routing_replay=r3", "dual.fixed=true", _constraint(2.7e-3, 1.0, 1.0),
                                           "optim.lr=1e-3"],
     "dcmdp_r3_c1e-3_eta100_lr1e-3": METHODS["dcmdp_r3"] + [_constraint(1e-3, 0.1, 100.0), "optim.lr=1e-3"],
+    # the dual fed the discrepancy the updates trained on (pi_theta vs mu: engine floor + update drift)
+    "dcmdp_r3_upd": METHODS["dcmdp_r3"] + ["dual.measure_at=updates"],
+    "dcmdp_r3_upd_eta100": METHODS["dcmdp_r3"] + ["dual.measure_at=updates", _constraint(2.7e-3, 0.1, 100.0)],
+    "dcmdp_r3_upd_eta100_lr1e-3": METHODS["dcmdp_r3"] + ["dual.measure_at=updates", _constraint(2.7e-3, 0.1, 100.0),
+                                                         "optim.lr=1e-3"],
 }
 ALL_METHODS = {**METHODS, **PROBE_METHODS}
 
@@ -132,7 +138,7 @@ PROFILES: dict[str, Profile] = {
               "one shared cold start (cold_start.seed=0; the seeds differ in RL sampling only), held-out eval "
               "every 50 steps"),
     "probe": Profile(
-        seeds=(0, 1, 2), methods=tuple(PROBE_METHODS), minibatches=(8,),
+        seeds=(0, 1, 2), methods=tuple(m for m in PROBE_METHODS if "_upd" not in m), minibatches=(8,),
         overrides=("steps=100", "eval_every=20", "algo.prompts_per_step=16", "algo.samples_per_prompt=8"),
         about="the quick profile's runs at N = 8 for the probe methods (PROBE_METHODS): an active dual, a 10x "
               "fixed penalty, a 5x learning rate, and both penalties under the 5x learning rate"),
@@ -140,6 +146,13 @@ PROFILES: dict[str, Profile] = {
         seeds=(0, 1, 2), methods=("minirl_r3_lr1e-3", "dcmdp_r3_lr1e-3"), minibatches=(1,),
         overrides=("steps=100", "eval_every=20", "algo.prompts_per_step=16", "algo.samples_per_prompt=8"),
         about="the 5x learning-rate probes on-policy (N = 1): is the collapse at N = 8 from off-policiness?"),
+    "probe_updates": Profile(
+        seeds=(0, 1, 2), methods=("dcmdp_r3_upd", "dcmdp_r3_upd_eta100", "dcmdp_r3_upd_eta100_lr1e-3"),
+        minibatches=(8,),
+        overrides=("steps=100", "eval_every=20", "algo.prompts_per_step=16", "algo.samples_per_prompt=8",
+                   "cold_start.seed=0"),
+        about="quick_shared's runs at N = 8 with dual.measure_at=updates (D-hat = pi_theta at each token's update "
+              "vs mu), eta 1 and 100, and eta 100 under the 5x learning rate"),
     "quick_shared": Profile(
         seeds=(0, 1, 2), methods=tuple(METHODS), minibatches=(1, 8),
         overrides=("steps=100", "eval_every=20", "algo.prompts_per_step=16", "algo.samples_per_prompt=8",
