@@ -107,6 +107,10 @@ PROBE_METHODS: dict[str, list[str]] = {
     "dcmdp_r3_upd_eta100": METHODS["dcmdp_r3"] + ["dual.measure_at=updates", _constraint(2.7e-3, 0.1, 100.0)],
     "dcmdp_r3_upd_eta100_lr1e-3": METHODS["dcmdp_r3"] + ["dual.measure_at=updates", _constraint(2.7e-3, 0.1, 100.0),
                                                          "optim.lr=1e-3"],
+    # the same with c at the drift level the N = 8 updates reach (~1e-2) instead of the engines' floor
+    "dcmdp_r3_upd_c1e-2_eta100": METHODS["dcmdp_r3"] + ["dual.measure_at=updates", _constraint(1e-2, 0.1, 100.0)],
+    "dcmdp_r3_upd_c1e-2_eta100_lr1e-3": METHODS["dcmdp_r3"] + ["dual.measure_at=updates",
+                                                               _constraint(1e-2, 0.1, 100.0), "optim.lr=1e-3"],
 }
 ALL_METHODS = {**METHODS, **PROBE_METHODS}
 
@@ -147,12 +151,14 @@ PROFILES: dict[str, Profile] = {
         overrides=("steps=100", "eval_every=20", "algo.prompts_per_step=16", "algo.samples_per_prompt=8"),
         about="the 5x learning-rate probes on-policy (N = 1): is the collapse at N = 8 from off-policiness?"),
     "probe_updates": Profile(
-        seeds=(0, 1, 2), methods=("dcmdp_r3_upd", "dcmdp_r3_upd_eta100", "dcmdp_r3_upd_eta100_lr1e-3"),
+        seeds=(0, 1, 2), methods=("dcmdp_r3_upd", "dcmdp_r3_upd_eta100", "dcmdp_r3_upd_eta100_lr1e-3",
+                                  "dcmdp_r3_upd_c1e-2_eta100", "dcmdp_r3_upd_c1e-2_eta100_lr1e-3"),
         minibatches=(8,),
         overrides=("steps=100", "eval_every=20", "algo.prompts_per_step=16", "algo.samples_per_prompt=8",
                    "cold_start.seed=0"),
         about="quick_shared's runs at N = 8 with dual.measure_at=updates (D-hat = pi_theta at each token's update "
-              "vs mu), eta 1 and 100, and eta 100 under the 5x learning rate"),
+              "vs mu): c = 2.7e-3 with eta 1 and 100, c = 1e-2 with eta 100, and both eta-100 duals under the 5x "
+              "learning rate"),
     "quick_shared": Profile(
         seeds=(0, 1, 2), methods=tuple(METHODS), minibatches=(1, 8),
         overrides=("steps=100", "eval_every=20", "algo.prompts_per_step=16", "algo.samples_per_prompt=8",
