@@ -47,6 +47,7 @@ def test_unknown_key_inside_constraint_list(tmp_path):
     (["dual.constraints=[{measure: kl_k4}]"], "did you mean 'kl_k3'"),
     (["steps=abc"], "steps"),
     (["algo.samples_per_prompt=1"], "samples_per_prompt"),
+    (["dual.measure_at=update"], r"dual.measure_at.*did you mean 'updates'"),
 ])
 def test_bad_values_raise_naming_the_key(override, needle):
     with pytest.raises(ConfigError, match=needle):
