@@ -137,7 +137,8 @@ PROFILES: dict[str, Profile] = {
         about="all 7 methods, N in {1, 8}, 3 seeds, 100 RL steps of 16 prompts x 8 samples "
               "(the default run: 650 steps of 32 x 16), held-out eval every 20 steps"),
     "full": Profile(
-        seeds=(0, 1, 2), methods=tuple(METHODS), minibatches=(1, 4, 8), overrides=("eval_every=50", "cold_start.seed=0"),
+        seeds=(0, 1, 2), methods=tuple(METHODS), minibatches=(1, 4, 8),
+        overrides=("eval_every=50", "cold_start.seed=0"),
         about="all 7 methods, N in {1, 4, 8}, 3 seeds, the default run (650 steps of 32 prompts x 16 samples) from "
               "one shared cold start (cold_start.seed=0; the seeds differ in RL sampling only), held-out eval "
               "every 50 steps"),

@@ -54,10 +54,10 @@ def _history(out: Path) -> list[dict]:
     return [{k: v for k, v in h.items() if not k.startswith(("time/", "throughput/"))} for h in state["history"]]
 
 
-def _single_process(preset: str, config: Path, out: Path, cache: Path) -> list[dict]:
+def _single_process(preset: str, config: Path, out: Path, cache: Path, *extra: str) -> list[dict]:
     from dcmdp.loop import train
 
-    train(load_config(config, _overrides(preset, out, cache)))
+    train(load_config(config, _overrides(preset, out, cache, STEPS, *extra)))
     return _history(out)
 
 
@@ -65,7 +65,7 @@ def _assert_close(one: list[dict], two: list[dict]) -> None:
     assert len(one) == len(two) == STEPS
     for step, (a, b) in enumerate(zip(one, two), start=1):
         assert set(a) == set(b)
-        keys = [k for k in a if k == "loss/total" or k.startswith(("dual/lambda/", "discrepancy/"))]
+        keys = [k for k in a if k == "loss/total" or k.startswith(("dual/lambda/", "dual/measured/", "discrepancy/"))]
         assert "loss/total" in keys and any(k.startswith("dual/lambda/") for k in keys)
         for k in keys:
             assert abs(a[k] - b[k]) <= 1e-6 + 1e-3 * abs(a[k]), (step, k, a[k], b[k])
@@ -81,12 +81,17 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def moe_two_ranks(workdir):
     out = workdir / "moe2"
-    _torchrun(2, workdir / "config.yaml", _overrides("tiny-moe", out, workdir / "cache"))
+    _torchrun(2, workdir / "config.yaml", _overrides("tiny-moe", out, workdir / "cache", STEPS, *MOE_EXTRA))
     return out
 
 
+# the MoE runs feed the dual the updates' log-probs (gathered from both ranks' rows); the dense run keeps the
+# default pi_old measure
+MOE_EXTRA = ("dual.measure_at=updates",)
+
+
 def test_two_ranks_match_one_process_tiny_moe(workdir, moe_two_ranks):
-    one = _single_process("tiny-moe", workdir / "config.yaml", workdir / "moe1", workdir / "cache")
+    one = _single_process("tiny-moe", workdir / "config.yaml", workdir / "moe1", workdir / "cache", *MOE_EXTRA)
     two = _history(moe_two_ranks)
     _assert_close(one, two)
     # the runs did train: the penalty was active and lambda moved
@@ -106,7 +111,7 @@ def test_sharded_checkpoint_resumes_exactly_at_two_ranks(workdir, moe_two_ranks)
         if later.name != ckpt.name:
             shutil.rmtree(later)
     _torchrun(2, workdir / "config.yaml",
-              _overrides("tiny-moe", resumed, workdir / "cache", STEPS, "checkpoint.resume=auto"))
+              _overrides("tiny-moe", resumed, workdir / "cache", STEPS, *MOE_EXTRA, "checkpoint.resume=auto"))
     assert _history(resumed) == _history(moe_two_ranks)
 
 
