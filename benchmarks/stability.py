@@ -56,7 +56,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -343,6 +343,10 @@ class RunResult:
     seconds: float
     # means over steps of the DIAGNOSTICS metrics (nan where a method does not log one)
     diagnostics: dict[str, float]
+    # per step: the D-hat the dual was fed, its tolerance, lambda after the dual step
+    measured: list[float] = field(default_factory=list)
+    tolerance: float = float("nan")
+    lambdas: list[float] = field(default_factory=list)
 
 
 # diagnostics table: column -> (metric, over which steps: "all" or "last10")
@@ -400,7 +404,8 @@ def load_run(out: Path, method: str, n: int, seed: int, warmup: int) -> RunResul
                      eval_steps, eval_acc, collapsed, reason,
                      float(np.mean([h["discrepancy/abs_prob_diff"] for h in history])),
                      float(np.mean(measured <= tol)), float(summary["final_lambda"].get("abs_prob_diff", 0.0)),
-                     nonfinite, float(summary["seconds"]), diagnostics(history))
+                     nonfinite, float(summary["seconds"]), diagnostics(history), measured.tolist(), float(tol[-1]),
+                     [h["dual/lambda/abs_prob_diff"] for h in history])
 
 
 def aggregate(runs: list[RunResult], profile: Profile) -> list[dict]:
@@ -486,6 +491,28 @@ def plot(runs: list[RunResult], cells: list[dict], profile: Profile, prefix: Pat
     fig.tight_layout()
     paths.append(prefix.with_name(prefix.name + "_final_accuracy.png"))
     fig.savefig(paths[-1], dpi=120), plt.close(fig)
+
+    # the dual at the largest N: D-hat (5-step running mean, mean over seeds) against c, and lambda
+    dual_methods = [m for m in profile.methods if any(r.method == m and r.n == n_max and any(r.lambdas) for r in runs)]
+    if dual_methods:
+        fig, (ax_d, ax_l) = plt.subplots(1, 2, figsize=(11, 4.2))
+        for k, method in enumerate(dual_methods):
+            rs = [r for r in runs if r.method == method and r.n == n_max]
+            steps = min(len(r.measured) for r in rs)
+            color = f"C{k}"
+            d = np.mean([r.measured[:steps] for r in rs], axis=0)
+            w = min(5, steps)
+            ax_d.plot(np.arange(w, steps + 1), np.convolve(d, np.ones(w) / w, mode="valid"), color=color, label=method)
+            ax_d.axhline(rs[0].tolerance, color=color, ls="--", lw=0.8)
+            ax_l.plot(np.arange(1, steps + 1), np.mean([r.lambdas[:steps] for r in rs], axis=0), color=color,
+                      label=method)
+        ax_d.set_yscale("log"), ax_d.set_xlabel("RL step"), ax_d.grid(alpha=0.3)
+        ax_d.set_ylabel("D̂ fed to the dual (5-step mean; dashed: c)")
+        ax_l.set_xlabel("RL step"), ax_l.set_ylabel("λ (mean over seeds)"), ax_l.grid(alpha=0.3)
+        ax_l.legend(fontsize=7)
+        fig.suptitle(f"the dual at N = {n_max}"), fig.tight_layout()
+        paths.append(prefix.with_name(prefix.name + "_dual_N%d.png" % n_max))
+        fig.savefig(paths[-1], dpi=120), plt.close(fig)
     return paths
 
 

@@ -187,6 +187,7 @@ def test_stability_smoke(tmp_path):
     assert "| 2 | minirl |" in md and "| 2 | dcmdp_r3 |" in md and str(stability.TOLERANCE) in md
     assert prefix.with_name("stability_smoke_accuracy_N2.png").stat().st_size > 0
     assert prefix.with_name("stability_smoke_final_accuracy.png").stat().st_size > 0
+    assert prefix.with_name("stability_smoke_dual_N2.png").stat().st_size > 0  # dcmdp_r3's D-hat and lambda
 
     # a second invocation finds every cell finished and trains nothing
     mtime = (stability.cell_dir(bench, "minirl", 2, 0) / "summary.json").stat().st_mtime
@@ -229,3 +230,14 @@ def test_stability_probe_overrides():
         assert c.optim.lr == 1e-3 and c.dual.constraints[0].tolerance == stability.TOLERANCE
     # the matrix methods keep the matrix constraint
     assert cfg("dcmdp_r3").dual.constraints[0].lr == stability.DUAL_LR and cfg("dcmdp_r3").optim.lr == 2e-4
+    # probe_updates: the dual reads the updates' log-probs; c and eta as the names say; the probe profile
+    # keeps its own seven methods
+    upd = stability.PROFILES["probe_updates"]
+    for method in upd.methods:
+        c = load_config(stability.BASE_CONFIG, stability.cell_overrides(upd, method, 8, 0, Path("unused")))
+        (con,) = c.dual.constraints
+        assert c.dual.measure_at == "updates" and c.algo.routing_replay == "r3" and c.cold_start.seed == 0
+        assert con.tolerance == (1e-2 if "c1e-2" in method else stability.TOLERANCE)
+        assert con.lr == (100.0 if "eta100" in method else stability.DUAL_LR)
+        assert c.optim.lr == (1e-3 if method.endswith("lr1e-3") else 2e-4)
+    assert not any("_upd" in m for m in profile.methods) and len(profile.methods) == 7
