@@ -476,21 +476,7 @@ def plot(runs: list[RunResult], cells: list[dict], profile: Profile, prefix: Pat
     paths.append(prefix.with_name(prefix.name + "_accuracy_N%d.png" % n_max))
     fig.savefig(paths[-1], dpi=120), plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    width = 0.8 / len(profile.minibatches)
-    x = np.arange(len(profile.methods))
-    for j, n in enumerate(profile.minibatches):
-        by = {c["method"]: c for c in cells if c["N"] == n}
-        mean = [by[m]["acc_mean"] if m in by else np.nan for m in profile.methods]
-        sd = [by[m]["acc_sd"] if m in by else 0.0 for m in profile.methods]
-        ax.bar(x + (j - (len(profile.minibatches) - 1) / 2) * width, mean, width, yerr=sd, capsize=2, label=f"N = {n}")
-    before = np.mean([c["acc_before"] for c in cells])
-    ax.axhline(before, color="k", ls="--", lw=1, label="before RL (mean)")
-    ax.set_xticks(x, profile.methods, rotation=20), ax.set_ylabel("final held-out accuracy (mean ± sd)")
-    ax.grid(axis="y", alpha=0.3), ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(prefix.with_name(prefix.name + "_final_accuracy.png"))
-    fig.savefig(paths[-1], dpi=120), plt.close(fig)
+    paths.append(plot_final_accuracy(cells, profile, prefix.with_name(prefix.name + "_final_accuracy.png")))
 
     # the dual at the largest N: D-hat (5-step running mean, mean over seeds) against c, and lambda
     dual_methods = [m for m in profile.methods if any(r.method == m and r.n == n_max and any(r.lambdas) for r in runs)]
@@ -515,6 +501,33 @@ def plot(runs: list[RunResult], cells: list[dict], profile: Profile, prefix: Pat
         fig.savefig(paths[-1], dpi=120), plt.close(fig)
     return paths
 
+
+
+def plot_final_accuracy(cells: list[dict], profile: Profile, path: Path) -> Path:
+    """Bars of the final held-out accuracy per method and N (mean ± sd over seeds), the legend above the bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(profile.minibatches)
+    x = np.arange(len(profile.methods))
+    top = 0.0
+    for j, n in enumerate(profile.minibatches):
+        by = {c["method"]: c for c in cells if c["N"] == n}
+        mean = [by[m]["acc_mean"] if m in by else np.nan for m in profile.methods]
+        sd = [by[m]["acc_sd"] if m in by else 0.0 for m in profile.methods]
+        top = max(top, np.nanmax(np.add(mean, sd)) if not np.all(np.isnan(mean)) else 0.0)
+        ax.bar(x + (j - (len(profile.minibatches) - 1) / 2) * width, mean, width, yerr=sd, capsize=2, label=f"N = {n}")
+    before = np.mean([c["acc_before"] for c in cells])
+    ax.axhline(before, color="k", ls="--", lw=1, label="before RL (mean)")
+    ax.set_xticks(x, profile.methods, rotation=20), ax.set_ylabel("final held-out accuracy (mean ± sd)")
+    ax.set_ylim(0, max(top, before, 0.05) * 1.22)
+    ax.grid(axis="y", alpha=0.3), ax.legend(fontsize=8, loc="upper center", ncol=len(profile.minibatches) + 1)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120), plt.close(fig)
+    return path
 
 def write_results(runs: list[RunResult], cells: list[dict], profile_name: str, profile: Profile, prefix: Path,
                   cmd: str, wall_s: float) -> list[str]:
