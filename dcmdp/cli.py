@@ -149,5 +149,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
 
 
+def entry() -> None:
+    """The ``dcmdp`` command and ``python -m dcmdp.cli``: under ``torchrun`` (WORLD_SIZE > 1) each worker ends
+    with :func:`dcmdp.distributed.exit_worker` once the command has returned."""
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from dcmdp.distributed import exit_worker
+
+        exit_worker(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

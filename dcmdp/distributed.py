@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -152,8 +153,28 @@ def init(cfg) -> Dist:
 
 
 def shutdown(d: Dist) -> None:
+    """Leave the process group together: a barrier first, so no rank tears down its gloo pairs while a peer is
+    still in the run's last collectives or writing its results, then ``destroy_process_group``."""
     if d.world > 1 and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_worker(code: int) -> None:
+    """End a ``torchrun`` worker process with ``code`` without the interpreter's teardown.
+
+    The run has finished by then (checkpoint written, MLflow run ended, process group destroyed), but objects
+    that still hold the process group (FSDP2's device mesh) are freed during interpreter finalisation, and a
+    gloo worker thread that then needs the GIL is stopped by the interpreter, which aborts the process
+    ("terminate called without an active exception", SIGABRT) and fails the whole torchrun job. Log handlers
+    and the standard streams are flushed first."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def shard_model(model: torch.nn.Module, cfg, d: Dist) -> torch.nn.Module:
