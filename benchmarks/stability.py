@@ -37,7 +37,8 @@ resumes from its last checkpoint), prints a table last, and writes ``benchmarks/
 (.md, .csv, .json and two plots). ``--profile smoke`` runs 2 methods x 3 steps on a tiny batch. The ``probe`` and
 ``probe_n1`` profiles run the ``PROBE_METHODS`` (an active dual, a 10x fixed penalty, a 5x learning rate) used to
 read why DCMDP does or does not separate from its baselines; ``probe_updates`` feeds the dual the discrepancy the
-updates trained on (``dual.measure_at=updates``). A hand-written
+updates trained on (``dual.measure_at=updates``); ``probe_penalty`` tries the ``mean`` and ``advantage`` penalty
+forms. A hand-written
 ``benchmarks/results/stability_<profile>_reading.md``, when present, is appended to the results page.
 """
 
@@ -111,6 +112,15 @@ PROBE_METHODS: dict[str, list[str]] = {
     "dcmdp_r3_upd_c1e-2_eta100": METHODS["dcmdp_r3"] + ["dual.measure_at=updates", _constraint(1e-2, 0.1, 100.0)],
     "dcmdp_r3_upd_c1e-2_eta100_lr1e-3": METHODS["dcmdp_r3"] + ["dual.measure_at=updates",
                                                                _constraint(1e-2, 0.1, 100.0), "optim.lr=1e-3"],
+    # the other penalty forms (DESIGN.md 4): mean pulls every token's pi_theta towards mu, advantage shapes A_t
+    "dcmdp_r3_mean": METHODS["dcmdp_r3"] + ["dual.penalty=mean"],
+    "dcmdp_r3_adv": METHODS["dcmdp_r3"] + ["dual.penalty=advantage"],
+    "dcmdp_r3_mean_upd_c1e-2_eta100": METHODS["dcmdp_r3"] + ["dual.penalty=mean", "dual.measure_at=updates",
+                                                             _constraint(1e-2, 0.1, 100.0)],
+    "dcmdp_r3_mean_lr1e-3": METHODS["dcmdp_r3"] + ["dual.penalty=mean", "optim.lr=1e-3"],
+    "dcmdp_r3_adv_lr1e-3": METHODS["dcmdp_r3"] + ["dual.penalty=advantage", "optim.lr=1e-3"],
+    "dcmdp_r3_mean_upd_c1e-2_eta100_lr1e-3": METHODS["dcmdp_r3"] + ["dual.penalty=mean", "dual.measure_at=updates",
+                                                                    _constraint(1e-2, 0.1, 100.0), "optim.lr=1e-3"],
 }
 ALL_METHODS = {**METHODS, **PROBE_METHODS}
 
@@ -125,6 +135,9 @@ class Profile:
     about: str
 
 
+# the quick matrix's run: 100 RL steps of 16 prompts x 8 samples, held-out eval every 20 steps
+_QUICK = ("steps=100", "eval_every=20", "algo.prompts_per_step=16", "algo.samples_per_prompt=8")
+
 PROFILES: dict[str, Profile] = {
     "smoke": Profile(
         seeds=(0,), methods=("minirl", "dcmdp_r3"), minibatches=(2,),
@@ -133,7 +146,7 @@ PROFILES: dict[str, Profile] = {
         about="plumbing check: 1 seed, 2 methods, N = 2, 3 steps of 4 prompts x 4 samples, 20-step cold start"),
     "quick": Profile(
         seeds=(0, 1, 2), methods=tuple(METHODS), minibatches=(1, 8),
-        overrides=("steps=100", "eval_every=20", "algo.prompts_per_step=16", "algo.samples_per_prompt=8"),
+        overrides=_QUICK,
         about="all 7 methods, N in {1, 8}, 3 seeds, 100 RL steps of 16 prompts x 8 samples "
               "(the default run: 650 steps of 32 x 16), held-out eval every 20 steps"),
     "full": Profile(
@@ -143,27 +156,38 @@ PROFILES: dict[str, Profile] = {
               "one shared cold start (cold_start.seed=0; the seeds differ in RL sampling only), held-out eval "
               "every 50 steps"),
     "probe": Profile(
-        seeds=(0, 1, 2), methods=tuple(m for m in PROBE_METHODS if "_upd" not in m), minibatches=(8,),
-        overrides=("steps=100", "eval_every=20", "algo.prompts_per_step=16", "algo.samples_per_prompt=8"),
+        seeds=(0, 1, 2),
+        methods=("dcmdp_r3_c1e-3_eta100", "fixed_r3_lambda1", "grpo_no_is_lr1e-3", "minirl_r3_lr1e-3",
+                 "dcmdp_r3_lr1e-3", "fixed_r3_lambda1_lr1e-3", "dcmdp_r3_c1e-3_eta100_lr1e-3"),
+        minibatches=(8,),
+        overrides=_QUICK,
         about="the quick profile's runs at N = 8 for the probe methods (PROBE_METHODS): an active dual, a 10x "
               "fixed penalty, a 5x learning rate, and both penalties under the 5x learning rate"),
     "probe_n1": Profile(
         seeds=(0, 1, 2), methods=("minirl_r3_lr1e-3", "dcmdp_r3_lr1e-3"), minibatches=(1,),
-        overrides=("steps=100", "eval_every=20", "algo.prompts_per_step=16", "algo.samples_per_prompt=8"),
+        overrides=_QUICK,
         about="the 5x learning-rate probes on-policy (N = 1): is the collapse at N = 8 from off-policiness?"),
     "probe_updates": Profile(
         seeds=(0, 1, 2), methods=("dcmdp_r3_upd", "dcmdp_r3_upd_eta100", "dcmdp_r3_upd_eta100_lr1e-3",
                                   "dcmdp_r3_upd_c1e-2_eta100", "dcmdp_r3_upd_c1e-2_eta100_lr1e-3"),
         minibatches=(8,),
-        overrides=("steps=100", "eval_every=20", "algo.prompts_per_step=16", "algo.samples_per_prompt=8",
-                   "cold_start.seed=0"),
+        overrides=(*_QUICK, "cold_start.seed=0"),
         about="quick_shared's runs at N = 8 with dual.measure_at=updates (D-hat = pi_theta at each token's update "
               "vs mu): c = 2.7e-3 with eta 1 and 100, c = 1e-2 with eta 100, and both eta-100 duals under the 5x "
               "learning rate"),
+    "probe_penalty": Profile(
+        seeds=(0, 1, 2, 3, 4),
+        methods=("minirl_r3", "fixed_penalty", "dcmdp_r3", "dcmdp_r3_mean", "dcmdp_r3_adv",
+                 "dcmdp_r3_mean_upd_c1e-2_eta100", "minirl_r3_lr1e-3", "dcmdp_r3_lr1e-3", "dcmdp_r3_mean_lr1e-3",
+                 "dcmdp_r3_adv_lr1e-3", "dcmdp_r3_mean_upd_c1e-2_eta100_lr1e-3"),
+        minibatches=(8,),
+        overrides=(*_QUICK, "cold_start.seed=0"),
+        about="quick_shared's runs at N = 8 with the other penalty forms (dual.penalty=mean, advantage; the mean "
+              "form also on the updates measure with c = 1e-2, eta 100) next to the hinge (dcmdp_r3) and two "
+              "baselines, each DCMDP form and MiniRL + R3 also under the 5x learning rate; 5 seeds"),
     "quick_shared": Profile(
         seeds=(0, 1, 2), methods=tuple(METHODS), minibatches=(1, 8),
-        overrides=("steps=100", "eval_every=20", "algo.prompts_per_step=16", "algo.samples_per_prompt=8",
-                   "cold_start.seed=0"),
+        overrides=(*_QUICK, "cold_start.seed=0"),
         about="the quick matrix from one shared cold start (cold_start.seed=0, stopped at 30% sampled accuracy): "
               "the seeds differ in RL sampling only"),
 }
@@ -554,8 +578,8 @@ def write_results(runs: list[RunResult], cells: list[dict], profile_name: str, p
     header = [
         f"# Stability matrix ({profile_name} profile): tiny-moe, int8 rollouts, off-policiness N", "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
-        f"- machine: {platform.node()} {platform.machine()}, {os.cpu_count()} logical CPUs shared with other "
-        "workers; every run one process with one torch thread",
+        f"- machine: {platform.node()} {platform.machine()} ({torch.backends.cpu.get_cpu_capability()} kernels), "
+        f"{os.cpu_count()} logical CPUs shared with other workers; every run one process with one torch thread",
         f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
         f"transformers {transformers.__version__}",
         f"- command: `{cmd}` ({wall_s / 60:.0f} min wall over the invocations that trained the runs; "
