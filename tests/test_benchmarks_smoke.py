@@ -241,3 +241,18 @@ def test_stability_probe_overrides():
         assert con.lr == (100.0 if "eta100" in method else stability.DUAL_LR)
         assert c.optim.lr == (1e-3 if method.endswith("lr1e-3") else 2e-4)
     assert not any("_upd" in m for m in profile.methods) and len(profile.methods) == 7
+    # probe_penalty: the penalty form as the name says (hinge where none is named); c = 1e-2 on the updates measure
+    pen = stability.PROFILES["probe_penalty"]
+    for method in pen.methods:
+        c = load_config(stability.BASE_CONFIG, stability.cell_overrides(pen, method, 8, 0, Path("unused")))
+        form = "mean" if "_mean" in method else "advantage" if "_adv" in method else "hinge"
+        assert c.dual.penalty == form and c.cold_start.seed == 0
+        assert c.dual.measure_at == ("updates" if "_upd" in method else "rollout")
+        assert c.dual.constraints[0].tolerance == (1e-2 if "c1e-2" in method else stability.TOLERANCE)
+        assert c.optim.lr == (1e-3 if method.endswith("lr1e-3") else 2e-4)
+    # quick_bf16: bf16 rollouts and its own calibrated tolerance on every method, named in the results header
+    bf16 = stability.PROFILES["quick_bf16"]
+    assert bf16.precision == "bf16" and profile.precision == "int8" and bf16.tolerance != stability.TOLERANCE
+    for method in bf16.methods:
+        c = load_config(stability.BASE_CONFIG, stability.cell_overrides(bf16, method, 8, 0, Path("unused")))
+        assert c.rollout.precision == "bf16" and c.dual.constraints[0].tolerance == bf16.tolerance
