@@ -39,7 +39,7 @@ resumes from its last checkpoint), prints a table last, and writes ``benchmarks/
 read why DCMDP does or does not separate from its baselines; ``probe_updates`` feeds the dual the discrepancy the
 updates trained on (``dual.measure_at=updates``); ``probe_penalty`` tries the ``mean`` and ``advantage`` penalty
 forms; ``quick_bf16`` is the quick matrix with bf16 rollouts (a larger discrepancy) and its own calibrated
-tolerance (``Profile.tolerance``). A hand-written
+tolerance (``Profile.tolerance``); ``probe_lr`` runs the seven methods at 3x the learning rate. A hand-written
 ``benchmarks/results/stability_<profile>_reading.md``, when present, is appended to the results page.
 """
 
@@ -200,6 +200,11 @@ PROFILES: dict[str, Profile] = {
         about="quick_shared's runs at N = 8 with the other penalty forms (dual.penalty=mean, advantage; the mean "
               "form also on the updates measure with c = 1e-2, eta 100) next to the hinge (dcmdp_r3) and two "
               "baselines, each DCMDP form and MiniRL + R3 also under the 5x learning rate; 5 seeds"),
+    "probe_lr": Profile(
+        seeds=(0, 1, 2, 3, 4), methods=tuple(METHODS), minibatches=(8,),
+        overrides=(*_QUICK, "cold_start.seed=0", "optim.lr=6e-4"),
+        about="quick_shared's seven methods at N = 8 with 3x the learning rate (6e-4; 1e-3 collapses every method in "
+              "the probes): does any method hold where the others break? 5 seeds"),
     "quick_bf16": Profile(
         seeds=(0, 1, 2, 3, 4), methods=tuple(METHODS), minibatches=(1, 8),
         overrides=(*_QUICK, "cold_start.seed=0", "rollout.precision=bf16"),
