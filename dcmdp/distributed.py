@@ -25,7 +25,9 @@ untouched: no process group, no sharding, the plain checkpoint format.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import logging
 import os
 import sys
@@ -164,10 +166,14 @@ def exit_worker(code: int) -> None:
     """End a ``torchrun`` worker process with ``code`` without the interpreter's teardown.
 
     The run has finished by then (checkpoint written, MLflow run ended, process group destroyed), but objects
-    that still hold the process group (FSDP2's device mesh) are freed during interpreter finalisation, and a
-    gloo worker thread that then needs the GIL is stopped by the interpreter, which aborts the process
-    ("terminate called without an active exception", SIGABRT) and fails the whole torchrun job. Log handlers
-    and the standard streams are flushed first."""
+    that still hold the process group (FSDP2's device mesh) would be freed during interpreter finalisation,
+    and a gloo worker thread that then needs the GIL is stopped by the interpreter, which aborts the process
+    ("terminate called without an active exception", SIGABRT) and fails the whole torchrun job. So the
+    cleanup runs while the interpreter is whole: the exit handlers (vLLM's shared-memory segments, MLflow),
+    a garbage collection of what the run left (model, engine, process-group references), then the log
+    handlers and the standard streams are flushed and the process exits."""
+    atexit._run_exitfuncs()
+    gc.collect()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -166,13 +166,14 @@ def test_configs_that_cannot_run_on_two_ranks_fail_before_anything_runs(override
 
 def test_a_worker_that_fails_ends_torchrun_with_its_error_and_the_run_exits_nonzero(tmp_path):
     """Each torchrun worker leaves through dcmdp.distributed.exit_worker with the command's exit code: a config
-    that cannot split over 2 ranks reaches the user as the workers' error message and a failed torchrun."""
+    that cannot split over 2 ranks reaches the user as a worker's error message and a failed torchrun."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dcmdp.cli",
            "train", *_overrides("tiny-moe", tmp_path / "out", tmp_path / "cache", 1, "algo.minibatches=8")]
     done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode != 0
-    assert done.stderr.count("dcmdp: error: config error at 'algo.minibatches'") == 2, done.stderr[-3000:]
+    # torchrun stops the other worker (SIGTERM) as soon as the first one fails, sometimes before it has printed
+    assert done.stderr.count("dcmdp: error: config error at 'algo.minibatches'") >= 1, done.stderr[-3000:]
     assert "exitcode  : 1 " in done.stderr
 
 

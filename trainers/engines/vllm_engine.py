@@ -69,6 +69,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
@@ -206,6 +207,12 @@ class VllmEngine:
             # On CPU vLLM reads gpu_memory_utilization as a share of host RAM and fills the KV cache up to it;
             # size the cache for vLLM's full concurrency at the model's length instead.
             memory = {"kv_cache_memory_bytes": _kv_cache_bytes(hf_config, dtype)}
+        # vLLM's CPU tensor-parallel communicator keeps shared-memory segments that only its process-exit
+        # destructors remove; torchrun workers end without those (dcmdp.distributed.exit_worker), so close()
+        # removes the segments that appeared while this engine started
+        self._shm_segments: set[Path] = set()
+        track_shm = current_platform.is_cpu() and distributed_executor_backend == "external_launcher"
+        shm_before = _cpu_shm_segments() if track_shm else set()
         try:
             # generation_config="vllm": the model directory's sampling defaults (top_k, ...) must not apply.
             self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=cfg.enforce_eager,
@@ -218,6 +225,8 @@ class VllmEngine:
         except BaseException:
             self._remove_tmp_dir()
             raise
+        if track_shm:
+            self._shm_segments = _cpu_shm_segments() - shm_before
         self._recorder: Optional[_RouteRecorder] = None
         self._hooks = []
         # Routes are recorded by Python callbacks inside the forward, which torch.compile / CUDA graphs skip.
@@ -415,12 +424,21 @@ class VllmEngine:
             self.llm = None
             del llm
             gc.collect()
+        # unlinking only drops the names: a peer rank that still has a segment mapped keeps its memory
+        for segment in self._shm_segments:
+            segment.unlink(missing_ok=True)
+        self._shm_segments = set()
         self._remove_tmp_dir()
 
     def _remove_tmp_dir(self) -> None:
         if self._tmp_dir is not None:
             shutil.rmtree(self._tmp_dir, ignore_errors=True)
             self._tmp_dir = None
+
+
+def _cpu_shm_segments() -> set[Path]:
+    """The shared-memory segments of vLLM's CPU tensor-parallel communicator (names end in ``-cpushm_<rank>``)."""
+    return set(Path("/dev/shm").glob("*cpushm*"))
 
 
 def place_routed_experts(rows_B: list, prompt_len_B: list[int], response_len_B: list[int], *, L: int,
