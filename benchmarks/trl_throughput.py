@@ -46,6 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -321,38 +322,46 @@ def markdown(args, result: dict) -> str:
         "rows side by side are the closest counterparts):", "",
         "| dcmdp phase | s | TRL phase | s |", "|---|---|---|---|",
     ]
+    # at N = 1 dcmdp's training forward runs in time/old_logp (it gives pi_old and the update back-propagates it,
+    # learner.score_on_policy), so its counterpart there is TRL's scoring plus its loss forward
     pairs = [("time/rollout (sample prompts, generate)", "time/rollout", "time/generate (_generate)", "time/generate"),
-             ("time/old_logp (decode, reward, advantages, pi_old forward)", "time/old_logp",
-              "time/score (decode, reward, advantages; no pi_old pass)", "time/score"),
+             ("time/old_logp (decode, reward, advantages, the training forward that gives pi_old)", "time/old_logp",
+              "time/score + time/loss_forward (decode, reward, advantages, training forward)", "_score_forward"),
              ("time/measure (discrepancy measures)", "time/measure", "-", None),
-             ("time/update (forward, backward, clip, AdamW)", "time/update",
-              "time/loss_forward + time/backward + time/optimizer", "_update"),
+             ("time/update (backward, clip, AdamW)", "time/update", "time/backward + time/optimizer", "_update"),
              ("time/dual (dual step)", "time/dual", "-", None),
              ("time/sync (weights to the rollout engine)", "time/sync", "- (generates with the trained model)", None),
              ("other (logging, between steps)", "time/other", "other (dataloader, logging, between steps)",
               "time/other")]
-    upd = sum(t.get(k, 0.0) for k in ("time/loss_forward", "time/backward", "time/optimizer")) if t else None
+    derived = {"_score_forward": _trl_sum(t, "time/score", "time/loss_forward"),
+               "_update": _trl_sum(t, "time/backward", "time/optimizer")}
     for dl, dk, tl, tk in pairs:
-        tv = upd if tk == "_update" else (t.get(tk) if tk else None)
+        tv = derived[tk] if tk in derived else (t.get(tk) if tk else None)
         lines.append(f"| {dl} | {_fmt(d.get(dk))} | {tl} | {_fmt(tv)} |")
     if t:
         lines += ["", "TRL update split: " + ", ".join(f"{k} {_fmt(t[k])} s" for k in
                                                         ("time/loss_forward", "time/backward", "time/optimizer")),
-                  "", reading(d, t, upd)]
+                  "", reading(d, t)]
     lines += ["", NOTES]
     return "\n".join(lines) + "\n"
 
 
-def reading(d: dict, t: dict, trl_update: float) -> str:
+def _trl_sum(t: Optional[dict], *keys: str) -> Optional[float]:
+    return sum(t.get(k, 0.0) for k in keys) if t else None
+
+
+def reading(d: dict, t: dict) -> str:
     """The per-phase differences in words (computed, so a rerun rewrites them)."""
     extra = d["time/measure"] + d["time/dual"] + d["time/sync"]
-    return (f"Reading: per step dcmdp gains {trl_update - d['time/update']:+.3f} s in the update and "
-            f"{t['time/generate'] - d['time/rollout']:+.3f} s in generation, and loses "
-            f"{d['time/old_logp'] - t['time/score']:.3f} s in the pi_old + reward phase (TRL skips the pi_old "
-            f"forward at N = 1), {d['time/other'] - t['time/other']:.3f} s between steps (MLflow logging of every "
-            f"metric) and {extra:.3f} s to measure + dual + "
-            f"sync. A 2x lead needs a dcmdp step of {t['period_median'] / 2:.2f} s; its generation alone takes "
-            f"{d['time/rollout']:.2f} s of the {d['period_median']:.2f} s it now needs.")
+    train_d = d["time/old_logp"] + d["time/update"]
+    train_t = t["time/score"] + t["time/loss_forward"] + t["time/backward"] + t["time/optimizer"]
+    return (f"Reading: per step dcmdp gains {train_t - train_d:+.3f} s in scoring + training forward, backward and "
+            f"optimiser step ({train_d:.3f} vs {train_t:.3f} s) and {t['time/generate'] - d['time/rollout']:+.3f} s "
+            f"in generation, and loses {d['time/other'] - t['time/other']:.3f} s between steps (MLflow logging of "
+            f"every metric) and {extra:.3f} s to measure + dual + sync. A 2x lead needs a dcmdp step of "
+            f"{t['period_median'] / 2:.3f} s; its generation and training forward + backward alone take "
+            f"{d['time/rollout'] + train_d:.3f} s of the {d['period_median']:.3f} s it now needs, in the same "
+            f"transformers kernels TRL runs.")
 
 
 def target_line(ratio: dict) -> str:
@@ -384,8 +393,9 @@ NOTES = """Settings matched, and where they differ:
   divides by the active tokens of the global accumulated batch: with one mini-batch and no gradient
   accumulation these are the same. Advantages: both group-centred and divided by the group std
   (configs/default.yaml `std_normalize: true`, TRL `scale_rewards="group"`).
-- What dcmdp does that TRL does not: a second forward for log pi_old (TRL, with num_iterations = 1 and
-  aligned steps, uses logp.detach() as pi_old and skips it), the truncated-IS weights pi_old / mu (`tis`), the
+- log pi_old: at N = 1 both sides take it from the training forward (dcmdp `learner.score_on_policy`, TRL
+  logp.detach() with num_iterations = 1), so neither runs the model a second time.
+- What dcmdp does that TRL does not: the truncated-IS weights pi_old / mu (`tis`), the
   discrepancy measures and the hinge penalty with its dual step (DCMDP on), a separate rollout engine whose
   weights are synced after every step, MLflow logging of ~60 metrics per step, and a held-out eval before and
   after the run (outside the timed steps).

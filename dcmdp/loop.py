@@ -121,16 +121,29 @@ def train(cfg: RunConfig) -> Summary:
 
 
 def _train_step(s: Setup, step: int, bar) -> None:
-    """One rollout batch: rollout -> pi_old -> measure -> updates -> dual step -> sync -> log."""
+    """One rollout batch: rollout -> pi_old -> measure -> updates -> dual step -> sync -> log.
+
+    With one mini-batch (``learner.fuses_old_pass``) the pi_old forward keeps its graph and is the update's
+    forward: time/old_logp then holds the forward and time/update the backward and the optimiser step."""
     cfg = s.cfg
     t0 = time.perf_counter()
     examples, rollout, fresh_B, async_metrics = _next_rollout(s, step)
     t1 = time.perf_counter()
     rewards_B, reward_metrics = reward_phase(s, examples, rollout)
     rollout, advantages_B, keep_B, guard_metrics = screen_phase(s, rollout, rewards_B, fresh_B)
-    batch = learner.score_old(s.model, rollout, advantages_B, cfg.algo, temperature=cfg.rollout.temperature,
-                              fp32_lm_head=cfg.model.fp32_lm_head, moe=s.moe, shard=s.dist.shard)
+    score = dict(temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head, moe=s.moe,
+                 shard=s.dist.shard)
+    forward = None
+    if learner.fuses_old_pass(cfg.algo):
+        # one mini-batch: the update back-propagates the pi_old forward instead of running the model again
+        batch, forward = learner.score_on_policy(s.model, rollout, advantages_B, cfg.algo, **score)
+    else:
+        batch = learner.score_old(s.model, rollout, advantages_B, cfg.algo, **score)
+    kept_before = int(keep_B.sum())
     batch, keep_B, old_metrics = learner.screen_old(batch, keep_B)
+    if int(keep_B.sum()) != kept_before:
+        # samples dropped for a non-finite pi_old: their values are in that graph, so the update runs its own
+        forward = None
     kept = bool(keep_B.any())
     t2 = time.perf_counter()
     # nothing left to measure: a NaN D-hat makes the dual step keep lambda and report the skip
@@ -143,7 +156,8 @@ def _train_step(s: Setup, step: int, bar) -> None:
         constraints=cfg.dual.constraints, penalty=cfg.dual.penalty, dual_enabled=cfg.dual.enabled,
         cfg=cfg.algo, temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
         grad_clip=cfg.optim.grad_clip, generator=torch.Generator().manual_seed(_step_seed(cfg.seed, step, 2)),
-        shard=s.dist.shard, trained_logp_BT=trained_logp_BT) if kept else []
+        shard=s.dist.shard, trained_logp_BT=trained_logp_BT, forward=forward) if kept else []
+    del forward
     t4 = time.perf_counter()
     if trained_logp_BT is not None:
         measured_C = constraint_values(s, batch, trained_logp_BT)

@@ -99,6 +99,19 @@ def test_two_ranks_match_one_process_tiny_moe(workdir, moe_two_ranks):
     assert len({round(h["dual/lambda/abs_prob_diff"], 9) for h in two}) == STEPS
 
 
+def test_two_ranks_match_one_process_with_one_minibatch_and_r3(workdir):
+    """One mini-batch: the update back-propagates the pi_old forward (learner.score_on_policy), here through
+    FSDP2 with the rollout's routes replayed, and the gathered pi_old feeds the measures and the dual."""
+    extra = ("algo.minibatches=1", "algo.routing_replay=r3")
+    out = workdir / "moe2_n1"
+    _torchrun(2, workdir / "config.yaml", _overrides("tiny-moe", out, workdir / "cache", STEPS, *extra))
+    two = _history(out)
+    _assert_close(_single_process("tiny-moe", workdir / "config.yaml", workdir / "moe1_n1", workdir / "cache",
+                                  *extra), two)
+    assert any(h["penalty/loss"] > 0 for h in two)
+    assert all(h["routing/mismatch"] == 0 for h in two)
+
+
 def test_sharded_checkpoint_resumes_exactly_at_two_ranks(workdir, moe_two_ranks):
     ckpt = moe_two_ranks / "checkpoints" / "step_00000002"
     state = load_checkpoint(ckpt)

@@ -112,6 +112,20 @@ def _forward_logp(model, rollout: Rollout, *, temperature: float, fp32_lm_head: 
     return logp_BT, ent_BT, None
 
 
+@dataclass
+class OnPolicyForward:
+    """The graph-carrying forward of ``score_on_policy``: this rank's rows (``shard.rows``) in batch order.
+    ``update`` back-propagates it as its single mini-batch instead of running the model again."""
+
+    logp_BT: Tensor
+    ent_BT: Tensor
+
+
+def fuses_old_pass(cfg: AlgoConfig) -> bool:
+    """With one mini-batch the update runs on the weights pi_old is defined by, so one forward serves both."""
+    return cfg.minibatches == 1
+
+
 @torch.no_grad()
 def score_old(model, rollout: Rollout, advantages_B: Tensor, cfg: AlgoConfig, *, temperature: float,
               fp32_lm_head: bool, moe: bool, shard: DataShard = DataShard()) -> ScoredBatch:
@@ -120,23 +134,45 @@ def score_old(model, rollout: Rollout, advantages_B: Tensor, cfg: AlgoConfig, *,
     Under data parallelism each rank scores its block of rows and the results are gathered: every rank
     returns the full batch.
     """
+    return _score(model, rollout, advantages_B, cfg, temperature=temperature, fp32_lm_head=fp32_lm_head,
+                  moe=moe, shard=shard, with_grad=False)[0]
+
+
+def score_on_policy(model, rollout: Rollout, advantages_B: Tensor, cfg: AlgoConfig, *, temperature: float,
+                    fp32_lm_head: bool, moe: bool, shard: DataShard = DataShard()
+                    ) -> tuple[ScoredBatch, OnPolicyForward]:
+    """``score_old`` for one mini-batch per rollout batch (``fuses_old_pass``): the forward keeps its graph and
+    computes the entropy, so ``update(..., forward=...)`` back-propagates it instead of running the model a
+    second time on the same weights and rows. log pi_old is that forward's detached value."""
+    if not fuses_old_pass(cfg):
+        raise ValueError(f"score_on_policy needs algo.minibatches = 1, got {cfg.minibatches}")
+    model.train()
+    with torch.enable_grad():
+        return _score(model, rollout, advantages_B, cfg, temperature=temperature, fp32_lm_head=fp32_lm_head,
+                      moe=moe, shard=shard, with_grad=True)
+
+
+def _score(model, rollout: Rollout, advantages_B: Tensor, cfg: AlgoConfig, *, temperature: float,
+           fp32_lm_head: bool, moe: bool, shard: DataShard, with_grad: bool
+           ) -> tuple[ScoredBatch, Optional[OnPolicyForward]]:
     if cfg.routing_replay != "none" and not moe:
         raise ValueError(f"routing_replay={cfg.routing_replay} needs an MoE model")
     r3 = cfg.routing_replay == "r3"
     if r3 and rollout.rollout_experts_BSLK is None:
         raise ValueError("routing_replay=r3 needs the rollout engine's routes, and this engine reported none")
     local = rollout.select(shard.rows(len(rollout))) if shard.world > 1 else rollout
-    old_logp_BT, _, train_experts = _forward_logp(
-        model, local, temperature=temperature, fp32_lm_head=fp32_lm_head, with_entropy=False,
+    logp_BT, ent_BT, train_experts = _forward_logp(
+        model, local, temperature=temperature, fp32_lm_head=fp32_lm_head, with_entropy=with_grad,
         replay_experts_BSLK=local.rollout_experts_BSLK if r3 else None, capture=moe and not r3)
-    old_logp_BT = shard.gather_rows(old_logp_BT)
+    forward = OnPolicyForward(logp_BT, ent_BT) if with_grad else None
+    old_logp_BT = shard.gather_rows(logp_BT.detach())
     if train_experts is not None:
         train_experts = shard.gather_rows(train_experts)
     if r3:
         train_experts = rollout.rollout_experts_BSLK
     replay = {"none": None, "r2": train_experts, "r3": rollout.rollout_experts_BSLK}[cfg.routing_replay]
     advantages_BT = advantages_B[:, None].to(old_logp_BT.dtype).expand_as(old_logp_BT)
-    return ScoredBatch(rollout, old_logp_BT.float(), advantages_BT, train_experts, replay)
+    return ScoredBatch(rollout, old_logp_BT.float(), advantages_BT, train_experts, replay), forward
 
 
 def drop_rows(batch: ScoredBatch, keep_B: Tensor) -> ScoredBatch:
@@ -207,8 +243,12 @@ def _global_norm(grad_norm: Tensor) -> Tensor:
 def update(model, optimizer, scheduler, batch: ScoredBatch, *, lambda_C: Tensor,
            constraints: Sequence[ConstraintConfig], penalty: str, dual_enabled: bool, cfg: AlgoConfig,
            temperature: float, fp32_lm_head: bool, grad_clip: float, generator: torch.Generator,
-           shard: DataShard = DataShard(), trained_logp_BT: Optional[Tensor] = None) -> list[dict]:
+           shard: DataShard = DataShard(), trained_logp_BT: Optional[Tensor] = None,
+           forward: Optional[OnPolicyForward] = None) -> list[dict]:
     """N mini-batch optimiser steps on one scored rollout batch; returns one metrics dict per step.
+
+    ``forward`` (N = 1 only, from ``score_on_policy`` on this ``batch``): the single mini-batch is the whole
+    batch in row order and back-propagates that forward instead of running the model again.
 
     ``trained_logp_BT`` (optional, shaped like ``batch.old_logp_BT``) is filled in place with every row's
     log pi_theta as its mini-batch saw it, before that mini-batch's optimiser step (detached): the policy
@@ -238,12 +278,19 @@ def update(model, optimizer, scheduler, batch: ScoredBatch, *, lambda_C: Tensor,
     out = []
     skipped = 0
     model.train()
-    for idx in minibatch_indices(len(rollout), cfg.minibatches, generator):
+    if forward is not None and not fuses_old_pass(cfg):
+        raise ValueError(f"update: a fused pi_old forward needs algo.minibatches = 1, got {cfg.minibatches}")
+    parts = [torch.arange(len(rollout))] if forward is not None else minibatch_indices(len(rollout), cfg.minibatches,
+                                                                                        generator)
+    for idx in parts:
         local = idx[shard.rows(len(idx))] if shard.world > 1 else idx
-        replay = batch.replay_experts_BSLK[local] if batch.replay_experts_BSLK is not None else None
-        logp_BT, ent_BT, _ = _forward_logp(model, rollout.select(local), temperature=temperature,
-                                           fp32_lm_head=fp32_lm_head, with_entropy=True,
-                                           replay_experts_BSLK=replay, capture=False)
+        if forward is not None:
+            logp_BT, ent_BT = forward.logp_BT, forward.ent_BT
+        else:
+            replay = batch.replay_experts_BSLK[local] if batch.replay_experts_BSLK is not None else None
+            logp_BT, ent_BT, _ = _forward_logp(model, rollout.select(local), temperature=temperature,
+                                               fp32_lm_head=fp32_lm_head, with_entropy=True,
+                                               replay_experts_BSLK=replay, capture=False)
         normalizer = max(int(mask_BT[idx].sum()), 1)
         loss, metrics = _minibatch_terms(logp_BT, ent_BT, local, batch, weights_BT, kept_BT, routing_BT,
                                          normalizer, **terms)

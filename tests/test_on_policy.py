@@ -1,0 +1,105 @@
+"""One mini-batch per rollout batch: the pi_old forward keeps its graph and the update back-propagates it.
+
+``learner.score_on_policy`` + ``learner.update(forward=...)`` must take the same optimiser step as the two-pass
+``score_old`` + ``update`` (same pi_old, loss, metrics, gradients and weights after the step, to float32
+rounding: the rows are summed in another order) while running the model once instead of twice; with the
+DCMDP penalty on, IS weights, replay R2/R3 and a float64 reference of pi_old.
+"""
+
+import copy
+import random
+
+import pytest
+import torch
+
+from constraints.config import ConstraintConfig
+from trainers import learner
+from trainers.config import AlgoConfig, ModelConfig, RolloutConfig
+from trainers.engines.torch_engine import TorchEngine
+from trainers.models import build_model
+from trainers.scoring import response_logprobs
+
+torch.set_num_threads(1)
+V = 101
+CONSTRAINTS = [ConstraintConfig(measure="abs_prob_diff", tolerance=1e-6)]
+
+
+def _setup(preset: str, replay: str):
+    model = build_model(ModelConfig(preset=preset), V, seed=0)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, V) for _ in range(rng.randint(2, 7))] for _ in range(16)]
+    rollout = TorchEngine(RolloutConfig(precision="bf16", max_new_tokens=6), model, eos_id=1,
+                          pad_id=0).generate(prompts, seed=0)
+    cfg = AlgoConfig(routing_replay=replay, minibatches=1, is_mode="tis", samples_per_prompt=2, prompts_per_step=8,
+                     entropy_coef=0.01)
+    adv_B = torch.linspace(-1.0, 1.0, len(rollout))
+    return model, rollout, cfg, adv_B
+
+
+def _step(model, rollout, cfg, adv_B, *, fused: bool):
+    """One scored update with SGD; returns (batch, metrics, gradients at the step, decoder forward count)."""
+    calls = []
+    hook = model.model.register_forward_hook(lambda *_: calls.append(1))
+    score = dict(temperature=1.0, fp32_lm_head=True, moe=cfg.routing_replay != "none" or hasattr(
+        model.config, "num_experts"))
+    if fused:
+        batch, forward = learner.score_on_policy(model, rollout, adv_B, cfg, **score)
+    else:
+        batch, forward = learner.score_old(model, rollout, adv_B, cfg, **score), None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = {}
+    opt.register_step_pre_hook(lambda o, *_: grads.update(
+        {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}))
+    metrics = learner.update(model, opt, None, batch, lambda_C=torch.tensor([0.5]), constraints=CONSTRAINTS,
+                             penalty="hinge", dual_enabled=True, cfg=cfg, temperature=1.0, fp32_lm_head=True,
+                             grad_clip=1.0, generator=torch.Generator().manual_seed(0), forward=forward)
+    hook.remove()
+    return batch, metrics, grads, len(calls)
+
+
+@pytest.mark.parametrize("preset,replay", [("tiny-dense", "none"), ("tiny-moe", "none"), ("tiny-moe", "r2"),
+                                           ("tiny-moe", "r3")])
+def test_the_fused_step_is_the_two_pass_step_with_one_forward(preset, replay):
+    model, rollout, cfg, adv_B = _setup(preset, replay)
+    ref_model = copy.deepcopy(model)
+    batch, metrics, grads, calls = _step(model, rollout, cfg, adv_B, fused=True)
+    ref_batch, ref_metrics, ref_grads, ref_calls = _step(ref_model, rollout, cfg, adv_B, fused=False)
+    assert (calls, ref_calls) == (1, 2)
+    mask_BT = rollout.response_mask_BT.bool()
+    assert torch.allclose(batch.old_logp_BT[mask_BT], ref_batch.old_logp_BT[mask_BT], atol=1e-6, rtol=0)
+    assert len(metrics) == len(ref_metrics) == 1
+    for key, ref in ref_metrics[0].items():
+        assert metrics[0][key] == pytest.approx(ref, rel=1e-4, abs=1e-6), key
+    assert metrics[0]["penalty/loss"] > 0.0  # the DCMDP penalty acted on this step
+    assert grads.keys() == ref_grads.keys() and grads
+    for name, g in grads.items():
+        assert torch.allclose(g, ref_grads[name], atol=1e-6, rtol=1e-4), (name, (g - ref_grads[name]).abs().max())
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.allclose(p, q, atol=1e-6, rtol=0), name
+
+
+def test_pi_old_of_the_fused_pass_matches_a_float64_forward():
+    model, rollout, cfg, adv_B = _setup("tiny-dense", "none")
+    m64 = copy.deepcopy(model).double()
+    batch, _ = learner.score_on_policy(model, rollout, adv_B, cfg, temperature=1.0, fp32_lm_head=True, moe=False)
+    with torch.no_grad():
+        ref_BT, _ = response_logprobs(m64, rollout.input_ids_BS, rollout.attention_mask_BS,
+                                      rollout.num_prompt_positions, temperature=1.0, fp32_lm_head=False)
+    mask_BT = rollout.response_mask_BT.bool()
+    assert ref_BT.dtype == torch.float64
+    # a float32 forward against float64 of the same weights (the MoE expert kernel has no float64 path)
+    assert torch.allclose(batch.old_logp_BT[mask_BT].double(), ref_BT[mask_BT], atol=2e-5, rtol=0)
+
+
+def test_a_fused_forward_needs_one_minibatch():
+    model, rollout, cfg, adv_B = _setup("tiny-dense", "none")
+    two = AlgoConfig(**{**cfg.__dict__, "minibatches": 2})
+    with pytest.raises(ValueError, match="minibatches = 1"):
+        learner.score_on_policy(model, rollout, adv_B, two, temperature=1.0, fp32_lm_head=True, moe=False)
+    batch, forward = learner.score_on_policy(model, rollout, adv_B, cfg, temperature=1.0, fp32_lm_head=True,
+                                             moe=False)
+    with pytest.raises(ValueError, match="minibatches = 1"):
+        learner.update(model, torch.optim.SGD(model.parameters(), lr=0.1), None, batch, lambda_C=torch.zeros(0),
+                       constraints=[], penalty="hinge", dual_enabled=False, cfg=two, temperature=1.0,
+                       fp32_lm_head=True, grad_clip=0.0, generator=torch.Generator().manual_seed(0),
+                       forward=forward)
