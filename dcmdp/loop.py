@@ -139,11 +139,7 @@ def _train_step(s: Setup, step: int, bar) -> None:
         batch, forward = learner.score_on_policy(s.model, rollout, advantages_B, cfg.algo, **score)
     else:
         batch = learner.score_old(s.model, rollout, advantages_B, cfg.algo, **score)
-    kept_before = int(keep_B.sum())
-    batch, keep_B, old_metrics = learner.screen_old(batch, keep_B)
-    if int(keep_B.sum()) != kept_before:
-        # samples dropped for a non-finite pi_old: their values are in that graph, so the update runs its own
-        forward = None
+    batch, keep_B, forward, old_metrics = learner.screen_old(batch, keep_B, forward)
     kept = bool(keep_B.any())
     t2 = time.perf_counter()
     # nothing left to measure: a NaN D-hat makes the dual step keep lambda and report the skip

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from constraints.config import ConstraintConfig
-from trainers import learner
+from trainers import learner, routing
 from trainers.config import AlgoConfig, ModelConfig, RolloutConfig
 from trainers.engines.torch_engine import TorchEngine
 from trainers.models import build_model
@@ -40,8 +40,7 @@ def _step(model, rollout, cfg, adv_B, *, fused: bool):
     """One scored update with SGD; returns (batch, metrics, gradients at the step, decoder forward count)."""
     calls = []
     hook = model.model.register_forward_hook(lambda *_: calls.append(1))
-    score = dict(temperature=1.0, fp32_lm_head=True, moe=cfg.routing_replay != "none" or hasattr(
-        model.config, "num_experts"))
+    score = dict(temperature=1.0, fp32_lm_head=True, moe=routing.is_moe(model))
     if fused:
         batch, forward = learner.score_on_policy(model, rollout, adv_B, cfg, **score)
     else:
@@ -103,3 +102,16 @@ def test_a_fused_forward_needs_one_minibatch():
                        constraints=[], penalty="hinge", dual_enabled=False, cfg=two, temperature=1.0,
                        fp32_lm_head=True, grad_clip=0.0, generator=torch.Generator().manual_seed(0),
                        forward=forward)
+
+
+def test_screening_keeps_the_fused_forward_unless_it_drops_a_sample():
+    model, rollout, cfg, adv_B = _setup("tiny-dense", "none")
+    batch, forward = learner.score_on_policy(model, rollout, adv_B, cfg, temperature=1.0, fp32_lm_head=True,
+                                             moe=False)
+    keep_B = torch.ones(len(rollout), dtype=torch.bool)
+    keep_B[3] = False  # dropped before scoring (a bad reward, say): the forward still serves the update
+    _, kept, same, _ = learner.screen_old(batch, keep_B, forward)
+    assert same is forward and int(kept.sum()) == len(rollout) - 1
+    batch.old_logp_BT[5, 0] = float("nan")  # a non-finite pi_old at a kept sample: the update runs its own forward
+    _, kept, none, metrics = learner.screen_old(batch, keep_B, forward)
+    assert none is None and not kept[5] and metrics["guard/bad_old_logp_samples"] == 1.0

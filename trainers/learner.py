@@ -198,10 +198,17 @@ def drop_rows(batch: ScoredBatch, keep_B: Tensor) -> ScoredBatch:
     return ScoredBatch(rollout, old_logp_BT, advantages_BT, no_routes(batch.train_experts_BSLK), replay)
 
 
-def screen_old(batch: ScoredBatch, keep_B: Tensor) -> tuple[ScoredBatch, Tensor, dict[str, float]]:
-    """Drop the kept samples whose pi_old log-probs are non-finite (``guards.screen_old_logp``)."""
+def screen_old(batch: ScoredBatch, keep_B: Tensor, forward: Optional[OnPolicyForward] = None
+               ) -> tuple[ScoredBatch, Tensor, Optional[OnPolicyForward], dict[str, float]]:
+    """Drop the kept samples whose pi_old log-probs are non-finite (``guards.screen_old_logp``).
+
+    ``forward`` (from ``score_on_policy``) comes back as it is when no sample was dropped here, and as None
+    otherwise: the dropped samples' values are in its graph, so the update then runs its own forward."""
+    kept_before = int(keep_B.sum())
     keep_B, metrics = guards.screen_old_logp(batch.old_logp_BT, batch.rollout.response_mask_BT, keep_B)
-    return drop_rows(batch, keep_B), keep_B, metrics
+    if int(keep_B.sum()) != kept_before:
+        forward = None
+    return drop_rows(batch, keep_B), keep_B, forward, metrics
 
 
 def minibatch_indices(batch_size: int, num_minibatches: int, generator: torch.Generator) -> list[Tensor]:
