@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass
@@ -21,6 +22,12 @@ class ConstraintConfig:
     lr: float = 1.0
     # Threshold tau of extreme_rate (share of tokens with max(rho, 1/rho) > tau).
     tau: float = 2.0
+    # Automatic tolerance: slack s of c_k = F_k (1 + s), F_k an EMA of this measure between pi_old and mu before
+    # the updates (identical weights: the numerical floor), re-measured every step; null keeps `tolerance` fixed
+    # (which then also serves as c until the first measurement).
+    floor_slack: Optional[float] = None
+    # EMA factor of the floor F_k behind the automatic tolerance (F_k = a F_{k-1} + (1 - a) D_floor_k).
+    floor_ema: float = 0.9
 
     def check(self, prefix: str = "constraint") -> None:
         if not self.tolerance >= 0:
@@ -35,3 +42,8 @@ class ConstraintConfig:
             raise ValueError(f"config error at '{prefix}.lr': must be >= 0, got {self.lr}")
         if not self.tau > 1:
             raise ValueError(f"config error at '{prefix}.tau': must be > 1, got {self.tau}")
+        if self.floor_slack is not None and not 0 <= self.floor_slack < float("inf"):
+            raise ValueError(f"config error at '{prefix}.floor_slack': must be a finite value >= 0 or null, "
+                             f"got {self.floor_slack}")
+        if not 0 <= self.floor_ema < 1:
+            raise ValueError(f"config error at '{prefix}.floor_ema': must be in [0, 1), got {self.floor_ema}")

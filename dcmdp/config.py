@@ -7,6 +7,8 @@ component's ``check()``; checks that span components live in ``validate()`` and 
 from __future__ import annotations
 
 import difflib
+import math
+import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -78,6 +80,10 @@ class DualConfig:
     # optimiser step: the quantity the hinge penalty acts on, engine discrepancy plus update drift; equal to
     # rollout at N = 1).
     measure_at: str = "rollout"
+    # Measure the violation in units of the tolerance: the dual step (projected, and the PID terms) uses
+    # (D_hat - c) / c instead of D_hat - c, so one eta means "lambda moves by eta per tolerance exceeded" for
+    # every measure (abs_prob_diff ~1e-3 and kl_k3 ~1e-4 alike). Needs c > 0.
+    relative: bool = False
 
 
 @dataclass
@@ -263,8 +269,36 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
     return cfg
 
 
+# Float fields where +inf means "no bound" (a field NaN is never meaningful): the upper end of lambda's projection
+# interval, the TIS cap C and the upper end of the kept IS band. Constraint fields are named with ``[*]``.
+INF_ALLOWED = frozenset({"dual.constraints[*].lambda_max", "algo.is_cap", "algo.is_high"})
+
+
+def check_finite(cfg: Any, prefix: str = "") -> None:
+    """Raise ConfigError naming the first float field of ``cfg`` (a dataclass, walked recursively, list elements
+    included) that is NaN, or +-inf outside ``INF_ALLOWED``."""
+    for f in fields(cfg):
+        _check_finite_value(getattr(cfg, f.name), f"{prefix}{f.name}")
+
+
+def _check_finite_value(value: Any, key: str) -> None:
+    if is_dataclass(value):
+        check_finite(value, f"{key}.")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_finite_value(item, f"{key}[{i}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        if math.isnan(value):
+            raise ConfigError(f"config error at '{key}': must be a finite number, got nan")
+        generic = re.sub(r"\[\d+\]", "[*]", key)
+        if value < 0 or generic not in INF_ALLOWED:
+            raise ConfigError(f"config error at '{key}': must be a finite number, got {value}"
+                              f"{' (inf is allowed only in ' + ', '.join(sorted(INF_ALLOWED)) + ')' if value > 0 else ''}")
+
+
 def validate(cfg: RunConfig) -> None:
     """Check every component's bounds and the cross-component rules; raise ConfigError."""
+    check_finite(cfg)
     try:
         cfg.model.check()
         cfg.rollout.check()
@@ -281,6 +315,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(str(exc)) from exc
     if cfg.steps < 0:
         raise ConfigError(f"config error at 'steps': must be >= 0, got {cfg.steps}")
+    if cfg.seed < 0:  # numpy seeds only from non-negative integers
+        raise ConfigError(f"config error at 'seed': must be >= 0, got {cfg.seed}")
+    if cfg.optim.weight_decay < 0:
+        raise ConfigError(f"config error at 'optim.weight_decay': must be >= 0, got {cfg.optim.weight_decay}")
     if cfg.checkpoint.keep < 1:
         raise ConfigError(f"config error at 'checkpoint.keep': must be >= 1, got {cfg.checkpoint.keep}")
     for key, value in (("eval_every", cfg.eval_every), ("threads", cfg.threads),
@@ -289,6 +327,11 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"config error at '{key}': must be >= 0, got {value}")
     if cfg.guard.max_bad_steps < 1:
         raise ConfigError(f"config error at 'guard.max_bad_steps': must be >= 1, got {cfg.guard.max_bad_steps}")
+    if cfg.dual.relative:
+        for i, c in enumerate(cfg.dual.constraints):
+            if not c.tolerance > 0:
+                raise ConfigError(f"config error at 'dual.constraints[{i}].tolerance': dual.relative=true divides the "
+                                  f"violation by c, which must be > 0 (got {c.tolerance})")
     if cfg.dual.coupling.A or cfg.dual.coupling.b:
         n = len(cfg.dual.constraints)
         if len(cfg.dual.coupling.A) != len(cfg.dual.coupling.b) or any(len(r) != n for r in cfg.dual.coupling.A):
@@ -339,6 +382,12 @@ def _validate_registries(cfg: RunConfig) -> None:
         raise ConfigError(f"config error at 'async_rollout.enabled': the rollout worker thread drives the embedded "
                           f"torch engine only; use rollout.engine=torch, or async_rollout.enabled=false with "
                           f"rollout.engine={cfg.rollout.engine}")
+    mismatch = [i for i, c in enumerate(cfg.dual.constraints) if c.measure == "routing_mismatch"]
+    if cfg.dual.enabled and mismatch and cfg.algo.routing_replay == "r3":
+        raise ConfigError(f"config error at 'dual.constraints[{mismatch[0]}].measure': routing_mismatch compares the "
+                          f"two engines' expert choices, and algo.routing_replay=r3 trains on the rollout engine's "
+                          f"choices, so it measures exactly 0 and its constraint can never act; drop the constraint "
+                          f"or use routing_replay=r2 or none")
     if cfg.algo.routing_replay != "none" and not PRESETS[cfg.model.preset].is_moe:
         raise ConfigError(f"config error at 'algo.routing_replay': {cfg.algo.routing_replay} replays MoE routes, "
                           f"but model.preset={cfg.model.preset!r} is a dense model; use routing_replay=none")

@@ -11,6 +11,17 @@ Rules (``DUAL_RULES``, one signature ``fn(state, measured_C, tolerance_C, cfg) -
   lambda <- Pi(lambda + eta_i (D_hat_i - c_i)), eta_i = constraints[i].lr.
 - ``pid``: PID Lagrangian (Stooke, Achiam, Abbeel, ICML 2020, arXiv 2007.03964), see ``pid_rule``.
 
+Scale of the step: with ``cfg.relative`` the rules see the violation in units of the tolerance,
+(D_hat - c) / c, so eta = 1 moves lambda by 1 per tolerance exceeded whatever the measure's magnitude
+(abs_prob_diff ~1e-3, kl_k3 ~1e-4); in absolute units lambda moves by ~1e-3 per step and is nearly constant
+over a run (DESIGN.md §9).
+
+Automatic tolerance (``constraints[i].floor_slack = s``): c_k = F_{k-1} (1 + s), F an EMA of the measure
+between pi_old and mu before the updates, which in a synchronous run is taken on identical weights (the
+numerical floor of the two engines at the current policy); it is re-measured every batch at no cost, so the
+tolerance tracks the floor as it drifts with the policy. Under asynchronous rollouts that measurement also
+holds the staleness of the batch.
+
 Pi is the Euclidean projection onto the box [lambda_min_i, lambda_max_i], intersected with the coupled
 limits A lambda <= b when ``cfg.coupling`` has rows (a small QP solved with cvxpy). A non-finite
 measurement never moves its multiplier: that lambda and its PID state stay as they were (also under
@@ -19,6 +30,7 @@ the coupling projection, which then treats it as fixed) and the entry is counted
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
@@ -32,6 +44,7 @@ from dcmdp.config import DualConfig
 
 _F64 = torch.float64
 _FEASIBILITY_TOL = 1e-9  # slack on A lambda <= b when deciding whether the box projection is already feasible
+_RELATIVE_MIN_C = 1e-12  # smallest tolerance a relative violation (D_hat - c) / c divides by
 
 
 @dataclass
@@ -50,21 +63,30 @@ class DualState:
     steps: int = 0
     # Non-finite measurements skipped so far (entries, summed over constraints).
     skipped: int = 0
+    # (C,) EMA F of the floor measurement (pi_old vs mu before the updates) behind an automatic tolerance
+    # (constraints[i].floor_slack); NaN until the first finite measurement, and for fixed tolerances.
+    floor_C: Optional[Tensor] = None
 
     def state_dict(self) -> dict[str, Any]:
         """Plain python (JSON-safe) copy of the state."""
+        # NaN (no floor yet) as None: JSON-safe, and equal to itself when two states are compared
+        floor = [] if self.floor_C is None else [x if math.isfinite(x) else None for x in self.floor_C.tolist()]
         return {"lambda_C": self.lambda_C.tolist(), "integral_C": self.integral_C.tolist(), "p_C": self.p_C.tolist(),
                 "cost_ema_C": self.cost_ema_C.tolist(), "cost_hist": [list(h) for h in self.cost_hist],
-                "steps": int(self.steps), "skipped": int(self.skipped)}
+                "steps": int(self.steps), "skipped": int(self.skipped), "floor_C": floor}
 
     @classmethod
     def from_state_dict(cls, d: dict[str, Any]) -> "DualState":
         def vec(v: Any) -> Tensor:
             return torch.as_tensor(v, dtype=_F64).detach().cpu().clone().reshape(-1)
 
-        return cls(lambda_C=vec(d["lambda_C"]), integral_C=vec(d["integral_C"]), p_C=vec(d["p_C"]),
+        lam = vec(d["lambda_C"])
+        # checkpoints written before automatic tolerances existed carry no floor
+        floor = (vec([float("nan") if x is None else x for x in d["floor_C"]]) if d.get("floor_C")
+                 else torch.full_like(lam, float("nan")))
+        return cls(lambda_C=lam, integral_C=vec(d["integral_C"]), p_C=vec(d["p_C"]),
                    cost_ema_C=vec(d["cost_ema_C"]), cost_hist=[[float(x) for x in h] for h in d["cost_hist"]],
-                   steps=int(d["steps"]), skipped=int(d["skipped"]))
+                   steps=int(d["steps"]), skipped=int(d["skipped"]), floor_C=floor)
 
 
 def _per_constraint(cfg: DualConfig, field: str) -> Tensor:
@@ -93,7 +115,38 @@ def init_state(cfg: DualConfig) -> DualState:
             raise ValueError(f"dual: lambda_init {lam.tolist()} violates the coupled limits A lambda <= b "
                              f"(A lambda = {(A @ lam.numpy()).tolist()}, b = {b.tolist()})")
     return DualState(lambda_C=lam, integral_C=lam.clone(), p_C=torch.zeros(n, dtype=_F64),
-                     cost_ema_C=torch.zeros(n, dtype=_F64), cost_hist=[[] for _ in range(n)])
+                     cost_ema_C=torch.zeros(n, dtype=_F64), cost_hist=[[] for _ in range(n)],
+                     floor_C=torch.full((n,), float("nan"), dtype=_F64))
+
+
+def tolerances(state: DualState, cfg: DualConfig) -> Tensor:
+    """(C,) the tolerance c_i in force: F_i (1 + floor_slack_i) for an automatic tolerance with a measured floor
+    F_i, else constraints[i].tolerance."""
+    fixed_C = _per_constraint(cfg, "tolerance")
+    if state.floor_C is None:
+        return fixed_C
+    slack_C = torch.tensor([float("nan") if c.floor_slack is None else float(c.floor_slack) for c in cfg.constraints],
+                           dtype=_F64)
+    auto_C = state.floor_C * (1 + slack_C)
+    return torch.where(torch.isfinite(auto_C), auto_C, fixed_C)
+
+
+def constraints_in_force(state: DualState, cfg: DualConfig) -> list:
+    """``cfg.constraints`` with each tolerance replaced by the one in force (``tolerances``), for the penalty."""
+    return [replace(c, tolerance=float(t)) for c, t in zip(cfg.constraints, tolerances(state, cfg).tolist())]
+
+
+def update_floor(state: DualState, floor_measured_C: Tensor, cfg: DualConfig) -> DualState:
+    """F_i <- a_i F_i + (1 - a_i) D_floor_i for the constraints with an automatic tolerance (F_i <- D_floor_i at
+    the first finite measurement; a non-finite one leaves F_i as it was), a_i = constraints[i].floor_ema."""
+    n = len(cfg.constraints)
+    old_C = state.floor_C if state.floor_C is not None else torch.full((n,), float("nan"), dtype=_F64)
+    x_C = torch.as_tensor(floor_measured_C, dtype=_F64).detach().cpu().reshape(-1)
+    auto_C = torch.tensor([c.floor_slack is not None for c in cfg.constraints], dtype=torch.bool)
+    a_C = _per_constraint(cfg, "floor_ema")
+    ema_C = torch.where(torch.isfinite(old_C), a_C * old_C + (1 - a_C) * x_C, x_C)
+    new_C = torch.where(auto_C & torch.isfinite(x_C), ema_C, old_C)
+    return replace(state, floor_C=new_C)
 
 
 def _solve_projection_qp(target: np.ndarray, lo: np.ndarray, hi: np.ndarray, A: np.ndarray, b: np.ndarray,
@@ -204,12 +257,16 @@ DUAL_RULES: dict[str, Callable[[DualState, Tensor, Tensor, DualConfig], DualStat
 }
 
 
-def dual_step(state: DualState, measured_C: Tensor, cfg: DualConfig) -> tuple[DualState, dict[str, float]]:
+def dual_step(state: DualState, measured_C: Tensor, cfg: DualConfig,
+              floor_C: Optional[Tensor] = None) -> tuple[DualState, dict[str, float]]:
     """One dual update from D_hat_C (the batch measures, already averaged over the global batch).
 
     The rule is ``DUAL_RULES[cfg.rule]``; ``cfg.fixed`` keeps lambda at lambda_init, ``cfg.enabled = False``
     keeps it at 0 (both still log the measurements). Non-finite entries of measured_C leave their lambda
-    unchanged and are counted. Metrics per constraint name n: 'dual/lambda/n' (after the step),
+    unchanged and are counted. The tolerance is the one in force for this batch (``tolerances``); with
+    ``cfg.relative`` the rule sees D_hat / c against 1, i.e. the violation (D_hat - c) / c. ``floor_C`` (pi_old
+    vs mu before the updates, default measured_C) then updates the floor of the automatic tolerances, which
+    applies from the next batch, like lambda. Metrics per constraint name n: 'dual/lambda/n' (after the step),
     'dual/measured/n', 'dual/tolerance/n', 'dual/violation/n' (D_hat - c); 'dual/skipped' (entries skipped
     in this step).
     """
@@ -220,15 +277,20 @@ def dual_step(state: DualState, measured_C: Tensor, cfg: DualConfig) -> tuple[Du
     if measured_C.numel() != n or state.lambda_C.numel() != n:
         raise ValueError(f"dual_step: {n} constraints, but {measured_C.numel()} measurements and "
                          f"{state.lambda_C.numel()} multipliers")
-    tolerance_C = _per_constraint(cfg, "tolerance")
+    tolerance_C = tolerances(state, cfg)
     n_skipped = int((~torch.isfinite(measured_C)).sum())
     if not cfg.enabled:
         new = replace(state, lambda_C=torch.zeros(n, dtype=_F64))
     elif cfg.fixed:
         new = replace(state, lambda_C=_per_constraint(cfg, "lambda_init"))
+    elif cfg.relative:
+        # an automatic tolerance can reach 0 (e.g. routing_mismatch under R3): any excess then counts fully
+        scale_C = tolerance_C.clamp_min(_RELATIVE_MIN_C)
+        new = DUAL_RULES[cfg.rule](state, measured_C / scale_C, tolerance_C / scale_C, cfg)
     else:
         new = DUAL_RULES[cfg.rule](state, measured_C, tolerance_C, cfg)
     new = replace(new, steps=state.steps + 1, skipped=state.skipped + n_skipped)
+    new = update_floor(new, measured_C if floor_C is None else floor_C, cfg)
 
     metrics: dict[str, float] = {"dual/skipped": float(n_skipped)}
     for name, lam, d, c in zip(constraint_names(cfg.constraints), new.lambda_C.tolist(), measured_C.tolist(),

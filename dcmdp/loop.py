@@ -28,7 +28,7 @@ from dcmdp.checkpoint import (SignalCheckpointer, capture_rng, find_resume_check
                               restore_rng, save_checkpoint)
 from dcmdp.config import RunConfig, flatten, to_yaml
 from dcmdp import distributed
-from dcmdp.dual import DualState, dual_step, init_state
+from dcmdp.dual import DualState, constraints_in_force, dual_step, init_state
 from dcmdp.plots import plot_dual
 from dcmdp.tracking import Tracker
 from trainers import guards, learner
@@ -95,6 +95,16 @@ class Summary:
 def train(cfg: RunConfig) -> Summary:
     t_start = time.perf_counter()
     s = setup(cfg)
+    try:
+        return _train(s, t_start)
+    except BaseException as exc:
+        # never leave the MLflow run RUNNING; the guard and the signal stop have ended it already (a no-op then)
+        s.tracker.finish("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
+        raise
+
+
+def _train(s: Setup, t_start: float) -> Summary:
+    cfg = s.cfg
     acc_before = evaluate(s, seed=cfg.seed)
     s.tracker.log_metrics({"eval/accuracy": acc_before}, step=s.start_step)
     s.worker = _rollout_worker(s)
@@ -149,15 +159,16 @@ def _train_step(s: Setup, step: int, bar) -> None:
     trained_logp_BT = batch.old_logp_BT.clone() if kept and cfg.dual.measure_at == "updates" else None
     update_metrics = learner.update(
         s.model, s.optimizer, s.scheduler, batch, lambda_C=s.dual.lambda_C.float(),
-        constraints=cfg.dual.constraints, penalty=cfg.dual.penalty, dual_enabled=cfg.dual.enabled,
+        constraints=constraints_in_force(s.dual, cfg.dual), penalty=cfg.dual.penalty, dual_enabled=cfg.dual.enabled,
         cfg=cfg.algo, temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
         grad_clip=cfg.optim.grad_clip, generator=torch.Generator().manual_seed(_step_seed(cfg.seed, step, 2)),
         shard=s.dist.shard, trained_logp_BT=trained_logp_BT, forward=forward) if kept else []
     del forward
     t4 = time.perf_counter()
+    floor_C = measured_C  # pi_old vs mu on the weights that sampled the batch: an automatic tolerance's floor
     if trained_logp_BT is not None:
         measured_C = constraint_values(s, batch, trained_logp_BT)
-    s.dual, dual_metrics = dual_step(s.dual, measured_C, cfg.dual)
+    s.dual, dual_metrics = dual_step(s.dual, measured_C, cfg.dual, floor_C=floor_C)
     t5 = time.perf_counter()
     if s.worker is None:
         s.engine.load_weights(s.model.state_dict(), version=step + 1)

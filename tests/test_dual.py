@@ -248,3 +248,85 @@ def test_state_dict_round_trip_continues_identically(rule):
         state, _ = dual_step(state, x, cfg)
         restored, _ = dual_step(restored, x, cfg)
         assert restored.state_dict() == state.state_dict()
+
+
+# ------------------------------------------------------------------------- relative step, automatic tolerance
+
+
+def _one(**kw) -> ConstraintConfig:
+    return ConstraintConfig(**{"measure": "abs_prob_diff", "tolerance": 0.002, "lambda_init": 0.1, "lr": 1.0, **kw})
+
+
+def test_relative_step_moves_lambda_by_eta_per_tolerance_exceeded():
+    cfg = _cfg(constraints=[_one()], relative=True)
+    state = init_state(cfg)
+    state, m = dual_step(state, torch.tensor([0.003], dtype=torch.float64), cfg)  # 0.1 + (0.003 - 0.002) / 0.002 = 0.6
+    assert state.lambda_C.item() == pytest.approx(0.6, abs=1e-12)
+    assert m["dual/violation/abs_prob_diff"] == pytest.approx(0.001, abs=1e-15)  # logged in the measure's units
+    state, _ = dual_step(state, torch.tensor([0.001], dtype=torch.float64), cfg)  # 0.6 + (0.001 - 0.002) / 0.002 = 0.1
+    assert state.lambda_C.item() == pytest.approx(0.1, abs=1e-12)
+    absolute = _cfg(constraints=[_one()])
+    a, _ = dual_step(init_state(absolute), torch.tensor([0.003], dtype=torch.float64), absolute)  # 0.1 + 0.001
+    assert a.lambda_C.item() == pytest.approx(0.101, abs=1e-12)
+
+
+def test_relative_pid_without_p_and_d_is_relative_projected():
+    proj = _cfg(constraints=[_one()], relative=True)
+    pid = _cfg(constraints=[_one()], relative=True, rule="pid", pid=PIDConfig(kp=0.0, kd=0.0))
+    a, b = init_state(proj), init_state(pid)
+    for x in (0.004, 0.0035, 0.001, 0.0, 0.01):
+        a, _ = dual_step(a, torch.tensor([x], dtype=torch.float64), proj)
+        b, _ = dual_step(b, torch.tensor([x], dtype=torch.float64), pid)
+        assert b.lambda_C.item() == pytest.approx(a.lambda_C.item(), abs=1e-12)
+
+
+def test_relative_step_needs_a_positive_tolerance(tmp_path):
+    from dcmdp.config import ConfigError, load_config
+
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("dual:\n  relative: true\n  constraints:\n    - measure: kl_k3\n      tolerance: 0.0\n")
+    with pytest.raises(ConfigError, match=r"dual.constraints\[0\].tolerance.*> 0"):
+        load_config(cfg_file, [])
+
+
+def test_automatic_tolerance_tracks_the_floor_by_hand():
+    # slack 0.5, EMA 0.9; c = 0.01 until the first floor measurement
+    cfg = _cfg(constraints=[_one(tolerance=0.01, floor_slack=0.5, floor_ema=0.9)])
+    state = init_state(cfg)
+    state, m = dual_step(state, torch.tensor([0.002], dtype=torch.float64), cfg, floor_C=torch.tensor([0.002], dtype=torch.float64))
+    assert m["dual/tolerance/abs_prob_diff"] == pytest.approx(0.01)
+    assert state.lambda_C.item() == pytest.approx(0.1 + 0.002 - 0.01, abs=1e-12)  # 0.092
+    assert state.floor_C.item() == pytest.approx(0.002, abs=1e-15)  # F_1 = the first floor
+    # c_2 = F_1 (1 + 0.5) = 0.003; D = 0.005 -> lambda 0.092 + 0.002; F_2 = 0.9 * 0.002 + 0.1 * 0.004 = 0.0022
+    state, m = dual_step(state, torch.tensor([0.005], dtype=torch.float64), cfg, floor_C=torch.tensor([0.004], dtype=torch.float64))
+    assert m["dual/tolerance/abs_prob_diff"] == pytest.approx(0.003, abs=1e-15)
+    assert state.lambda_C.item() == pytest.approx(0.094, abs=1e-12)
+    assert state.floor_C.item() == pytest.approx(0.0022, abs=1e-15)
+    # a non-finite floor leaves F (and c_3 = 0.0022 * 1.5 = 0.0033) as they were
+    state, m = dual_step(state, torch.tensor([0.0033], dtype=torch.float64), cfg, floor_C=torch.tensor([float("nan")], dtype=torch.float64))
+    assert m["dual/tolerance/abs_prob_diff"] == pytest.approx(0.0033, abs=1e-15)
+    assert state.lambda_C.item() == pytest.approx(0.094, abs=1e-12)
+    assert state.floor_C.item() == pytest.approx(0.0022, abs=1e-15)
+
+
+def test_fixed_tolerances_stay_fixed_and_the_penalty_gets_the_tolerance_in_force():
+    from dcmdp.dual import constraints_in_force
+
+    cfg = _cfg(constraints=[_one(tolerance=0.01, floor_slack=1.0), _one(measure="kl_k3", tolerance=0.02)])
+    state = init_state(cfg)
+    assert [c.tolerance for c in constraints_in_force(state, cfg)] == [0.01, 0.02]
+    state, _ = dual_step(state, torch.tensor([0.1, 0.1], dtype=torch.float64), cfg, floor_C=torch.tensor([0.003, 0.004], dtype=torch.float64))
+    # the automatic one: 0.003 * (1 + 1); the fixed one unchanged, and no floor recorded for it
+    assert [c.tolerance for c in constraints_in_force(state, cfg)] == pytest.approx([0.006, 0.02])
+    assert math.isnan(state.floor_C[1].item())
+
+
+def test_state_with_a_floor_round_trips_and_old_states_load():
+    cfg = _cfg(constraints=[_one(floor_slack=0.25), _one(measure="kl_k3")])
+    state = init_state(cfg)
+    state, _ = dual_step(state, torch.tensor([0.003, 0.001], dtype=torch.float64), cfg)
+    restored = DualState.from_state_dict(json.loads(json.dumps(state.state_dict())))
+    assert restored.state_dict() == state.state_dict()
+    old = {k: v for k, v in state.state_dict().items() if k != "floor_C"}  # a checkpoint from before floors
+    legacy = DualState.from_state_dict(old)
+    assert torch.isnan(legacy.floor_C).all() and legacy.lambda_C.tolist() == state.lambda_C.tolist()
