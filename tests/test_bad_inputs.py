@@ -241,3 +241,48 @@ def test_resume_from_a_corrupt_checkpoint_keeps_everything(finished_run, tmp_pat
         train(load_config(None, _overrides(finished_run, f"checkpoint.resume={corrupt}")))
     assert (corrupt / "state.pt").read_bytes() == bytes(data)  # left for inspection, not deleted
     assert _snapshot(finished_run / "checkpoints") == ckpts and _runs(finished_run) == runs
+
+
+# ------------------------------------------------------------------------------------------ nonsense values
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("optim.lr=inf", "'optim.lr': must be a finite number, got inf"),
+    ("optim.lr=nan", "'optim.lr': must be a finite number, got nan"),
+    ("optim.weight_decay=-0.1", "'optim.weight_decay': must be >= 0, got -0.1"),
+    ("seed=-1", "'seed': must be >= 0, got -1"),
+    ("dual.constraints[0].tolerance=inf", "'dual.constraints[0].tolerance': must be a finite number, got inf"),
+    ("algo.entropy_coef=nan", "'algo.entropy_coef': must be a finite number, got nan"),
+    ("dual.constraints[0].lambda_max=-inf", "'dual.constraints[0].lambda_max': must be a finite number, got -inf"),
+    ("cold_start.lr=inf", "'cold_start.lr': must be a finite number, got inf"),
+    ("dual.coupling.b=[nan]", "'dual.coupling.b[0]': must be a finite number, got nan"),
+])
+def test_non_finite_and_negative_values_exit_2_before_anything_is_built(override, needle, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = cli.main(["train", *_overrides(out, override)])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert not out.exists()  # rejected before the output folder, the model or the tracker
+
+
+def test_inf_is_accepted_where_it_means_no_bound():
+    cfg = load_config(None, ["dual.constraints[0].lambda_max=inf", "algo.is_cap=inf", "algo.is_high=inf"])
+    assert cfg.dual.constraints[0].lambda_max == float("inf") and cfg.algo.is_cap == float("inf")
+
+
+def test_routing_mismatch_under_r3_is_refused():
+    with pytest.raises(ConfigError, match=r"'dual.constraints\[1\].measure': routing_mismatch .* measures exactly 0"):
+        load_config(None, ["model.preset=tiny-moe", "algo.routing_replay=r3",
+                           "dual.constraints=[{measure: kl_k3, tolerance: 0.01}, {measure: routing_mismatch}]"])
+    # under r2 the two engines' routes do differ: the constraint stays allowed
+    load_config(None, ["model.preset=tiny-moe", "algo.routing_replay=r2", "dual.constraints=[{measure: routing_mismatch}]"])
+
+
+def test_an_error_mid_run_ends_the_mlflow_run_failed(tmp_path, monkeypatch):
+    # a learning rate beyond float32's range: AdamW's first step raises inside torch
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="overflow"):
+        train(load_config(None, _overrides(out, "optim.lr=1e38")))
+    assert [status for _, status in _runs(out)] == ["FAILED"]
