@@ -64,6 +64,37 @@ def test_tiny_param_counts_by_hand():
     assert moe.config.norm_topk_prob and moe.config.num_experts_per_tok == 2
 
 
+def test_small_param_counts_by_hand_and_forward():
+    # small-*: V=101, H=128, 4 layers, 4 query heads x 32 (128), 2 KV heads x 32 (64), untied head.
+    attn = 128 * 128 + 2 * 128 * 64 + 128 * 128 + 2 * 32  # q, k, v, o, q_norm, k_norm = 49,216
+    outside = 2 * 101 * 128 + 128  # embeddings, LM head, final norm = 25,984
+    # small-moe: every layer 16 experts of (gate_up 128x128 + down 128x64) = 393,216, router 16x128, top-2.
+    experts = 16 * (2 * 64 * 128 + 64 * 128)
+    layer_moe = attn + experts + 16 * 128 + 2 * 128  # 444,736
+    total = outside + 4 * layer_moe
+    active = total - 4 * experts * 14 // 16  # 14 of 16 experts idle per token
+    assert (total, active) == (1_804_928, 428_672)
+    moe = build_model(ModelConfig(preset="small-moe"), 101, seed=0)
+    assert param_counts(moe) == (total, active)
+    assert len(moe_routers(moe)) == 4 and moe.model.layers[0].mlp.gate.top_k == 2
+    # small-dense: MLP 3 x 128 x 133 = 51,072 per layer vs small-moe's active 2 x 3 x 128 x 64 + 2,048 = 51,200
+    dense = build_model(ModelConfig(preset="small-dense"), 101, seed=0)
+    expected = outside + 4 * (attn + 3 * 128 * 133 + 2 * 128)
+    assert param_counts(dense) == (expected, expected) == (428_160, 428_160)
+    assert abs(expected - active) == 4 * 128  # the closest match: one intermediate unit is 384 weights per layer
+    assert not is_moe(dense) and is_moe(moe)
+    for model in (moe, dense):
+        c = model.config
+        assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == \
+            (4, 128, 4, 2, 32)
+        # the longest long_addition prompt (18 tokens) and 96 new tokens fit the context
+        assert c.max_position_embeddings >= 18 + 96
+        ids = torch.randint(0, 101, (2, 114))
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        assert logits.shape == (2, 114, 101) and torch.isfinite(logits).all()
+
+
 def test_build_is_seeded_and_uses_declared_kernel():
     a = build_model(ModelConfig(preset="tiny-moe"), 101, seed=3)
     b = build_model(ModelConfig(preset="tiny-moe"), 101, seed=3)

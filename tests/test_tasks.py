@@ -16,7 +16,7 @@ DATA = Path(__file__).parent / "data" / "math_sample.jsonl"
 PRINTABLE = set(string.printable) - set("\t\r\x0b\x0c")
 
 
-@pytest.mark.parametrize("name", ["addition", "sorting"])
+@pytest.mark.parametrize("name", ["addition", "sorting", "long_addition"])
 def test_generated_tasks_are_deterministic_and_disjoint(name):
     cfg = TaskConfig(name=name, eval_size=200)
     task = TASKS[name](cfg, 0)
@@ -83,6 +83,83 @@ def test_task_exposes_name_and_config():
     cfg = TaskConfig(name="sorting", digits=1, items=3, eval_size=8)
     task = TASKS["sorting"](cfg, 0)
     assert task.name == "sorting" and task.cfg is cfg
+
+
+# --------------------------------------------------------------------------------------------- long addition
+
+
+def _long(min_digits: int = 3, digits: int = 8, eval_size: int = 256):
+    return TASKS["long_addition"](TaskConfig(name="long_addition", min_digits=min_digits, digits=digits,
+                                             eval_size=eval_size), 0)
+
+
+@pytest.mark.parametrize("prompt, demonstration", [
+    # 8+5=13 (carry 1), 3+1+1=5, 7+9=16 (carry 1), 4+(none)+1=5: 5653
+    ("4738+915=", "8+5+0=13;3+1+1=5;7+9+0=16;4+0+1=5;|5653"),
+    # every position carries, so one extra step writes the last carry: 1000
+    ("999+1=", "9+1+0=10;9+0+1=10;9+0+1=10;0+0+1=1;|1000"),
+    # 0+5=5, 2+0=2, 1+3=4, no carry anywhere: 425
+    ("120+305=", "0+5+0=5;2+0+0=2;1+3+0=4;|425"),
+    # the first operand is the shorter one: 5+3=8, (none)+2=2, (none)+1=1: 128
+    ("5+123=", "5+3+0=8;0+2+0=2;0+1+0=1;|128"),
+    # one position, 0+0=0
+    ("0+0=", "0+0+0=0;|0"),
+    # 6+7=13, 9+8+1=18, 0+(none)+1=1, 5+0=5: 5183
+    ("5096+87=", "6+7+0=13;9+8+1=18;0+0+1=1;5+0+0=5;|5183"),
+])
+def test_long_addition_demonstrations_by_hand(prompt, demonstration):
+    a, b = map(int, prompt[:-1].split("+"))
+    ex = Example(prompt, str(a + b))
+    task = _long(1, 4, eval_size=16)
+    assert task.demonstration(ex) == demonstration
+    assert task.reward(demonstration, ex) == 1.0
+
+
+def test_long_addition_rewards_grade_the_final_answer_only():
+    task = _long()
+    ex = Example("4738+915=", "5653")
+    assert task.reward("8+5+0=13;3+1+1=5;7+9+0=16;4+0+1=5;|5654", ex) == 0.0  # wrong final answer
+    assert task.reward("8+5+0=12;3+1+1=9;|5653", ex) == 1.0  # wrong scratchpad, right answer
+    assert task.reward("|5653", ex) == 1.0 and task.reward("|  5653\n", ex) == 1.0
+    assert task.reward("5653", ex) == 0.0  # no "|": no final answer
+    assert task.reward("|1|5653", ex) == 1.0 and task.reward("|5653|1", ex) == 0.0  # the last "|" counts
+    assert task.reward("|5653;", ex) == 0.0 and task.reward("|05653", ex) == 0.0 and task.reward("", ex) == 0.0
+
+
+def test_long_addition_operands_and_lengths():
+    task = _long()
+    lengths, seen = [], set()
+    for e in task.sample(random.Random(0), 20000) + task.eval_set():
+        a, b = e.prompt[:-1].split("+")
+        assert 3 <= len(a) <= 8 and 3 <= len(b) <= 8 and a[0] != "0" and b[0] != "0"
+        assert e.answer == str(int(a) + int(b)) and len(e.prompt) <= 18
+        demo = task.demonstration(e)
+        assert set(e.prompt + demo) <= PRINTABLE and task.reward(demo, e) == 1.0
+        lengths.append(len(demo) + 1)  # one token per character, plus EOS
+        seen.add((len(a), len(b)))
+    # 3+3 digits without carries: 3 steps of 8 characters, "|", 3 digits, EOS = 29; 8+8 digits all carrying:
+    # 8 steps of 9, the extra step of 8, "|", 9 digits, EOS = 91 (the module docstring's range)
+    assert min(lengths) >= 29 and max(lengths) <= 91
+    assert min(lengths) <= 32 and max(lengths) >= 85  # both ends are reached in 20k draws
+    assert 60 < sum(lengths) / len(lengths) < 67
+    assert seen == {(i, j) for i in range(3, 9) for j in range(3, 9)}
+
+
+def test_long_addition_split_and_config_checks():
+    # lengths 1..1: 10 numbers, 100 prompts; the eval set may take half of them
+    small = _long(1, 1, eval_size=50)
+    held = {e.prompt for e in small.eval_set()}
+    assert len(held) == 50 and not held & {e.prompt for e in small.sample(random.Random(0), 2000)}
+    with pytest.raises(ValueError, match="task.eval_size=51"):
+        _long(1, 1, eval_size=51)
+    # the held-out set depends on the digit range
+    assert _long(3, 8, eval_size=32).eval_set() != _long(2, 8, eval_size=32).eval_set()
+    with pytest.raises(ValueError, match="task.min_digits"):
+        _long(5, 4)
+    with pytest.raises(ValueError, match="task.items"):
+        TASKS["long_addition"](TaskConfig(name="long_addition", items=3), 0)
+    with pytest.raises(ValueError, match="task.min_digits"):
+        TASKS["addition"](TaskConfig(min_digits=2), 0)
 
 
 # ------------------------------------------------------------------------------------------------------ math

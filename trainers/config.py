@@ -17,7 +17,8 @@ def _require(cond: bool, key: str, msg: str) -> None:
 
 @dataclass
 class ModelConfig:
-    # Preset name: tiny-dense | tiny-moe | qwen3-8b | qwen3-30b-a3b (see trainers.models.PRESETS).
+    # Preset name: tiny-dense | tiny-moe | small-dense | small-moe | qwen3-8b | qwen3-30b-a3b (see
+    # trainers.models.PRESETS).
     preset: str = "tiny-moe"
     # Local directory with weights + tokenizer (Hugging Face layout). Required for the real presets;
     # for tiny presets the cold-started model is cached and this may stay empty.
@@ -63,10 +64,12 @@ class RolloutConfig:
 
 @dataclass
 class TaskConfig:
-    # Task name: addition | sorting | math (see trainers.tasks.TASKS).
+    # Task name: addition | sorting | long_addition | math (see trainers.tasks.TASKS).
     name: str = "addition"
     # Largest operand / list element has this many digits (generated tasks).
     digits: int = 2
+    # Shortest operand has this many digits (long_addition draws each length uniformly in [min_digits, digits]).
+    min_digits: int = 1
     # Number of items (sorting) or operands (addition).
     items: int = 2
     # Size of the held-out evaluation set: a fixed sample per task config that training never draws (at most
@@ -79,6 +82,8 @@ class TaskConfig:
 
     def check(self, prefix: str = "task") -> None:
         _require(self.digits >= 1, f"{prefix}.digits", f"must be >= 1, got {self.digits}")
+        _require(1 <= self.min_digits <= self.digits, f"{prefix}.min_digits",
+                 f"must be in [1, digits={self.digits}], got {self.min_digits}")
         _require(self.items >= 1, f"{prefix}.items", f"must be >= 1, got {self.items}")
         _require(self.eval_size >= 1, f"{prefix}.eval_size", f"must be >= 1, got {self.eval_size}")
 

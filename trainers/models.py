@@ -3,6 +3,11 @@
 Presets:
 - ``tiny-dense`` / ``tiny-moe``: the real architectures shrunk to hidden size 64 so that a supervised
   cold start plus RL runs on two CPU cores; random init from ``seed``.
+- ``small-dense`` / ``small-moe``: the same architectures at 4 layers, hidden size 128 and 4 query / 2 KV
+  heads, with a context of 192 positions, for long responses (``long_addition``) on CPU. ``small-moe``
+  has 16 experts of intermediate size 64, top-2, in every layer: 1,804,928 parameters, 428,672 active
+  per token. ``small-dense`` has intermediate size 133, the closest to the same active count (428,160:
+  the router's 16 x 128 weights per layer are not a multiple of the 3 x 128 of one intermediate unit).
 - ``qwen3-8b`` / ``qwen3-30b-a3b``: the published shapes (Qwen3 technical report, arXiv 2505.09388,
   and the released ``config.json`` files); the weights always come from ``ModelConfig.path``.
 
@@ -79,6 +84,27 @@ def _tiny_moe(vocab_size: int) -> Qwen3MoeConfig:
                           router_aux_loss_coef=0.0, **_tiny_attention())
 
 
+def _small_attention() -> dict:
+    # 4 query heads sharing 2 KV heads of head_dim 32 (4 x 32 = hidden 128); 192 positions hold the longest
+    # long_addition prompt (18 tokens) plus 96 generated tokens with room to spare.
+    return dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=32, max_position_embeddings=192, rope_parameters={"rope_type": "default",
+                                                                            "rope_theta": 10000.0},
+                rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.02)
+
+
+def _small_dense(vocab_size: int) -> Qwen3Config:
+    # 3 x 128 x 133 = 51,072 MLP weights per layer vs small-moe's active 2 x 3 x 128 x 64 + router 16 x 128
+    # = 51,200: the closest match of active parameters.
+    return Qwen3Config(vocab_size=vocab_size, intermediate_size=133, **_small_attention())
+
+
+def _small_moe(vocab_size: int) -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(vocab_size=vocab_size, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=64,
+                          intermediate_size=133, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                          router_aux_loss_coef=0.0, **_small_attention())
+
+
 def _qwen3_8b(vocab_size: int) -> Qwen3Config:
     return Qwen3Config(vocab_size=max(vocab_size, 151936), hidden_size=4096, intermediate_size=12288,
                        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -100,6 +126,8 @@ PRESETS: dict[str, Preset] = {
     p.name: p for p in (
         Preset("tiny-dense", is_moe=False, needs_path=False, make_config=_tiny_dense),
         Preset("tiny-moe", is_moe=True, needs_path=False, make_config=_tiny_moe),
+        Preset("small-dense", is_moe=False, needs_path=False, make_config=_small_dense),
+        Preset("small-moe", is_moe=True, needs_path=False, make_config=_small_moe),
         Preset("qwen3-8b", is_moe=False, needs_path=True, make_config=_qwen3_8b),
         Preset("qwen3-30b-a3b", is_moe=True, needs_path=True, make_config=_qwen3_30b_a3b),
     )

@@ -5,14 +5,31 @@ completion is the decoded response without EOS / padding. One builder signature:
 
     TASKS[name](cfg: TaskConfig, seed: int) -> Task
 
-Generated tasks (``addition``, ``sorting``) use printable ASCII only and short answers (at most 7
-characters with the defaults), so that a tiny character-level model can learn them:
+Generated tasks use printable ASCII only, so that a tiny character-level model can learn them.
+``addition`` and ``sorting`` have short answers (at most 7 characters with the defaults):
 
 - ``addition``: ``cfg.items`` operands of up to ``cfg.digits`` digits, prompt ``"47+38="``, answer ``"85"``.
 - ``sorting``: ``cfg.items`` numbers of up to ``cfg.digits`` digits, prompt ``"S:3,1,2="``, answer
   ``"1,2,3"`` (ascending, duplicates kept).
 
 Reward: 1.0 iff the completion, stripped of surrounding whitespace, equals the canonical answer exactly.
+
+``long_addition`` has long responses, so that a training-inference mismatch per token compounds over a
+sequence: schoolbook addition of two non-negative integers written out digit by digit with carries.
+
+- Operands: each length drawn independently and uniformly in [``cfg.min_digits``, ``cfg.digits``], then
+  the number uniformly among those of that length (leading digit non-zero; length 1 includes 0).
+  ``cfg.items`` must be 2.
+- Prompt ``"4738+915="``; answer (``Example.answer``) the sum, ``"5653"``.
+- Demonstration: one step ``a+b+c=s;`` per digit position from the least significant, with the operand
+  digits ``a``, ``b`` (0 where an operand has no digit there), the carry in ``c`` (0 or 1, always
+  written) and the step's decimal sum ``s`` (0..19); one more step ``0+0+1=1;`` if a carry remains;
+  then ``|`` and the sum. 4738+915 -> ``8+5+0=13;3+1+1=5;7+9+0=16;4+0+1=5;|5653``.
+- Reward: 1.0 iff the text after the last ``|`` of the completion, stripped of surrounding whitespace,
+  equals the sum exactly; 0.0 without a ``|``. The scratchpad is not graded (a wrong step with a right
+  final answer still scores 1), but the final answer depends on every step the model wrote.
+- Lengths with ``min_digits=3, digits=8`` (``configs/stress.yaml``): a correct response takes 29 to 91
+  tokens including EOS (one character per token), mean 63.6 over 100k draws; the prompt 8 to 18 tokens.
 
 Held-out split of generated tasks: the evaluation set is ``cfg.eval_size`` distinct prompts drawn with a
 fixed generator that depends only on the task config, NOT on the run seed, so runs with different seeds
@@ -75,9 +92,14 @@ class _GeneratedTask:
     """Shared split / sampling / reward logic; subclasses define ``_draw`` and ``space_size``."""
 
     name = ""
+    # Whether the task reads ``cfg.min_digits``; the others draw numbers uniformly in [0, 10^digits).
+    uses_min_digits = False
 
     def __init__(self, cfg: TaskConfig, seed: int):
         cfg.check()
+        if cfg.min_digits != 1 and not self.uses_min_digits:
+            raise ValueError(f"config error at 'task.min_digits': task {self.name!r} draws numbers uniformly in "
+                             f"[0, 10^digits) and has no use for it; leave it at 1 (got {cfg.min_digits})")
         self.cfg = cfg
         space = self.space_size()
         if cfg.eval_size > space // 2:
@@ -85,7 +107,7 @@ class _GeneratedTask:
                              f"digits={cfg.digits}, items={cfg.items}: the prompt space holds {space} prompts and "
                              f"the evaluation set may take at most half ({space // 2})")
         # Depends on the task config only (see the module docstring); str seeds hash deterministically.
-        eval_rng = random.Random(f"dcmdp-eval/{self.name}/{cfg.digits}/{cfg.items}")
+        eval_rng = random.Random(f"dcmdp-eval/{self.name}/{self._split_tag()}")
         examples: dict[str, Example] = {}
         while len(examples) < cfg.eval_size:
             ex = self._draw(eval_rng)
@@ -95,6 +117,10 @@ class _GeneratedTask:
 
     def space_size(self) -> int:
         return (10 ** self.cfg.digits) ** self.cfg.items
+
+    def _split_tag(self) -> str:
+        """The config fields that shape the prompt distribution, as part of the held-out set's seed."""
+        return f"{self.cfg.digits}/{self.cfg.items}"
 
     def _draw(self, rng: random.Random) -> Example:
         raise NotImplementedError
@@ -138,6 +164,58 @@ class SortingTask(_GeneratedTask):
     def _draw(self, rng: random.Random) -> Example:
         xs = self._numbers(rng)
         return Example("S:" + ",".join(map(str, xs)) + "=", ",".join(map(str, sorted(xs))))
+
+
+class LongAdditionTask(_GeneratedTask):
+    """``"4738+915="`` -> ``"8+5+0=13;3+1+1=5;7+9+0=16;4+0+1=5;|5653"``: schoolbook addition with carries.
+
+    Format, operand distribution and reward: see the module docstring.
+    """
+
+    name = "long_addition"
+    uses_min_digits = True
+
+    def __init__(self, cfg: TaskConfig, seed: int):
+        if cfg.items != 2:
+            raise ValueError(f"config error at 'task.items': task 'long_addition' adds two operands, got {cfg.items}")
+        super().__init__(cfg, seed)
+
+    @staticmethod
+    def _count(length: int) -> int:
+        """Non-negative integers written with exactly ``length`` digits (no leading zero; ``0`` has length 1)."""
+        return 10 if length == 1 else 9 * 10 ** (length - 1)
+
+    def space_size(self) -> int:
+        numbers = sum(self._count(n) for n in range(self.cfg.min_digits, self.cfg.digits + 1))
+        return numbers ** 2
+
+    def _split_tag(self) -> str:
+        return f"{self.cfg.min_digits}-{self.cfg.digits}"
+
+    def _operand(self, rng: random.Random) -> int:
+        length = rng.randint(self.cfg.min_digits, self.cfg.digits)
+        return rng.randrange(10) if length == 1 else rng.randrange(10 ** (length - 1), 10 ** length)
+
+    def _draw(self, rng: random.Random) -> Example:
+        a, b = self._operand(rng), self._operand(rng)
+        return Example(f"{a}+{b}=", str(a + b))
+
+    def reward(self, completion: str, example: Example) -> float:
+        _, bar, answer = completion.rpartition("|")
+        return 1.0 if bar and answer.strip() == example.answer else 0.0
+
+    def demonstration(self, example: Example) -> str:
+        a, b = example.prompt.rstrip("=").split("+")
+        steps, carry = [], 0
+        for i in range(max(len(a), len(b))):
+            da = int(a[-1 - i]) if i < len(a) else 0
+            db = int(b[-1 - i]) if i < len(b) else 0
+            s = da + db + carry
+            steps.append(f"{da}+{db}+{carry}={s};")
+            carry = s // 10
+        if carry:
+            steps.append("0+0+1=1;")
+        return "".join(steps) + "|" + example.answer
 
 
 # --------------------------------------------------------------------------------------------- math (JSONL)
@@ -331,5 +409,6 @@ class MathTask:
 TASKS: dict[str, Callable[[TaskConfig, int], Task]] = {
     "addition": AdditionTask,
     "sorting": SortingTask,
+    "long_addition": LongAdditionTask,
     "math": MathTask,
 }
