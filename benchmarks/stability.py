@@ -251,7 +251,7 @@ def run_cell(out: Path) -> None:
 
     spec = json.loads((out / "cell.json").read_text())
     if not (out / "summary.json").exists():
-        train(load_config(BASE_CONFIG, spec["overrides"]))
+        train(load_config(spec.get("base", BASE_CONFIG), spec["overrides"]))
     write_history(out)
 
 
@@ -341,18 +341,18 @@ def mlflow_template(bench_dir: Path) -> Path:
     return path
 
 
-def prepare(out: Path, overrides: list[str], template: Path) -> bool:
-    """Write the cell's spec; False when the cell already finished."""
+def prepare(out: Path, overrides: list[str], template: Path, base: Path = BASE_CONFIG) -> bool:
+    """Write the cell's spec (base config + dotlist); False when the cell already finished."""
     if (out / "summary.json").exists() and (out / "history.json").exists():
         return False
     out.mkdir(parents=True, exist_ok=True)
-    (out / "cell.json").write_text(json.dumps({"overrides": overrides}, indent=1))
+    (out / "cell.json").write_text(json.dumps({"base": str(base), "overrides": overrides}, indent=1))
     if not (out / "mlflow.db").exists():
         shutil.copyfile(template, out / "mlflow.db")
     return True
 
 
-def warm_cold_starts(profile: Profile) -> None:
+def warm_cold_starts(profile: Profile, base: Path = BASE_CONFIG) -> None:
     """Train (or find cached) each seed's cold start once, before parallel workers could race on it."""
     from dcmdp.config import load_config
     from trainers.coldstart import cold_start
@@ -364,7 +364,7 @@ def warm_cold_starts(profile: Profile) -> None:
 
     torch.set_num_threads(1)  # the runs' threads=1: the cold start (and its cache key) depend on the thread count
     for seed in profile.seeds:
-        cfg = load_config(BASE_CONFIG, [*profile.overrides, f"seed={seed}", "progress=false"])
+        cfg = load_config(base, [*profile.overrides, f"seed={seed}", "progress=false"])
         if cfg.cold_start.steps == 0:
             continue
         tok = build_char_tokenizer()

@@ -256,3 +256,67 @@ def test_stability_probe_overrides():
     for method in bf16.methods:
         c = load_config(stability.BASE_CONFIG, stability.cell_overrides(bf16, method, 8, 0, Path("unused")))
         assert c.rollout.precision == "bf16" and c.dual.constraints[0].tolerance == bf16.tolerance
+
+
+def _load_benchmark(name: str):
+    """benchmarks/<name>.py as a module, with benchmarks/ importable for its own imports."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+    if str(bench_dir) not in sys.path:
+        sys.path.insert(0, str(bench_dir))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", bench_dir / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stress_smoke(tmp_path):
+    """benchmarks/stress.py --profile smoke: 2 levels x 2 methods x 3 steps through real worker processes; the
+    dual's trajectory is re-derived from the logged measurements (relative step, automatic tolerance)."""
+    import csv
+    import json
+
+    stress = _load_benchmark("stress")
+    prefix = tmp_path / "results" / "stress_smoke"
+    bench = tmp_path / "runs"
+    stress.main(["--profile", "smoke", "--workers", "1", "--bench-dir", str(bench), "--results", str(prefix)])
+
+    profile = stress.PROFILES["smoke"]
+    rows = list(csv.DictReader(open(prefix.with_suffix(".csv"))))
+    assert sorted((r["level"], r["method"], int(r["N"])) for r in rows) == sorted(
+        (lv, m, n) for lv, m, n, _ in profile.cells())
+    eta, slack, ema, lam0 = 0.5, 1.0, 0.9, 0.1  # stress.CONSTRAINT
+    assert f"lr: {eta}" in stress.CONSTRAINT and f"floor_slack: {slack}" in stress.CONSTRAINT
+    for level in ("fp32", "noise1"):
+        for method in ("grpo_no_is", "dcmdp_r3"):
+            history = json.loads((stress.cell_dir(bench, level, method, 2, 0) / "history.json").read_text())
+            assert len(history) == 3
+            lam = [h["dual/lambda/abs_prob_diff"] for h in history]
+            tol = [h["dual/tolerance/abs_prob_diff"] for h in history]
+            floor = [h["discrepancy/abs_prob_diff"] for h in history]  # pi_old vs mu before the updates
+            # the automatic tolerance: c_1 = the config's 0.005, then c_k = 2 F_{k-1}, F an EMA of the floor
+            f = floor[0]
+            assert tol[0] == 0.005 and abs(tol[1] - 2 * f) <= 1e-12 * max(f, 1e-30)
+            f = ema * f + (1 - ema) * floor[1]
+            assert abs(tol[2] - 2 * f) <= 1e-9 * max(f, 1e-30)
+            if method == "grpo_no_is":
+                assert lam == [0.0, 0.0, 0.0]
+            else:  # relative projected ascent on the updates' measure: lambda += eta (D - c) / c, clipped at 0
+                measured = [h["dual/measured/abs_prob_diff"] for h in history]
+                prev = lam0
+                for d, c, got in zip(measured, tol, lam):
+                    prev = min(10.0, max(0.0, prev + eta * (d - c) / c))
+                    assert abs(got - prev) <= 1e-9 * max(1.0, prev)
+                assert all(h["routing/mismatch"] == 0.0 for h in history)  # R3
+    noisy = json.loads((stress.cell_dir(bench, "noise1", "grpo_no_is", 2, 0) / "history.json").read_text())
+    clean = json.loads((stress.cell_dir(bench, "fp32", "grpo_no_is", 2, 0) / "history.json").read_text())
+    # logit noise of std 1 opens a discrepancy that fp32 rollouts (same weights, same kernels) do not have
+    assert min(h["discrepancy/kl_k3"] for h in noisy) > 100 * max(h["discrepancy/kl_k3"] for h in clean)
+    md = prefix.with_suffix(".md").read_text()
+    assert "| 2 | noise1 |" in md and "Welch" in md
+    assert prefix.with_name("stress_smoke_accuracy.png").stat().st_size > 0
+    assert prefix.with_name("stress_smoke_dual.png").stat().st_size > 0

@@ -1,0 +1,486 @@
+"""Mismatch stress testbed: a dose-response of every method to the training-inference discrepancy.
+
+Where the stability matrix (``benchmarks/stability.py``: 3-token answers, a 2-layer MoE, int8 rollouts)
+found every method level, this benchmark builds the regime in which the mismatch matters (DESIGN.md §9):
+long responses (``task: long_addition``, 24-96 tokens written digit by digit with carries, so the
+sequence ratio prod_t rho_t compounds), a larger MoE with sharper routing (``small-moe``: 4 layers,
+16 experts, top-2, where near-tied routers flip under another precision), and a ladder of rollout
+deployments (the x axis, ``LEVELS``): fp32 (no mismatch, the control), bf16, fp8 (W8A8 e4m3), int8 and
+int4 weight-only, and, past what quantisation reaches, seeded Gaussian noise on the rollout logits
+(``rollout.logit_noise``, a documented stress knob reported as the kl_k3 it produces).
+
+Every run is ``configs/stress.yaml`` + the level's overrides + the method's + ``algo.minibatches=N seed=S``,
+from one shared cold start (``cold_start.seed: 0`` in the base config): the seeds differ in RL sampling only.
+Every method carries the same ``abs_prob_diff`` constraint, so the same measurement is logged for all; only the
+methods with the dual on let lambda act.
+
+Methods (``METHODS``): ``grpo_no_is`` (MiniRL's loss and clip mask without the IS weight), ``tis`` (PPO clip
+with token TIS, C = 5), ``icepop`` (PPO clip, rho kept only inside [0.5, 5]), ``seq_mis`` (PPO clip with a
+geometric-mean sequence mask), ``minirl`` (Zheng et al. Eq. 7), ``minirl_r3`` (+ R3 routing replay),
+``fixed_penalty`` (MiniRL + R3 + the hinge penalty with a constant lambda) and ``dcmdp_r3`` (MiniRL + R3 + the
+hinge penalty with lambda from the dual; ONE config for every level, see ``DCMDP``).
+
+Collapse (fixed before the runs): any non-finite update; or the final held-out accuracy of the deployed
+policy (the rollout engine's, at the level's precision) below half of the run's peak held-out accuracy
+(step 0 included); or the mean reward accuracy over the last W = max(5, steps / 20) steps below half of the
+best W-step running mean after the LR warm-up.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/stress.py --profile quick --workers 2
+
+runs the missing cells (finished cells are skipped, a killed run resumes from its checkpoint), prints a table
+last and writes ``benchmarks/results/stress_<profile>`` (.md, .json, .csv, plots). ``--profile smoke`` is a
+seconds-long plumbing check (CI). A hand-written ``stress_<profile>_reading.md``, when present, is appended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import platform
+import queue
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import numpy as np  # noqa: E402
+
+import stability  # noqa: E402  (the run machinery: worker processes, cell folders, collapse rule)
+
+BASE_CONFIG = ROOT / "configs" / "stress.yaml"
+
+# Rollout deployments, mildest first. The discrepancy each produces at the shared cold start is measured by
+# the benchmark (mean of the fp32-trainer-vs-rollout measures over the first steps of its runs).
+LEVELS: dict[str, list[str]] = {
+    "fp32": ["rollout.precision=fp32"],
+    "bf16": ["rollout.precision=bf16"],
+    "fp8": ["rollout.precision=fp8"],
+    "int8": ["rollout.precision=int8"],
+    "int4": ["rollout.precision=int4"],
+    "noise0.5": ["rollout.precision=fp32", "rollout.logit_noise=0.5"],
+    "noise1": ["rollout.precision=fp32", "rollout.logit_noise=1.0"],
+    "noise2": ["rollout.precision=fp32", "rollout.logit_noise=2.0"],
+}
+
+# The constraint every method carries (only logged where the dual is off). The tolerance is automatic: c tracks
+# the floor of abs_prob_diff (pi_old vs mu before the updates, identical weights) with 100% slack, so one
+# config serves every level; the fixed tolerance below only applies until the first measurement.
+CONSTRAINT = ("dual.constraints=[{measure: abs_prob_diff, tolerance: 0.005, lambda_init: 0.1, lr: 0.5, "
+              "floor_slack: 1.0, floor_ema: 0.9}]")
+# DCMDP, one config for every level: relative dual step (eta 0.5 per tolerance exceeded), D-hat measured on the
+# log-probs the updates trained on (pi_theta vs mu: the engines' floor plus the drift of the mini-batch updates).
+DCMDP = ["dual.relative=true", "dual.measure_at=updates"]
+# The fixed-coefficient penalty: the same hinge and tolerance with lambda held at FIXED_LAMBDA.
+FIXED_LAMBDA = 1.0
+
+_PPO = ["algo.loss=ppo_clip", "dual.enabled=false"]
+_MINIRL = ["algo.loss=minirl", "algo.is_mode=tis"]
+METHODS: dict[str, list[str]] = {
+    "grpo_no_is": ["algo.loss=minirl", "algo.is_mode=none", "dual.enabled=false"],
+    "tis": _PPO + ["algo.is_mode=tis"],
+    "icepop": _PPO + ["algo.is_mode=icepop"],
+    "seq_mis": _PPO + ["algo.is_mode=none", "algo.seq_mask.mode=geo"],
+    "minirl": _MINIRL + ["dual.enabled=false"],
+    "minirl_r3": _MINIRL + ["algo.routing_replay=r3", "dual.enabled=false"],
+    "fixed_penalty": _MINIRL + ["algo.routing_replay=r3", "dual.fixed=true",
+                                "dual.constraints[0].lambda_init=%g" % FIXED_LAMBDA],
+    "dcmdp_r3": _MINIRL + ["algo.routing_replay=r3", *DCMDP],
+}
+# the methods the quick profile runs
+KEY_METHODS = ("grpo_no_is", "tis", "minirl_r3", "dcmdp_r3")
+
+
+@dataclass(frozen=True)
+class Profile:
+    # (levels, methods, minibatches, seeds) blocks: cells = the union of their products
+    blocks: tuple[tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...], tuple[int, ...]], ...]
+    # dotlist overrides on top of configs/stress.yaml, before the level's and the method's
+    overrides: tuple[str, ...]
+    about: str
+
+    def cells(self) -> list[tuple[str, str, int, int]]:
+        out: list[tuple[str, str, int, int]] = []
+        for levels, methods, ns, seeds in self.blocks:
+            for n in sorted(ns, reverse=True):
+                for seed in seeds:
+                    for level in levels:
+                        for method in methods:
+                            if (level, method, n, seed) not in out:
+                                out.append((level, method, n, seed))
+        return out
+
+    @property
+    def levels(self) -> list[str]:
+        return [lv for lv in LEVELS if any(lv in b[0] for b in self.blocks)]
+
+    @property
+    def methods(self) -> list[str]:
+        return [m for m in METHODS if any(m in b[1] for b in self.blocks)]
+
+    @property
+    def minibatches(self) -> list[int]:
+        return sorted({n for b in self.blocks for n in b[2]})
+
+
+HARSHEST = ("noise2",)
+HARSH_TWO = ("noise1", "noise2")
+PROFILES: dict[str, Profile] = {
+    "smoke": Profile(
+        blocks=((("fp32", "noise1"), ("grpo_no_is", "dcmdp_r3"), (2,), (0,)),),
+        overrides=("steps=3", "eval_every=2", "cold_start.steps=20", "cold_start.target_accuracy=null",
+                   "algo.prompts_per_step=2", "algo.samples_per_prompt=4", "task.eval_size=8",
+                   "rollout.max_new_tokens=24", "optim.warmup_steps=0"),
+        about="plumbing check: 2 levels x 2 methods, N = 2, 1 seed, 3 steps of 2 prompts x 4 samples, 20-step cold "
+              "start"),
+    "quick": Profile(
+        blocks=((HARSHEST, KEY_METHODS, (4,), (0, 1, 2)),),
+        overrides=(),
+        about="the four key methods at the harshest level, N = 4, 3 seeds"),
+    "full": Profile(
+        blocks=((HARSH_TWO, tuple(METHODS), (1, 4), (0, 1, 2, 3, 4)),
+                (("fp32", "bf16", "fp8", "int8", "int4", "noise0.5"), KEY_METHODS, (4,), (0, 1, 2))),
+        overrides=(),
+        about="every method at the two harshest levels with N in {1, 4} and 5 seeds; the four key methods at the "
+              "milder levels with N = 4 and 3 seeds"),
+}
+
+
+def cell_dir(bench_dir: Path, level: str, method: str, n: int, seed: int) -> Path:
+    return bench_dir / f"{level}__{method}__N{n}__seed{seed}"
+
+
+def cell_overrides(profile: Profile, level: str, method: str, n: int, seed: int, out: Path) -> list[str]:
+    """The full dotlist of one run, on top of configs/stress.yaml."""
+    return [*profile.overrides, *LEVELS[level], CONSTRAINT, *METHODS[method], f"algo.minibatches={n}",
+            f"seed={seed}", f"output_dir={out}", "threads=1", "progress=false", "checkpoint.every=25",
+            "checkpoint.keep=1", "checkpoint.resume=auto"]
+
+
+# ------------------------------------------------------------------------------------------- analysis
+
+
+@dataclass
+class Run:
+    level: str
+    method: str
+    n: int
+    seed: int
+    acc_before: float
+    eval_steps: list[int]
+    eval_acc: list[float]
+    collapsed: bool
+    collapse_reason: str
+    # per step
+    measured: list[float]
+    tolerance: list[float]
+    lambdas: list[float]
+    abs_prob_diff: list[float]
+    kl_k3: list[float]
+    seconds: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def final(self) -> float:
+        return self.eval_acc[-1]
+
+    @property
+    def peak(self) -> float:
+        return max(self.eval_acc)
+
+
+def load(out: Path, level: str, method: str, n: int, seed: int, warmup: int) -> Run:
+    summary = json.loads((out / "summary.json").read_text())
+    history = json.loads((out / "history.json").read_text())
+    eval_steps, eval_acc = [0], [summary["accuracy_before"]]
+    for i, h in enumerate(history):
+        if "eval/accuracy" in h:
+            eval_steps.append(i + 1), eval_acc.append(h["eval/accuracy"])
+    eval_steps.append(summary["steps"]), eval_acc.append(summary["accuracy_after"])
+    nonfinite = int(sum(h.get("guard/skipped_updates", 0.0) > 0 for h in history))
+    collapsed, reason = stability.collapse_check(eval_acc, [h["reward/accuracy"] for h in history], nonfinite,
+                                                 warmup)
+
+    def series(key: str) -> list[float]:
+        return [float(h.get(key, math.nan)) for h in history]
+
+    extra = {k: float(np.nanmean(series(k))) for k in ("policy/approx_kl", "policy/entropy", "clip/frac",
+                                                      "routing/mismatch", "penalty/loss", "is/weight_max_raw")
+             if any(k in h for h in history)}
+    return Run(level, method, n, seed, summary["accuracy_before"], eval_steps, eval_acc, collapsed, reason,
+               series("dual/measured/abs_prob_diff"), series("dual/tolerance/abs_prob_diff"),
+               series("dual/lambda/abs_prob_diff"), series("discrepancy/abs_prob_diff"),
+               series("discrepancy/kl_k3"), float(summary["seconds"]), extra)
+
+
+def _mean_sd(x: Sequence[float]) -> tuple[float, float]:
+    a = np.asarray(x, dtype=np.float64)
+    return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
+
+
+def aggregate(runs: list[Run], profile: Profile) -> list[dict]:
+    cells = []
+    for n in profile.minibatches:
+        for level in profile.levels:
+            for method in profile.methods:
+                rs = [r for r in runs if (r.level, r.method, r.n) == (level, method, n)]
+                if not rs:
+                    continue
+                final, final_sd = _mean_sd([r.final for r in rs])
+                peak, peak_sd = _mean_sd([r.peak for r in rs])
+                inside = [np.mean(np.asarray(r.measured) <= np.asarray(r.tolerance)) for r in rs]
+                cells.append({
+                    "level": level, "method": method, "N": n, "seeds": len(rs),
+                    "acc_before": float(np.mean([r.acc_before for r in rs])),
+                    "final": final, "final_sd": final_sd, "peak": peak, "peak_sd": peak_sd,
+                    "finals": [r.final for r in rs],
+                    "collapses": int(sum(r.collapsed for r in rs)),
+                    "abs_prob_diff": float(np.nanmean([np.nanmean(r.abs_prob_diff) for r in rs])),
+                    "kl_k3": float(np.nanmean([np.nanmean(r.kl_k3) for r in rs])),
+                    # the discrepancy the level produces at the start (first 5 steps), as the x axis is read
+                    "kl_k3_start": float(np.nanmean([np.nanmean(r.kl_k3[:5]) for r in rs])),
+                    "inside_share": float(np.mean(inside)),
+                    "mean_lambda": float(np.nanmean([np.nanmean(r.lambdas) for r in rs])),
+                    "final_lambda": float(np.nanmean([r.lambdas[-1] for r in rs])),
+                    "minutes": float(sum(r.seconds for r in rs) / 60),
+                    "extra": {k: float(np.nanmean([r.extra.get(k, math.nan) for r in rs]))
+                              for k in sorted({k for r in rs for k in r.extra})},
+                })
+    return cells
+
+
+def welch(cells: list[dict]) -> list[dict]:
+    """Per (level, N): DCMDP + R3 against the best other method by mean final accuracy (Welch's t-test)."""
+    from scipy.stats import ttest_ind
+
+    out = []
+    for key in sorted({(c["level"], c["N"]) for c in cells}, key=lambda k: (k[1], list(LEVELS).index(k[0]))):
+        here = [c for c in cells if (c["level"], c["N"]) == key]
+        mine = [c for c in here if c["method"] == "dcmdp_r3"]
+        others = [c for c in here if c["method"] != "dcmdp_r3"]
+        if not mine or not others:
+            continue
+        best = max(others, key=lambda c: c["final"])
+        a, b = mine[0]["finals"], best["finals"]
+        p = float(ttest_ind(a, b, equal_var=False).pvalue) if len(a) > 1 and len(b) > 1 else math.nan
+        out.append({"level": key[0], "N": key[1], "best_baseline": best["method"], "dcmdp": mine[0]["final"],
+                    "baseline": best["final"], "diff": mine[0]["final"] - best["final"], "p": p,
+                    "seeds": f"{len(a)} vs {len(b)}"})
+    return out
+
+
+def table(cells: list[dict]) -> list[str]:
+    lines = ["| N | level | kl_k3 at start | method | final held-out acc | peak held-out acc | collapses | "
+             "mean abs_prob_diff | steps inside c | mean λ | final λ |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        lines.append(f"| {c['N']} | {c['level']} | {c['kl_k3_start']:.2e} | {c['method']} | "
+                     f"{c['final']:.3f} ± {c['final_sd']:.3f} | {c['peak']:.3f} ± {c['peak_sd']:.3f} | "
+                     f"{c['collapses']}/{c['seeds']} | {c['abs_prob_diff']:.2e} | {c['inside_share']:.0%} | "
+                     f"{c['mean_lambda']:.3g} | {c['final_lambda']:.3g} |")
+    return lines
+
+
+def welch_table(rows: list[dict]) -> list[str]:
+    lines = ["| N | level | best baseline | its final acc | DCMDP + R3 final acc | difference | Welch p | seeds |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['N']} | {r['level']} | {r['best_baseline']} | {r['baseline']:.3f} | {r['dcmdp']:.3f} | "
+                     f"{r['diff']:+.3f} | {r['p']:.3g} | {r['seeds']} |")
+    return lines
+
+
+def plot(runs: list[Run], cells: list[dict], profile: Profile, prefix: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    levels = profile.levels
+    ns = profile.minibatches
+    fig, axes = plt.subplots(1, len(ns), figsize=(6.5 * len(ns), 4.5), squeeze=False)
+    for ax, n in zip(axes[0], ns):
+        for k, method in enumerate(profile.methods):
+            pts = [(levels.index(c["level"]), c["final"], c["final_sd"]) for c in cells
+                   if c["method"] == method and c["N"] == n]
+            if not pts:
+                continue
+            x, y, e = map(np.asarray, zip(*sorted(pts)))
+            ax.errorbar(x + (k - len(profile.methods) / 2) * 0.03, y, yerr=e, marker="o", ms=4, capsize=2,
+                        label=method, lw=2.2 if method == "dcmdp_r3" else 1.0)
+        ax.set_xticks(range(len(levels)), levels)
+        ax.set_xlabel("rollout deployment (mismatch grows to the right)")
+        ax.set_ylabel("final held-out accuracy of the deployed policy")
+        ax.set_title(f"N = {n} mini-batches"), ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(prefix.with_name(prefix.name + "_accuracy.png"))
+    fig.savefig(paths[-1], dpi=120), plt.close(fig)
+
+    # the dual at the harshest level and largest N: D-hat (5-step mean) against c, and lambda, per seed
+    harsh, n = levels[-1], max(ns)
+    rs = [r for r in runs if (r.level, r.method, r.n) == (harsh, "dcmdp_r3", n)]
+    if rs:
+        fig, (ax_d, ax_l) = plt.subplots(1, 2, figsize=(11, 4.2))
+        for k, r in enumerate(rs):
+            steps = np.arange(1, len(r.measured) + 1)
+            w = min(5, len(r.measured))
+            ax_d.plot(steps[w - 1:], np.convolve(r.measured, np.ones(w) / w, mode="valid"), color=f"C{k}",
+                      label=f"D̂ seed {r.seed}")
+            ax_d.plot(steps, r.tolerance, color=f"C{k}", ls="--", lw=0.8)
+            ax_l.plot(steps, r.lambdas, color=f"C{k}", label=f"seed {r.seed}")
+        ax_d.set_yscale("log"), ax_d.set_xlabel("RL step"), ax_d.grid(alpha=0.3), ax_d.legend(fontsize=7)
+        ax_d.set_ylabel("D̂ fed to the dual (5-step mean); dashed: c in force")
+        ax_l.set_xlabel("RL step"), ax_l.set_ylabel("λ"), ax_l.grid(alpha=0.3), ax_l.legend(fontsize=7)
+        fig.suptitle(f"DCMDP + R3 at {harsh}, N = {n}"), fig.tight_layout()
+        paths.append(prefix.with_name(prefix.name + "_dual.png"))
+        fig.savefig(paths[-1], dpi=120), plt.close(fig)
+    return paths
+
+
+def write_results(runs: list[Run], cells: list[dict], profile_name: str, profile: Profile, prefix: Path, cmd: str,
+                  wall_s: float) -> list[str]:
+    import torch
+    import transformers
+
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    rows = welch(cells)
+    pngs = plot(runs, cells, profile, prefix)
+    with open(prefix.with_suffix(".csv"), "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["level", "method", "N", "seed", "acc_before", "final", "peak", "collapsed", "collapse_reason",
+                    "mean_abs_prob_diff", "mean_kl_k3", "final_lambda", "seconds"])
+        for r in runs:
+            w.writerow([r.level, r.method, r.n, r.seed, r.acc_before, r.final, r.peak, r.collapsed,
+                        r.collapse_reason, np.nanmean(r.abs_prob_diff), np.nanmean(r.kl_k3), r.lambdas[-1],
+                        round(r.seconds, 1)])
+    prefix.with_suffix(".json").write_text(json.dumps(
+        {"profile": profile_name, "levels": {lv: LEVELS[lv] for lv in profile.levels},
+         "methods": {m: METHODS[m] for m in profile.methods}, "constraint": CONSTRAINT,
+         "overrides": list(profile.overrides), "cells": cells, "welch": rows,
+         "runs": [{"level": r.level, "method": r.method, "N": r.n, "seed": r.seed, "eval_steps": r.eval_steps,
+                   "eval_acc": r.eval_acc, "collapsed": r.collapsed, "collapse_reason": r.collapse_reason}
+                  for r in runs]}, indent=1))
+    lines = table(cells)
+    header = [
+        f"# Mismatch stress testbed ({profile_name} profile)", "",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+        f"- machine: {platform.node()} {platform.machine()} ({torch.backends.cpu.get_cpu_capability()} kernels), "
+        f"{os.cpu_count()} logical CPUs; every run one process with one torch thread",
+        f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}",
+        f"- command: `{cmd}` ({wall_s / 60:.0f} min wall over the invocations that trained the runs; "
+        f"{sum(r.seconds for r in runs) / 60:.0f} run-minutes in all)",
+        f"- profile: {profile.about}",
+        f"- base: `configs/stress.yaml` + `{' '.join(profile.overrides)}` + the level + `{CONSTRAINT}` + the method "
+        "+ `algo.minibatches=N seed=S`",
+        "- collapse (fixed before the runs, any of): a non-finite update; final held-out accuracy of the deployed "
+        "policy < half the run's peak held-out accuracy (step 0 included); mean reward accuracy over the last "
+        "W = max(5, steps/20) steps < half the best W-step running mean after the LR warm-up",
+        "- columns: held-out accuracy on the task's fixed eval set, sampled at temperature 1 by the rollout engine "
+        "(the deployed policy, at the level's precision), final and peak over the eval points, mean ± sd over "
+        "seeds; kl_k3 at start = the level's kl_k3 (pi_old vs mu) over the first 5 steps; mean abs_prob_diff over "
+        "all steps; steps inside c = share of steps with the D̂ fed to the dual <= the tolerance in force", "",
+        "| level | overrides |", "|---|---|", *[f"| {lv} | `{' '.join(LEVELS[lv])}` |" for lv in profile.levels], "",
+        "| method | overrides |", "|---|---|", *[f"| {m} | `{' '.join(METHODS[m])}` |" for m in profile.methods], ""]
+    extra_keys = sorted({k for c in cells for k in c["extra"]})
+    diag = ["", "Diagnostics (means over steps and seeds):", "",
+            "| N | level | method | " + " | ".join(extra_keys) + " |", "|---|---|---|" + "---|" * len(extra_keys)]
+    for c in cells:
+        diag.append(f"| {c['N']} | {c['level']} | {c['method']} | " + " | ".join(
+            "-" if not np.isfinite(c["extra"].get(k, math.nan)) else f"{c['extra'][k]:.3g}" for k in extra_keys) + " |")
+    test = ["", "DCMDP + R3 against the best other method of each cell (Welch's t-test on final accuracy):", "",
+            *welch_table(rows)]
+    plots = [f"![{p.stem}]({p.name})" for p in pngs]
+    reading_path = prefix.with_name(prefix.name + "_reading.md")
+    reading = ["", reading_path.read_text().rstrip()] if reading_path.exists() else []
+    prefix.with_suffix(".md").write_text("\n".join(header + lines + test + diag + [""] + plots + reading) + "\n")
+    return lines + [""] + welch_table(rows)
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def run(profile_name: str, bench_dir: Path, results_prefix: Path, workers: int,
+        argv: Optional[Sequence[str]] = None) -> list[dict]:
+    from dcmdp.config import load_config
+
+    profile = PROFILES[profile_name]
+    bench_dir.mkdir(parents=True, exist_ok=True)
+    # one shared cold start (the base config fixes cold_start.seed): train it once before the workers start
+    stability.warm_cold_starts(stability.Profile(seeds=(0,), methods=(), minibatches=(), overrides=profile.overrides,
+                                                 about=""), base=BASE_CONFIG)
+    jobs = []
+    for level, method, n, seed in profile.cells():
+        out = cell_dir(bench_dir, level, method, n, seed)
+        overrides = cell_overrides(profile, level, method, n, seed, out)
+        load_config(BASE_CONFIG, overrides)  # a bad override fails here, before anything trains
+        jobs.append(((level, method, n, seed), out, overrides))
+    template = stability.mlflow_template(bench_dir)
+    todo = [out for _, out, ov in jobs if stability.prepare(out, ov, template, base=BASE_CONFIG)]
+    print(f"{len(jobs) - len(todo)} of {len(jobs)} runs already finished; training {len(todo)} with {workers} "
+          f"workers", flush=True)
+    pool_workers: queue.Queue[stability.Worker] = queue.Queue()
+    for k in range(max(1, workers)):
+        pool_workers.put(stability.Worker(bench_dir / f"worker{k}.log"))
+
+    def one(out: Path) -> tuple[Path, bool]:
+        worker = pool_workers.get()
+        try:
+            return out, worker.run(out)
+        finally:
+            pool_workers.put(worker)
+
+    t0 = time.perf_counter()
+    failed = []
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        futures = [pool.submit(one, out) for out in todo]
+        for i, fut in enumerate(futures):
+            out, ok = fut.result()
+            if not ok:
+                failed.append(out)
+            print(f"[{i + 1}/{len(todo)}] {out.name}: {'done' if ok else 'FAILED, see ' + str(out / 'log.txt')} "
+                  f"({(time.perf_counter() - t0) / 60:.1f} min)", flush=True)
+    while not pool_workers.empty():
+        pool_workers.get().close()
+    wall_file = bench_dir / "wall_seconds.txt"
+    wall = time.perf_counter() - t0 + (float(wall_file.read_text()) if wall_file.exists() else 0.0)
+    wall_file.write_text(f"{wall:.1f}\n")
+    warmup = load_config(BASE_CONFIG, list(profile.overrides)).optim.warmup_steps
+    runs = [load(out, *key, warmup=warmup) for key, out, _ in jobs
+            if (out / "summary.json").exists() and (out / "history.json").exists()]
+    cells = aggregate(runs, profile)
+    cmd = "OMP_NUM_THREADS=%s .venv/bin/python benchmarks/stress.py %s" % (
+        os.environ.get("OMP_NUM_THREADS", "<unset>"), " ".join(argv if argv is not None else sys.argv[1:]))
+    lines = write_results(runs, cells, profile_name, profile, results_prefix, cmd, wall)
+    print()
+    print("\n".join(lines))
+    if failed:
+        raise SystemExit(f"{len(failed)} runs failed: {', '.join(p.name for p in failed)}")
+    return cells
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--profile", choices=list(PROFILES), default="quick")
+    ap.add_argument("--workers", type=int, default=2, help="runs in parallel, one process and one thread each")
+    ap.add_argument("--bench-dir", default=None, help="run folders (default: outputs/stress_<profile>)")
+    ap.add_argument("--results", default=None, help="results prefix (default: benchmarks/results/stress_<profile>)")
+    args = ap.parse_args(argv)
+    bench = Path(args.bench_dir) if args.bench_dir else ROOT / "outputs" / f"stress_{args.profile}"
+    results = Path(args.results) if args.results else ROOT / "benchmarks" / "results" / f"stress_{args.profile}"
+    run(args.profile, bench.resolve(), results.resolve(), args.workers, argv)
+
+
+if __name__ == "__main__":
+    main()
