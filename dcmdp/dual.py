@@ -5,11 +5,15 @@ global batch), ``dual_step`` moves lambda_C; the new multipliers apply from the 
 every mini-batch alike. The state is a tiny explicit object (``DualState``), float64 on the CPU, that
 round-trips through ``state_dict`` for checkpoints.
 
-Rules (``DUAL_RULES``, one signature ``fn(state, measured_C, tolerance_C, cfg) -> DualState``):
+Rules (``DUAL_RULES``: name -> ``DualRule``, each owning its state, see ``DualRule``):
 
 - ``projected`` (default; DCMDP, Liu et al. arXiv 2606.08779):
   lambda <- Pi(lambda + eta_i (D_hat_i - c_i)), eta_i = constraints[i].lr.
-- ``pid``: PID Lagrangian (Stooke, Achiam, Abbeel, ICML 2020, arXiv 2007.03964), see ``pid_rule``.
+- ``pid``: PID Lagrangian (Stooke, Achiam, Abbeel, ICML 2020, arXiv 2007.03964), see ``pid_step``.
+- ``fixed``: lambda held at lambda_init (the fixed-coefficient penalty); ``off``: lambda = 0, no penalty.
+
+A new rule is one ``DualRule(init, step)`` and one registry line; the checkpoint stores its state as the
+plain dict it returns.
 
 Scale of the step: with ``cfg.relative`` the rules see the violation in units of the tolerance,
 (D_hat - c) / c, so eta = 1 moves lambda by 1 per tolerance exceeded whatever the measure's magnitude
@@ -30,9 +34,10 @@ the coupling projection, which then treats it as fixed) and the entry is counted
 
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -40,7 +45,8 @@ from torch import Tensor
 
 from constraints.penalties import constraint_names
 
-from dcmdp.config import DualConfig
+if TYPE_CHECKING:  # the config imports this module's registry to validate names: no import at run time
+    from dcmdp.config import DualConfig
 
 _F64 = torch.float64
 _FEASIBILITY_TOL = 1e-9  # slack on A lambda <= b when deciding whether the box projection is already feasible
@@ -51,14 +57,9 @@ _RELATIVE_MIN_C = 1e-12  # smallest tolerance a relative violation (D_hat - c) /
 class DualState:
     # (C,) multipliers lambda_i used by the penalty of the next rollout batch.
     lambda_C: Tensor
-    # (C,) PID integral term I_k (initialised to lambda_init, as in Stooke et al.'s code).
-    integral_C: Tensor
-    # (C,) PID proportional term P_k: EMA of the violation D_hat - c.
-    p_C: Tensor
-    # (C,) PID smoothed cost C_bar_k used by the derivative term.
-    cost_ema_C: Tensor
-    # Per constraint, the last `delay` values of C_bar (oldest first); empty until its first finite measurement.
-    cost_hist: list[list[float]]
+    # The rule's own state (``DualRule.init`` / ``DualRule.step``), JSON-safe plain python; the checkpoint
+    # stores it without knowing its fields.
+    rule: dict[str, Any] = field(default_factory=dict)
     # Dual steps taken (calls of dual_step).
     steps: int = 0
     # Non-finite measurements skipped so far (entries, summed over constraints).
@@ -71,22 +72,23 @@ class DualState:
         """Plain python (JSON-safe) copy of the state."""
         # NaN (no floor yet) as None: JSON-safe, and equal to itself when two states are compared
         floor = [] if self.floor_C is None else [x if math.isfinite(x) else None for x in self.floor_C.tolist()]
-        return {"lambda_C": self.lambda_C.tolist(), "integral_C": self.integral_C.tolist(), "p_C": self.p_C.tolist(),
-                "cost_ema_C": self.cost_ema_C.tolist(), "cost_hist": [list(h) for h in self.cost_hist],
-                "steps": int(self.steps), "skipped": int(self.skipped), "floor_C": floor}
+        return {"lambda_C": self.lambda_C.tolist(), "rule": copy.deepcopy(self.rule), "steps": int(self.steps),
+                "skipped": int(self.skipped), "floor_C": floor}
 
     @classmethod
     def from_state_dict(cls, d: dict[str, Any]) -> "DualState":
-        def vec(v: Any) -> Tensor:
-            return torch.as_tensor(v, dtype=_F64).detach().cpu().clone().reshape(-1)
-
-        lam = vec(d["lambda_C"])
+        lam = _vec(d["lambda_C"])
         # checkpoints written before automatic tolerances existed carry no floor
-        floor = (vec([float("nan") if x is None else x for x in d["floor_C"]]) if d.get("floor_C")
+        floor = (_vec([float("nan") if x is None else x for x in d["floor_C"]]) if d.get("floor_C")
                  else torch.full_like(lam, float("nan")))
-        return cls(lambda_C=lam, integral_C=vec(d["integral_C"]), p_C=vec(d["p_C"]),
-                   cost_ema_C=vec(d["cost_ema_C"]), cost_hist=[[float(x) for x in h] for h in d["cost_hist"]],
-                   steps=int(d["steps"]), skipped=int(d["skipped"]), floor_C=floor)
+        # checkpoints written before rules owned their state kept the PID terms at the top level
+        rule = d["rule"] if "rule" in d else {k: d[k] for k in _PID_KEYS if k in d}
+        return cls(lambda_C=lam, rule=copy.deepcopy(rule), steps=int(d["steps"]), skipped=int(d["skipped"]),
+                   floor_C=floor)
+
+
+def _vec(v: Any) -> Tensor:
+    return torch.as_tensor(v, dtype=_F64).detach().cpu().clone().reshape(-1)
 
 
 def _per_constraint(cfg: DualConfig, field: str) -> Tensor:
@@ -105,18 +107,17 @@ def _coupling(cfg: DualConfig) -> Optional[tuple[np.ndarray, np.ndarray]]:
 
 
 def init_state(cfg: DualConfig) -> DualState:
-    """lambda_C = lambda_init (0 when the controller is disabled); integral = lambda_init, P = C_bar = 0."""
+    """lambda_C = the rule's initial multipliers (lambda_init; 0 for ``off``), the rule's initial state."""
     n = len(cfg.constraints)
-    lam = _per_constraint(cfg, "lambda_init") if cfg.enabled else torch.zeros(n, dtype=_F64)
+    rule = get_rule(cfg)
+    lam = rule.initial_lambda(cfg)
     coupling = _coupling(cfg)
-    if cfg.enabled and coupling is not None:
+    if coupling is not None and rule.projects:
         A, b = coupling
         if np.any(A @ lam.numpy() > b + _FEASIBILITY_TOL):
             raise ValueError(f"dual: lambda_init {lam.tolist()} violates the coupled limits A lambda <= b "
                              f"(A lambda = {(A @ lam.numpy()).tolist()}, b = {b.tolist()})")
-    return DualState(lambda_C=lam, integral_C=lam.clone(), p_C=torch.zeros(n, dtype=_F64),
-                     cost_ema_C=torch.zeros(n, dtype=_F64), cost_hist=[[] for _ in range(n)],
-                     floor_C=torch.full((n,), float("nan"), dtype=_F64))
+    return DualState(lambda_C=lam, rule=rule.init(cfg), floor_C=torch.full((n,), float("nan"), dtype=_F64))
 
 
 def tolerances(state: DualState, cfg: DualConfig) -> Tensor:
@@ -195,18 +196,30 @@ def project(lambda_C: Tensor, cfg: DualConfig) -> Tensor:
     return _project(lambda_C, cfg)
 
 
-def projected_rule(state: DualState, measured_C: Tensor, tolerance_C: Tensor, cfg: DualConfig) -> DualState:
+def projected_step(lambda_C: Tensor, rule_state: dict[str, Any], measured_C: Tensor, tolerance_C: Tensor,
+                   cfg: DualConfig) -> tuple[Tensor, dict[str, Any]]:
     """lambda <- Pi(lambda + eta_i (D_hat_i - c_i)), eta_i = constraints[i].lr (DCMDP's projected dual ascent).
 
-    Non-finite D_hat_i: lambda_i unchanged (held fixed in the projection).
+    Non-finite D_hat_i: lambda_i unchanged (held fixed in the projection). No state of its own.
     """
     finite_C = torch.isfinite(measured_C)
     eta_C = _per_constraint(cfg, "lr")
     step_C = torch.where(finite_C, eta_C * (measured_C - tolerance_C), torch.zeros_like(measured_C))
-    return replace(state, lambda_C=_project(state.lambda_C + step_C, cfg, fixed_C=~finite_C))
+    return _project(lambda_C + step_C, cfg, fixed_C=~finite_C), rule_state
 
 
-def pid_rule(state: DualState, measured_C: Tensor, tolerance_C: Tensor, cfg: DualConfig) -> DualState:
+_PID_KEYS = ("integral_C", "p_C", "cost_ema_C", "cost_hist")
+
+
+def pid_init(cfg: DualConfig) -> dict[str, Any]:
+    """I_0 = lambda_init, P_0 = 0, C_bar_0 = 0 and no cost history (see ``pid_step``)."""
+    n = len(cfg.constraints)
+    return {"integral_C": _per_constraint(cfg, "lambda_init").tolist(), "p_C": [0.0] * n, "cost_ema_C": [0.0] * n,
+            "cost_hist": [[] for _ in range(n)]}
+
+
+def pid_step(lambda_C: Tensor, rule_state: dict[str, Any], measured_C: Tensor, tolerance_C: Tensor,
+             cfg: DualConfig) -> tuple[Tensor, dict[str, Any]]:
     """PID Lagrangian (Stooke, Achiam, Abbeel, ICML 2020, arXiv 2007.03964), per constraint i, step k:
 
         Delta_k = J_C - d                                 (J_C = D_hat_i, d = c_i)
@@ -219,7 +232,7 @@ def pid_rule(state: DualState, measured_C: Tensor, tolerance_C: Tensor, cfg: Dua
     The paper writes I_k = max(0, I_{k-1} + K_I Delta_k); we project the integral like lambda, which is
     that same formula when lambda_min = 0 and lambda_max = inf, and otherwise stops integral wind-up
     beyond lambda_max (the integral would have to unwind for many steps before lambda could come down).
-    With K_P = K_D = 0 the rule is then exactly ``projected_rule`` with eta = K_I.
+    With K_P = K_D = 0 the rule is then exactly the projected rule with eta = K_I.
 
     Initial values: I_0 = lambda_init and P_0 = 0, as in the authors' reference code (rlpyt's CppoPID).
     Their code starts C_bar and its history at 0, so the first step sees a derivative kick
@@ -231,38 +244,88 @@ def pid_rule(state: DualState, measured_C: Tensor, tolerance_C: Tensor, cfg: Dua
     Non-finite D_hat_i: lambda_i and all of its PID state (I, P, C_bar, history) stay unchanged.
     """
     pid = cfg.pid
+    integral_prev, p_prev = _vec(rule_state["integral_C"]), _vec(rule_state["p_C"])
+    cost_ema_prev, hist = _vec(rule_state["cost_ema_C"]), rule_state["cost_hist"]
     finite_C = torch.isfinite(measured_C)
     delta_C = torch.where(finite_C, measured_C - tolerance_C, torch.zeros_like(measured_C))
     ki_C = _per_constraint(cfg, "lr")
-    integral_C = _project(state.integral_C + ki_C * delta_C, cfg, fixed_C=~finite_C)
-    p_C = torch.where(finite_C, pid.alpha_p * state.p_C + (1 - pid.alpha_p) * delta_C, state.p_C)
+    integral_C = _project(integral_prev + ki_C * delta_C, cfg, fixed_C=~finite_C)
+    p_C = torch.where(finite_C, pid.alpha_p * p_prev + (1 - pid.alpha_p) * delta_C, p_prev)
     cost_C = torch.nan_to_num(measured_C)
-    started_C = torch.tensor([len(h) > 0 for h in state.cost_hist], dtype=torch.bool)
-    previous_C = torch.where(started_C, state.cost_ema_C, cost_C)  # C_bar_0 = first measurement
-    cost_ema_C = torch.where(finite_C, pid.alpha_d * previous_C + (1 - pid.alpha_d) * cost_C, state.cost_ema_C)
-    oldest_C = torch.tensor([h[0] if h else 0.0 for h in state.cost_hist], dtype=_F64)
+    started_C = torch.tensor([len(h) > 0 for h in hist], dtype=torch.bool)
+    previous_C = torch.where(started_C, cost_ema_prev, cost_C)  # C_bar_0 = first measurement
+    cost_ema_C = torch.where(finite_C, pid.alpha_d * previous_C + (1 - pid.alpha_d) * cost_C, cost_ema_prev)
+    oldest_C = torch.tensor([h[0] if h else 0.0 for h in hist], dtype=_F64)
     deriv_C = torch.where(started_C, (cost_ema_C - oldest_C).clamp_min(0), torch.zeros_like(cost_ema_C))
     raw_C = (pid.kp * p_C + integral_C + pid.kd * deriv_C).clamp_min(0)
-    lambda_C = _project(torch.where(finite_C, raw_C, state.lambda_C), cfg, fixed_C=~finite_C)
+    new_lambda_C = _project(torch.where(finite_C, raw_C, lambda_C), cfg, fixed_C=~finite_C)
     delay = max(int(pid.delay), 1)
-    cost_hist = [(h + [float(c)])[-delay:] if ok else list(h)
-                 for h, c, ok in zip(state.cost_hist, cost_ema_C.tolist(), finite_C.tolist())]
-    return replace(state, lambda_C=lambda_C, integral_C=integral_C, p_C=p_C, cost_ema_C=cost_ema_C,
-                   cost_hist=cost_hist)
+    cost_hist = [(list(h) + [float(c)])[-delay:] if ok else list(h)
+                 for h, c, ok in zip(hist, cost_ema_C.tolist(), finite_C.tolist())]
+    return new_lambda_C, {"integral_C": integral_C.tolist(), "p_C": p_C.tolist(), "cost_ema_C": cost_ema_C.tolist(),
+                          "cost_hist": cost_hist}
 
 
-DUAL_RULES: dict[str, Callable[[DualState, Tensor, Tensor, DualConfig], DualState]] = {
-    "projected": projected_rule,
-    "pid": pid_rule,
+def _no_state(cfg: DualConfig) -> dict[str, Any]:
+    return {}
+
+
+def _keep(lambda_C: Tensor, rule_state: dict[str, Any], measured_C: Tensor, tolerance_C: Tensor,
+          cfg: DualConfig) -> tuple[Tensor, dict[str, Any]]:
+    return lambda_C, rule_state
+
+
+def _lambda_init(cfg: DualConfig) -> Tensor:
+    return _per_constraint(cfg, "lambda_init")
+
+
+def _zeros(cfg: DualConfig) -> Tensor:
+    return torch.zeros(len(cfg.constraints), dtype=_F64)
+
+
+@dataclass(frozen=True)
+class DualRule:
+    """A dual update rule and the state it owns.
+
+    ``init(cfg)`` returns the rule's initial state (JSON-safe plain python); ``step(lambda_C, rule_state,
+    measured_C, tolerance_C, cfg)`` returns the new multipliers and state from D_hat_C against c_C (both
+    float64 (C,), already in relative units under ``cfg.relative``); ``initial_lambda(cfg)`` gives lambda_0.
+    """
+
+    init: Callable[[DualConfig], dict[str, Any]]
+    step: Callable[[Tensor, dict[str, Any], Tensor, Tensor, DualConfig], tuple[Tensor, dict[str, Any]]]
+    initial_lambda: Callable[[DualConfig], Tensor] = _lambda_init
+    # whether lambda lives in the projection set [lambda_min, lambda_max] ∩ {A lambda <= b} (checked at init)
+    projects: bool = True
+
+
+DUAL_RULES: dict[str, DualRule] = {
+    "projected": DualRule(_no_state, projected_step),
+    "pid": DualRule(pid_init, pid_step),
+    # lambda held at lambda_init: the fixed-coefficient penalty baseline
+    "fixed": DualRule(_no_state, _keep),
+    # no penalty and no controller: lambda stays 0 (the measurements are still logged)
+    "off": DualRule(_no_state, _keep, initial_lambda=_zeros, projects=False),
 }
+
+
+def rule_name(cfg: DualConfig) -> str:
+    """The registry name of the rule ``cfg`` selects (``dual.enabled=false``: off; ``dual.fixed=true``: fixed)."""
+    return "off" if not cfg.enabled else "fixed" if cfg.fixed else cfg.rule
+
+
+def get_rule(cfg: DualConfig) -> DualRule:
+    name = rule_name(cfg)
+    if name not in DUAL_RULES:
+        raise ValueError(f"unknown dual rule {name!r}; known: {', '.join(DUAL_RULES)}")
+    return DUAL_RULES[name]
 
 
 def dual_step(state: DualState, measured_C: Tensor, cfg: DualConfig,
               floor_C: Optional[Tensor] = None) -> tuple[DualState, dict[str, float]]:
     """One dual update from D_hat_C (the batch measures, already averaged over the global batch).
 
-    The rule is ``DUAL_RULES[cfg.rule]``; ``cfg.fixed`` keeps lambda at lambda_init, ``cfg.enabled = False``
-    keeps it at 0 (both still log the measurements). Non-finite entries of measured_C leave their lambda
+    The rule is ``get_rule(cfg)`` (``fixed`` and ``off`` still log the measurements). Non-finite entries of measured_C leave their lambda
     unchanged and are counted. The tolerance is the one in force for this batch (``tolerances``); with
     ``cfg.relative`` the rule sees D_hat / c against 1, i.e. the violation (D_hat - c) / c. ``floor_C`` (pi_old
     vs mu before the updates, default measured_C) then updates the floor of the automatic tolerances, which
@@ -270,8 +333,7 @@ def dual_step(state: DualState, measured_C: Tensor, cfg: DualConfig,
     'dual/measured/n', 'dual/tolerance/n', 'dual/violation/n' (D_hat - c); 'dual/skipped' (entries skipped
     in this step).
     """
-    if cfg.rule not in DUAL_RULES:
-        raise ValueError(f"unknown dual rule {cfg.rule!r}; known: {', '.join(DUAL_RULES)}")
+    rule = get_rule(cfg)
     measured_C = torch.as_tensor(measured_C, dtype=_F64).detach().cpu().reshape(-1)
     n = len(cfg.constraints)
     if measured_C.numel() != n or state.lambda_C.numel() != n:
@@ -279,17 +341,13 @@ def dual_step(state: DualState, measured_C: Tensor, cfg: DualConfig,
                          f"{state.lambda_C.numel()} multipliers")
     tolerance_C = tolerances(state, cfg)
     n_skipped = int((~torch.isfinite(measured_C)).sum())
-    if not cfg.enabled:
-        new = replace(state, lambda_C=torch.zeros(n, dtype=_F64))
-    elif cfg.fixed:
-        new = replace(state, lambda_C=_per_constraint(cfg, "lambda_init"))
-    elif cfg.relative:
+    if cfg.relative:
         # an automatic tolerance can reach 0 (e.g. routing_mismatch under R3): any excess then counts fully
         scale_C = tolerance_C.clamp_min(_RELATIVE_MIN_C)
-        new = DUAL_RULES[cfg.rule](state, measured_C / scale_C, tolerance_C / scale_C, cfg)
+        lambda_C, rule_state = rule.step(state.lambda_C, state.rule, measured_C / scale_C, tolerance_C / scale_C, cfg)
     else:
-        new = DUAL_RULES[cfg.rule](state, measured_C, tolerance_C, cfg)
-    new = replace(new, steps=state.steps + 1, skipped=state.skipped + n_skipped)
+        lambda_C, rule_state = rule.step(state.lambda_C, state.rule, measured_C, tolerance_C, cfg)
+    new = replace(state, lambda_C=lambda_C, rule=rule_state, steps=state.steps + 1, skipped=state.skipped + n_skipped)
     new = update_floor(new, measured_C if floor_C is None else floor_C, cfg)
 
     metrics: dict[str, float] = {"dual/skipped": float(n_skipped)}

@@ -75,10 +75,9 @@ def test_round_trip_resumes_bitwise_like_the_uninterrupted_run(tmp_path):
     for _ in range(3):
         _train_step(model, optimizer, scheduler)
     dual = DualState(lambda_C=torch.tensor([0.1, 0.25], dtype=torch.float64),
-                     integral_C=torch.tensor([0.1, 0.3], dtype=torch.float64),
-                     p_C=torch.tensor([1e-3, -2e-3], dtype=torch.float64),
-                     cost_ema_C=torch.tensor([4e-3, 5e-3], dtype=torch.float64),
-                     cost_hist=[[0.001, 0.002], [0.004]], steps=3, skipped=1)
+                     rule={"integral_C": [0.1, 0.3], "p_C": [1e-3, -2e-3], "cost_ema_C": [4e-3, 5e-3],
+                           "cost_hist": [[0.001, 0.002], [0.004]]}, steps=3, skipped=1,
+                     floor_C=torch.tensor([2e-3, float("nan")], dtype=torch.float64))
     history = [{"reward/mean": 0.25 * i, "dual/lambda/abs_prob_diff": 0.1 + i} for i in range(3)]
     payload = {"step": 3, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                "scheduler": scheduler.state_dict(), "dual": dual.state_dict(), "engine_version": 3,
@@ -103,10 +102,9 @@ def test_round_trip_resumes_bitwise_like_the_uninterrupted_run(tmp_path):
     dual2 = DualState.from_state_dict(loaded["dual"])
     assert (loaded["step"], loaded["engine_version"], loaded["run_id"], loaded["history"]) == (3, 3, "0123abcd",
                                                                                                   history)
-    for name in ("lambda_C", "integral_C", "p_C", "cost_ema_C"):
-        assert getattr(dual2, name).dtype == torch.float64
-        assert torch.equal(getattr(dual2, name), getattr(dual, name))
-    assert (dual2.cost_hist, dual2.steps, dual2.skipped) == (dual.cost_hist, dual.steps, dual.skipped)
+    assert dual2.lambda_C.dtype == torch.float64 and torch.equal(dual2.lambda_C, dual.lambda_C)
+    assert torch.equal(dual2.floor_C[:1], dual.floor_C[:1]) and torch.isnan(dual2.floor_C[1])
+    assert (dual2.rule, dual2.steps, dual2.skipped) == (dual.rule, dual.steps, dual.skipped)
 
     t, r, n = _draws()
     assert torch.equal(t, expected_draws[0])
@@ -322,7 +320,7 @@ def test_payload_must_be_plain_for_weights_only_loading(tmp_path):
         assert loaded[k] == plain[k] and type(loaded[k]) is type(plain[k]), k
     assert np.isnan(loaded["nan"]) and torch.equal(loaded["bf16"], plain["bf16"])
 
-    dual = DualState(*(torch.zeros(1, dtype=torch.float64) for _ in range(4)), cost_hist=[[]])
+    dual = DualState(torch.zeros(1, dtype=torch.float64))
     for bad, where in (({"history": [{"a": 1.0}, {"b": np.float64(2.0)}]}, "payload['history'][1]['b']"),
                        ({"dual": dual}, "payload['dual']")):
         with pytest.raises(TypeError, match=re.escape(where)):

@@ -64,8 +64,9 @@ def test_non_finite_measurements_are_skipped(rule):
     before = state.state_dict()
     state, m = dual_step(state, torch.tensor([float("nan"), 0.03]), cfg)
     after = state.state_dict()
-    for key in ("lambda_C", "integral_C", "p_C", "cost_ema_C", "cost_hist"):
-        assert after[key][0] == before[key][0], key  # constraint 0 untouched, PID state included
+    assert after["lambda_C"][0] == before["lambda_C"][0]
+    for key, value in after["rule"].items():  # the rule's own state (PID: I, P, C_bar, history)
+        assert value[0] == before["rule"][key][0], key  # constraint 0 untouched
     assert after["lambda_C"][1] != before["lambda_C"][1]
     assert m["dual/skipped"] == 1.0 and state.skipped == 1 and state.steps == 2
     state, m = dual_step(state, torch.tensor([float("inf"), -float("inf")]), cfg)
@@ -92,7 +93,7 @@ def test_duplicate_measures_get_suffixed_metric_names_and_shapes_are_checked():
     assert {"dual/lambda/kl_k3_1", "dual/lambda/kl_k3_2"} <= set(m)
     with pytest.raises(ValueError, match="2 constraints"):
         dual_step(state, torch.tensor([0.0]), cfg)
-    with pytest.raises(ValueError, match="unknown dual rule"):
+    with pytest.raises(ValueError, match="unknown dual rule 'pi'; known: projected, pid, fixed, off"):
         dual_step(state, torch.tensor([0.0, 0.0]), _cfg(rule="pi"))
 
 
@@ -330,3 +331,39 @@ def test_state_with_a_floor_round_trips_and_old_states_load():
     old = {k: v for k, v in state.state_dict().items() if k != "floor_C"}  # a checkpoint from before floors
     legacy = DualState.from_state_dict(old)
     assert torch.isnan(legacy.floor_C).all() and legacy.lambda_C.tolist() == state.lambda_C.tolist()
+
+
+def test_a_dual_state_written_before_rules_owned_their_state_loads_and_continues():
+    """tests/data/dual_state_pid_c81e5a3.json: the state_dict of a PID dual after 4 steps, written by the dual
+    controller of commit c81e5a3 (PID terms at the top level), with that code's next step under '_next'."""
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).parent / "data" / "dual_state_pid_c81e5a3.json").read_text())
+    cfg = _cfg(rule="pid", pid=PIDConfig(kp=1.0, kd=2.0, alpha_p=0.7, alpha_d=0.7, delay=3))
+    state = DualState.from_state_dict({k: v for k, v in data.items() if k != "_next"})
+    assert state.rule["integral_C"] == data["integral_C"] and state.steps == 4
+    state, _ = dual_step(state, torch.tensor(data["_next"]["measured"], dtype=torch.float64), cfg)
+    expected = data["_next"]["state"]
+    assert state.lambda_C.tolist() == pytest.approx(expected["lambda_C"], rel=1e-12, abs=1e-15)
+    for key in ("integral_C", "p_C", "cost_ema_C"):
+        assert state.rule[key] == pytest.approx(expected[key], rel=1e-12, abs=1e-15), key
+    assert state.rule["cost_hist"] == [pytest.approx(h, rel=1e-12) for h in expected["cost_hist"]]
+
+
+def test_a_new_rule_is_one_registry_line(monkeypatch):
+    """A toy rule with state of its own (a step counter doubling lambda) runs through dual_step and round-trips."""
+    from dcmdp import dual as dual_mod
+
+    def init(cfg):
+        return {"calls": 0}
+
+    def step(lambda_C, rule_state, measured_C, tolerance_C, cfg):
+        return lambda_C * 2, {"calls": rule_state["calls"] + 1}
+
+    monkeypatch.setitem(dual_mod.DUAL_RULES, "doubling", dual_mod.DualRule(init, step))
+    cfg = _cfg(rule="doubling")
+    state = init_state(cfg)
+    for _ in range(3):
+        state, m = dual_step(state, torch.tensor([0.0, 0.0], dtype=torch.float64), cfg)
+    assert state.lambda_C.tolist() == pytest.approx([0.8, 4.0]) and state.rule == {"calls": 3}
+    assert DualState.from_state_dict(json.loads(json.dumps(state.state_dict()))).rule == {"calls": 3}

@@ -1,0 +1,108 @@
+"""Layering and import cycles: constraints <- trainers <- dcmdp, nothing imports upward, no cycle among the
+modules' top-level imports, and the math packages load neither vllm nor mlflow."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("constraints", "trainers", "dcmdp")
+LAYER = {"constraints": 0, "trainers": 1, "dcmdp": 2}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """Project modules imported when the module is imported: module-level statements only (not inside functions
+    or ``if TYPE_CHECKING:``), resolved to module names."""
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+
+    def visit(nodes):
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module)
+                found.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.If) and not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+                visit(node.body), visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+
+    visit(tree.body)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    return {name: {m for m in _top_level_imports(path) if m in files} for name, path in files.items()}
+
+
+def test_nothing_imports_upward():
+    bad = [(a, b) for a, deps in _graph().items() for b in deps if LAYER[b.split(".")[0]] > LAYER[a.split(".")[0]]]
+    assert not bad, f"upward imports (constraints <- trainers <- dcmdp): {bad}"
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of ``graph`` as [a, b, ..., a], or [] if it is acyclic (depth-first search)."""
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+
+    def dfs(node: str, path: list[str]) -> list[str]:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state:
+                found = dfs(dep, path + [dep])
+                if found:
+                    return found
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state:
+            found = dfs(node, [node])
+            if found:
+                return found
+    return []
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    assert len(graph) > 30  # the walk saw the whole tree
+    assert find_cycle(graph) == []
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_type_checking_and_function_level_imports_are_not_edges(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("from typing import TYPE_CHECKING\nimport dcmdp.config\nif TYPE_CHECKING:\n    import dcmdp.loop\n"
+                    "def f():\n    import dcmdp.tune\n")
+    assert {"dcmdp.config", "dcmdp.loop", "dcmdp.tune"} & _top_level_imports(path) == {"dcmdp.config"}
+
+
+@pytest.mark.parametrize("package", ["constraints", "trainers"])
+def test_math_packages_load_alone_without_vllm_mlflow_or_upper_layers(package):
+    code = (f"import sys, pkgutil, importlib, {package}\n"
+            f"for m in pkgutil.walk_packages({package}.__path__, '{package}.'):\n"
+            "    if 'vllm' not in m.name:  # the vLLM engine modules import vllm by design, and only they\n"
+            "        importlib.import_module(m.name)\n"
+            "bad = sorted(k for k in sys.modules if k.split('.')[0] in ('vllm', 'mlflow', 'dcmdp'"
+            + (", 'trainers'" if package == "constraints" else "") + "))\n"
+            "print(bad)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout[:500]
