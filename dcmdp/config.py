@@ -18,7 +18,8 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from constraints.config import ConstraintConfig
 from dcmdp.async_rollout import AsyncRolloutConfig
-from trainers.config import AlgoConfig, ColdStartConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig
+from trainers.config import (RENAMED_KEYS, AlgoConfig, ColdStartConfig, ModelConfig, OptimConfig, RolloutConfig,
+                             TaskConfig)
 
 
 class ConfigError(ValueError):
@@ -179,6 +180,8 @@ def _check_keys(user: Any, schema: Any, prefix: str = "") -> None:
     for key in user.keys():
         path = f"{prefix}{key}"
         if key not in valid:
+            if path in RENAMED_KEYS:
+                raise ConfigError(f"config key '{path}' was replaced: use {RENAMED_KEYS[path]}")
             raise ConfigError(f"unknown config key '{path}'{_nearest(str(key), valid)}")
         sub_schema = schema._get_node(key)
         sub_user = user._get_node(key)
@@ -270,8 +273,10 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
 
 
 # Float fields where +inf means "no bound" (a field NaN is never meaningful): the upper end of lambda's projection
-# interval, the TIS cap C and the upper end of the kept IS band. Constraint fields are named with ``[*]``.
-INF_ALLOWED = frozenset({"dual.constraints[*].lambda_max", "algo.is_cap", "algo.is_high"})
+# interval, the TIS caps C, the upper ends of the kept IS bands and the rejection bound. Constraint fields are named
+# with ``[*]``.
+INF_ALLOWED = frozenset({"dual.constraints[*].lambda_max", "algo.tis.cap", "algo.seq_tis.cap", "algo.icepop.high",
+                         "algo.seq_mask.prod.high", "algo.seq_mask.geo.high", "algo.reject.bound"})
 
 
 def check_finite(cfg: Any, prefix: str = "") -> None:

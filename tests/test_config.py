@@ -94,3 +94,61 @@ def test_overrides_address_list_elements():
 def test_bad_list_element_overrides_name_the_key(override, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(CONFIGS / "default.yaml", [override])
+
+
+@pytest.mark.parametrize("override, needle", [
+    (["algo.is_cap=3"], r"'algo.is_cap' was replaced: use algo.tis.cap .*algo.seq_tis.cap"),
+    (["algo.is_low=0.9"], r"'algo.is_low' was replaced: use algo.icepop.low .*algo.seq_mask.geo.low"),
+    (["algo.is_high=1.1"], r"'algo.is_high' was replaced: use algo.icepop.high .*algo.seq_mask.geo.high"),
+    (["algo.is_mode=seq_mis"], r"algo.is_mode.*is_mode=none seq_mask.mode=geo"),
+])
+def test_replaced_is_keys_name_their_replacement(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, override)
+
+
+def test_replaced_key_in_a_yaml_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("algo:\n  is_mode: tis\n  is_cap: 5.0\n")
+    with pytest.raises(ConfigError, match=r"'algo.is_cap' was replaced: use algo.tis.cap"):
+        load_config(p)
+
+
+def test_is_sub_configs_defaults_and_overrides():
+    cfg = load_config(None, [])
+    assert (cfg.algo.tis.cap, cfg.algo.seq_tis.cap) == (5.0, 5.0)
+    assert (cfg.algo.icepop.low, cfg.algo.icepop.high) == (0.5, 5.0)
+    assert cfg.algo.seq_mask.mode == "none"
+    assert (cfg.algo.seq_mask.geo.low, cfg.algo.seq_mask.geo.high) == (0.999, 1.001)
+    assert (cfg.algo.seq_mask.prod.low, cfg.algo.seq_mask.prod.high) == (0.5, 2.0)
+    assert cfg.algo.veto.threshold is None and cfg.algo.reject.measure == "none" and cfg.algo.clip_ratio_c == 3.0
+    cfg = load_config(None, ["algo.is_mode=icepop", "algo.icepop.high=4", "algo.seq_mask.mode=geo",
+                             "algo.seq_mask.geo.low=0.99", "algo.veto.threshold=1e-4", "algo.reject.measure=kl_k3",
+                             "algo.reject.bound=0.5", "algo.clip_ratio_c=null"])
+    assert cfg.algo.icepop.high == 4.0 and cfg.algo.seq_mask.geo.low == 0.99 and cfg.algo.seq_mask.geo.high == 1.001
+    assert cfg.algo.veto.threshold == 1e-4 and cfg.algo.reject.bound == 0.5 and cfg.algo.clip_ratio_c is None
+
+
+@pytest.mark.parametrize("override, needle", [
+    (["algo.reject.measure=kl_k3"], r"algo.reject.bound.*needs a bound"),
+    (["algo.reject.measure=seq_log_ratio", "algo.reject.bound=1"], r"algo.reject.measure.*token measure: abs_prob_diff"),
+    (["algo.seq_mask.mode=geometric"], r"algo.seq_mask.mode.*none, prod, geo"),
+    (["algo.seq_mask.geo.low=1.01"], r"algo.seq_mask.geo.*low <= 1 <= high"),
+    (["algo.icepop.high=0.9"], r"algo.icepop.*low <= 1 <= high"),
+    (["algo.tis.cap=0.5"], r"algo.tis.cap.*>= 1"),
+    (["algo.veto.threshold=1"], r"algo.veto.threshold.*\(0, 1\)"),
+    (["algo.clip_ratio_c=1.0"], r"algo.clip_ratio_c.*> 1"),
+    (["algo.is_mode=seq_tiss"], r"algo.is_mode.*did you mean 'seq_tis'"),
+    (["algo.seq_mask.geo.hgih=2"], r"algo.seq_mask.geo.hgih.*did you mean 'high'"),
+])
+def test_bad_is_settings_name_the_key(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, override)
+
+
+def test_inf_means_no_bound_in_the_is_sub_configs():
+    cfg = load_config(None, ["algo.tis.cap=inf", "algo.icepop.high=inf", "algo.seq_mask.geo.high=inf",
+                             "algo.reject.measure=kl_k3", "algo.reject.bound=inf"])
+    assert cfg.algo.tis.cap == cfg.algo.icepop.high == cfg.algo.seq_mask.geo.high == float("inf")
+    with pytest.raises(ConfigError, match=r"'algo.icepop.low': must be a finite number"):
+        load_config(None, ["algo.icepop.low=inf"])

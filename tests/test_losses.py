@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from trainers.config import AlgoConfig
+from trainers.config import AlgoConfig, Band, CapConfig, RejectConfig, SeqMaskConfig, VetoConfig
 from trainers.losses import IS_MODES, LOG_RATIO_MAX, POLICY_LOSSES
 
 torch.set_num_threads(1)
@@ -166,8 +166,12 @@ def test_huge_ratio_is_clamped_to_finite_values():
         loss, m = POLICY_LOSSES[name](logp, old, adv, w, mask, _cfg(), 2.0)
         assert torch.isfinite(loss), name
         assert all(math.isfinite(v) for v in m.values()), name
-    loss, _ = POLICY_LOSSES["ppo_clip"](logp, old, adv, w, mask, _cfg(), 2.0)
+    # without dual-clip, A = -1 and r = e^200 -> e^20 (clamped): l = (e^20 + 1) / 2
+    loss, _ = POLICY_LOSSES["ppo_clip"](logp, old, adv, w, mask, _cfg(clip_ratio_c=None), 2.0)
     assert loss.item() == pytest.approx((math.exp(LOG_RATIO_MAX) + 1.0) / 2, rel=1e-6)
+    # with dual-clip c = 3 the first token's surrogate is max(-e^20, 3 * -1) = -3: l = (3 + 1) / 2
+    loss, _ = POLICY_LOSSES["ppo_clip"](logp, old, adv, w, mask, _cfg(clip_ratio_c=3.0), 2.0)
+    assert loss.item() == pytest.approx(2.0, rel=1e-6)
 
 
 # -------------------------------------------------------------------------------------------------- minirl
@@ -302,7 +306,7 @@ def test_is_none():
 
 def test_is_tis_truncates_at_cap():
     old, roll, mask = _is_inputs([[0.5, 2.0, 8.0], [6.0]])
-    w, kept, m = IS_MODES["tis"](old, roll, mask, AlgoConfig(is_cap=5.0))
+    w, kept, m = IS_MODES["tis"](old, roll, mask, AlgoConfig(tis=CapConfig(cap=5.0)))
     # min(rho, 5): [0.5, 2, 5], [5]; two of four tokens truncated
     torch.testing.assert_close(w, torch.tensor([[0.5, 2.0, 5.0], [5.0, 0.0, 0.0]], dtype=torch.float64), **TOL)
     assert torch.equal(kept, mask)
@@ -315,7 +319,7 @@ def test_is_tis_truncates_at_cap():
 
 def test_is_icepop_keeps_band_only():
     old, roll, mask = _is_inputs([[0.4, 0.5, 3.0, 6.0], [5.0, 0.7]])
-    w, kept, m = IS_MODES["icepop"](old, roll, mask, AlgoConfig(is_low=0.5, is_high=5.0))
+    w, kept, m = IS_MODES["icepop"](old, roll, mask, AlgoConfig(icepop=Band(low=0.5, high=5.0)))
     # band [0.5, 5] inclusive: 0.4 and 6 dropped; kept weights are rho itself
     assert kept.tolist() == [[False, True, True, False], [True, True, False, False]]
     torch.testing.assert_close(w, torch.tensor([[0, 0.5, 3.0, 0], [5.0, 0.7, 0, 0]], dtype=torch.float64), **TOL)
@@ -326,7 +330,7 @@ def test_is_icepop_keeps_band_only():
 
 def test_is_seq_tis_product_then_cap():
     old, roll, mask = _is_inputs([[2.0, 2.0, 2.0], [0.5, 3.0], [0.9]])
-    w, kept, m = IS_MODES["seq_tis"](old, roll, mask, AlgoConfig(is_cap=5.0))
+    w, kept, m = IS_MODES["seq_tis"](old, roll, mask, AlgoConfig(seq_tis=CapConfig(cap=5.0)))
     # products: 8 -> capped at 5; 1.5; 0.9
     expected = torch.tensor([[5.0, 5.0, 5.0], [1.5, 1.5, 0.0], [0.9, 0.0, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(w, expected, **TOL)
@@ -335,14 +339,18 @@ def test_is_seq_tis_product_then_cap():
     assert m["is/truncated_frac"] == pytest.approx(3 / 6)
 
 
-def test_is_seq_mis_drops_sequences_by_geometric_mean():
+def test_geo_seq_mask_drops_sequences_by_geometric_mean():
+    """What seq_mis was: is_mode=none + seq_mask geo, w = 1 on the kept sequences."""
     old, roll, mask = _is_inputs([[1.2, 0.9], [1.5, 1.0], [0.8], [1.0, 1.0, 1.0]])
-    w, kept, m = IS_MODES["seq_mis"](old, roll, mask, AlgoConfig(is_low=0.9, is_high=1.1))
+    cfg = AlgoConfig(seq_mask=SeqMaskConfig(mode="geo", geo=Band(low=0.9, high=1.1)))
+    w, kept, m = IS_MODES["none"](old, roll, mask, cfg)
     # geometric means: sqrt(1.08) = 1.0392 keep; sqrt(1.5) = 1.2247 drop; 0.8 drop; 1.0 keep
     assert kept.tolist() == [[True, True, False], [False, False, False], [False, False, False], [True, True, True]]
     torch.testing.assert_close(w, kept.double(), **TOL)
-    assert m["is/masked_frac"] == pytest.approx(3 / 8)
-    assert m["is/weight_max_raw"] == pytest.approx(math.sqrt(1.5), rel=1e-12)
+    assert m["is/masked_frac"] == pytest.approx(3 / 8) and m["is/seq_masked_frac"] == pytest.approx(3 / 8)
+    assert m["is/mode_masked_frac"] == 0.0 and m["is/vetoed_frac"] == 0.0 and m["is/rejected_frac"] == 0.0
+    # raw weights are is_mode=none's per-token rho: max 1.5, min 0.8
+    assert m["is/weight_max_raw"] == pytest.approx(1.5, rel=1e-12)
     assert m["is/weight_min_raw"] == pytest.approx(0.8, rel=1e-12)
 
 
@@ -359,7 +367,7 @@ def test_is_nonfinite_tokens_are_masked_and_counted(name):
     old, roll, mask = _is_inputs([[1.1, 0.9, 1.0], [1.0, 1.05], [0.95]])
     roll[0, 1] = -INF  # log rho = +inf on a valid token
     old[1, 0] = NAN    # log rho = NaN on a valid token
-    cfg = AlgoConfig(is_low=0.5, is_high=2.0)
+    cfg = AlgoConfig(icepop=Band(low=0.5, high=2.0))
     w, kept, m = IS_MODES[name](old, roll, mask, cfg)
     assert torch.isfinite(w).all()
     assert m["is/nonfinite_tokens"] == 2.0  # padding garbage is not counted
@@ -384,7 +392,7 @@ def test_is_empty_batch_reports_zeros():
 def test_is_weights_feed_the_loss_end_to_end():
     """tis weights from real engine-like log-probs, then ppo_clip: gradient = -min(rho, C) A r / N."""
     old, roll, mask = _is_inputs([[0.5, 7.0], [1.2]])
-    w, kept, _ = IS_MODES["tis"](old, roll, mask, AlgoConfig(is_cap=5.0))
+    w, kept, _ = IS_MODES["tis"](old, roll, mask, AlgoConfig(tis=CapConfig(cap=5.0)))
     logp = torch.where(mask, old, 0.0).clone().requires_grad_(True)  # r = 1
     adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]], dtype=torch.float64)
     loss, _ = POLICY_LOSSES["ppo_clip"](logp, old, adv, w, kept, _cfg(), 3.0)
@@ -394,5 +402,169 @@ def test_is_weights_feed_the_loss_end_to_end():
 
 
 def test_registries_match_config_names():
-    assert set(IS_MODES) == {"none", "tis", "icepop", "seq_tis", "seq_mis"}
+    assert set(IS_MODES) == {"none", "tis", "icepop", "seq_tis"}
     assert set(POLICY_LOSSES) == {"ppo_clip", "minirl", "gspo"}
+
+
+# ----------------------------------------------------------------------------------------------- dual-clip
+
+# Four tokens, N = 4: (A, r, w) = (-1, 4, 1), (-1, 2, 1.5), (-1, 0.5, 2), (+1, 4, 0.5); eps 0.2 / 0.28, c = 3.
+DC_ADV, DC_R, DC_W = [-1.0, -1.0, -1.0, 1.0], [4.0, 2.0, 0.5, 4.0], [1.0, 1.5, 2.0, 0.5]
+
+
+def _dual_clip_batch():
+    old = torch.full((1, 4), -2.0, dtype=torch.float64)
+    logp = (old + torch.log(torch.tensor([DC_R], dtype=torch.float64))).requires_grad_(True)
+    adv = torch.tensor([DC_ADV], dtype=torch.float64)
+    w = torch.tensor([DC_W], dtype=torch.float64)
+    return logp, old, adv, w, torch.ones(1, 4, dtype=torch.bool)
+
+
+def test_ppo_dual_clip_hand_computed():
+    # s = min(r A, clip(r) A), then max(s, c A) where A < 0; l = -w s:
+    #   r = 4,   A = -1: min(-4, -1.28) = -4 -> max(-4, -3) = -3, l = 3 * 1 = 3, gradient 0 (dual-clip)
+    #   r = 2,   A = -1: min(-2, -1.28) = -2 -> max(-2, -3) = -2, l = 2 * 1.5 = 3, d l / d logp = -w A r = 3
+    #   r = 0.5, A = -1: min(-0.5, -0.8) = -0.8 (clip low) -> l = 0.8 * 2 = 1.6, gradient 0
+    #   r = 4,   A = +1: min(4, 1.28) = 1.28 (clip high, no dual-clip for A > 0) -> l = -0.64, gradient 0
+    # loss = (3 + 3 + 1.6 - 0.64) / 4 = 1.74; gradient / N = [0, 0.75, 0, 0]
+    logp, old, adv, w, mask = _dual_clip_batch()
+    loss, m = POLICY_LOSSES["ppo_clip"](logp, old, adv, w, mask, _cfg(clip_ratio_c=3.0), 4.0)
+    assert loss.item() == pytest.approx(1.74, rel=1e-12)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.75, 0.0, 0.0]], dtype=torch.float64), **TOL)
+    assert m["clip/frac_dual"] == 0.25 and m["clip/frac_low"] == 0.25 and m["clip/frac_high"] == 0.25
+    # without it the first token is l = -w r A = 4 with gradient 4: loss (4 + 3 + 1.6 - 0.64) / 4 = 1.99
+    logp, old, adv, w, mask = _dual_clip_batch()
+    loss, m = POLICY_LOSSES["ppo_clip"](logp, old, adv, w, mask, _cfg(clip_ratio_c=None), 4.0)
+    assert loss.item() == pytest.approx(1.99, rel=1e-12)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[1.0, 0.75, 0.0, 0.0]], dtype=torch.float64), **TOL)
+    assert m["clip/frac_dual"] == 0.0
+
+
+def test_minirl_dual_clip_masks_the_same_tokens():
+    # d l / d logp = -M r w A / N: M = 0 for r = 4 with A < 0 (dual-clip), r = 0.5 with A < 0 (clip low) and
+    # r = 4 with A > 0 (clip high); the r = 2 token gives -2 * 1.5 * -1 / 4 = 0.75, as in ppo_clip
+    logp, old, adv, w, mask = _dual_clip_batch()
+    loss, m = POLICY_LOSSES["minirl"](logp, old, adv, w, mask, _cfg(clip_ratio_c=3.0), 4.0)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.75, 0.0, 0.0]], dtype=torch.float64), **TOL)
+    assert m["clip/frac_dual"] == 0.25
+    logp, old, adv, w, mask = _dual_clip_batch()
+    loss, _ = POLICY_LOSSES["minirl"](logp, old, adv, w, mask, _cfg(clip_ratio_c=None), 4.0)
+    loss.backward()
+    # unbounded without it: -r w A / N = 4 * 1 / 4 = 1
+    torch.testing.assert_close(logp.grad, torch.tensor([[1.0, 0.75, 0.0, 0.0]], dtype=torch.float64), **TOL)
+
+
+@pytest.mark.parametrize("c", [None, 1.5, 3.0])
+def test_minirl_and_ppo_clip_gradients_agree_token_for_token(c):
+    """minirl's mask is the set where ppo_clip's surrogate has a gradient, dual-clip included."""
+    gen = torch.Generator().manual_seed(3)
+    old = -torch.rand(6, 9, generator=gen, dtype=torch.float64) * 4
+    log_r = torch.randn(6, 9, generator=gen, dtype=torch.float64) * 0.8  # r from ~0.1 to ~10
+    adv = torch.randn(6, 1, generator=gen, dtype=torch.float64).expand(6, 9)
+    w = torch.rand(6, 9, generator=gen, dtype=torch.float64) * 3
+    mask = torch.rand(6, 9, generator=gen) < 0.8
+    grads = []
+    for name in ("ppo_clip", "minirl"):
+        logp = (old + log_r).requires_grad_(True)
+        loss, m = POLICY_LOSSES[name](logp, old, adv, w, mask, _cfg(clip_ratio_c=c), 40.0)
+        (g,) = torch.autograd.grad(loss, logp)
+        grads.append(g)
+        r = log_r.exp()
+        expected_dual = 0.0 if c is None else float((mask & (adv < 0) & (r > c)).sum()) / int(mask.sum())
+        assert m["clip/frac_dual"] == pytest.approx(expected_dual)
+    if c is not None:
+        assert m["clip/frac_dual"] > 0  # the case is informative
+    torch.testing.assert_close(grads[0], grads[1], **TOL)
+
+
+# -------------------------------------------------------------------------------- composable IS rules
+
+
+def test_veto_drops_sequences_with_a_catastrophic_token():
+    # rho rows: [1, 1e-5, 1.2] has a token below 1e-4 -> the whole row goes; [0.9, 1.1] stays; [2e-4] stays
+    old, roll, mask = _is_inputs([[1.0, 1e-5, 1.2], [0.9, 1.1], [2e-4]])
+    w, kept, m = IS_MODES["tis"](old, roll, mask, AlgoConfig(veto=VetoConfig(threshold=1e-4)))
+    assert kept.tolist() == [[False, False, False], [True, True, False], [True, False, False]]
+    expected = torch.tensor([[0, 0, 0], [0.9, 1.1, 0], [2e-4, 0, 0]], dtype=torch.float64)
+    torch.testing.assert_close(w, expected, **TOL)
+    assert m["is/vetoed_frac"] == pytest.approx(3 / 6) and m["is/masked_frac"] == pytest.approx(3 / 6)
+    # pi_old = 0 on a valid token (log rho = -inf) is the worst token: its row is vetoed, not just the token
+    old, roll, mask = _is_inputs([[1.0, 1.0], [1.0]])
+    old[0, 1] = -INF
+    _, kept, m = IS_MODES["tis"](old, roll, mask, AlgoConfig(veto=VetoConfig(threshold=1e-4)))
+    assert kept.tolist() == [[False, False], [True, False]]
+    assert m["is/vetoed_frac"] == pytest.approx(2 / 3) and m["is/nonfinite_tokens"] == 1.0
+    # off by default: only the broken token goes
+    _, kept, _ = IS_MODES["tis"](old, roll, mask, AlgoConfig())
+    assert kept.tolist() == [[True, False], [True, False]]
+
+
+def test_reject_on_a_per_token_divergence():
+    # mu = 1 (rollout log-prob 0), pi_old = rho. kl_k3 = rho - 1 - log rho:
+    #   rho = 1: 0; 2: 1 - ln 2 = 0.3069 > 0.1 reject; 0.5: -0.5 + ln 2 = 0.1931 > 0.1 reject; 1.3: 0.3 - ln 1.3 =
+    #   0.0376 keep
+    old, roll, mask = _is_inputs([[1.0, 2.0, 0.5], [1.3]])
+    w, kept, m = IS_MODES["none"](old, roll, mask, AlgoConfig(reject=RejectConfig(measure="kl_k3", bound=0.1)))
+    assert kept.tolist() == [[True, False, False], [True, False, False]]
+    assert m["is/rejected_frac"] == pytest.approx(2 / 4) and m["is/seq_masked_frac"] == 0.0
+    # abs_prob_diff = |rho - 1| here: 0, 1, 0.5, 0.3 against 0.25 -> only the first stays
+    _, kept, m = IS_MODES["none"](old, roll, mask, AlgoConfig(reject=RejectConfig(measure="abs_prob_diff", bound=0.25)))
+    assert kept.tolist() == [[True, False, False], [False, False, False]]
+    # kl_k1 = -log rho is signed: only rho < e^-0.1 = 0.905 exceeds 0.1 (the 0.5 token)
+    _, kept, _ = IS_MODES["none"](old, roll, mask, AlgoConfig(reject=RejectConfig(measure="kl_k1", bound=0.1)))
+    assert kept.tolist() == [[True, True, False], [True, False, False]]
+
+
+def test_prod_seq_mask_on_the_sequence_ratio():
+    # prod rho: 2 * 1.5 = 3 > 2 drop; 0.9 * 0.8 = 0.72 keep; 1.0 keep; 0.3 * 1.5 = 0.45 < 0.5 drop
+    old, roll, mask = _is_inputs([[2.0, 1.5], [0.9, 0.8], [1.0], [0.3, 1.5]])
+    cfg = AlgoConfig(seq_mask=SeqMaskConfig(mode="prod"))  # default band [0.5, 2]
+    w, kept, m = IS_MODES["tis"](old, roll, mask, cfg)
+    assert kept.tolist() == [[False, False], [True, True], [True, False], [False, False]]
+    torch.testing.assert_close(w, torch.tensor([[0, 0], [0.9, 0.8], [1.0, 0], [0, 0]], dtype=torch.float64), **TOL)
+    assert m["is/seq_masked_frac"] == pytest.approx(4 / 7)
+
+
+def test_token_tis_geo_mask_veto_and_reject_compose():
+    """tis (C = 5) + geo mask [0.5, 2] + veto 1e-4 + reject kl_k3 > 1, by hand (10 valid tokens):
+
+    row 0 [1, 6, 1]:        geo 6^(1/3) = 1.817 in band; k3(6) = 5 - ln 6 = 3.208 > 1 rejects t1 (which tis
+                            truncated to 5); t0, t2 kept with w = 1
+    row 1 [1.1, 0.95]:      geo 1.022, k3 0.0047 / 0.0013: kept, w = rho
+    row 2 [1, 5e-5, 1]:     geo 0.037 < 0.5 (seq mask), 5e-5 < 1e-4 (veto), k3(5e-5) = 8.903 > 1 (reject t1)
+    row 3 [2.5, 2]:         geo sqrt(5) = 2.236 > 2 (seq mask); k3 0.584 / 0.307 keep
+    kept 4 of 10: weights 1, 1, 1.1, 0.95 -> mean 1.0125, max 1.1
+    """
+    old, roll, mask = _is_inputs([[1.0, 6.0, 1.0], [1.1, 0.95], [1.0, 5e-5, 1.0], [2.5, 2.0]])
+    cfg = AlgoConfig(is_mode="tis", tis=CapConfig(cap=5.0), seq_mask=SeqMaskConfig(mode="geo", geo=Band(0.5, 2.0)),
+                     veto=VetoConfig(threshold=1e-4), reject=RejectConfig(measure="kl_k3", bound=1.0))
+    w, kept, m = IS_MODES[cfg.is_mode](old, roll, mask, cfg)
+    assert kept.tolist() == [[True, False, True], [True, True, False], [False] * 3, [False] * 3]
+    expected = torch.tensor([[1, 0, 1], [1.1, 0.95, 0], [0, 0, 0], [0, 0, 0]], dtype=torch.float64)
+    torch.testing.assert_close(w, expected, **TOL)
+    assert m["is/masked_frac"] == pytest.approx(6 / 10)
+    assert m["is/seq_masked_frac"] == pytest.approx(5 / 10)
+    assert m["is/vetoed_frac"] == pytest.approx(3 / 10)
+    assert m["is/rejected_frac"] == pytest.approx(2 / 10)
+    assert m["is/mode_masked_frac"] == 0.0
+    assert m["is/truncated_frac"] == 0.0  # the one truncated token was rejected
+    assert m["is/weight_mean"] == pytest.approx(4.05 / 4, rel=1e-12) and m["is/weight_max"] == pytest.approx(1.1)
+    assert m["is/weight_max_raw"] == pytest.approx(6.0, rel=1e-12)
+
+
+def test_seq_tis_with_prod_mask_and_icepop_with_veto():
+    # seq_tis C = 5 + prod band [0.5, 2]: products 3 (drop), 1.5 (w = 1.5), 0.4 (drop)
+    old, roll, mask = _is_inputs([[2.0, 1.5], [1.5], [0.5, 0.8]])
+    cfg = AlgoConfig(is_mode="seq_tis", seq_mask=SeqMaskConfig(mode="prod"))
+    w, kept, m = IS_MODES["seq_tis"](old, roll, mask, cfg)
+    torch.testing.assert_close(w, torch.tensor([[0, 0], [1.5, 0], [0, 0]], dtype=torch.float64), **TOL)
+    assert m["is/seq_masked_frac"] == pytest.approx(4 / 5)
+    # icepop [0.5, 5] drops 0.4 and 6 itself (mode_masked); the veto at 1e-3 drops row 1 for its 1e-4 token
+    old, roll, mask = _is_inputs([[0.4, 1.0, 6.0], [1.0, 1e-4]])
+    w, kept, m = IS_MODES["icepop"](old, roll, mask, AlgoConfig(is_mode="icepop", veto=VetoConfig(threshold=1e-3)))
+    assert kept.tolist() == [[False, True, False], [False, False, False]]
+    assert m["is/mode_masked_frac"] == pytest.approx(3 / 5)  # 0.4, 6 and 1e-4 are outside the band
+    assert m["is/vetoed_frac"] == pytest.approx(2 / 5) and m["is/masked_frac"] == pytest.approx(4 / 5)

@@ -117,6 +117,85 @@ class ColdStartConfig:
         _require(self.check_every >= 1, f"{prefix}.check_every", "must be >= 1")
 
 
+# Sequence masks composable with every IS mode (trainers.losses applies them).
+SEQ_MASK_MODES = ("none", "prod", "geo")
+
+# Keys that were replaced, with what replaces them: dcmdp.config names the replacement when an old key is used.
+RENAMED_KEYS = {
+    "algo.is_cap": "algo.tis.cap (is_mode=tis) or algo.seq_tis.cap (is_mode=seq_tis)",
+    "algo.is_low": "algo.icepop.low (is_mode=icepop) or algo.seq_mask.geo.low (what is_mode=seq_mis was)",
+    "algo.is_high": "algo.icepop.high (is_mode=icepop) or algo.seq_mask.geo.high (what is_mode=seq_mis was)",
+}
+
+
+@dataclass
+class Band:
+    # Lower end of the kept band (inclusive; 0: no lower bound).
+    low: float
+    # Upper end of the kept band (inclusive; inf: no upper bound).
+    high: float
+
+    def check(self, prefix: str) -> None:
+        _require(0 <= self.low <= 1 <= self.high, prefix, f"need 0 <= low <= 1 <= high, got [{self.low}, {self.high}]")
+
+
+@dataclass
+class CapConfig:
+    # Truncation cap C of the IS weight, w = min(ratio, C).
+    cap: float = 5.0
+
+    def check(self, prefix: str) -> None:
+        _require(self.cap >= 1, f"{prefix}.cap", f"must be >= 1, got {self.cap}")
+
+
+@dataclass
+class SeqMaskConfig:
+    # Sequence mask on top of any is_mode: none | prod (drop a sequence whose prod_t rho_t leaves prod's band) |
+    # geo (drop a sequence whose geometric mean exp(mean_t log rho_t) leaves geo's band).
+    mode: str = "none"
+    # Band of prod_t rho_t for mode prod (verl's sequence-level rejection: [0.5, 2]).
+    prod: Band = field(default_factory=lambda: Band(low=0.5, high=2.0))
+    # Band of the geometric mean for mode geo (Liu, Li et al. 2025 and verl's geometric preset: [0.999, 1.001]).
+    geo: Band = field(default_factory=lambda: Band(low=0.999, high=1.001))
+
+    def check(self, prefix: str) -> None:
+        _require(self.mode in SEQ_MASK_MODES, f"{prefix}.mode",
+                 f"got {self.mode!r}, expected one of {', '.join(SEQ_MASK_MODES)}")
+        self.prod.check(f"{prefix}.prod")
+        self.geo.check(f"{prefix}.geo")
+
+
+@dataclass
+class VetoConfig:
+    # Drop a whole sequence if any of its tokens has rho below this (verl's rollout_token_veto_threshold; e.g.
+    # 1e-4); null: off.
+    threshold: Optional[float] = None
+
+    def check(self, prefix: str) -> None:
+        _require(self.threshold is None or 0 < self.threshold < 1, f"{prefix}.threshold",
+                 f"must be in (0, 1) or null, got {self.threshold}")
+
+
+@dataclass
+class RejectConfig:
+    # Token rejection: drop tokens whose per-token divergence d_t(pi_old, mu) exceeds ``bound``. none | a token
+    # measure of constraints.measures (abs_prob_diff | kl_k1 | kl_k3 | chi2 | abs_log_ratio).
+    measure: str = "none"
+    # Bound on d_t, in the measure's unit; required with a measure (no default fits every measure's scale).
+    bound: Optional[float] = None
+
+    def check(self, prefix: str) -> None:
+        if self.measure == "none":
+            return
+        from constraints.measures import MEASURES  # the registry; constraints imports nothing from trainers
+
+        token_measures = [n for n, m in MEASURES.items() if m.kind == "token"]
+        _require(self.measure in token_measures, f"{prefix}.measure",
+                 f"got {self.measure!r}, expected none or a token measure: {', '.join(token_measures)}")
+        _require(self.bound is not None and self.bound >= 0, f"{prefix}.bound",
+                 f"reject.measure={self.measure} needs a bound >= 0 on its per-token value, got {self.bound}")
+
+
 @dataclass
 class AlgoConfig:
     # Policy loss: ppo_clip | minirl | gspo (see trainers.losses.POLICY_LOSSES).
@@ -125,15 +204,23 @@ class AlgoConfig:
     clip_low: float = 0.2
     # Upper clip range eps_high (DAPO-style asymmetric clip; gspo: ~4e-4).
     clip_high: float = 0.28
-    # Training-inference IS correction of rho = pi_old / mu: none | tis | icepop | seq_tis | seq_mis.
+    # Dual-clip c (Ye et al. 2020, arXiv 1912.09729; verl's clip_ratio_c): with A < 0 a ratio r > c gets no
+    # gradient (ppo_clip: the surrogate is bounded by c A; minirl: the token is masked). null: off. gspo ignores it.
+    clip_ratio_c: Optional[float] = 3.0
+    # Training-inference IS weight of rho = pi_old / mu: none | tis | icepop | seq_tis (trainers.losses.IS_MODES).
     is_mode: str = "tis"
-    # Truncation cap C for tis / seq_tis.
-    is_cap: float = 5.0
-    # Lower bound of the kept band (icepop on rho; seq_mis on the geometric mean of rho, where a tight band
-    # such as [0.999, 1.001] is usual: set both bounds when choosing seq_mis).
-    is_low: float = 0.5
-    # Upper bound of the kept band (icepop on rho, seq_mis on the geometric mean of rho).
-    is_high: float = 5.0
+    # tis: w_t = min(rho_t, cap) (Yao et al. 2025; MiniRL truncates at 5).
+    tis: CapConfig = field(default_factory=lambda: CapConfig(cap=5.0))
+    # seq_tis: w = min(prod_t rho_t, cap) for every token of the sequence (verl's sequence IS: 2-10).
+    seq_tis: CapConfig = field(default_factory=lambda: CapConfig(cap=5.0))
+    # icepop: w_t = rho_t inside [low, high], the token dropped outside (Ring-1T: [0.5, 5]).
+    icepop: Band = field(default_factory=lambda: Band(low=0.5, high=5.0))
+    # Sequence mask, composable with every is_mode.
+    seq_mask: SeqMaskConfig = field(default_factory=SeqMaskConfig)
+    # Outlier veto, composable with every is_mode.
+    veto: VetoConfig = field(default_factory=VetoConfig)
+    # Token rejection on a divergence, composable with every is_mode.
+    reject: RejectConfig = field(default_factory=RejectConfig)
     # Advantage estimator: grpo (group mean baseline) (see trainers.advantages.ADVANTAGES).
     advantage: str = "grpo"
     # Divide group-centred rewards by the group std (off by default, Zheng et al.).
@@ -152,9 +239,17 @@ class AlgoConfig:
     def check(self, prefix: str = "algo") -> None:
         _require(0 <= self.clip_low < 1, f"{prefix}.clip_low", f"must be in [0, 1), got {self.clip_low}")
         _require(self.clip_high >= 0, f"{prefix}.clip_high", f"must be >= 0, got {self.clip_high}")
-        _require(self.is_cap >= 1, f"{prefix}.is_cap", f"must be >= 1, got {self.is_cap}")
-        _require(0 <= self.is_low <= 1 <= self.is_high, f"{prefix}.is_low/is_high",
-                 f"need is_low <= 1 <= is_high, got [{self.is_low}, {self.is_high}]")
+        _require(self.clip_ratio_c is None or self.clip_ratio_c > 1, f"{prefix}.clip_ratio_c",
+                 f"must be > 1 or null, got {self.clip_ratio_c}")
+        _require(self.is_mode != "seq_mis", f"{prefix}.is_mode",
+                 "seq_mis is now a sequence mask that composes with every is_mode: use is_mode=none "
+                 "seq_mask.mode=geo (band algo.seq_mask.geo.low / .high) for what seq_mis did")
+        self.tis.check(f"{prefix}.tis")
+        self.seq_tis.check(f"{prefix}.seq_tis")
+        self.icepop.check(f"{prefix}.icepop")
+        self.seq_mask.check(f"{prefix}.seq_mask")
+        self.veto.check(f"{prefix}.veto")
+        self.reject.check(f"{prefix}.reject")
         _require(self.prompts_per_step >= 1, f"{prefix}.prompts_per_step", "must be >= 1")
         _require(self.samples_per_prompt >= 2, f"{prefix}.samples_per_prompt",
                  f"group baselines need >= 2 samples per prompt, got {self.samples_per_prompt}")

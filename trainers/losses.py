@@ -17,8 +17,9 @@ Signatures, one per registry::
         -> (loss, metrics)
 
 ``weights_BT`` is detached, in the dtype of ``old_logp_BT``, and 0 outside ``kept_BT``; ``kept_BT`` (bool)
-is the input mask minus the tokens the mode drops. The learner passes ``kept_BT`` as the policy loss's
-``mask_BT``.
+is the input mask minus the tokens the mode drops and minus those the composable rules drop (``cfg.seq_mask``,
+``cfg.veto``, ``cfg.reject``; they apply under every mode, as verl's rejection and veto apply under every IS
+level). The learner passes ``kept_BT`` as the policy loss's ``mask_BT``.
 
 Aggregation (every loss): loss = sum_t mask_t * l_t / normalizer, with ``normalizer`` the number of valid
 tokens of the GLOBAL mini-batch, given by the caller, so gradient accumulation and data parallelism
@@ -36,11 +37,13 @@ detects (it then skips the update).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
 
+from constraints.measures import MEASURES
 from trainers.config import AlgoConfig
 
 LOG_RATIO_MAX = 20.0
@@ -55,27 +58,87 @@ PolicyLoss = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, AlgoConfig, float
 # ------------------------------------------------------------------------------------------ IS correction
 
 
-def _log_rho(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
-    """(log_rho_BT float64 with 0 off ``valid``, mask_BT bool, valid_BT bool, non-finite token count).
+@dataclass(frozen=True)
+class _Rho:
+    """log rho of a batch in float64 (Float64 because log rho of two well-matched engines is ~1e-7 and the sequence
+    rules sum it over hundreds of tokens). ``valid_BT`` = mask and log rho finite; every tensor is 0 off it."""
 
-    valid = mask and log rho finite. Float64 because log rho of two well-matched engines is ~1e-7 and the
-    sequence modes sum it over hundreds of tokens.
-    """
+    log_rho_BT: Tensor
+    old_BT: Tensor
+    rollout_BT: Tensor
+    mask_BT: Tensor
+    valid_BT: Tensor
+    # (B,) sequences with a valid-position token whose log rho is non-finite: their sequence ratio is undefined
+    broken_B: Tensor
+    # (B, T) valid positions with log rho = -inf (pi_old = 0 < mu): the worst token a veto can see, not a missing one
+    zero_BT: Tensor
+    nonfinite: int
+
+
+def _log_rho(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor) -> _Rho:
     mask_BT = mask_BT.bool()
-    log_rho_BT = old_logp_BT.detach().double() - rollout_logp_BT.detach().double()
+    old_BT = old_logp_BT.detach().double()
+    rollout_BT = rollout_logp_BT.detach().double()
+    log_rho_BT = old_BT - rollout_BT
     finite_BT = torch.isfinite(log_rho_BT)
     valid_BT = mask_BT & finite_BT
-    nonfinite = int((mask_BT & ~finite_BT).sum())
-    return torch.where(valid_BT, log_rho_BT, 0.0), mask_BT, valid_BT, nonfinite
+    broken_BT = mask_BT & ~finite_BT
+    zero_BT = mask_BT & (log_rho_BT == -math.inf)
+    return _Rho(torch.where(valid_BT, log_rho_BT, 0.0), torch.where(valid_BT, old_BT, 0.0),
+                torch.where(valid_BT, rollout_BT, 0.0), mask_BT, valid_BT, broken_BT.any(dim=1), zero_BT,
+                int(broken_BT.sum()))
 
 
-def _is_result(weights_BT: Tensor, kept_BT: Tensor, mask_BT: Tensor, raw_log_BT: Tensor, raw_valid_BT: Tensor,
-               truncated_BT: Tensor, nonfinite: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, dict[str, float]]:
-    """Zero the weights off ``kept_BT``, cast, and compute the shared metrics.
+def _seq_drops(rho: _Rho, cfg: AlgoConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """Tokens dropped by the composable rules, each (B, T) bool on the input mask: (sequence mask, veto, reject).
+
+    - ``seq_mask`` prod: drop sequence i if prod_t rho_t leaves [prod.low, prod.high]; geo: if the geometric
+      mean exp(mean_t log rho_t) leaves [geo.low, geo.high] (Liu, Li et al. 2025, geometric rejection). Decided
+      on the log scale over the sequence's valid tokens; a sequence with a non-finite log rho is dropped (its
+      ratio is undefined).
+    - ``veto``: drop sequence i if any of its tokens has rho_t < threshold (log rho = -inf, pi_old = 0,
+      included): one catastrophic token condemns the sample, whatever its mean.
+    - ``reject``: drop token t if d_t > bound, d_t the per-token value of a ``constraints.measures`` token
+      measure of (pi_old, mu).
+    """
+    mask_BT = rho.mask_BT
+    none_BT = torch.zeros_like(mask_BT)
+    seq_BT = none_BT
+    if cfg.seq_mask.mode != "none":
+        log_sum_B = rho.log_rho_BT.sum(dim=1)
+        if cfg.seq_mask.mode == "geo":
+            band, stat_B = cfg.seq_mask.geo, log_sum_B / rho.valid_BT.sum(dim=1).clamp(min=1)
+        else:
+            band, stat_B = cfg.seq_mask.prod, log_sum_B
+        lo = math.log(band.low) if band.low > 0 else -math.inf
+        hi = math.log(band.high)
+        out_B = (stat_B < lo) | (stat_B > hi) | rho.broken_B
+        seq_BT = mask_BT & out_B[:, None]
+    veto_BT = none_BT
+    if cfg.veto.threshold is not None:
+        low_BT = (rho.valid_BT & (rho.log_rho_BT < math.log(cfg.veto.threshold))) | rho.zero_BT
+        veto_BT = mask_BT & low_BT.any(dim=1)[:, None]
+    reject_BT = none_BT
+    if cfg.reject.measure != "none":
+        d_BT = MEASURES[cfg.reject.measure].token(rho.old_BT, rho.rollout_BT)
+        reject_BT = rho.valid_BT & (d_BT > cfg.reject.bound)
+    return seq_BT, veto_BT, reject_BT
+
+
+def _is_result(rho: _Rho, weights_BT: Tensor, kept_BT: Tensor, raw_log_BT: Tensor, raw_valid_BT: Tensor,
+               truncated_BT: Tensor, cfg: AlgoConfig, dtype: torch.dtype) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """Apply the composable rules (``_seq_drops``) to the mode's ``kept_BT``, zero the weights off the result,
+    cast, and compute the shared metrics.
 
     raw_log_BT: log of the raw (pre-truncation) weight per token, meaningful on raw_valid_BT.
-    Fractions are over the valid tokens of the input mask; an empty batch reports 0 everywhere.
+    Fractions are over the valid tokens of the input mask; an empty batch reports 0 everywhere. Each rule's
+    share counts the tokens that rule drops on its own (a token may be dropped by several); ``is/masked_frac``
+    counts every dropped token once.
     """
+    mask_BT = rho.mask_BT
+    seq_BT, veto_BT, reject_BT = _seq_drops(rho, cfg)
+    mode_BT = mask_BT & ~kept_BT
+    kept_BT = kept_BT & ~(seq_BT | veto_BT | reject_BT)
     weights_BT = torch.where(kept_BT, weights_BT, 0.0)
     n_mask = int(mask_BT.sum())
     n_kept = int(kept_BT.sum())
@@ -85,14 +148,22 @@ def _is_result(weights_BT: Tensor, kept_BT: Tensor, mask_BT: Tensor, raw_log_BT:
         raw_min = math.exp(min(float(raw.min()), _METRIC_LOG_MAX))
     else:
         raw_max = raw_min = 0.0
+
+    def share(drop_BT: Tensor) -> float:
+        return float(drop_BT.sum()) / n_mask if n_mask else 0.0
+
     metrics = {
         "is/weight_mean": float(weights_BT[kept_BT].mean()) if n_kept else 0.0,
         "is/weight_max": float(weights_BT[kept_BT].max()) if n_kept else 0.0,
         "is/weight_max_raw": raw_max,
         "is/weight_min_raw": raw_min,
-        "is/truncated_frac": float((truncated_BT & kept_BT).sum()) / n_mask if n_mask else 0.0,
+        "is/truncated_frac": share(truncated_BT & kept_BT),
         "is/masked_frac": (n_mask - n_kept) / n_mask if n_mask else 0.0,
-        "is/nonfinite_tokens": float(nonfinite),
+        "is/mode_masked_frac": share(mode_BT),
+        "is/seq_masked_frac": share(seq_BT),
+        "is/vetoed_frac": share(veto_BT),
+        "is/rejected_frac": share(reject_BT),
+        "is/nonfinite_tokens": float(rho.nonfinite),
     }
     return weights_BT.to(dtype), kept_BT, metrics
 
@@ -102,87 +173,58 @@ def is_none(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor, cfg: 
 
     Metrics report the raw rho statistics all the same, so a run without correction shows what it ignores.
     """
-    log_rho_BT, mask_BT, valid_BT, nonfinite = _log_rho(old_logp_BT, rollout_logp_BT, mask_BT)
-    ones_BT = torch.ones_like(log_rho_BT)
-    return _is_result(ones_BT, valid_BT, mask_BT, log_rho_BT, valid_BT, torch.zeros_like(valid_BT), nonfinite,
+    rho = _log_rho(old_logp_BT, rollout_logp_BT, mask_BT)
+    ones_BT = torch.ones_like(rho.log_rho_BT)
+    return _is_result(rho, ones_BT, rho.valid_BT, rho.log_rho_BT, rho.valid_BT, torch.zeros_like(rho.valid_BT), cfg,
                       old_logp_BT.dtype)
 
 
 def is_tis(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor, cfg: AlgoConfig):
     """Truncated IS (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
-    Training"): w_t = min(rho_t, C), C = cfg.is_cap, evaluated as exp(min(log rho_t, log C)).
+    Training"): w_t = min(rho_t, C), C = cfg.tis.cap, evaluated as exp(min(log rho_t, log C)).
 
     Only the upper side is truncated; tokens with a non-finite log rho are dropped.
     """
-    log_rho_BT, mask_BT, valid_BT, nonfinite = _log_rho(old_logp_BT, rollout_logp_BT, mask_BT)
-    log_cap = math.log(cfg.is_cap)
-    weights_BT = torch.exp(log_rho_BT.clamp(max=log_cap))
-    truncated_BT = valid_BT & (log_rho_BT > log_cap)
-    return _is_result(weights_BT, valid_BT, mask_BT, log_rho_BT, valid_BT, truncated_BT, nonfinite,
+    rho = _log_rho(old_logp_BT, rollout_logp_BT, mask_BT)
+    log_cap = math.log(cfg.tis.cap)
+    weights_BT = torch.exp(rho.log_rho_BT.clamp(max=log_cap))
+    truncated_BT = rho.valid_BT & (rho.log_rho_BT > log_cap)
+    return _is_result(rho, weights_BT, rho.valid_BT, rho.log_rho_BT, rho.valid_BT, truncated_BT, cfg,
                       old_logp_BT.dtype)
 
 
 def is_icepop(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor, cfg: AlgoConfig):
     """IcePop (Ring-1T, arXiv 2510.18855): keep token t only if rho_t in [alpha, beta] =
-    [cfg.is_low, cfg.is_high] (paper: [0.5, 5]), with w_t = rho_t there; tokens outside the band are masked
-    out (they leave ``kept_BT``, so they contribute neither loss nor gradient). Bounds are inclusive.
+    [cfg.icepop.low, cfg.icepop.high] (paper: [0.5, 5]), with w_t = rho_t there; tokens outside the band are
+    masked out (they leave ``kept_BT``, so they contribute neither loss nor gradient). Bounds are inclusive.
     """
-    log_rho_BT, mask_BT, valid_BT, nonfinite = _log_rho(old_logp_BT, rollout_logp_BT, mask_BT)
-    lo = math.log(cfg.is_low) if cfg.is_low > 0 else -math.inf
-    hi = math.log(cfg.is_high)
-    kept_BT = valid_BT & (log_rho_BT >= lo) & (log_rho_BT <= hi)
-    weights_BT = torch.exp(log_rho_BT)
-    return _is_result(weights_BT, kept_BT, mask_BT, log_rho_BT, valid_BT, torch.zeros_like(kept_BT), nonfinite,
+    rho = _log_rho(old_logp_BT, rollout_logp_BT, mask_BT)
+    band = cfg.icepop
+    lo = math.log(band.low) if band.low > 0 else -math.inf
+    hi = math.log(band.high)
+    kept_BT = rho.valid_BT & (rho.log_rho_BT >= lo) & (rho.log_rho_BT <= hi)
+    weights_BT = torch.exp(rho.log_rho_BT)
+    return _is_result(rho, weights_BT, kept_BT, rho.log_rho_BT, rho.valid_BT, torch.zeros_like(kept_BT), cfg,
                       old_logp_BT.dtype)
-
-
-def _seq_log_rho(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor):
-    """Per-sequence sums for the sequence modes: (mask_BT, seq_valid_BT, log_sum_B, count_B, nonfinite).
-
-    A sequence containing any valid-position token with a non-finite log rho is dropped entirely: its
-    sequence ratio is undefined. seq_valid_BT = mask of the sequences that remain, broadcast over tokens.
-    """
-    log_rho_BT, mask_BT, valid_BT, nonfinite = _log_rho(old_logp_BT, rollout_logp_BT, mask_BT)
-    broken_B = (mask_BT & ~valid_BT).any(dim=1)
-    seq_valid_BT = mask_BT & ~broken_B[:, None]
-    return mask_BT, seq_valid_BT, log_rho_BT.sum(dim=1), seq_valid_BT.sum(dim=1), nonfinite
 
 
 def is_seq_tis(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor, cfg: AlgoConfig):
     """Sequence-level truncated IS (Liu, Li et al. 2025, "When Speed Kills Stability"):
-    w_i = min(prod_t rho_t, C) = exp(min(sum_t log rho_t, log C)), C = cfg.is_cap, broadcast to the
+    w_i = min(prod_t rho_t, C) = exp(min(sum_t log rho_t, log C)), C = cfg.seq_tis.cap, broadcast to the
     sequence's tokens. Only the upper side is truncated, so a long sequence with rho_t slightly below 1 gets
     a small weight. Sequences with a non-finite token are dropped.
+
+    With ``seq_mask.mode=prod`` the mask acts on the same product: where prod.high <= cap the cap never acts
+    (verl's sequence IS + sequence rejection preset sets both to 2, making the pair a plain band).
     """
-    mask_BT, seq_valid_BT, log_sum_B, _, nonfinite = _seq_log_rho(old_logp_BT, rollout_logp_BT, mask_BT)
-    log_cap = math.log(cfg.is_cap)
+    rho = _log_rho(old_logp_BT, rollout_logp_BT, mask_BT)
+    seq_valid_BT = rho.mask_BT & ~rho.broken_B[:, None]
+    log_sum_B = rho.log_rho_BT.sum(dim=1)
+    log_cap = math.log(cfg.seq_tis.cap)
     weights_BT = torch.exp(log_sum_B.clamp(max=log_cap))[:, None].expand(seq_valid_BT.shape)
     raw_log_BT = log_sum_B[:, None].expand(seq_valid_BT.shape)
     truncated_BT = seq_valid_BT & (raw_log_BT > log_cap)
-    return _is_result(weights_BT, seq_valid_BT, mask_BT, raw_log_BT, seq_valid_BT, truncated_BT, nonfinite,
-                      old_logp_BT.dtype)
-
-
-def is_seq_mis(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor, cfg: AlgoConfig):
-    """Sequence-level masked IS with the geometric mean (Liu, Li et al. 2025, "When Speed Kills
-    Stability", geometric rejection): g_i = (prod_t rho_t)^(1/|T_i|) = exp(mean_t log rho_t); sequences
-    with g_i outside [cfg.is_low, cfg.is_high] are dropped whole, kept sequences get w = 1.
-
-    w = 1 (not rho) on kept sequences because the source uses the geometric mean for rejection only, not
-    as an IS weight (verl's "geometric" rollout rejection follows it); a truncated weight can be had from
-    ``seq_tis``. The source's band is tight, e.g. [0.999, 1.001]: the AlgoConfig defaults [0.5, 5] are
-    icepop's and must be overridden for this mode. ``is/weight_max_raw`` reports the largest g_i.
-    """
-    mask_BT, seq_valid_BT, log_sum_B, count_B, nonfinite = _seq_log_rho(old_logp_BT, rollout_logp_BT, mask_BT)
-    log_geo_B = log_sum_B / count_B.clamp(min=1)
-    lo = math.log(cfg.is_low) if cfg.is_low > 0 else -math.inf
-    hi = math.log(cfg.is_high)
-    inside_B = (log_geo_B >= lo) & (log_geo_B <= hi)
-    kept_BT = seq_valid_BT & inside_B[:, None]
-    weights_BT = torch.ones_like(log_sum_B)[:, None].expand(kept_BT.shape)
-    raw_log_BT = log_geo_B[:, None].expand(kept_BT.shape)
-    return _is_result(weights_BT, kept_BT, mask_BT, raw_log_BT, seq_valid_BT, torch.zeros_like(kept_BT),
-                      nonfinite, old_logp_BT.dtype)
+    return _is_result(rho, weights_BT, seq_valid_BT, raw_log_BT, seq_valid_BT, truncated_BT, cfg, old_logp_BT.dtype)
 
 
 IS_MODES: dict[str, ISMode] = {
@@ -190,8 +232,11 @@ IS_MODES: dict[str, ISMode] = {
     "tis": is_tis,
     "icepop": is_icepop,
     "seq_tis": is_seq_tis,
-    "seq_mis": is_seq_mis,
 }
+"""Weights of rho per mode. Every mode then applies the composable rules of ``cfg`` (sequence mask, veto,
+token rejection; ``_seq_drops``), so ``IS_MODES[cfg.is_mode]`` is the whole correction. What was ``seq_mis``
+is ``is_mode=none`` with ``seq_mask.mode=geo``: w = 1 on kept sequences, because the source uses the geometric
+mean for rejection only, not as a weight (verl's geometric rejection follows it)."""
 
 
 # ------------------------------------------------------------------------------------------ policy losses
@@ -215,18 +260,26 @@ def _clip_masks(ratio_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor, cfg: A
     return low_BT, high_BT
 
 
+def _dual_clip_mask(ratio_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor, cfg: AlgoConfig) -> Tensor:
+    """Tokens the dual-clip takes the gradient from: A < 0 and r > c = cfg.clip_ratio_c (none when c is null)."""
+    if cfg.clip_ratio_c is None:
+        return torch.zeros_like(mask_BT)
+    return mask_BT & (advantages_BT < 0) & (ratio_BT > cfg.clip_ratio_c)
+
+
 @torch.no_grad()
 def _loss_metrics(loss: Tensor, log_r_BT: Tensor, ratio_BT: Tensor, low_BT: Tensor, high_BT: Tensor,
-                  mask_BT: Tensor) -> dict[str, float]:
+                  dual_BT: Tensor, mask_BT: Tensor) -> dict[str, float]:
     """Shared metrics; means over the valid tokens of this (micro-)batch, 0 when it has none.
 
     policy/approx_kl is k3 of r on the valid tokens: E[r - 1 - log r], an estimator of KL(pi_old || pi_theta)
     on pi_old-samples (Schulman's k3). policy/ratio_mean is the mean of the ratio the clip acts on.
+    clip/frac counts the eps clip (low | high); clip/frac_dual the dual-clip, separately.
     """
     n = int(mask_BT.sum())
     if n == 0:
         return {"loss/policy": float(loss), "clip/frac": 0.0, "clip/frac_low": 0.0, "clip/frac_high": 0.0,
-                "policy/approx_kl": 0.0, "policy/ratio_mean": 0.0}
+                "clip/frac_dual": 0.0, "policy/approx_kl": 0.0, "policy/ratio_mean": 0.0}
     log_r = log_r_BT[mask_BT].double()
     k3 = torch.expm1(log_r) - log_r
     return {
@@ -234,6 +287,7 @@ def _loss_metrics(loss: Tensor, log_r_BT: Tensor, ratio_BT: Tensor, low_BT: Tens
         "clip/frac": float((low_BT | high_BT).sum()) / n,
         "clip/frac_low": float(low_BT.sum()) / n,
         "clip/frac_high": float(high_BT.sum()) / n,
+        "clip/frac_dual": float(dual_BT.sum()) / n,
         "policy/approx_kl": float(k3.mean()),
         "policy/ratio_mean": float(ratio_BT[mask_BT].double().mean()),
     }
@@ -241,23 +295,30 @@ def _loss_metrics(loss: Tensor, log_r_BT: Tensor, ratio_BT: Tensor, low_BT: Tens
 
 def ppo_clip_loss(logp_BT: Tensor, old_logp_BT: Tensor, advantages_BT: Tensor, weights_BT: Tensor, mask_BT: Tensor,
                   cfg: AlgoConfig, normalizer: float) -> tuple[Tensor, dict[str, float]]:
-    """Decoupled PPO (AReaL, arXiv 2505.24298; Hilton et al. 2021):
+    """Decoupled PPO (AReaL, arXiv 2505.24298; Hilton et al. 2021) with dual-clip (Ye et al. 2020, arXiv
+    1912.09729):
 
-        l_t = -w_t * min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t),  r_t = exp(logp_t - old_logp_t)
+        s_t = min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t),  r_t = exp(logp_t - old_logp_t)
+        s_t <- max(s_t, c A_t)  where A_t < 0 (dual-clip, c = cfg.clip_ratio_c; skipped when null)
+        l_t = -w_t * s_t
 
     w_t is the IS weight of rho_t = pi_old / mu (``IS_MODES``), eps_low = cfg.clip_low, eps_high =
-    cfg.clip_high. loss = sum_t mask_t l_t / normalizer. Gradient: -w_t A_t r_t grad log pi_t where the clip
-    is inactive, 0 where active (``clip/frac``).
+    cfg.clip_high. loss = sum_t mask_t l_t / normalizer. Gradient: -w_t A_t r_t grad log pi_t where no clip
+    is active, 0 where one is (``clip/frac``; ``clip/frac_dual``: A < 0 and r > c, where without the
+    dual-clip the term -w A r grows without bound in r).
     """
     logp_BT, old_logp_BT, adv_BT, w_BT, mask_BT = _sanitize(logp_BT, old_logp_BT, advantages_BT, weights_BT, mask_BT)
     log_r_BT = (logp_BT - old_logp_BT).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
     ratio_BT = torch.exp(log_r_BT)
     clipped_BT = ratio_BT.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     surrogate_BT = torch.minimum(ratio_BT * adv_BT, clipped_BT * adv_BT)
+    if cfg.clip_ratio_c is not None:
+        surrogate_BT = torch.where(adv_BT < 0, torch.maximum(surrogate_BT, cfg.clip_ratio_c * adv_BT), surrogate_BT)
     per_token_BT = -w_BT * surrogate_BT
     loss = torch.where(mask_BT, per_token_BT, 0.0).sum() / max(float(normalizer), 1.0)
     low_BT, high_BT = _clip_masks(ratio_BT.detach(), adv_BT, mask_BT, cfg)
-    return loss, _loss_metrics(loss.detach(), log_r_BT.detach(), ratio_BT.detach(), low_BT, high_BT, mask_BT)
+    dual_BT = _dual_clip_mask(ratio_BT.detach(), adv_BT, mask_BT, cfg)
+    return loss, _loss_metrics(loss.detach(), log_r_BT.detach(), ratio_BT.detach(), low_BT, high_BT, dual_BT, mask_BT)
 
 
 def minirl_loss(logp_BT: Tensor, old_logp_BT: Tensor, advantages_BT: Tensor, weights_BT: Tensor, mask_BT: Tensor,
@@ -272,16 +333,25 @@ def minirl_loss(logp_BT: Tensor, old_logp_BT: Tensor, advantages_BT: Tensor, wei
     0.27, eps_low 0.2). The gradient is -M_t r_t w_t A_t grad log pi_t, the REINFORCE form -w_t A_t grad log
     pi_t at r = 1. The loss VALUE is -sum M sg(r w) A log pi / N, not a PPO surrogate: compare its gradient,
     not its value, with the other losses.
+
+    Dual-clip (Ye et al. 2020; not in the paper): also M_t = 0 where A_t < 0 and r_t > c = cfg.clip_ratio_c.
+    Derivation: M_t is exactly the set where ppo_clip's surrogate has a non-zero gradient, and there both
+    losses have the gradient -w_t A_t r_t grad log pi_t. Dual-clip replaces ppo_clip's surrogate by the
+    constant c A_t where A_t < 0 and r_t > c, so its gradient is 0 there; masking the same tokens keeps
+    minirl's gradient equal to ppo_clip's, token for token. (Bounding the coefficient at c instead, i.e.
+    -w c A grad log pi, would keep pushing down a token whose probability already rose c-fold against a
+    negative advantage, the update dual-clip exists to stop.) Without it -r w A is unbounded in r.
     """
     logp_BT, old_logp_BT, adv_BT, w_BT, mask_BT = _sanitize(logp_BT, old_logp_BT, advantages_BT, weights_BT, mask_BT)
     log_r_BT = (logp_BT.detach() - old_logp_BT).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
     ratio_BT = torch.exp(log_r_BT)
     low_BT, high_BT = _clip_masks(ratio_BT, adv_BT, mask_BT, cfg)
-    active_BT = mask_BT & ~(low_BT | high_BT)
+    dual_BT = _dual_clip_mask(ratio_BT, adv_BT, mask_BT, cfg)
+    active_BT = mask_BT & ~(low_BT | high_BT | dual_BT)
     coef_BT = ratio_BT * w_BT * adv_BT  # sg(pi_theta / mu) * A: no gradient through r
     per_token_BT = -coef_BT * logp_BT
     loss = torch.where(active_BT, per_token_BT, 0.0).sum() / max(float(normalizer), 1.0)
-    return loss, _loss_metrics(loss.detach(), log_r_BT, ratio_BT, low_BT, high_BT, mask_BT)
+    return loss, _loss_metrics(loss.detach(), log_r_BT, ratio_BT, low_BT, high_BT, dual_BT, mask_BT)
 
 
 def gspo_loss(logp_BT: Tensor, old_logp_BT: Tensor, advantages_BT: Tensor, weights_BT: Tensor, mask_BT: Tensor,
@@ -295,8 +365,9 @@ def gspo_loss(logp_BT: Tensor, old_logp_BT: Tensor, advantages_BT: Tensor, weigh
     The clip decision is taken per sequence (the value of s_{i,t} is s_i); with A_t and w_t constant over a
     sequence the gradient equals that of GSPO's sequence objective. GSPO-token is used so that per-token
     advantages (the ``advantage`` penalty form shapes A_t per token) and per-token IS weights keep their
-    per-token meaning: the training-inference weight w_t (``IS_MODES``; constant per sequence under seq_tis /
-    seq_mis) multiplies each token's term, as in decoupled PPO.
+    per-token meaning: the training-inference weight w_t (``IS_MODES``; constant per sequence under seq_tis)
+    multiplies each token's term, as in decoupled PPO. ``cfg.clip_ratio_c`` is not applied (as in verl's GSPO):
+    the sequence ratio is a geometric mean, which a per-token dual-clip bound does not fit.
 
     The clip range is cfg.clip_low / cfg.clip_high as for ppo_clip, but on a length-normalised ratio: the
     GSPO paper uses eps_low = 3e-4, eps_high = 4e-4, and users must set those (the AlgoConfig defaults
@@ -320,7 +391,8 @@ def gspo_loss(logp_BT: Tensor, old_logp_BT: Tensor, advantages_BT: Tensor, weigh
     seq_ratio_BT = s_B[:, None].expand_as(mask_BT)
     low_BT, high_BT = _clip_masks(seq_ratio_BT, adv_BT, mask_BT, cfg)
     token_log_r_BT = log_r_BT.detach().clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
-    return loss, _loss_metrics(loss.detach(), token_log_r_BT, seq_ratio_BT, low_BT, high_BT, mask_BT)
+    no_dual_BT = torch.zeros_like(mask_BT)
+    return loss, _loss_metrics(loss.detach(), token_log_r_BT, seq_ratio_BT, low_BT, high_BT, no_dual_BT, mask_BT)
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {
