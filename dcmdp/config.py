@@ -380,6 +380,7 @@ def _validate_registries(cfg: RunConfig) -> None:
     if cfg.rollout.engine == "vllm" and cfg.rollout.precision == "int8":
         raise ConfigError("config error at 'rollout.precision': vLLM has no weight-only int8 path on this build; "
                           "use rollout.engine=torch for int8 rollouts, or bf16/fp16/fp32 with vLLM")
+    _validate_rollout_quantization(cfg, PRESETS)
     if cfg.rollout.engine == "vllm" and cfg.algo.routing_replay == "r3" and not cfg.rollout.enforce_eager:
         raise ConfigError("config error at 'rollout.enforce_eager': R3 with the vllm engine records routes through "
                           "router hooks that only run in eager mode; set rollout.enforce_eager=true")
@@ -396,6 +397,32 @@ def _validate_registries(cfg: RunConfig) -> None:
     if cfg.algo.routing_replay != "none" and not PRESETS[cfg.model.preset].is_moe:
         raise ConfigError(f"config error at 'algo.routing_replay': {cfg.algo.routing_replay} replays MoE routes, "
                           f"but model.preset={cfg.model.preset!r} is a dense model; use routing_replay=none")
+
+
+def _validate_rollout_quantization(cfg: RunConfig, presets: dict) -> None:
+    """Quantised rollout precisions the chosen engine and model can run, refused at load, before anything is built."""
+    import torch
+
+    from trainers.models import model_from_config
+    from trainers.quant import (VLLM_FP8_UNAVAILABLE, VLLM_LOGIT_NOISE_UNSUPPORTED, VLLM_UNSUPPORTED_PRECISIONS,
+                                fp8_gemm_available, int4_group_error)
+
+    r = cfg.rollout
+    if r.engine == "vllm":
+        if r.precision in VLLM_UNSUPPORTED_PRECISIONS:
+            raise ConfigError(f"config error at 'rollout.precision': {VLLM_UNSUPPORTED_PRECISIONS[r.precision]}")
+        if r.precision == "fp8" and not fp8_gemm_available():
+            raise ConfigError(f"config error at 'rollout.precision': {VLLM_FP8_UNAVAILABLE}")
+        if r.logit_noise > 0:
+            raise ConfigError(f"config error at 'rollout.logit_noise': {VLLM_LOGIT_NOISE_UNSUPPORTED}")
+    if r.precision == "int4":
+        # the preset's architecture on the meta device: shapes only, no memory, no weights
+        with torch.device("meta"):
+            shapes = model_from_config(presets[cfg.model.preset].make_config(128), seed=0)
+        problem = int4_group_error(shapes, r.int4_group_size, lm_head=r.quantize_lm_head)
+        if problem:
+            raise ConfigError(f"config error at 'rollout.int4_group_size': model.preset={cfg.model.preset!r}: "
+                              f"{problem}")
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -41,7 +41,7 @@ def test_unknown_key_inside_constraint_list(tmp_path):
     (["algo.minibatches=3"], "do not divide the rollout batch"),
     (["dual.constraints=[{measure: kl_k3, tolerance: -0.1}]"], "tolerance"),
     (["dual.constraints=[{measure: kl_k3, lambda_min: 2.0, lambda_max: 1.0, lambda_init: 1.5}]"], "lambda_min"),
-    (["rollout.precision=int4"], "precision"),
+    (["rollout.precision=int3"], r"rollout.precision.*int4"),
     (["algo.routing_replay=r3", "model.preset=tiny-dense"], "dense model"),
     (["algo.loss=ppo_clipp"], "did you mean 'ppo_clip'"),
     (["dual.constraints=[{measure: kl_k4}]"], "did you mean 'kl_k3'"),

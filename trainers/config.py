@@ -34,12 +34,26 @@ class ModelConfig:
         _require(self.dtype in ("float32", "bfloat16"), f"{prefix}.dtype", f"got {self.dtype!r}, expected float32 or bfloat16")
 
 
+# Inference precisions of the rollout engine (trainers.quant.PRECISION_DTYPES holds their parameter dtypes).
+ROLLOUT_PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp8", "fp8_weight", "int4")
+
+
 @dataclass
 class RolloutConfig:
     # Rollout engine: torch (embedded, default) | vllm.
     engine: str = "torch"
-    # Inference precision of the rollout engine: fp32 | bf16 | fp16 | int8 (weight-only, per channel).
+    # Inference precision of the rollout engine: fp32 | bf16 | fp16 | int8 (W8A16, per channel) | fp8 (W8A8 e4m3:
+    # per-channel weights, dynamic per-token activations) | fp8_weight (W8A16 e4m3, per channel) | int4 (W4A16,
+    # symmetric, per group of int4_group_size inputs). See trainers.quant.
     precision: str = "fp32"
+    # int4: input columns per weight scale; must divide the input dimension of every quantised matmul.
+    int4_group_size: int = 32
+    # Quantised precisions: also quantise the LM head (its weight; for fp8 its input too). Off, as in serving.
+    quantize_lm_head: bool = False
+    # Stress knob, not a deployment format: std of seeded Gaussian noise added to the rollout engine's logits
+    # (after the LM head, before temperature and top-p); log mu is that of the noised distribution sampled
+    # from. 0 disables. torch engine only.
+    logit_noise: float = 0.0
     # Sampling temperature; the trainer scores the same tempered distribution.
     temperature: float = 1.0
     # Nucleus sampling mass; 1.0 samples from the full tempered distribution.
@@ -54,8 +68,11 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
 
     def check(self, prefix: str = "rollout") -> None:
-        _require(self.precision in ("fp32", "bf16", "fp16", "int8"), f"{prefix}.precision",
-                 f"got {self.precision!r}, expected one of fp32, bf16, fp16, int8")
+        _require(self.precision in ROLLOUT_PRECISIONS, f"{prefix}.precision",
+                 f"got {self.precision!r}, expected one of {', '.join(ROLLOUT_PRECISIONS)}")
+        _require(self.int4_group_size >= 1, f"{prefix}.int4_group_size", f"must be >= 1, got {self.int4_group_size}")
+        _require(0 <= self.logit_noise < float("inf"), f"{prefix}.logit_noise",
+                 f"must be a finite std >= 0, got {self.logit_noise}")
         _require(self.temperature > 0, f"{prefix}.temperature", f"must be > 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, f"{prefix}.top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.max_new_tokens >= 1, f"{prefix}.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")

@@ -1,8 +1,9 @@
 """The embedded rollout engine: batched sampling with a KV cache on the engine's own copy of the model.
 
 It departs from the trainer only where the user asks it to: the copy runs in ``rollout.precision``
-(fp32 | bf16 | fp16 | int8 weight-only, see ``trainers.quant``), and its LM head runs in that
-precision (logits are upcast to float32 before the softmax, as serving engines do). In fp32 every
+(fp32 | bf16 | fp16 casts; int8, fp8_weight, int4 weight-only and fp8 W8A8 fake quantisation, see
+``trainers.quant``), and its LM head runs in that precision (logits are upcast to float32 before the
+softmax, as serving engines do). In fp32 every
 log-prob it reports equals ``trainers.scoring.response_logprobs`` of the trainer's model to float
 rounding, because both compute ``log softmax(logits / temperature)`` of the same network at the same
 positions (``scoring.position_ids`` over the full left-padded sequence).
@@ -12,6 +13,14 @@ Decoding: one prefill over the left-padded prompts, then one token per step for 
 row stops at EOS (kept in the response and its mask); the loop stops when every row has stopped or
 after ``max_new_tokens``. The returned T is the longest response of the batch, not necessarily
 ``max_new_tokens``.
+
+Logit noise (``rollout.logit_noise = sigma > 0``): a stress knob, not a deployment format. Each decode
+step adds ``sigma * N(0, 1)`` noise, drawn from the engine's generator seeded by ``generate``'s ``seed``
+(so a rollout stays reproducible from its seed), to the float32 logits after the LM head, before
+temperature and top-p: the token is sampled from ``softmax((z + sigma eps) / T)`` (top-p renormalised)
+and ``rollout_logp`` is its log-probability under that noised distribution, so mu is the distribution
+that actually sampled it. Per step the draws are the (B, V) noise first, then the token. The noise is
+input-independent: no weight change removes the discrepancy it causes (DESIGN.md §9).
 
 Top-p: ``rollout_logp`` is the log-probability under the renormalised nucleus distribution that was
 actually sampled from, while the trainer scores the full tempered distribution. With ``top_p < 1``
@@ -30,7 +39,7 @@ from transformers import DynamicCache
 from trainers import routing
 from trainers.batch import Rollout
 from trainers.config import RolloutConfig
-from trainers.quant import PRECISION_DTYPES, cast_for_precision, quantize_int8_
+from trainers.quant import PRECISION_DTYPES, QUANTIZED_PRECISIONS, cast_for_precision, quantize_weights_
 from trainers.scoring import lm_head_logits, position_ids, tempered_logp
 
 
@@ -59,7 +68,8 @@ class TorchEngine:
         self.eos_id = int(eos_id)
         self.pad_id = int(pad_id)
         # The engine's own frozen copy: the trainer's parameters are never touched or aliased.
-        self.model = cast_for_precision(model, cfg.precision)
+        self.model = cast_for_precision(model, cfg.precision, int4_group_size=cfg.int4_group_size,
+                                        quantize_lm_head=cfg.quantize_lm_head)
         self.dtype = PRECISION_DTYPES[cfg.precision]
         self.is_moe = routing.is_moe(self.model)
         # Decoding runs where the model lives; the returned Rollout is always on the CPU.
@@ -128,6 +138,9 @@ class TorchEngine:
     def _sample(self, hidden_BH: Tensor, gen: torch.Generator) -> tuple[Tensor, Tensor]:
         """Sample one token per row from the tempered (top-p) distribution; returns (token_B, logp_B)."""
         logits_BV = lm_head_logits(self.model, hidden_BH, fp32_lm_head=False).float()
+        if self.cfg.logit_noise > 0:
+            noise_BV = torch.randn(logits_BV.shape, generator=gen, device=logits_BV.device)
+            logits_BV = logits_BV + self.cfg.logit_noise * noise_BV
         logp_BV = nucleus_logp(tempered_logp(logits_BV, self.cfg.temperature), self.cfg.top_p)
         token_B = torch.multinomial(logp_BV.exp(), 1, generator=gen).squeeze(-1)
         return token_B, logp_BV.gather(-1, token_B[:, None]).squeeze(-1)
@@ -151,7 +164,8 @@ class TorchEngine:
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, Tensor], version: int) -> None:
-        """Copy the trainer's weights into the engine's tensors in place (cast; re-quantised for int8)."""
+        """Copy the trainer's weights into the engine's tensors in place (cast; re-quantised for the quantised
+        precisions, from the trainer's values)."""
         own = self.model.state_dict()
         missing = sorted(set(own) - set(state_dict))
         if missing:
@@ -162,8 +176,9 @@ class TorchEngine:
                 raise ValueError(f"load_weights: {name} has shape {tuple(src.shape)}, engine expects "
                                  f"{tuple(tensor.shape)}")
             tensor.copy_(src.detach().to(device=tensor.device, dtype=tensor.dtype))
-        if self.cfg.precision == "int8":
-            quantize_int8_(self.model)
+        if self.cfg.precision in QUANTIZED_PRECISIONS:
+            quantize_weights_(self.model, self.cfg.precision, int4_group_size=self.cfg.int4_group_size,
+                              lm_head=self.cfg.quantize_lm_head)
         self.version = int(version)
 
     def close(self) -> None:

@@ -47,7 +47,18 @@ torch engine, and why:
   (otherwise ``rollout_experts_BSLK`` is None, as for dense models).
 - **Precision:** fp32 / bf16 / fp16 set vLLM's ``dtype`` (the LM head runs in that dtype; the
   sampler upcasts logits to float32). ``int8`` raises: vLLM 0.32 has no weight-only int8 path for
-  these models on CPU (see ``_INT8_UNSUPPORTED``).
+  these models on CPU (see ``_INT8_UNSUPPORTED``). ``fp8`` runs vLLM's online
+  ``quantization="fp8_per_channel"`` (``Fp8PtpcOnlineLinearMethod`` / ``Fp8PtpcOnlineMoEMethod``:
+  per-output-channel weight scales, dynamic per-token activation scales, the scheme the torch engine
+  emulates; vLLM 0.32's ``quantization="fp8"`` refuses unquantised checkpoints, "no longer supports
+  online quantization"). The MoE router is kept out (``quantization_config`` ignore ``*.mlp.gate``:
+  the online config would otherwise quantise vLLM's ``GateLinear``, a ``LinearBase``); the LM head
+  (``ParallelLMHead``) is never quantised online. vLLM's online quantisation takes bf16/fp16
+  activations only, so the unquantised parts run in bfloat16 (the torch engine keeps them in float32).
+  Weight sync re-quantises: the layer-wise reload clears each layer's "processed" flag and re-runs its
+  online quantisation. It needs fp8 GEMMs (``current_platform.supports_fp8()``, CUDA SM >= 8.9) and is
+  refused elsewhere, at config load (``dcmdp.config.validate``) and here; it is untested on this CPU
+  build. ``fp8_weight``, ``int4`` and ``rollout.logit_noise > 0`` raise (``trainers.quant`` says why).
 - **CPU limits:** vLLM's CPU attention supports head_dim in {32, 64, 80, ...}; other models are refused
   at construction. On CPU the KV cache is sized from the model (``_kv_cache_bytes``) instead of
   ``gpu_memory_utilization``, which vLLM would read there as a share of host RAM to fill.
@@ -82,9 +93,12 @@ from vllm.platforms import current_platform
 
 from trainers.batch import Rollout
 from trainers.config import RolloutConfig
+from trainers.quant import VLLM_FP8_UNAVAILABLE, VLLM_LOGIT_NOISE_UNSUPPORTED, VLLM_UNSUPPORTED_PRECISIONS
 
 # precision name -> vLLM dtype
-VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
+# precision name -> vLLM online quantisation arguments
+VLLM_QUANTIZATION = {"fp8": {"quantization": "fp8_per_channel", "quantization_config": {"ignore": ["*.mlp.gate"]}}}
 
 _INT8_UNSUPPORTED = (
     "rollout.precision=int8 is not available with rollout.engine=vllm (vLLM {version}): vLLM has no online "
@@ -180,8 +194,14 @@ class VllmEngine:
         ``torchrun`` rank hosting its tensor-parallel part of an engine that every rank builds and drives
         alike (``dcmdp.distributed.SpmdEngine``); vLLM then joins the existing process group."""
         cfg.check()
-        if cfg.precision not in VLLM_DTYPES:
+        if cfg.precision == "int8":
             raise ValueError(_INT8_UNSUPPORTED.format(version=vllm.__version__))
+        if cfg.precision in VLLM_UNSUPPORTED_PRECISIONS:
+            raise ValueError(VLLM_UNSUPPORTED_PRECISIONS[cfg.precision])
+        if cfg.precision == "fp8" and not current_platform.supports_fp8():
+            raise ValueError(VLLM_FP8_UNAVAILABLE)
+        if cfg.logit_noise > 0:
+            raise ValueError(f"rollout.logit_noise={cfg.logit_noise}: {VLLM_LOGIT_NOISE_UNSUPPORTED}")
         self.cfg = cfg
         self.eos_id = int(eos_id)
         self.pad_id = int(pad_id)
@@ -216,6 +236,7 @@ class VllmEngine:
         try:
             # generation_config="vllm": the model directory's sampling defaults (top_k, ...) must not apply.
             self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=cfg.enforce_eager,
+                           **VLLM_QUANTIZATION.get(cfg.precision, {}),
                            tensor_parallel_size=cfg.tensor_parallel_size, seed=int(seed),
                            logprobs_mode="processed_logprobs", skip_tokenizer_init=True, generation_config="vllm",
                            enable_prefix_caching=self.num_moe_layers == 0,
