@@ -24,13 +24,17 @@ Conventions shared by every measure:
   gradient keeps its sign, instead of vanishing as it would under a plain clamp. Only ratios above
   e^20 ~ 4.9e8 are affected. abs_prob_diff needs no clamp (it is written as exp(max) * (1 - exp(-|diff|)),
   all factors in [0, 1] for log-probs <= 0), ess is scale-invariant (exact with a max shift).
+- At the other end (rho << 1) the token forms of abs_prob_diff and chi2 keep their gradient's relative
+  precision down to log rho ~ -700 (``_expm1``); torch's expm1 backward would round it to 0 below ~ -37.
+- The panel (``discrepancy_metrics``) logs every measure of ``MEASURES`` at its ``metric_key``, so a measure
+  added to the registry is logged, constrainable and calibrated without another list to keep.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -41,6 +45,7 @@ LOG_RATIO_MAX = 20.0
 """Above this log rho, kl_k3 and chi2 are continued linearly (see the module docstring)."""
 
 _SERIES_BELOW = 1e-2  # |log rho| below which exp(x) - 1 - x is summed as a series (no cancellation)
+_LOG_PPL_MAX = 700.0  # log perplexities are capped here, where exp is still finite in float64
 
 
 @dataclass(frozen=True)
@@ -51,25 +56,44 @@ class Measure:
     # (logp_train_BT, logp_rollout_BT) -> d_BT per-token value, differentiable in logp_train; None when the
     # measure has no per-token differentiable form (sequence level, indicator, routing).
     token: Optional[Callable[[Tensor, Tensor], Tensor]]
-    # "token" (masked mean of a per-token value) | "sequence" (aggregates over sequences / the batch)
-    # | "routing" (MoE expert sets; needs the routes, not the log-probs).
+    # "token" (masked mean of a per-token value) | "max" (largest per-token value) | "sequence" (aggregates
+    # over sequences / the batch) | "routing" (MoE expert sets; needs the routes, not the log-probs).
     kind: str
     # Keyword parameters ``batch`` takes, by name; ``measure_constraint`` fills them from the constraint
     # config (``tau``) or from the routes it was given.
     params: tuple[str, ...] = ()
+    # Metric key of the per-step panel (``discrepancy_metrics``); empty: 'discrepancy/<name>'.
+    metric: str = ""
+    # Constraint-config values the panel measures with (e.g. tau = 2 for extreme_rate), as (field, value) pairs.
+    panel: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def metric_key(self) -> str:
+        return self.metric or f"discrepancy/{self.name}"
 
 
 # ---------------------------------------------------------------------------------------------- token forms
 
 
+def _expm1(x: Tensor) -> Tensor:
+    """exp(x) - 1 with relative precision in the value AND the gradient for every x.
+
+    torch's expm1 backward is grad * (expm1(x) + 1), which cancels to 0 once expm1(x) rounds to -1 (x < -37 in
+    float64, x < -17 in float32), although the true derivative e^x is a normal number down to x = -708. Below
+    -log 2, exp(x) - 1 has no cancellation in the value (e^x < 1/2) and its backward is exp(x) itself.
+    """
+    return torch.where(x < -math.log(2.0), torch.exp(x) - 1.0, torch.expm1(x))
+
+
 def abs_prob_diff_token(logp_train_BT: Tensor, logp_rollout_BT: Tensor) -> Tensor:
     """|pi_old(y_t) - mu(y_t)| (DCMDP, Liu et al. arXiv 2606.08779), as exp(max) * (1 - exp(-|log rho|)).
 
-    Written with expm1 so that differences of 1e-12 between the log-probs are not lost, and so that
-    log-probs of -1e4 never reach exp of a large argument. d/d logp_train = sign(pi_old - mu) * pi_old.
+    The factor 1 - exp(-d) = -expm1(-d) keeps differences of 1e-12 between the log-probs, and log-probs of -1e4
+    never reach exp of a large argument. d/d logp_train = sign(pi_old - mu) * pi_old, with relative precision
+    even where pi_old << mu (``_expm1``: at log rho = -40 the gradient is -e^-40, not 0).
     """
     top_BT = torch.maximum(logp_train_BT, logp_rollout_BT)
-    return torch.exp(top_BT) * -torch.expm1(-(logp_train_BT - logp_rollout_BT).abs())
+    return torch.exp(top_BT) * -_expm1(-(logp_train_BT - logp_rollout_BT).abs())
 
 
 def kl_k1_token(logp_train_BT: Tensor, logp_rollout_BT: Tensor) -> Tensor:
@@ -91,12 +115,16 @@ def kl_k3_token(logp_train_BT: Tensor, logp_rollout_BT: Tensor) -> Tensor:
     return _k3(logp_train_BT - logp_rollout_BT)
 
 
-def chi2_token(logp_train_BT: Tensor, logp_rollout_BT: Tensor) -> Tensor:
-    """(rho - 1)^2 = expm1(log rho)^2: per-token Pearson chi^2(pi_old || mu) on mu-samples; linear above the cap."""
-    x = logp_train_BT - logp_rollout_BT
+def _chi2(x: Tensor) -> Tensor:
+    """expm1(x)^2, gradient 2 (e^x - 1) e^x precise for x << 0 (``_expm1``), linear above LOG_RATIO_MAX."""
     xc = x.clamp(max=LOG_RATIO_MAX)
     slope = 2.0 * math.expm1(LOG_RATIO_MAX) * math.exp(LOG_RATIO_MAX)  # d/dx expm1(x)^2 at the cap
-    return torch.expm1(xc).square() + slope * torch.relu(x - LOG_RATIO_MAX)
+    return _expm1(xc).square() + slope * torch.relu(x - LOG_RATIO_MAX)
+
+
+def chi2_token(logp_train_BT: Tensor, logp_rollout_BT: Tensor) -> Tensor:
+    """(rho - 1)^2 = expm1(log rho)^2: per-token Pearson chi^2(pi_old || mu) on mu-samples; linear above the cap."""
+    return _chi2(logp_train_BT - logp_rollout_BT)
 
 
 def abs_log_ratio_token(logp_train_BT: Tensor, logp_rollout_BT: Tensor) -> Tensor:
@@ -148,6 +176,83 @@ def seq_log_ratio(logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tenso
     has_token_B = valid_BT.any(dim=1)
     total = torch.where(has_token_B, seq_B, torch.zeros_like(seq_B)).sum()
     return total / has_token_B.sum().clamp_min(1)
+
+
+def _seq_mean(value_B: Tensor, has_token_B: Tensor) -> Tensor:
+    """Mean over the sequences with at least one valid token; 0 when there is none."""
+    return torch.where(has_token_B, value_B, torch.zeros_like(value_B)).sum() / has_token_B.sum().clamp_min(1)
+
+
+def _per_seq_mean(value_BT: Tensor, valid_BT: Tensor) -> tuple[Tensor, Tensor]:
+    """(mean_t value over each sequence's valid tokens, has_token_B); 0 for a sequence without one."""
+    count_B = valid_BT.sum(dim=1)
+    total_B = torch.where(valid_BT, value_BT, torch.zeros_like(value_BT)).sum(dim=1)
+    return total_B / count_B.clamp_min(1), count_B > 0
+
+
+def _ppl(logp_BT: Tensor, valid_BT: Tensor) -> Tensor:
+    """E_seq exp(-mean_t logp): the mean per-sequence perplexity (verl's training_ppl / rollout_ppl). The log
+    perplexity is capped at 700 so that a broken engine (log-probs of -1e4) gives a large finite value."""
+    mean_B, has_token_B = _per_seq_mean(logp_BT, valid_BT)
+    ppl_B = torch.exp((-mean_B).clamp(max=_LOG_PPL_MAX))
+    value = _seq_mean(ppl_B, has_token_B)
+    return torch.where(has_token_B.any(), value, torch.ones_like(value))
+
+
+def training_ppl(logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """Perplexity of the training engine on the sampled responses, E_seq exp(-mean_t log pi_old(y_t)).
+
+    Not a discrepancy but the scale to read the others against (a sharper policy has smaller gaps in
+    probability); 1 for a batch without valid tokens (the smallest possible perplexity).
+    """
+    train_BT, _, valid_BT = _clean(logp_train_BT, logp_rollout_BT, mask_BT)
+    return _ppl(train_BT, valid_BT)
+
+
+def rollout_ppl(logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """Perplexity of the rollout engine, E_seq exp(-mean_t log mu(y_t)); 1 for a batch without valid tokens."""
+    _, rollout_BT, valid_BT = _clean(logp_train_BT, logp_rollout_BT, mask_BT)
+    return _ppl(rollout_BT, valid_BT)
+
+
+def log_ppl_diff(logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """E_seq [log ppl_mu - log ppl_pi_old] = E_seq mean_t log rho_t (verl's log_ppl_diff; signed: > 0 when the
+    training engine is the more confident). Per-sequence means, so every sequence counts once, unlike -kl_k1's
+    token mean. 0 for a batch without valid tokens."""
+    train_BT, rollout_BT, valid_BT = _clean(logp_train_BT, logp_rollout_BT, mask_BT)
+    mean_B, has_token_B = _per_seq_mean(train_BT - rollout_BT, valid_BT)
+    return _seq_mean(mean_B, has_token_B)
+
+
+def log_ppl_abs_diff(logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """E_seq |mean_t log rho_t|: log_ppl_diff without the cancellation between sequences (verl's
+    log_ppl_abs_diff), the log of the geometric-mean ratio that ``algo.seq_mask.mode=geo`` bounds."""
+    train_BT, rollout_BT, valid_BT = _clean(logp_train_BT, logp_rollout_BT, mask_BT)
+    mean_B, has_token_B = _per_seq_mean(train_BT - rollout_BT, valid_BT)
+    return _seq_mean(mean_B.abs(), has_token_B)
+
+
+def chi2_seq(logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """E_seq (prod_t rho_t - 1)^2: Pearson chi^2(pi_old || mu) of whole responses, on mu-samples.
+
+    The variance of sequence-level IS weights (Liu, Li et al. 2025): it compounds with length where the
+    token-level chi2 does not. verl's chi2_seq is E[(prod rho)^2] - 1, which has the same expectation under mu
+    but can be negative on a batch; this form is >= 0. Linear above prod rho = e^LOG_RATIO_MAX like chi2.
+    """
+    train_BT, rollout_BT, valid_BT = _clean(logp_train_BT, logp_rollout_BT, mask_BT)
+    log_prod_B = torch.where(valid_BT, train_BT - rollout_BT, torch.zeros_like(train_BT)).sum(dim=1)
+    return _seq_mean(_chi2(log_prod_B), valid_BT.any(dim=1))
+
+
+def _token_max(token: Callable[[Tensor, Tensor], Tensor]) -> Callable[..., Tensor]:
+    def batch(logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tensor) -> Tensor:
+        train_BT, rollout_BT, valid_BT = _clean(logp_train_BT, logp_rollout_BT, mask_BT)
+        value_BT = token(train_BT, rollout_BT)
+        # every token value is >= 0, so 0 off the mask never wins and an empty batch gives 0
+        return torch.where(valid_BT, value_BT, torch.zeros_like(value_BT)).max()
+
+    batch.__doc__ = f"Largest value over valid tokens (0 without one) of: {token.__doc__}"
+    return batch
 
 
 def extreme_rate(logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tensor, tau: float = 2.0) -> Tensor:
@@ -238,11 +343,22 @@ MEASURES: dict[str, Measure] = {
     "kl_k3": Measure("kl_k3", _token_mean(kl_k3_token), kl_k3_token, "token"),
     "chi2": Measure("chi2", _token_mean(chi2_token), chi2_token, "token"),
     "abs_log_ratio": Measure("abs_log_ratio", _token_mean(abs_log_ratio_token), abs_log_ratio_token, "token"),
+    # max over tokens of a per-token value: the hinge penalty on that value is exact (max_t d_t <= c iff every
+    # d_t <= c), so these take the token form of their mean counterpart
+    "max_abs_prob_diff": Measure("max_abs_prob_diff", _token_max(abs_prob_diff_token), abs_prob_diff_token, "max"),
+    "max_abs_log_ratio": Measure("max_abs_log_ratio", _token_max(abs_log_ratio_token), abs_log_ratio_token, "max"),
     "seq_log_ratio": Measure("seq_log_ratio", seq_log_ratio, None, "sequence"),
-    "extreme_rate": Measure("extreme_rate", extreme_rate, None, "sequence", params=("tau",)),
-    "ess": Measure("ess", ess, None, "sequence"),
+    "chi2_seq": Measure("chi2_seq", chi2_seq, None, "sequence"),
+    "log_ppl_diff": Measure("log_ppl_diff", log_ppl_diff, None, "sequence"),
+    "log_ppl_abs_diff": Measure("log_ppl_abs_diff", log_ppl_abs_diff, None, "sequence"),
+    "training_ppl": Measure("training_ppl", training_ppl, None, "sequence"),
+    "rollout_ppl": Measure("rollout_ppl", rollout_ppl, None, "sequence"),
+    "extreme_rate": Measure("extreme_rate", extreme_rate, None, "sequence", params=("tau",),
+                            metric="discrepancy/extreme_rate_2", panel=(("tau", 2.0),)),
+    "ess": Measure("ess", ess, None, "sequence", metric="is/ess_frac"),
     "routing_mismatch": Measure("routing_mismatch", _routing_batch, None, "routing",
-                                params=("experts_train_BSLK", "experts_rollout_BSLK", "mask_BS")),
+                                params=("experts_train_BSLK", "experts_rollout_BSLK", "mask_BS"),
+                                metric="routing/mismatch"),
 }
 
 _NOT_A_CONSTRAINT = {"ess": "ess is a diagnostic where higher is better (1 = matched engines), so D <= c makes no "
@@ -266,26 +382,57 @@ def measure_constraint(cfg: ConstraintConfig, logp_train_BT: Tensor, logp_rollou
     return measure.batch(logp_train_BT, logp_rollout_BT, mask_BT, **{p: available[p] for p in measure.params})
 
 
+QUANTILES = (0.5, 0.9, 0.99)
+"""Quantiles of a per-token measure in the panel (``token_quantiles``), logged as '<metric>_p50' etc."""
+
+
+def token_quantiles(name: str, logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tensor,
+                    qs: Sequence[float] = QUANTILES) -> Tensor:
+    """(len(qs),) float64 quantiles of measure ``name``'s per-token value over the valid tokens, with numpy's
+    default (linear) interpolation between order statistics; 0 for a batch without valid tokens.
+
+    The batch value of a token measure is a mean: these say whether it comes from all tokens or a tail.
+    """
+    measure = MEASURES[name]
+    if measure.token is None:
+        raise ValueError(f"measure {name!r} has no per-token form to take quantiles of")
+    train_BT, rollout_BT, valid_BT = _clean(logp_train_BT, logp_rollout_BT, mask_BT)
+    values = measure.token(train_BT, rollout_BT)[valid_BT].sort().values
+    n = values.numel()
+    if n == 0:
+        return torch.zeros(len(qs), dtype=torch.float64, device=values.device)
+    pos = torch.tensor([q * (n - 1) for q in qs], dtype=torch.float64, device=values.device)
+    lo = pos.floor().long()
+    hi = pos.ceil().long()
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def panel_constraints() -> dict[str, ConstraintConfig]:
+    """Metric key of ``discrepancy_metrics`` -> a constraint config measuring the same value, for every measure
+    that can be a constraint (``dcmdp calibrate`` proposes a tolerance for each)."""
+    return {m.metric_key: ConstraintConfig(measure=name, **dict(m.panel))
+            for name, m in MEASURES.items() if name not in _NOT_A_CONSTRAINT}
+
+
 @torch.no_grad()
 def discrepancy_metrics(logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tensor, *,
                         experts_train_BSLK: Optional[Tensor] = None, experts_rollout_BSLK: Optional[Tensor] = None,
-                        mask_BS: Optional[Tensor] = None) -> dict[str, float]:
-    """Every measure of the batch: 'discrepancy/<name>', 'discrepancy/extreme_rate_2' (tau = 2),
-    'is/ess_frac' (normalised ESS), and 'routing/mismatch' when both engines' routes are given."""
+                        mask_BS: Optional[Tensor] = None, quantiles_of: Sequence[str] = ()) -> dict[str, float]:
+    """Every measure of the registry at its ``metric_key`` ('discrepancy/<name>'; extreme_rate at tau = 2 as
+    'discrepancy/extreme_rate_2'; ess as 'is/ess_frac'; 'routing/mismatch' only when both engines' routes are
+    given), and for each measure named in ``quantiles_of`` that has a per-token form, '<metric_key>_p50',
+    '_p90', '_p99' (``token_quantiles``)."""
     keys, values = [], []
     for name, m in MEASURES.items():
         if m.kind == "routing":
             continue
-        if name == "extreme_rate":
-            keys.append("discrepancy/extreme_rate_2")
-            values.append(m.batch(logp_train_BT, logp_rollout_BT, mask_BT, tau=2.0))
-        elif name == "ess":
-            keys.append("is/ess_frac")
-            values.append(m.batch(logp_train_BT, logp_rollout_BT, mask_BT))
-        else:
-            keys.append(f"discrepancy/{name}")
-            values.append(m.batch(logp_train_BT, logp_rollout_BT, mask_BT))
+        keys.append(m.metric_key)
+        values.append(m.batch(logp_train_BT, logp_rollout_BT, mask_BT, **dict(m.panel)))
+    for name in dict.fromkeys(quantiles_of):
+        if name in MEASURES and MEASURES[name].token is not None:
+            keys += [f"{MEASURES[name].metric_key}_p{round(q * 100)}" for q in QUANTILES]
+            values += list(token_quantiles(name, logp_train_BT, logp_rollout_BT, mask_BT).to(values[0].device))
     if experts_train_BSLK is not None and experts_rollout_BSLK is not None:
-        keys.append("routing/mismatch")
+        keys.append(MEASURES["routing_mismatch"].metric_key)
         values.append(routing_mismatch(experts_train_BSLK, experts_rollout_BSLK, mask_BS).to(values[0].device))
     return dict(zip(keys, torch.stack(values).tolist()))  # one device sync for all metrics

@@ -31,23 +31,16 @@ from omegaconf import OmegaConf
 from scipy import stats
 
 from constraints.config import ConstraintConfig
-from constraints.measures import measure_constraint
+from constraints.measures import measure_constraint, panel_constraints
 from dcmdp.config import RunConfig
 from dcmdp.loop import Setup, measure_phase, rollout_phase, setup
 from trainers import learner
 
 log = logging.getLogger("dcmdp")
 
-# Table rows: metric key of ``discrepancy_metrics`` -> the ConstraintConfig that measures the same thing.
-FLOOR_MEASURES: dict[str, ConstraintConfig] = {
-    "discrepancy/abs_prob_diff": ConstraintConfig(measure="abs_prob_diff"),
-    "discrepancy/kl_k1": ConstraintConfig(measure="kl_k1"),
-    "discrepancy/kl_k3": ConstraintConfig(measure="kl_k3"),
-    "discrepancy/chi2": ConstraintConfig(measure="chi2"),
-    "discrepancy/abs_log_ratio": ConstraintConfig(measure="abs_log_ratio"),
-    "discrepancy/extreme_rate_2": ConstraintConfig(measure="extreme_rate", tau=2.0),
-    "routing/mismatch": ConstraintConfig(measure="routing_mismatch"),
-}
+# Table rows: metric key of ``discrepancy_metrics`` -> the ConstraintConfig that measures the same thing; every
+# constrainable measure of the registry (``constraints.measures.MEASURES``), in registry order.
+FLOOR_MEASURES: dict[str, ConstraintConfig] = panel_constraints()
 
 
 @dataclass

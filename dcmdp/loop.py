@@ -385,13 +385,15 @@ def constraint_values(s: Setup, batch: learner.ScoredBatch, train_logp_BT: torch
 
 
 def measure_phase(s: Setup, batch: learner.ScoredBatch) -> tuple[torch.Tensor, dict[str, float]]:
-    """D-hat of every constraint (pi_old vs mu, before the updates) and all discrepancy measures.
+    """D-hat of every constraint (pi_old vs mu, before the updates) and all discrepancy measures, with the
+    per-token p50/p90/p99 of every constraint's measure.
 
     With ``dual.measure_at: updates`` the loop replaces D-hat after the updates (``constraint_values`` of
     the log-probs the updates saw); the discrepancy/ metrics stay pi_old vs mu."""
     r = batch.rollout
     return constraint_values(s, batch, batch.old_logp_BT), discrepancy_metrics(
-        batch.old_logp_BT, r.rollout_logp_BT.float(), r.response_mask_BT.bool(), **_routes(batch))
+        batch.old_logp_BT, r.rollout_logp_BT.float(), r.response_mask_BT.bool(), **_routes(batch),
+        quantiles_of=[c.measure for c in s.cfg.dual.constraints])
 
 
 @torch.no_grad()

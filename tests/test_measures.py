@@ -39,7 +39,18 @@ def _reference(train: np.ndarray, rollout: np.ndarray, mask: np.ndarray, tau: fl
     x = (train - rollout)[mask]
     rho = np.exp(x)
     seq = [abs((train[b] - rollout[b])[mask[b]].sum()) for b in range(train.shape[0]) if mask[b].any()]
+    rows = [b for b in range(train.shape[0]) if mask[b].any()]
+    mean_train = np.array([train[b][mask[b]].mean() for b in rows])
+    mean_rollout = np.array([rollout[b][mask[b]].mean() for b in rows])
+    log_prod = np.array([(train[b] - rollout[b])[mask[b]].sum() for b in rows])
     return {
+        "training_ppl": np.mean(np.exp(-mean_train)),
+        "rollout_ppl": np.mean(np.exp(-mean_rollout)),
+        "log_ppl_diff": np.mean(mean_train - mean_rollout),
+        "log_ppl_abs_diff": np.mean(np.abs(mean_train - mean_rollout)),
+        "chi2_seq": np.mean((np.exp(log_prod) - 1) ** 2),
+        "max_abs_log_ratio": np.max(np.abs(x)),
+        "max_abs_prob_diff": np.max(np.abs(np.exp(train[mask]) - np.exp(rollout[mask]))),
         "abs_prob_diff": np.mean(np.abs(np.exp(train[mask]) - np.exp(rollout[mask]))),
         "kl_k1": np.mean(rollout[mask] - train[mask]),
         "kl_k3": np.mean(rho - 1 - x),
@@ -78,11 +89,11 @@ def test_token_forms_are_the_per_token_values():
     a, b = torch.tensor(train), torch.tensor(rollout)
     x = train - rollout
     expected = {"abs_prob_diff": np.abs(np.exp(train) - np.exp(rollout)), "kl_k1": -x,
-                "kl_k3": np.exp(x) - 1 - x, "chi2": np.expm1(x) ** 2, "abs_log_ratio": np.abs(x)}
+                "kl_k3": np.exp(x) - 1 - x, "chi2": np.expm1(x) ** 2, "abs_log_ratio": np.abs(x),
+                "max_abs_prob_diff": np.abs(np.exp(train) - np.exp(rollout)), "max_abs_log_ratio": np.abs(x)}
     for name, ref in expected.items():
         np.testing.assert_allclose(MEASURES[name].token(a, b).numpy(), ref, rtol=1e-10, atol=1e-15, err_msg=name)
-    for name in ("seq_log_ratio", "extreme_rate", "ess", "routing_mismatch"):
-        assert MEASURES[name].token is None
+    assert {n for n, m in MEASURES.items() if m.token is not None} == set(expected)
 
 
 def test_token_form_gradients_match_closed_forms():
@@ -99,12 +110,14 @@ def test_token_form_gradients_match_closed_forms():
 def test_empty_batch_and_all_masked_rows():
     train_t, rollout_t, mask_t, train, rollout, mask = _batch(5)
     none = torch.zeros_like(mask_t)
-    for name in ("abs_prob_diff", "kl_k1", "kl_k3", "chi2", "abs_log_ratio", "seq_log_ratio", "extreme_rate"):
+    for name in ("abs_prob_diff", "kl_k1", "kl_k3", "chi2", "abs_log_ratio", "seq_log_ratio", "extreme_rate",
+                 "chi2_seq", "log_ppl_diff", "log_ppl_abs_diff", "max_abs_log_ratio", "max_abs_prob_diff"):
         assert MEASURES[name].batch(train_t, rollout_t, none).item() == 0.0, name
-    assert MEASURES["ess"].batch(train_t, rollout_t, none).item() == 1.0
+    for name in ("ess", "training_ppl", "rollout_ppl"):
+        assert MEASURES[name].batch(train_t, rollout_t, none).item() == 1.0, name
     # all-masked rows are ignored: dropping row 2 (no valid token) changes nothing
     keep = torch.tensor([0, 1, 3, 4, 5])
-    for name in ("kl_k3", "seq_log_ratio", "ess"):
+    for name in ("kl_k3", "seq_log_ratio", "ess", "training_ppl", "log_ppl_abs_diff", "chi2_seq", "max_abs_prob_diff"):
         full = MEASURES[name].batch(train_t, rollout_t, mask_t).item()
         dropped = MEASURES[name].batch(train_t[keep], rollout_t[keep], mask_t[keep]).item()
         assert full == pytest.approx(dropped, rel=1e-12), name
@@ -121,7 +134,10 @@ def test_seq_log_ratio_is_the_sum_not_the_geometric_mean():
 def test_identical_engines_give_zero_discrepancy():
     train_t, _, mask_t, *_ = _batch(6)
     m = discrepancy_metrics(train_t, train_t.clone(), mask_t)
+    assert m["discrepancy/training_ppl"] == m["discrepancy/rollout_ppl"] > 1  # the scale, not a discrepancy
     for key, value in m.items():
+        if key in ("discrepancy/training_ppl", "discrepancy/rollout_ppl"):
+            continue
         expected = 1.0 if key == "is/ess_frac" else 0.0
         assert value == expected, key
 
@@ -131,8 +147,12 @@ def test_discrepancy_metrics_keys_and_values():
     ref = _reference(train, rollout, mask)
     m = discrepancy_metrics(train_t, rollout_t, mask_t)
     expected_keys = {f"discrepancy/{n}" for n in ("abs_prob_diff", "kl_k1", "kl_k3", "chi2", "abs_log_ratio",
-                                                  "seq_log_ratio")} | {"discrepancy/extreme_rate_2", "is/ess_frac"}
+                                                  "seq_log_ratio", "chi2_seq", "log_ppl_diff", "log_ppl_abs_diff",
+                                                  "training_ppl", "rollout_ppl", "max_abs_log_ratio",
+                                                  "max_abs_prob_diff")} | {"discrepancy/extreme_rate_2", "is/ess_frac"}
     assert set(m) == expected_keys
+    for name in ("chi2_seq", "log_ppl_diff", "training_ppl", "max_abs_prob_diff"):
+        assert m[f"discrepancy/{name}"] == pytest.approx(ref[name], rel=1e-10), name
     assert all(isinstance(v, float) for v in m.values())
     assert m["discrepancy/kl_k3"] == pytest.approx(ref["kl_k3"], rel=1e-10)
     assert m["discrepancy/extreme_rate_2"] == pytest.approx(ref["extreme_rate"])
@@ -275,3 +295,129 @@ def test_linear_continuation_above_the_log_ratio_cap():
     # float32 stays finite well beyond the point where exp overflows (x > 88)
     x32 = torch.tensor([[200.0, 1e4]], dtype=torch.float32)
     assert torch.isfinite(MEASURES["chi2"].token(x32, torch.zeros_like(x32))).all()
+
+
+# ---------------------------------------------------------------------------------------------- the panel
+
+
+def _hand_panel_batch():
+    # seq 0: log pi_old = [-1, -3], log mu = [-1.5, -2.7] -> log rho = [0.5, -0.3]
+    # seq 1: log pi_old = [-2],     log mu = [-1.6]       -> log rho = [-0.4]
+    train = torch.tensor([[-1.0, -3.0], [-2.0, float("nan")]], dtype=torch.float64)
+    rollout = torch.tensor([[-1.5, -2.7], [-1.6, -float("inf")]], dtype=torch.float64)
+    mask = torch.tensor([[True, True], [True, False]])
+    return train, rollout, mask
+
+
+def test_panel_measures_by_hand():
+    train, rollout, mask = _hand_panel_batch()
+    e = math.exp
+    expected = {
+        # per-sequence mean log pi_old: -2 and -2 -> E_seq exp(2) = e^2
+        "training_ppl": e(2.0),
+        # mean log mu: (-1.5 - 2.7) / 2 = -2.1 and -1.6 -> (e^2.1 + e^1.6) / 2 = (8.16617 + 4.95303) / 2
+        "rollout_ppl": (e(2.1) + e(1.6)) / 2,
+        # mean log rho per sequence: (0.5 - 0.3) / 2 = 0.1 and -0.4 -> (0.1 - 0.4) / 2 = -0.15
+        "log_ppl_diff": -0.15,
+        # (|0.1| + |-0.4|) / 2 = 0.25
+        "log_ppl_abs_diff": 0.25,
+        # prod rho: e^0.2 and e^-0.4 -> ((e^0.2 - 1)^2 + (e^-0.4 - 1)^2) / 2 = (0.049019 + 0.108689) / 2
+        "chi2_seq": ((e(0.2) - 1) ** 2 + (e(-0.4) - 1) ** 2) / 2,
+        "max_abs_log_ratio": 0.5,
+        # |e^-1 - e^-1.5| = 0.144749 > |e^-3 - e^-2.7| = 0.017419, |e^-2 - e^-1.6| = 0.066562
+        "max_abs_prob_diff": e(-1.0) - e(-1.5),
+    }
+    for name, value in expected.items():
+        assert MEASURES[name].batch(train, rollout, mask).item() == pytest.approx(value, rel=1e-12), name
+    # log_ppl_diff weighs sequences equally; -kl_k1 weighs tokens: (0.5 - 0.3 - 0.4) / 3 = -0.0667
+    assert -MEASURES["kl_k1"].batch(train, rollout, mask).item() == pytest.approx(-0.2 / 3, rel=1e-12)
+
+
+def test_chi2_seq_compounds_with_length_and_stays_finite():
+    # 100 tokens of log rho = 0.01: token chi2 = (e^0.01 - 1)^2 = 1.005e-4, chi2_seq = (e^1 - 1)^2 = 2.9525
+    train = torch.full((1, 100), -1.0, dtype=torch.float64)
+    mask = torch.ones(1, 100, dtype=torch.bool)
+    assert MEASURES["chi2"].batch(train, train - 0.01, mask).item() == pytest.approx(math.expm1(0.01) ** 2, rel=1e-12)
+    assert MEASURES["chi2_seq"].batch(train, train - 0.01, mask).item() == pytest.approx(math.expm1(1.0) ** 2,
+                                                                                         rel=1e-10)
+    # prod rho = e^1000: continued linearly above e^20 like chi2 (finite in float32 too)
+    big = MEASURES["chi2_seq"].batch(train.float(), (train - 10.0).float(), mask).item()
+    slope = 2 * math.expm1(LOG_RATIO_MAX) * math.exp(LOG_RATIO_MAX)
+    assert big == pytest.approx(math.expm1(LOG_RATIO_MAX) ** 2 + slope * (1000 - LOG_RATIO_MAX), rel=1e-6)
+
+
+@pytest.mark.parametrize("log_rho", [-20.0, -30.0, -40.0, -700.0])
+def test_token_forms_keep_relative_precision_far_below_one(log_rho):
+    """pi_old << mu: d/d logp_train |pi_old - mu| = -pi_old and d/dx (e^x - 1)^2 = 2 (e^x - 1) e^x, both tiny
+    and normal numbers down to e^-700; torch's expm1 backward rounds them to 0 below log rho ~ -37."""
+    lr = -1e-9
+    lt = torch.tensor([[lr + log_rho]], dtype=torch.float64, requires_grad=True)
+    b = torch.tensor([[lr]], dtype=torch.float64)
+    pi, mu = math.exp(lr + log_rho), math.exp(lr)
+    (g,) = torch.autograd.grad(MEASURES["abs_prob_diff"].token(lt, b).sum(), lt)
+    assert g.item() == pytest.approx(-pi, rel=1e-12) and g.item() != 0.0
+    assert MEASURES["abs_prob_diff"].token(lt, b).item() == pytest.approx(mu - pi, rel=1e-15)
+    rho = math.exp(log_rho)
+    (g,) = torch.autograd.grad(MEASURES["chi2"].token(lt, b).sum(), lt)
+    assert g.item() == pytest.approx(2 * (rho - 1) * rho, rel=1e-12) and g.item() != 0.0
+    assert MEASURES["chi2"].token(lt, b).item() == pytest.approx((rho - 1) ** 2, rel=1e-15)
+    if log_rho == -40.0:  # what the plain expm1 form gave
+        x = torch.tensor(40.0 - 1e-9, dtype=torch.float64, requires_grad=True)
+        (g0,) = torch.autograd.grad(-torch.expm1(-x), x)
+        assert g0.item() == 0.0
+
+
+@pytest.mark.parametrize("log_rho", [-20.0, -30.0, -40.0])
+def test_token_form_gradients_far_below_one_in_float32(log_rho):
+    lt = torch.tensor([[log_rho - 0.5]], dtype=torch.float32, requires_grad=True)
+    b = torch.tensor([[-0.5]], dtype=torch.float32)
+    (g,) = torch.autograd.grad(MEASURES["abs_prob_diff"].token(lt, b).sum(), lt)
+    assert g.item() == pytest.approx(-math.exp(log_rho - 0.5), rel=1e-5)
+    (g,) = torch.autograd.grad(MEASURES["chi2"].token(lt, b).sum(), lt)
+    assert g.item() == pytest.approx(2 * (math.exp(log_rho) - 1) * math.exp(log_rho), rel=1e-5)
+
+
+def test_token_quantiles_match_numpy_and_hand_values():
+    from constraints.measures import token_quantiles
+
+    # abs_log_ratio of 11 tokens = 0, 0.1, ..., 1.0: p50 = 0.5, p90 = 0.9, p99 = 0.99 (linear: 0.9 + 0.9 * 0.1)
+    train = -torch.arange(11, dtype=torch.float64)[None, :] * 0.1 - 1.0
+    rollout = torch.full_like(train, -1.0)
+    q = token_quantiles("abs_log_ratio", train, rollout, torch.ones_like(train, dtype=torch.bool))
+    np.testing.assert_allclose(q.numpy(), [0.5, 0.9, 0.99], rtol=1e-12)
+    train_t, rollout_t, mask_t, train, rollout, mask = _batch(11, torch.float64)
+    for name in ("abs_prob_diff", "kl_k3", "chi2", "max_abs_log_ratio"):
+        values = MEASURES[name].token(torch.tensor(train), torch.tensor(rollout)).numpy()[mask]
+        np.testing.assert_allclose(token_quantiles(name, train_t, rollout_t, mask_t).numpy(),
+                                   np.percentile(values, [50, 90, 99]), rtol=1e-12, err_msg=name)
+    none = torch.zeros_like(mask_t)
+    assert token_quantiles("kl_k3", train_t, rollout_t, none).tolist() == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="no per-token form"):
+        token_quantiles("chi2_seq", train_t, rollout_t, mask_t)
+    m = discrepancy_metrics(train_t, rollout_t, mask_t, quantiles_of=["kl_k3", "routing_mismatch", "kl_k3", "ess"])
+    hist = {k: v for k, v in m.items() if k.endswith(("_p50", "_p90", "_p99"))}
+    ref = np.percentile(MEASURES["kl_k3"].token(torch.tensor(train), torch.tensor(rollout)).numpy()[mask], [50, 90, 99])
+    assert hist == pytest.approx({"discrepancy/kl_k3_p50": ref[0], "discrepancy/kl_k3_p90": ref[1],
+                                  "discrepancy/kl_k3_p99": ref[2]}, rel=1e-12)
+
+
+def test_every_measure_is_a_constraint_and_a_calibration_row():
+    """The registry is the one list: the panel, the constraint configs and dcmdp calibrate's rows follow it."""
+    from constraints.measures import panel_constraints
+    from constraints.penalties import check_penalty_constraints
+    from dcmdp.calibrate import FLOOR_MEASURES
+
+    panel = panel_constraints()
+    assert {c.measure for c in panel.values()} == set(MEASURES) - {"ess"}
+    assert FLOOR_MEASURES == panel
+    assert panel["discrepancy/extreme_rate_2"].tau == 2.0 and "routing/mismatch" in panel
+    train_t, rollout_t, mask_t, *_ = _batch(12)
+    m = discrepancy_metrics(train_t, rollout_t, mask_t)
+    for key, c in panel.items():
+        if c.measure == "routing_mismatch":
+            continue
+        assert measure_constraint(c, train_t, rollout_t, mask_t).item() == pytest.approx(m[key], rel=1e-12), key
+    # max_* measures have the token form a hinge penalty acts on exactly; the sequence-level ones do not
+    check_penalty_constraints([ConstraintConfig(measure="max_abs_prob_diff"), ConstraintConfig(measure="max_abs_log_ratio")])
+    with pytest.raises(ValueError, match="no per-token form"):
+        check_penalty_constraints([ConstraintConfig(measure="chi2_seq")])
