@@ -26,7 +26,7 @@ that serve these formats accumulate). What is rounded, and what never is:
   output row (the grouped layout of GPTQ / AWQ checkpoints, Frantar et al. 2022; Lin et al. 2023, arXiv
   2306.00978, group 128 there; 32 by default here, as the tiny models have 64 inputs):
   ``scale_g = amax_g / 7``, codes ``clamp(round(w / scale_g), -7, 7)``: the restricted symmetric range
-  (the int8 choice above; Wu et al. 2020, arXiv 2004.09602, §3.1), so amax lands exactly on a code
+  (the int8 choice above; Wu et al. 2020, arXiv 2004.09602), so amax lands exactly on a code
   and the grid is symmetric about 0. GPTQ's symmetric mode instead uses 16 codes ([-8, 7] with scale
   2 amax / 15); its extra negative code only ever serves the most negative weight of a group.
 

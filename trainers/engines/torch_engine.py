@@ -3,10 +3,10 @@
 It departs from the trainer only where the user asks it to: the copy runs in ``rollout.precision``
 (fp32 | bf16 | fp16 casts; int8, fp8_weight, int4 weight-only and fp8 W8A8 fake quantisation, see
 ``trainers.quant``), and its LM head runs in that precision (logits are upcast to float32 before the
-softmax, as serving engines do). In fp32 every
-log-prob it reports equals ``trainers.scoring.response_logprobs`` of the trainer's model to float
-rounding, because both compute ``log softmax(logits / temperature)`` of the same network at the same
-positions (``scoring.position_ids`` over the full left-padded sequence).
+softmax, as serving engines do). In fp32 every log-prob it reports equals
+``trainers.scoring.response_logprobs`` of the trainer's model to float rounding, because both compute
+``log softmax(logits / temperature)`` of the same network at the same positions
+(``scoring.position_ids`` over the full left-padded sequence).
 
 Decoding: one prefill over the left-padded prompts, then one token per step for the whole batch
 (finished rows keep being fed padding, masked out, so that no per-row bookkeeping is needed). Each
