@@ -23,6 +23,7 @@ One writer per ``ckpt_dir`` (rank 0): a second writer's temporary directory woul
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -31,6 +32,8 @@ import random
 import re
 import shutil
 import signal
+import socket
+import sys
 import tempfile
 import threading
 import time
@@ -59,6 +62,86 @@ _TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, found, verified or loaded; the message names the path and why."""
+
+
+class RunFolderError(CheckpointError):
+    """The run folder is in use by another process, or already holds a run that this one must not touch."""
+
+
+LOCK_FILE = "run.lock"
+# What a fresh run must not write over (``run_in_folder``) and what ``overwrite=true`` removes.
+RUN_OUTPUTS = ("checkpoints", "summary.json", "dual.png")
+
+
+class RunFolderLock:
+    """Exclusive ``flock`` on ``<folder>/run.lock``, held for the life of a run.
+
+    The kernel releases a flock when its holder exits, however it exits (``kill -9`` included), so a lock file
+    left by a dead process is no obstacle: the next run takes the lock and writes its own holder line. The file
+    names the holder (PID, host, start time, command line), so a second run's error can say who holds it. The
+    file itself is never deleted: unlinking a lock file lets two processes lock two different files.
+    """
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_FILE
+        self._fh: Optional[Any] = None
+
+    def acquire(self) -> "RunFolderLock":
+        """Take the lock or raise ``RunFolderError`` naming the holder; ``OSError`` if the folder is not writable."""
+        fh = open(self.path, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "a process that has not written its PID yet"
+            fh.close()
+            raise RunFolderError(f"output_dir {self.folder} is in use by another run ({holder}); wait until it "
+                                 f"ends, or choose another output_dir") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}: "
+                 f"{' '.join(sys.argv)}\n")
+        fh.flush()
+        self._fh = fh
+        return self
+
+    def release(self) -> None:
+        if self._fh is not None:
+            self._fh.close()  # releases the flock
+            self._fh = None
+
+    @property
+    def held(self) -> bool:
+        return self._fh is not None
+
+
+def run_in_folder(folder: str | Path) -> Optional[str]:
+    """What of an earlier run ``folder`` holds (complete checkpoints, summary.json), in words; None if nothing."""
+    folder = Path(folder)
+    found = []
+    steps = [int(m.group(1)) for p in _complete_or_not(folder / "checkpoints")
+             if (p / MANIFEST_FILE).is_file() and (m := _STEP_RE.match(p.name))]
+    if steps:
+        found.append(f"checkpoints up to step {max(steps)}")
+    if (folder / "summary.json").is_file():
+        found.append("summary.json")
+    return " and ".join(found) or None
+
+
+def clear_run_folder(folder: str | Path) -> None:
+    """Remove an earlier run's outputs (``RUN_OUTPUTS``) so a new run cannot mix with them; the MLflow store and
+    unsent tracking buffers stay."""
+    folder = Path(folder)
+    for name in RUN_OUTPUTS:
+        path = folder / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+        else:
+            continue
+        log.warning("overwrite=true: removed %s of the earlier run", path)
 
 
 def capture_rng() -> dict[str, Any]:
@@ -244,6 +327,30 @@ def find_resume_checkpoint(ckpt_dir: str | Path, resume: Optional[str]) -> Optio
     if not ok:
         raise CheckpointError(f"resume checkpoint {path} is not valid: {why}")
     return path
+
+
+def load_resume_checkpoint(ckpt_dir: str | Path, resume: Optional[str]) -> Optional[tuple[Path, dict[str, Any]]]:
+    """(path, payload) of the checkpoint to resume from, or None for a fresh run (see ``find_resume_checkpoint``).
+
+    With ``"auto"``, a checkpoint whose files verify but whose payload does not load (a ``state.pt`` truncated
+    before its manifest was written) is skipped with a warning like a corrupt one, and the next older one tried.
+    """
+    if resume != "auto":
+        path = find_resume_checkpoint(ckpt_dir, resume)
+        return None if path is None else (path, load_checkpoint(path))
+    for path in _complete_or_not(Path(ckpt_dir)):
+        ok, why = verify_checkpoint(path)
+        if not ok:
+            log.warning("skipping checkpoint %s: %s", path, why)
+            continue
+        try:
+            state = load_checkpoint(path)
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint %s: %s", path, exc)
+            continue
+        log.info("resuming from %s (%s)", path, why)
+        return path, state
+    return None
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:

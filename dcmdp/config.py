@@ -149,6 +149,9 @@ class RunConfig:
     threads: int = 0
     # Show a progress bar.
     progress: bool = True
+    # Start a fresh run in an output_dir that holds an earlier run's checkpoints or summary.json, deleting them
+    # (its MLflow run stays). Without it such a folder is refused unless checkpoint.resume is set.
+    overwrite: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -445,3 +448,29 @@ def flatten(cfg: RunConfig) -> dict[str, str]:
 
     walk(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True), "")
     return out
+
+
+# Keys a resumed run must share with its checkpoint: the model's shape and weights, and the dual state's layout
+# and meaning (number, order and measures of the constraints, the dual rule). Others (lr, steps, tolerances, ...)
+# may change on resume. ``*`` stands for a constraint's index.
+RESUME_KEYS = ("model.preset", "model.path", "model.dtype", "task.name", "dual.rule", "dual.constraints.*.measure",
+               "dual.constraints.*.tau")
+
+
+def resume_conflicts(saved: dict[str, str], cfg: RunConfig) -> list[str]:
+    """One line per ``RESUME_KEYS`` key where ``cfg`` differs from the flattened config ``saved`` with a checkpoint
+    (``flatten``), the number of constraints first; empty when the run can continue from it."""
+    now = flatten(cfg)
+
+    def count(flat: dict[str, str]) -> int:
+        return len({k.split(".")[2] for k in flat if k.startswith("dual.constraints.")})
+
+    out = []
+    if count(saved) != count(now):
+        out.append(f"dual.constraints: {count(saved)} constraint(s) in the checkpoint, {count(now)} now")
+    for key in sorted(set(saved) | set(now)):
+        generic = re.sub(r"^dual\.constraints\.\d+\.", "dual.constraints.*.", key)
+        if generic in RESUME_KEYS and key in saved and key in now and saved[key] != now[key]:
+            out.append(f"{key}: {saved[key]!r} in the checkpoint, {now[key]!r} now")
+    return out
+

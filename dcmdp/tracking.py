@@ -499,6 +499,8 @@ class Tracker:
         self._outage = False
         self._warned_values = False
         self._finished = False
+        # (key, step) pairs the store already holds for a resumed run (``skip_logged``): not logged again
+        self._logged: set[tuple[str, int]] = set()
 
     @property
     def run_id(self) -> Optional[str]:
@@ -529,12 +531,38 @@ class Tracker:
         self._emit(records, force=True)
         return self.run_id  # type: ignore[return-value]
 
+    def skip_logged(self, after_step: int) -> int:
+        """Read which metrics the store holds for this run at steps > ``after_step``; ``log_metrics`` leaves those
+        (key, step) pairs out. A run resumed from the checkpoint of ``after_step`` repeats the steps that ran
+        between that checkpoint and the crash (kill -9 during or before the next checkpoint write): each is then
+        logged once. Call after ``start`` (which first sends what an earlier process left buffered). Returns the
+        number of pairs found; when the store cannot be read, warns and returns 0 (the repeats are then logged).
+        """
+        if self._id is None or self.run_id is None or self.run_id.startswith(LOCAL_ID_PREFIX):
+            return 0
+        try:
+            client = self._sender._client()
+            for key in client.get_run(self.run_id).data.metrics:
+                self._logged.update((key, m.step) for m in client.get_metric_history(self.run_id, key)
+                                    if m.step > after_step)
+        except Exception as exc:
+            logger.warning("could not read the metrics of run %s at %s (%s); steps after %d that ran before the "
+                           "restart may appear twice", self.run_id, self.tracking_uri, str(exc)[:300], after_step)
+            return 0
+        if self._logged:
+            steps = sorted({step for _, step in self._logged})
+            logger.info("run %s already holds metrics of steps %d..%d: those are not logged again", self.run_id,
+                        steps[0], steps[-1])
+        return len(self._logged)
+
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if self._id is None:
             raise RuntimeError("Tracker.log_metrics before Tracker.start")
         ts, run = _now_ms(), self.run_id
         records = []
         for key, value in metrics.items():
+            if (key, int(step)) in self._logged:
+                continue
             try:
                 value = float(value)
             except Exception:  # a string, a tensor of several elements, ...

@@ -7,6 +7,11 @@ when every sample of a group fails. A few hundred AdamW steps of teacher forcing
 lr 6e-3 (~20 s on one core), but only ~2% / ~4% after 150 steps at lr 3e-3. The result is cached on disk by a content hash, so runs that share the
 model, task, cold-start config and seed (a tolerance sweep, a rerun) train it once.
 
+Each cache entry carries ``cache_manifest.json`` (size and sha256 of every file, written last); an entry without
+it, with a file that does not match, or whose weights do not load is trained again, with a warning. A cache
+directory that cannot be written on a miss: the cold start trains without caching (warning) and saves the
+model to ``fallback_dir`` (or a temporary directory) for the engines that load from disk.
+
 Loss: mean over all response tokens of the batch of ``-log pi(y_t)`` at temperature 1, with the
 response = demonstration + EOS, computed by ``trainers.scoring.response_logprobs`` on the same
 left-padded prompt + right-padded response layout the RL learner uses. Learning rate: ``cfg.lr`` after
@@ -22,6 +27,7 @@ import logging
 import math
 import os
 import random
+import tempfile
 import time
 from typing import Any, Protocol, Sequence
 
@@ -39,6 +45,7 @@ log = logging.getLogger(__name__)
 
 # Number of eval-set examples whose sampled accuracy is reported after the cold start.
 _EVAL_EXAMPLES = 256
+CACHE_MANIFEST = "cache_manifest.json"
 
 
 class _Example(Protocol):
@@ -182,8 +189,76 @@ def sampled_accuracy(model: PreTrainedModel, tokenizer, task: _Task, examples: S
     return hits / len(examples)
 
 
+def _file_digests(directory: str) -> dict[str, dict]:
+    """{relative path: {"bytes", "sha256"}} of every file under ``directory`` but the manifest."""
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, directory)
+            if rel == CACHE_MANIFEST:
+                continue
+            sha = hashlib.sha256()
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    sha.update(chunk)
+            out[rel] = {"bytes": os.path.getsize(path), "sha256": sha.hexdigest()}
+    return out
+
+
+def write_cache_manifest(model_dir: str) -> None:
+    """Checksum every file of a saved cache entry; the manifest is written last and renamed into place."""
+    files = _file_digests(model_dir)
+    tmp = os.path.join(model_dir, f".{CACHE_MANIFEST}.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(model_dir, CACHE_MANIFEST))
+
+
+def verify_cache_entry(model_dir: str) -> tuple[bool, str]:
+    """(ok, why not): the entry has its manifest and every listed file has its size and sha256."""
+    try:
+        with open(os.path.join(model_dir, CACHE_MANIFEST)) as f:
+            files = json.load(f)["files"]
+    except FileNotFoundError:
+        return False, f"no {CACHE_MANIFEST} (written by an interrupted or older cold start)"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return False, f"unreadable {CACHE_MANIFEST}: {exc}"
+    found = _file_digests(model_dir)
+    for name, meta in files.items():
+        if name not in found:
+            return False, f"{name} is missing"
+        if found[name] != meta:
+            return False, f"{name} does not match its checksum (truncated or corrupted)"
+    return True, "checksums ok"
+
+
+def _writable(directory: str) -> str:
+    """'' when a cache entry can be written under ``directory``, else why not."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=directory))
+        return ""
+    except OSError as exc:
+        return exc.strerror or str(exc)
+
+
+def _load_cached(model_dir: str, dtype: str) -> tuple[PreTrainedModel | None, str]:
+    """The cached model, or (None, why it cannot be used) for an entry that exists but fails its checks."""
+    ok, why = verify_cache_entry(model_dir)
+    if not ok:
+        return None, why
+    try:
+        return load_model_dir(model_dir, dtype), ""
+    except Exception as exc:  # a verified entry that still fails to load was written by another version
+        return None, f"its weights do not load: {type(exc).__name__}: {str(exc)[:200]}"
+
+
 def cold_start(model: PreTrainedModel, tokenizer, task: _Task, cfg: ColdStartConfig, model_cfg: ModelConfig, *,
-               seed: int, eos_id: int, progress: bool = True) -> tuple[PreTrainedModel, dict]:
+               seed: int, eos_id: int, progress: bool = True,
+               fallback_dir: str | None = None) -> tuple[PreTrainedModel, dict]:
     """Cold-start ``model`` on ``task`` demonstrations, or load the cached result.
 
     Returns ``(model, info)``. ``info`` holds numeric metrics ``coldstart/loss`` (mean of the last 10
@@ -192,21 +267,37 @@ def cold_start(model: PreTrainedModel, tokenizer, task: _Task, cfg: ColdStartCon
     256 eval examples, one sample each), ``coldstart/seconds``, and ``model_dir``: the directory (str)
     holding the model and tokenizer in Hugging Face format, for engines that load weights from disk
     (vLLM). Pop ``model_dir`` before logging the rest as metrics. With ``cfg.steps == 0`` the
-    untouched model is saved, so ``model_dir`` always exists.
+    untouched model is saved, so ``model_dir`` always exists: in the cache, or in ``fallback_dir`` (default: a
+    new temporary directory) when the cache directory cannot be written.
     """
     t0 = time.perf_counter()
     key = cache_key(model, tokenizer, task, cfg, model_cfg, seed=seed)
     model_dir = os.path.abspath(os.path.join(cfg.cache_dir, key))
     losses: list[float] = []
-    cached = os.path.isfile(os.path.join(model_dir, "config.json"))
-    if cached:
-        log.info("cold start: loading cached model from %s", model_dir)
-        model = load_model_dir(model_dir, model_cfg.dtype)
-        model.config.use_cache = False
-    else:
-        log.info("cold start: training %d steps x %d sequences, caching in %s", cfg.steps, cfg.batch_size, model_dir)
+    cached = False
+    if os.path.exists(model_dir):
+        loaded, why = _load_cached(model_dir, model_cfg.dtype)
+        if loaded is not None:
+            log.info("cold start: loading cached model from %s", model_dir)
+            model, cached = loaded, True
+            model.config.use_cache = False
+        else:
+            log.warning("cold start: cached model %s is not usable (%s); training it again", model_dir, why)
+    if not cached:
+        unwritable = _writable(cfg.cache_dir)
+        if unwritable:
+            target = fallback_dir or tempfile.mkdtemp(prefix="dcmdp_coldstart_")
+            log.warning("cold start: the cache directory %s cannot be written (%s): training %d steps without "
+                        "caching; the model is saved to %s", os.path.abspath(cfg.cache_dir), unwritable, cfg.steps,
+                        target)
+            model_dir = os.path.abspath(target)
+        else:
+            log.info("cold start: training %d steps x %d sequences, caching in %s", cfg.steps, cfg.batch_size,
+                     model_dir)
         losses = supervised_finetune(model, tokenizer, task, cfg, seed=seed, eos_id=eos_id, progress=progress)
         save_model_dir(model, tokenizer, model_dir)
+        if not unwritable:
+            write_cache_manifest(model_dir)
     model.eval()
     nan = float("nan")
     examples = list(task.eval_set())[:_EVAL_EXAMPLES]
