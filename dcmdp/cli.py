@@ -53,7 +53,7 @@ def _cmd_calibrate(ns: argparse.Namespace) -> int:
 def _cmd_tune(ns: argparse.Namespace) -> int:
     from dcmdp.tune import run_tune_file
 
-    trials, best = run_tune_file(ns.tune_file, workers=ns.workers)
+    trials, best = run_tune_file(ns.tune_file, ns.overrides, workers=ns.workers)
     return 0 if best is not None else 3
 
 
@@ -102,11 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default=None, help="write the YAML snippet here (default: print it)")
     c.set_defaults(func=_cmd_calibrate)
 
-    u = sub.add_parser("tune", help="sweep dual settings (grid + optional bounded refinement) as nested MLflow runs "
-                       "and select by held-out accuracy within tolerance: dcmdp tune TUNE.yaml (exit code 3: no "
-                       "trial met the selection rule)")
-    u.add_argument("tune_file", help="tune file: base, overrides, space, refine, select, workers, output_dir "
-                   "(see dcmdp/tune.py)")
+    u = sub.add_parser("tune", help="sweep dual settings in an Optuna study (grid, TPE or GP; pruning) as nested "
+                       "MLflow runs and select by held-out accuracy within tolerance: dcmdp tune TUNE.yaml "
+                       "[key=value ...] (exit code 3: no trial met the selection rule)")
+    u.add_argument("tune_file", help="tune file: base, overrides, space, sampler, trials, study, storage, select, "
+                   "prune, workers, output_dir (see dcmdp/tune.py)")
+    u.add_argument("overrides", nargs="*", help="dotlist overrides of the base run config, after the tune file's")
     u.add_argument("--workers", type=int, default=None, help="trials at once (default: the tune file's workers)")
     u.set_defaults(func=_cmd_tune)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -190,6 +191,10 @@ def _train_step(s: Setup, step: int, bar) -> None:
         log.info("first step after resume (step %d): %s", step + 1, ", ".join(
             f"{k}={v:.4g}" for k, v in metrics.items() if k.startswith("discrepancy/")))
     s.tracker.log_metrics(metrics, step=step + 1)
+    progress = os.environ.get("DCMDP_PROGRESS_FILE")  # dcmdp tune follows, and may prune, a trial through it
+    if progress and s.dist.main:
+        with open(progress, "a") as f:
+            f.write(json.dumps({"step": step + 1, "run_id": s.tracker.run_id, **metrics}) + "\n")
     bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.2f}",
                     **{f"lam_{n}": f"{float(v):.3g}" for n, v in zip(s.names, s.dual.lambda_C)})
 

@@ -1,30 +1,38 @@
-"""Sweeps of the dual controller's settings: ``dcmdp tune TUNE.yaml``.
+"""Sweeps of the dual controller's settings on Optuna: ``dcmdp tune TUNE.yaml [key=value ...]``.
 
 A tune file (YAML)::
 
     base: configs/tiny-dense.yaml        # run config; a relative path is tried next to the tune file, then in cwd
-    overrides: [steps=40, progress=false] # dotlist applied to every trial
-    space:                               # grid = cartesian product of the value lists
+    overrides: [steps=40, progress=false] # dotlist applied to every trial (the command line's key=value come after)
+    space:                               # run-config keys; a list of values, or a range (tpe and gp only)
       dual.constraints[0].tolerance: [0.001, 0.002, 0.005]
-      dual.constraints[0].lr: [0.5, 1.0]
-    refine:                              # optional: bounded 1-D refinement of one key around the best grid point
-      key: dual.constraints[0].tolerance
-      bounds: [0.001, 0.005]             # default: the best grid value's neighbours on that key
-      budget: 4                          # trials (evaluations of minimize_scalar(method="bounded"))
-    select:                              # the selection rule (defaults shown)
-      min_inside_frac: 0.9
-      warmup_steps: 0
-      collapse_window: 5
-      collapse_drop_frac: 0.5
-      collapse_metric: reward/accuracy
-    workers: 2                           # trials running at once (separate processes)
+      dual.constraints[0].lr: {low: 0.1, high: 10, log: true}
+    sampler: grid                        # grid (every combination of the lists) | tpe | gp
+    trials: 20                           # tpe / gp: trials in the study (grid: the grid's size)
+    seed: 0                              # the sampler's seed
+    study: null                          # Optuna study name (default: the tune file's name without .yaml)
+    storage: null                        # Optuna RDB URL (default: sqlite:///<output_dir>/study.db)
+    select: {min_inside_frac: 0.9, warmup_steps: 0, collapse_window: 5, collapse_drop_frac: 0.5,
+             collapse_metric: reward/accuracy}
+    prune: {enabled: true, collapse_patience: null}   # patience default: collapse_window
+    workers: 2                           # trials running at once in this process
     prime_cold_start: true               # run the first trial alone so the others reuse its cached cold start
     output_dir: outputs/tune
 
-Keys of ``space`` and ``refine.key`` are OmegaConf paths into the run config; list elements are
-addressed with ``[i]`` (or ``.i``): ``dual.constraints[0].tolerance`` (c), ``dual.constraints[0].lr``
-(η), ``dual.constraints[0].lambda_init`` (λ_0), and any other key such as ``optim.lr``. Tables and plots
-abbreviate ``dual.constraints[i].`` to ``c[i].``.
+Keys of ``space`` are OmegaConf paths into the run config (``dual.constraints[0].tolerance`` is c, ``.lr`` η,
+``.lambda_init`` λ_0, or any key such as ``optim.lr``); tables and plots write ``c[i].`` for
+``dual.constraints[i].``. A range ``{low, high, log, step}`` becomes an Optuna float distribution (an int one
+when low and high are integers); a list becomes a categorical one.
+
+One Optuna study (direction: maximise held-out accuracy) per tune file. Several ``dcmdp tune`` processes, on
+one machine or many, may share a study: they claim trials from it and never run one twice (sqlite: claims
+are serialised by a lock file next to the database; a server database serialises them by itself, except
+for the rare race where two processes start on one stale study at the same moment). Each trial is
+``python -m dcmdp.cli train <trial>/run.yaml`` in ``<output_dir>/trials/t<number>``, a child MLflow run
+nested under one parent run (tag ``mlflow.parentRunId``; its id is a study attribute, so all processes
+share it). The trial appends every step's metrics to ``<trial>/progress.jsonl`` (environment variable
+``DCMDP_PROGRESS_FILE``); the parent reads it each second, reports held-out accuracy (``eval/accuracy``,
+every ``eval_every`` steps) as the trial's intermediate value and asks the pruner.
 
 Selection rule. A trial is *eligible* when it finished, did not collapse, and kept the constrained
 discrepancy inside the tolerance (every constraint's D-hat <= c, ``dual/measured/<c>`` <= ``dual/tolerance/<c>``)
@@ -33,41 +41,64 @@ on at least ``min_inside_frac`` of its steps after warm-up (steps ``warmup_steps
 over its last ``collapse_window`` steps fell below ``collapse_drop_frac`` x its peak ``collapse_window``-step
 mean. The selected trial is the eligible one with the highest held-out accuracy after training (ties: larger
 inside share, then smaller mean discrepancy, then the earlier trial); none is selected when no trial is
-eligible.
+eligible. tpe and gp see the rule as an Optuna constraint (feasible = eligible).
 
-Every trial is ``python -m dcmdp.cli train <trial>/run.yaml`` in its own output directory
-``<output_dir>/trials/<id>`` (grid trials ``g000``.., refinement trials ``r000``..), at most ``workers`` at
-once, logging a child MLflow run nested under one parent run (tag ``mlflow.parentRunId``) in the base
-config's tracking store. Per-step values are read back from the child run. A sweep that is run again with
-the same ``output_dir`` reuses the parent run and skips trials whose ``summary.json`` exists; failed
-trials are reported as failed and run again. Outputs, all logged as parent-run artifacts: ``table.txt``
-(also printed), ``results.csv``, ``tune.png`` (accuracy and mean discrepancy against the first space key,
-λ trajectories) and ``best.yaml`` (the winning ``dual.constraints`` block, plus any other swept key).
+Pruning (``RulePruner``) stops a trial that can no longer be selected: a non-finite loss, more steps
+outside the tolerance than ``1 - min_inside_frac`` of the post-warm-up steps allow, or the collapse
+condition holding on ``collapse_patience`` steps in a row. The trial gets SIGTERM, writes its checkpoint
+and ends its MLflow run KILLED with the tag ``dcmdp.tune.state=PRUNED``; Optuna records it PRUNED.
+
+Resume. Running the tune file again continues the study: finished and pruned trials stay, failed trials
+(an interrupted ``dcmdp tune``, a trial process that died, a trial whose ``heartbeat`` stopped for
+``GRACE_S``) are retried as new Optuna trials (``RetryFailedTrialCallback``) in the original trial's
+folder, so a trial continues from its last checkpoint in the same child MLflow run.
+
+Outputs of each call, also logged on the parent run: ``table.txt`` (printed; says why each trial was not
+selected), ``results.csv``, ``tune.png`` (accuracy and mean discrepancy against the first space key, on a
+log axis for log-spaced values, ineligible trials marked; λ trajectories) and ``best.yaml`` (the winning
+``dual.constraints`` block, plus any other swept key).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import fcntl
+import importlib.util
 import itertools
 import json
 import logging
 import math
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
+import optuna
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from optuna.storages import RDBStorage, RetryFailedTrialCallback
+from optuna.trial import FrozenTrial, TrialState
 
 from dcmdp.config import ConfigError, RunConfig, TrackingConfig, load_config, to_yaml, validate
 from dcmdp.tracking import LOCAL_ID_PREFIX, Tracker, resolve_tracking_uri
 
 log = logging.getLogger("dcmdp.tune")
+# heartbeats, fail_stale_trials and RetryFailedTrialCallback are marked experimental; they are used with ask/tell
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
 
+PROGRESS_ENV = "DCMDP_PROGRESS_FILE"  # read by dcmdp.loop: the file a trial appends its per-step metrics to
+SAMPLERS = ("grid", "tpe", "gp")
+POLL_S = 0.5  # how often the parent reads a running trial's progress
+HEARTBEAT_S, GRACE_S = 20, 120  # Optuna heartbeat of running trials; a trial silent for GRACE_S is failed
 _MISSING = object()
 
 
@@ -93,22 +124,25 @@ class SelectRule:
 
 
 @dataclass
-class RefineSpec:
-    # Space key refined around the best grid point.
-    key: str
-    # Search interval (default: the best grid value's neighbours on this key).
-    bounds: Optional[list[float]] = None
-    # Number of refinement trials.
-    budget: int = 4
+class PruneSpec:
+    # Stop trials that can no longer be selected (see RulePruner).
+    enabled: bool = True
+    # Steps in a row the collapse condition must hold before a trial is pruned (default: collapse_window).
+    collapse_patience: Optional[int] = None
 
 
 @dataclass
 class TuneConfig:
     base: str
     overrides: list[str] = field(default_factory=list)
-    space: dict[str, list[Any]] = field(default_factory=dict)
-    refine: Optional[RefineSpec] = None
+    space: dict[str, Any] = field(default_factory=dict)
+    sampler: str = "grid"
+    trials: Optional[int] = None
+    seed: int = 0
+    study: Optional[str] = None
+    storage: Optional[str] = None
     select: SelectRule = field(default_factory=SelectRule)
+    prune: PruneSpec = field(default_factory=PruneSpec)
     workers: int = 1
     prime_cold_start: bool = True
     output_dir: str = "outputs/tune"
@@ -120,7 +154,7 @@ class Trial:
 
     trial: str
     settings: dict[str, Any]
-    status: str = "ok"
+    status: str = "ok"  # ok | pruned | failed | running
     error: str = ""
     accuracy_before: float = math.nan
     accuracy_after: float = math.nan
@@ -135,6 +169,9 @@ class Trial:
     selected: bool = False
     run_id: str = ""
     seconds: float = math.nan
+    steps: int = 0
+    number: int = -1
+    reason: str = ""
     lambda_history: dict[str, list[float]] = field(default_factory=dict)
 
 
@@ -142,8 +179,8 @@ class Trial:
 # The tune file.
 
 
-def load_tune_config(path: str | Path) -> TuneConfig:
-    """Parse and check a tune file; ``base`` is resolved to an existing path."""
+def load_tune_config(path: str | Path, overrides: Sequence[str] = ()) -> TuneConfig:
+    """Parse and check a tune file; ``overrides`` (key=value of the run config) follow the file's own."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"tune file not found: {path}")
@@ -161,20 +198,14 @@ def load_tune_config(path: str | Path) -> TuneConfig:
         base = path.parent / base
     space = raw.get("space") or {}
     if not isinstance(space, dict) or not space:
-        raise ConfigError("tune config error at 'space': give at least one key with a list of values")
-    for k, v in space.items():
-        if not isinstance(v, list) or not v:
-            raise ConfigError(f"tune config error at 'space.{k}': must be a non-empty list of values")
-    select = raw.get("select") or {}
-    _only_keys(select, SelectRule, "select.")
-    refine = raw.get("refine")
-    if refine is not None:
-        _only_keys(refine, RefineSpec, "refine.")
-        refine = RefineSpec(**refine)
-    cfg = TuneConfig(base=str(base), overrides=[str(o) for o in raw.get("overrides") or []],
-                     space={str(k): list(v) for k, v in space.items()}, refine=refine, select=SelectRule(**select),
-                     workers=int(raw.get("workers", 1)), prime_cold_start=bool(raw.get("prime_cold_start", True)),
-                     output_dir=str(raw.get("output_dir", "outputs/tune")))
+        raise ConfigError("tune config error at 'space': give at least one key with a list of values or a range")
+    for key in ("select", "prune"):
+        _only_keys(raw.get(key) or {}, {"select": SelectRule, "prune": PruneSpec}[key], f"{key}.")
+    cfg = TuneConfig(**{**raw, "base": str(base), "space": {str(k): v for k, v in space.items()},
+                        "overrides": [str(o) for o in raw.get("overrides") or []] + list(overrides),
+                        "select": SelectRule(**(raw.get("select") or {})),
+                        "prune": PruneSpec(**(raw.get("prune") or {}))})
+    cfg.study = cfg.study or path.stem
     _check(cfg)
     return cfg
 
@@ -182,7 +213,7 @@ def load_tune_config(path: str | Path) -> TuneConfig:
 def _only_keys(raw: Any, cls: type, prefix: str) -> None:
     if not isinstance(raw, dict):
         raise ConfigError(f"tune config error at '{prefix[:-1] or 'top level'}': must be a mapping")
-    valid = set(cls.__dataclass_fields__)
+    valid = {f.name for f in fields(cls)}
     for k in raw:
         if k not in valid:
             raise ConfigError(f"unknown tune config key '{prefix}{k}'; valid keys: {', '.join(sorted(valid))}")
@@ -197,19 +228,43 @@ def _check(cfg: TuneConfig) -> None:
     if s.warmup_steps < 0 or s.collapse_window < 1 or not 0 <= s.collapse_drop_frac <= 1:
         raise ConfigError("tune config error at 'select': need warmup_steps >= 0, collapse_window >= 1 and "
                           "collapse_drop_frac in [0, 1]")
-    if cfg.refine is not None:
-        r = cfg.refine
-        if r.key not in cfg.space:
-            raise ConfigError(f"tune config error at 'refine.key': {r.key!r} is not a key of 'space' "
-                              f"({', '.join(cfg.space)})")
-        if r.budget < 1:
-            raise ConfigError(f"tune config error at 'refine.budget': must be >= 1, got {r.budget}")
-        if r.bounds is not None and (len(r.bounds) != 2 or not r.bounds[0] < r.bounds[1]):
-            raise ConfigError(f"tune config error at 'refine.bounds': need [low, high] with low < high, "
-                              f"got {r.bounds}")
+    if cfg.prune.collapse_patience is not None and cfg.prune.collapse_patience < 1:
+        raise ConfigError("tune config error at 'prune.collapse_patience': must be >= 1")
+    if cfg.sampler not in SAMPLERS:
+        raise ConfigError(f"tune config error at 'sampler': {cfg.sampler!r} is not one of {', '.join(SAMPLERS)}")
+    if cfg.sampler == "grid" and cfg.trials is not None:
+        raise ConfigError("tune config error at 'trials': the grid sampler runs every combination; leave it out")
+    if cfg.sampler != "grid" and not (cfg.trials or 0) >= 1:
+        raise ConfigError(f"tune config error at 'trials': sampler {cfg.sampler} needs trials >= 1")
+    if cfg.sampler == "gp":
+        missing = [m for m in ("scipy", "torch") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ConfigError(f"sampler 'gp' (optuna.samplers.GPSampler) needs {' and '.join(missing)}: "
+                              f"pip install {' '.join(missing)}")
+    dists = distributions(cfg.space, grid=cfg.sampler == "grid")
     base = load_config(cfg.base, cfg.overrides)
-    for key in cfg.space:
-        apply_settings(base, {key: cfg.space[key][0]})  # raises on a key the run config does not have
+    for key, d in dists.items():  # raises on a key the run config does not have
+        _set_keys(OmegaConf.structured(base), {key: d.choices[0] if hasattr(d, "choices") else d.low})
+
+
+def distributions(space: dict[str, Any], grid: bool = False) -> dict[str, optuna.distributions.BaseDistribution]:
+    """A list becomes a categorical distribution, ``{low, high, log, step}`` a float (int) one."""
+    out: dict[str, optuna.distributions.BaseDistribution] = {}
+    for key, v in space.items():
+        if isinstance(v, list) and v:
+            out[key] = optuna.distributions.CategoricalDistribution(v)
+        elif isinstance(v, dict) and not grid and {"low", "high"} <= set(v) <= {"low", "high", "log", "step"}:
+            ints = all(isinstance(v[k], int) for k in ("low", "high"))
+            kind = optuna.distributions.IntDistribution if ints else optuna.distributions.FloatDistribution
+            try:
+                out[key] = kind(v["low"], v["high"], log=bool(v.get("log", False)), step=v.get("step", 1 if ints
+                                                                                                   else None))
+            except ValueError as exc:
+                raise ConfigError(f"tune config error at 'space.{key}': {exc}") from exc
+        else:
+            what = "a non-empty list of values" + ("" if grid else " or {low, high, log, step}")
+            raise ConfigError(f"tune config error at 'space.{key}': must be {what}, got {v!r}")
+    return out
 
 
 def grid(space: dict[str, list[Any]]) -> list[dict[str, Any]]:
@@ -218,9 +273,7 @@ def grid(space: dict[str, list[Any]]) -> list[dict[str, Any]]:
     return [dict(zip(keys, values)) for values in itertools.product(*(space[k] for k in keys))]
 
 
-def apply_settings(cfg: RunConfig, settings: dict[str, Any]) -> RunConfig:
-    """A copy of ``cfg`` with each ``key: value`` set (OmegaConf paths, ``[i]`` for list elements), checked."""
-    node = OmegaConf.structured(cfg)
+def _set_keys(node: Any, settings: dict[str, Any]) -> None:
     for key, value in settings.items():
         if OmegaConf.select(node, key, default=_MISSING) is _MISSING:
             raise ConfigError(f"tune: the run config has no key '{key}' (list elements: dual.constraints[0].tolerance)")
@@ -228,14 +281,15 @@ def apply_settings(cfg: RunConfig, settings: dict[str, Any]) -> RunConfig:
             OmegaConf.update(node, key, value, merge=False)
         except OmegaConfBaseException as exc:
             raise ConfigError(f"tune: cannot set '{key}' to {value!r}: {exc}") from exc
+
+
+def apply_settings(cfg: RunConfig, settings: dict[str, Any]) -> RunConfig:
+    """A copy of ``cfg`` with each ``key: value`` set (OmegaConf paths, ``[i]`` for list elements), checked."""
+    node = OmegaConf.structured(cfg)
+    _set_keys(node, settings)
     out: RunConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
     validate(out)
     return out
-
-
-def _param_key(key: str) -> str:
-    """MLflow names allow no brackets: dual.constraints[0].lr -> dual.constraints.0.lr."""
-    return key.replace("[", ".").replace("]", "")
 
 
 def label(key: str) -> str:
@@ -243,7 +297,7 @@ def label(key: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# The selection rule, on finished trials.
+# The selection rule, and the pruner that applies it while a trial runs.
 
 
 def assess(trial: Trial, history: dict[str, list[float]], names: Sequence[str], rule: SelectRule) -> Trial:
@@ -253,22 +307,14 @@ def assess(trial: Trial, history: dict[str, list[float]], names: Sequence[str], 
     a non-finite D-hat counts as outside, a run without constraints is inside on every step, and a run with
     no step after warm-up gets NaN (and is not eligible).
     """
-    n = max((len(v) for v in history.values()), default=0)
-    inside = []
-    for t in range(rule.warmup_steps, n):
-        ok = True
-        for c in names:
-            d, tol = _at(history, f"dual/measured/{c}", t), _at(history, f"dual/tolerance/{c}", t)
-            ok = ok and math.isfinite(d) and d <= tol
-        inside.append(ok)
+    inside = _inside(history, names, rule)
+    trial.steps = max((len(v) for v in history.values()), default=0)
     trial.inside_frac = sum(inside) / len(inside) if inside else math.nan
     trial.mean_discrepancy = {c: _finite_mean(history.get(f"dual/measured/{c}", [])) for c in names}
     trial.lambda_history = {c: list(history.get(f"dual/lambda/{c}", [])) for c in names}
     trial.final_lambda = {c: v[-1] for c, v in trial.lambda_history.items() if v}
     trial.nonfinite_loss = any(not math.isfinite(v) for k, vs in history.items() if k.startswith("loss/") for v in vs)
-    watched = history.get(rule.collapse_metric, [])
-    means = [sum(watched[i:i + rule.collapse_window]) / rule.collapse_window
-             for i in range(len(watched) - rule.collapse_window + 1)] or ([_finite_mean(watched)] if watched else [])
+    means = _window_means(history.get(rule.collapse_metric, []), rule.collapse_window)
     trial.peak_window_mean = max(means) if means else math.nan
     trial.final_window_mean = means[-1] if means else math.nan
     trial.collapsed = trial.nonfinite_loss or (bool(means) and trial.final_window_mean < rule.collapse_drop_frac
@@ -276,19 +322,97 @@ def assess(trial: Trial, history: dict[str, list[float]], names: Sequence[str], 
     return trial
 
 
+def _inside(history: dict[str, list[float]], names: Sequence[str], rule: SelectRule) -> list[bool]:
+    n = max((len(v) for v in history.values()), default=0)
+    return [all(math.isfinite(d := _at(history, f"dual/measured/{c}", t)) and d <= _at(history, f"dual/tolerance/{c}", t)
+                for c in names) for t in range(rule.warmup_steps, n)]
+
+
+def _window_means(watched: Sequence[float], window: int) -> list[float]:
+    return [sum(watched[i:i + window]) / window for i in range(len(watched) - window + 1)] \
+        or ([_finite_mean(watched)] if watched else [])
+
+
+def live_state(history: dict[str, list[float]], names: Sequence[str], rule: SelectRule) -> dict[str, Any]:
+    """What the pruner needs of a running trial: steps so far, post-warm-up steps outside the tolerance, a
+    non-finite loss, and for how many trailing steps the collapse condition has held."""
+    means = _window_means(history.get(rule.collapse_metric, []), rule.collapse_window)
+    collapsed_for = 0
+    for j in range(len(means) - 1, -1, -1):
+        if not means[j] < rule.collapse_drop_frac * max(means[:j + 1]):
+            break
+        collapsed_for += 1
+    return {"live/steps": max((len(v) for v in history.values()), default=0),
+            "live/outside": sum(not ok for ok in _inside(history, names, rule)),
+            "live/nonfinite": any(not math.isfinite(v) for k, vs in history.items() if k.startswith("loss/")
+                                  for v in vs),
+            "live/collapsed_for": collapsed_for}
+
+
+class RulePruner(optuna.pruners.BasePruner):
+    """Prunes a trial that the selection rule can no longer pick, from the ``live/`` user attributes the
+    tune process sets as the trial runs (``live_state``) and its ``steps_total``.
+
+    Outside for good: more than (1 - min_inside_frac) x (steps_total - warmup_steps) post-warm-up steps with
+    D-hat > c, so the inside share can no longer reach min_inside_frac. Collapsed: a non-finite loss, or the
+    collapse condition (last window mean < collapse_drop_frac x peak window mean) on ``patience`` steps in a
+    row (a collapse that lasts is not expected to recover within the run).
+    """
+
+    def __init__(self, rule: SelectRule, patience: Optional[int] = None):
+        self.rule, self.patience = rule, patience or rule.collapse_window
+
+    def reason(self, attrs: dict[str, Any]) -> str:
+        if not attrs.get("live/steps"):
+            return ""
+        allowed = (1 - self.rule.min_inside_frac) * max(attrs.get("steps_total", 0) - self.rule.warmup_steps, 0)
+        if attrs.get("live/nonfinite"):
+            return "non-finite loss"
+        if attrs["live/outside"] > allowed + 1e-9:
+            return (f"outside tolerance on {attrs['live/outside']} steps after warm-up, more than the "
+                    f"{allowed:.3g} that {self.rule.min_inside_frac:.0%} inside allows")
+        if attrs["live/collapsed_for"] >= self.patience:
+            return f"collapsed ({self.rule.collapse_metric} window mean below {self.rule.collapse_drop_frac:g} x " \
+                   f"its peak for {attrs['live/collapsed_for']} steps)"
+        return ""
+
+    def prune(self, study: optuna.Study, trial: FrozenTrial) -> bool:
+        return bool(self.reason(trial.user_attrs))
+
+
 def select(trials: list[Trial], rule: SelectRule) -> Optional[Trial]:
-    """Mark eligible trials and the selected one (see the module docstring); return it or None."""
+    """Mark eligible trials, the selected one and why every other was not selected; return it or None."""
     for t in trials:
         t.selected = False
         t.eligible = (t.status == "ok" and not t.collapsed and math.isfinite(t.accuracy_after)
                       and t.inside_frac >= rule.min_inside_frac)
     eligible = [(i, t) for i, t in enumerate(trials) if t.eligible]
-    if not eligible:
-        return None
     mean_d = lambda t: sum(t.mean_discrepancy.values()) if t.mean_discrepancy else 0.0  # noqa: E731
-    _, best = max(eligible, key=lambda it: (it[1].accuracy_after, _nan_low(it[1].inside_frac), -mean_d(it[1]), -it[0]))
-    best.selected = True
+    best = max(eligible, key=lambda it: (it[1].accuracy_after, _nan_low(it[1].inside_frac), -mean_d(it[1]),
+                                         -it[0]))[1] if eligible else None
+    for t in trials:
+        t.reason = _why_not(t, best, rule) if t is not best else ""
+    if best is not None:
+        best.selected = True
     return best
+
+
+def _why_not(t: Trial, best: Optional[Trial], rule: SelectRule) -> str:
+    if t.status != "ok":
+        return f"{t.status}: {t.error}" if t.error else t.status
+    if t.nonfinite_loss:
+        return "collapsed: non-finite loss"
+    if t.collapsed:
+        return (f"collapsed: last {rule.collapse_window}-step mean {t.final_window_mean:.3g} < "
+                f"{rule.collapse_drop_frac:g} x peak {t.peak_window_mean:.3g}")
+    if not math.isfinite(t.accuracy_after):
+        return "no held-out accuracy"
+    if not t.inside_frac >= rule.min_inside_frac:
+        return f"inside tolerance on {_fmt(t.inside_frac, '.0%')} of steps < {rule.min_inside_frac:.0%}"
+    assert best is not None
+    if t.accuracy_after < best.accuracy_after:
+        return f"eligible, lower accuracy than {best.trial} ({t.accuracy_after:.1%} < {best.accuracy_after:.1%})"
+    return f"eligible, same accuracy as {best.trial}, lost the tie (inside share, then mean D, then order)"
 
 
 def _at(history: dict[str, list[float]], key: str, t: int) -> float:
@@ -306,165 +430,310 @@ def _nan_low(x: float) -> float:
 
 
 # --------------------------------------------------------------------------------------------------
-# Running trials.
+# The study and the trials.
+
+
+def read_progress(path: Path) -> tuple[dict[str, list[float]], str]:
+    """(metric key -> values of steps 1..N, the trial's MLflow run id) from a trial's progress file; a step
+    written twice (a trial resumed from an earlier checkpoint) keeps its last line."""
+    by_step: dict[int, dict] = {}
+    with contextlib.suppress(FileNotFoundError):
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):  # a line being written
+                rec = json.loads(line)
+                by_step[int(rec.pop("step"))] = rec
+    steps = range(1, max(by_step, default=0) + 1)
+    keys = dict.fromkeys(k for r in by_step.values() for k in r if k != "run_id")
+    history = {k: [float(by_step.get(s, {}).get(k, math.nan)) for s in steps] for k in keys}
+    run_id = next((r["run_id"] for _, r in sorted(by_step.items(), reverse=True) if r.get("run_id")), "")
+    return history, run_id
+
+
+def root_number(trial: FrozenTrial) -> int:
+    """The number of the first attempt of a retried trial (its folder), else the trial's own."""
+    history = RetryFailedTrialCallback.retry_history(trial)
+    return history[0] if history else trial.number
+
+
+class _GridSampler(optuna.samplers.GridSampler):
+    """Optuna's grid; ``_Sweep.claim`` ends the sweep when the grid is covered (``study.stop`` is for optimize)."""
+
+    def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState, values: Any) -> None:
+        pass
+
+
+class _StudyLock:
+    """Serialises study bookkeeping (create, retry, claim) between threads and, for sqlite, processes."""
+
+    def __init__(self, storage_url: str):
+        self._thread_lock = threading.Lock()
+        path = storage_url.removeprefix("sqlite:///") if storage_url.startswith("sqlite:///") else None
+        self._path = Path(path + ".lock") if path else None
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._thread_lock:
+            if self._path is None:
+                yield
+                return
+            with open(self._path, "a") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                yield
 
 
 class _Sweep:
-    """State of one ``tune`` call: the base config, the parent run and the trial runner."""
+    """One ``dcmdp tune`` call: the study, the parent MLflow run and the trials this process runs."""
 
     def __init__(self, cfg: TuneConfig):
-        self.cfg = cfg
-        self.out = Path(cfg.output_dir)
-        self.base = load_config(cfg.base, cfg.overrides)
         from constraints.penalties import constraint_names
 
+        self.cfg, self.out = cfg, Path(cfg.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.base = load_config(cfg.base, cfg.overrides)
         self.names = constraint_names(self.base.dual.constraints)
         self.tracking_uri = resolve_tracking_uri(self.base.tracking, self.out)
-        self.parent_id: Optional[str] = None
-        self.tracker: Optional[Tracker] = None
-        self.started = 0  # trials launched by this call
-        self.stopping = False  # set on an interrupt: no new trial starts
+        self.dists = distributions(cfg.space, grid=cfg.sampler == "grid")
+        self.pruner = RulePruner(cfg.select, cfg.prune.collapse_patience)
+        url = cfg.storage or f"sqlite:///{(self.out / 'study.db').resolve()}"
+        self.storage = RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+                                  engine_kwargs={"connect_args": {"timeout": 120}} if url.startswith("sqlite") else None)
+        self.lock = _StudyLock(url)
+        self.started = 0
+        self.stopping = False
+        self.procs: set[subprocess.Popen] = set()
+        self.study = self._open_study()
+        self.tracker = Tracker(TrackingConfig(uri=self.tracking_uri, experiment=self.base.tracking.experiment,
+                                              run_name=f"tune-{cfg.study}",
+                                              buffer_dir=str(self.out / "tracking_buffer")), self.out)
+        self.parent_id = self._start_parent()
 
-    def start_parent(self) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        state_path = self.out / "tune_state.json"
-        state = json.loads(state_path.read_text()) if state_path.is_file() else {}
-        tcfg = TrackingConfig(uri=self.tracking_uri, experiment=self.base.tracking.experiment,
-                              run_name=f"tune-{self.out.name}", buffer_dir=str(self.out / "tracking_buffer"))
-        self.tracker = Tracker(tcfg, self.out)
-        params = {"tune.base": self.cfg.base, "tune.overrides": " ".join(self.cfg.overrides),
-                  "tune.workers": str(self.cfg.workers), "tune.refine": str(self.cfg.refine),
-                  **{f"tune.space.{_param_key(k)}": str(v) for k, v in self.cfg.space.items()},
-                  **{f"tune.select.{k}": str(v) for k, v in asdict(self.cfg.select).items()}}
-        self.parent_id = self.tracker.start(params, run_id=state.get("parent_run_id"), tags={"dcmdp.tune": "parent"})
-        if self.parent_id.startswith(LOCAL_ID_PREFIX):
-            log.warning("MLflow at %s is unreachable: trials are not nested under a parent run", self.tracking_uri)
-        else:
-            state_path.write_text(json.dumps({"parent_run_id": self.parent_id}))
+    def _sampler(self, seed: int) -> optuna.samplers.BaseSampler:
+        feasible = lambda t: [0.0 if t.user_attrs.get("eligible") else 1.0]  # noqa: E731
+        if self.cfg.sampler == "grid":
+            return _GridSampler(self.cfg.space, seed=seed)
+        if self.cfg.sampler == "tpe":
+            return optuna.samplers.TPESampler(seed=seed, constraints_func=feasible)
+        return optuna.samplers.GPSampler(seed=seed, constraints_func=feasible)
 
-    def trial_dir(self, trial_id: str) -> Path:
-        return self.out / "trials" / trial_id
-
-    def run(self, trial_id: str, settings: dict[str, Any]) -> Trial:
-        """Run one trial (or read it back when its summary.json exists) and assess it."""
-        d = self.trial_dir(trial_id)
-        d.mkdir(parents=True, exist_ok=True)
-        settings_path = d / "settings.json"
-        if settings_path.is_file():
-            stored = json.loads(settings_path.read_text())
-            if stored != settings:
-                raise ConfigError(f"tune: {d} holds trial {trial_id} with settings {stored}, now {settings}: the "
-                                  f"tune file changed; use a new output_dir")
-        else:
-            settings_path.write_text(json.dumps(settings))
-        cached = d / "trial.json"
-        if (d / "summary.json").is_file() and cached.is_file():
-            return Trial(**json.loads(cached.read_text()))
-        trial = Trial(trial_id, settings)
-        if self.stopping:
-            trial.status, trial.error = "failed", "not started: the sweep was interrupted"
-            return trial
-        if not (d / "summary.json").is_file():
-            overrides = {"output_dir": str(d.resolve()), "tracking.uri": self.tracking_uri,
-                         "tracking.run_name": f"{self.out.name}-{trial_id}", "tracking.buffer_dir": None,
-                         "tracking.parent_run_id": None if self.parent_id is None or self.parent_id.startswith(
-                             LOCAL_ID_PREFIX) else self.parent_id, "progress": False,
-                         # a trial interrupted with the sweep continues from its last checkpoint, same child run
-                         "checkpoint.resume": "auto"}
+    def _open_study(self) -> optuna.Study:
+        spec = json.dumps({"base": self.cfg.base, "overrides": self.cfg.overrides, "space": self.cfg.space,
+                           "sampler": self.cfg.sampler}, sort_keys=True)
+        with self.lock():
             try:
-                run_cfg = apply_settings(self.base, {**overrides, **settings})
-            except ConfigError as exc:
-                trial.status, trial.error = "failed", str(exc)
-                log.warning("trial %s: %s", trial_id, exc)
-                return trial
-            (d / "run.yaml").write_text(to_yaml(run_cfg))
-            self.started += 1
-            log.info("trial %s: %s", trial_id, _fmt_settings(settings))
-            with open(d / "train.log", "ab") as logf:
-                rc = subprocess.run([sys.executable, "-m", "dcmdp.cli", "train", str(d / "run.yaml")],
-                                    stdout=logf, stderr=subprocess.STDOUT).returncode
-            if rc != 0 or not (d / "summary.json").is_file():
-                trial.status, trial.error = "failed", f"exit code {rc}: {_last_line(d / 'train.log')}"
-                log.warning("trial %s failed (%s); log in %s", trial_id, trial.error, d / "train.log")
-                return trial
-        try:
-            summary = json.loads((d / "summary.json").read_text())
-            trial.accuracy_before, trial.accuracy_after = summary["accuracy_before"], summary["accuracy_after"]
-            trial.run_id, trial.seconds = summary["run_id"], summary["seconds"]
-            history = self.history(summary["run_id"], summary["tracking_uri"], d)
-            assess(trial, history, self.names, self.cfg.select)
-        except Exception as exc:  # a trial whose results cannot be read is a failed trial, not a failed sweep
-            trial.status, trial.error = "failed", f"cannot read results: {exc}"
-            log.warning("trial %s: %s", trial_id, trial.error)
-            return trial
-        cached.write_text(json.dumps(asdict(trial)))
-        return trial
+                study = optuna.create_study(storage=self.storage, study_name=self.cfg.study, direction="maximize",
+                                            sampler=self._sampler(self.cfg.seed), pruner=self.pruner)
+                study.set_user_attr("dcmdp.spec", spec)
+            except optuna.exceptions.DuplicatedStudyError:
+                # another process may be sampling too: a different seed keeps tpe/gp from proposing the same points
+                study = optuna.load_study(storage=self.storage, study_name=self.cfg.study, pruner=self.pruner,
+                                          sampler=self._sampler(self.cfg.seed + os.getpid()))
+                stored = study.user_attrs.get("dcmdp.spec")
+                if stored is not None and stored != spec:
+                    raise ConfigError(f"tune: study {self.cfg.study!r} in {self.storage.url} was made from another "
+                                      f"base, overrides, space or sampler ({stored}); set 'study' in the tune file "
+                                      f"or use another output_dir")
+            optuna.storages.fail_stale_trials(study)
+            trials = study.get_trials(deepcopy=False)
+            retried = {n for t in trials for n in RetryFailedTrialCallback.retry_history(t)}
+            for t in trials:  # failed trials run again, from their checkpoint
+                if t.state == TrialState.FAIL and t.number not in retried:
+                    RetryFailedTrialCallback(max_retry=None, inherit_intermediate_values=True)(study, t)
+        return study
 
-    def history(self, run_id: str, uri: str, trial_dir: Path) -> dict[str, list[float]]:
-        """Per-step values (steps 1..N) of the keys the rule needs, from the child MLflow run; the trial's
-        last checkpoint when the store cannot answer."""
-        keys = [f"dual/{kind}/{c}" for c in self.names for kind in ("measured", "tolerance", "lambda")]
-        keys.append(self.cfg.select.collapse_metric)
+    def _start_parent(self) -> Optional[str]:
+        params = {"tune.base": self.cfg.base, "tune.overrides": " ".join(self.cfg.overrides),
+                  "tune.sampler": self.cfg.sampler, "tune.trials": str(self.cfg.trials), "tune.study": self.cfg.study,
+                  **{f"tune.space.{k.replace('[', '.').replace(']', '')}": str(v) for k, v in self.cfg.space.items()},
+                  **{f"tune.select.{k}": str(v) for k, v in asdict(self.cfg.select).items()},
+                  **{f"tune.prune.{k}": str(v) for k, v in asdict(self.cfg.prune).items()}}
+        with self.lock():
+            known = self.study.user_attrs.get("mlflow_parent")
+            run_id = self.tracker.start({} if known else params, run_id=known, tags={"dcmdp.tune": "parent"})
+            if run_id.startswith(LOCAL_ID_PREFIX):
+                log.warning("MLflow at %s is unreachable: trials are not nested under a parent run", self.tracking_uri)
+                return None
+            self.study.set_user_attr("mlflow_parent", run_id)
+        return run_id
+
+    def claim(self) -> Optional[optuna.Trial]:
+        """The next trial: a waiting retry first, then a new point while the grid or budget has room."""
+        with self.lock():
+            if self.stopping:
+                return None
+            trials = self.study.get_trials(deepcopy=False)
+            if not any(t.state == TrialState.WAITING for t in trials):
+                if self.cfg.sampler == "grid":
+                    done = {json.dumps(t.params, sort_keys=True) for t in trials}
+                    if all(json.dumps(p, sort_keys=True) in done for p in grid(self.cfg.space)):
+                        return None
+                elif len({root_number(t) for t in trials}) >= (self.cfg.trials or 0):
+                    return None
+            trial = self.study.ask(self.dists)
+            self.storage.record_heartbeat(trial._trial_id)  # from now on a silent trial is found stale
+            return trial
+
+    def work(self, limit: Optional[int] = None) -> None:
+        while (limit is None or limit > 0) and (trial := self.claim()) is not None:
+            self.run(trial)
+            limit = None if limit is None else limit - 1
+
+    def run(self, trial: optuna.Trial) -> None:
+        """Run one trial as a ``dcmdp train`` process, report and prune it, tell Optuna how it ended."""
+        frozen = next(t for t in self.study.get_trials(deepcopy=False) if t.number == trial.number)
+        d = self.out / "trials" / f"t{root_number(frozen):03d}"
+        d.mkdir(parents=True, exist_ok=True)
+        settings = {k: trial.params[k] for k in self.dists}
+        overrides = {"output_dir": str(d.resolve()), "tracking.uri": self.tracking_uri,
+                     "tracking.run_name": f"{self.cfg.study}-{d.name}", "tracking.buffer_dir": None,
+                     "tracking.parent_run_id": self.parent_id, "progress": False,
+                     "checkpoint.resume": "auto"}  # a retried trial continues from its checkpoint, same child run
+        try:
+            run_cfg = apply_settings(self.base, {**overrides, **settings})
+        except ConfigError as exc:
+            log.warning("trial %s: %s", d.name, exc)
+            return self._tell(trial, TrialState.FAIL, {"error": str(exc)})
+        (d / "run.yaml").write_text(to_yaml(run_cfg))
+        trial.set_user_attr("steps_total", run_cfg.steps)
+        trial.set_user_attr("process", f"{os.uname().nodename}:{os.getpid()}")
+        self.started += 1
+        log.info("trial %s (optuna #%d): %s", d.name, trial.number, _fmt_settings(settings))
+        with open(d / "train.log", "ab") as logf:
+            proc = subprocess.Popen([sys.executable, "-m", "dcmdp.cli", "train", str(d / "run.yaml")], stdout=logf,
+                                    stderr=subprocess.STDOUT, env={**os.environ, PROGRESS_ENV: str(d / "progress.jsonl")})
+        self.procs.add(proc)
+        reported, live, beat, pruned, interrupted = set(frozen.intermediate_values), {}, time.monotonic(), "", False
+        try:
+            while True:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=POLL_S)
+                history, run_id = read_progress(d / "progress.jsonl")
+                for step, acc in enumerate(history.get("eval/accuracy", []), start=1):
+                    if math.isfinite(acc) and step not in reported:
+                        trial.report(acc, step)
+                        reported.add(step)
+                state = live_state(history, self.names, self.cfg.select)
+                if state != live:
+                    live = state
+                    for k, v in state.items():
+                        trial.set_user_attr(k, v)
+                    if self.cfg.prune.enabled and proc.poll() is None and trial.should_prune():
+                        pruned = self.pruner.reason({**state, "steps_total": run_cfg.steps})
+                        log.info("trial %s pruned at step %d: %s", d.name, state["live/steps"], pruned)
+                        proc.send_signal(signal.SIGTERM)  # the trial writes its checkpoint and ends its run KILLED
+                        proc.wait()
+                if proc.poll() is not None:
+                    break
+                if time.monotonic() - beat > HEARTBEAT_S:
+                    self.storage.record_heartbeat(trial._trial_id)
+                    beat = time.monotonic()
+        except KeyboardInterrupt:
+            self.stop()
+            proc.wait()
+            interrupted = True
+        finally:
+            self.procs.discard(proc)
+        try:
+            self._finish(trial, d, settings, proc.returncode, pruned)
+        finally:
+            if interrupted:
+                raise KeyboardInterrupt
+
+    def _finish(self, trial: optuna.Trial, d: Path, settings: dict[str, Any], returncode: int, pruned: str) -> None:
+        history, run_id = read_progress(d / "progress.jsonl")
+        record = assess(Trial(d.name, settings), history, self.names, self.cfg.select)
+        if pruned:
+            record.status, record.error, record.run_id = "pruned", pruned, run_id
+            self._tag_child(run_id, "PRUNED", trial.number)
+            return self._tell(trial, TrialState.PRUNED, _record_attrs(record))
+        summary_path = d / "summary.json"
+        if returncode != 0 or not summary_path.is_file():
+            why = "interrupted" if self.stopping else f"exit code {returncode}: {_last_line(d / 'train.log')}"
+            log.warning("trial %s failed (%s); log in %s", d.name, why, d / "train.log")
+            record.status, record.error, record.run_id = "failed", why, run_id
+            self._tag_child(run_id, "FAIL", trial.number)
+            return self._tell(trial, TrialState.FAIL, _record_attrs(record))
+        summary = json.loads(summary_path.read_text())
+        record.accuracy_before, record.accuracy_after = summary["accuracy_before"], summary["accuracy_after"]
+        record.run_id, record.seconds = summary["run_id"], summary["seconds"]
+        select([record], self.cfg.select)
+        self._tag_child(record.run_id, "COMPLETE", trial.number)
+        self._tell(trial, TrialState.COMPLETE, _record_attrs(record), value=record.accuracy_after)
+
+    def _tell(self, trial: optuna.Trial, state: TrialState, attrs: dict[str, Any],
+              value: Optional[float] = None) -> None:
+        for k, v in attrs.items():
+            trial.set_user_attr(k, v)
+        ok = state == TrialState.COMPLETE and value is not None and math.isfinite(value)
+        self.study.tell(trial, value if ok else None, state=state if ok or state != TrialState.COMPLETE
+                        else TrialState.FAIL)
+
+    def _tag_child(self, run_id: str, state: str, number: int) -> None:
+        if not run_id or run_id.startswith(LOCAL_ID_PREFIX):
+            return
         try:
             from mlflow.tracking import MlflowClient
 
-            client = MlflowClient(tracking_uri=uri)
-            keys += [k for k in client.get_run(run_id).data.metrics if k.startswith("loss/")]
-            out = {}
-            for key in keys:
-                by_step = {m.step: m.value for m in client.get_metric_history(run_id, key) if m.step >= 1}
-                out[key] = [by_step[s] for s in sorted(by_step)]
-            return out
-        except Exception as exc:
-            log.warning("reading run %s from %s failed (%s); using the trial's checkpoint", run_id, uri, exc)
-        from dcmdp.checkpoint import find_resume_checkpoint, load_checkpoint
+            client = MlflowClient(tracking_uri=self.tracking_uri)
+            client.set_tag(run_id, "dcmdp.tune.state", state)
+            client.set_tag(run_id, "optuna.trial", str(number))
+        except Exception as exc:  # the trial's outcome is in Optuna; a tag is not worth failing the sweep
+            log.warning("cannot tag MLflow run %s (%s)", run_id, exc)
 
-        steps = load_checkpoint(find_resume_checkpoint(trial_dir / "checkpoints", "auto"))["history"]
-        keys += sorted({k for h in steps for k in h if k.startswith("loss/")})
-        return {k: [float(h.get(k, math.nan)) for h in steps] for k in keys}
+    def stop(self) -> None:
+        """No new trial starts; running ones get SIGINT, checkpoint and end (retried on the next call)."""
+        self.stopping = True
+        for p in list(self.procs):
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGINT)
 
-    def run_many(self, jobs: list[tuple[str, dict[str, Any]]]) -> list[Trial]:
-        """At most ``workers`` trials at once; the first runs alone when it must fill the cold-start cache."""
-        if not jobs:
-            return []
-        pending = [j for j in jobs if not (self.trial_dir(j[0]) / "summary.json").is_file()]
-        first: list[Trial] = []
-        if (self.cfg.prime_cold_start and self.cfg.workers > 1 and len(pending) > 1
-                and self.base.cold_start.steps > 0 and not self.base.model.path):
-            first = [self.run(*pending[0])]
-        done = {t.trial: t for t in first}
-        pool = ThreadPoolExecutor(max_workers=self.cfg.workers)
-        try:
-            rest = list(pool.map(lambda j: self.run(*j), [j for j in jobs if j[0] not in done]))
-        except BaseException:
-            # Ctrl-C reaches the trials too (same process group): they checkpoint and exit; start no new one
-            self.stopping = True
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
-        pool.shutdown()
-        done.update({t.trial: t for t in rest})
-        return [done[j[0]] for j in jobs]
+    def records(self) -> list[Trial]:
+        """The latest attempt of every trial in the study, as records."""
+        latest: dict[int, FrozenTrial] = {}
+        for t in self.study.get_trials(deepcopy=False):
+            latest[root_number(t)] = t
+        out = []
+        for root, t in sorted(latest.items()):
+            attrs = dict(t.user_attrs.get("record") or {})
+            attrs.setdefault("status", "failed")
+            if t.state in (TrialState.RUNNING, TrialState.WAITING):  # a retry carries its failed attempt's record
+                attrs.update(status=t.state.name.lower(), error="")
+            attrs.update(trial=f"t{root:03d}", settings={k: t.params.get(k) for k in self.dists}, number=t.number,
+                         error=attrs.get("error") if "error" in attrs else t.user_attrs.get("error", ""))
+            out.append(Trial(**{k: v for k, v in attrs.items() if k in {f.name for f in fields(Trial)}}))
+        return out
+
+
+def _record_attrs(record: Trial) -> dict[str, Any]:
+    keep = {k: v for k, v in asdict(record).items() if k not in ("trial", "settings", "selected", "reason", "number")}
+    return {"record": keep, "eligible": record.eligible, "error": record.error}
 
 
 def tune(cfg: TuneConfig) -> tuple[list[Trial], Optional[Trial]]:
-    """Run the grid (and the refinement), select, write and log the outputs; return (trials, selected)."""
+    """Run this process's share of the study, select, write and log the outputs; return (trials, selected)."""
     sweep = _Sweep(cfg)
-    sweep.start_parent()
-    assert sweep.tracker is not None
     status = "FAILED"
     try:
         t0 = time.perf_counter()
-        trials = sweep.run_many([(f"g{i:03d}", s) for i, s in enumerate(grid(cfg.space))])
-        select(trials, cfg.select)
-        if cfg.refine is not None:
-            trials += refine(trials, cfg.refine, cfg.space[cfg.refine.key], cfg.select, sweep.run)
+        prime = (cfg.prime_cold_start and cfg.workers > 1 and sweep.base.cold_start.steps > 0
+                 and not sweep.base.model.path)
+        if prime:
+            sweep.work(limit=1)  # fills the cold-start cache the other trials reuse
+        with ThreadPoolExecutor(max_workers=cfg.workers) as pool:
+            futures = [pool.submit(sweep.work) for _ in range(cfg.workers)]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:
+                sweep.stop()
+                raise
+        trials = sweep.records()
         best = select(trials, cfg.select)
         seconds = time.perf_counter() - t0
-        paths = write_outputs(cfg, sweep, trials, best, seconds)
-        for p in paths:
+        for p in write_outputs(cfg, sweep, trials, best, seconds):
             sweep.tracker.log_artifact(p)
         sweep.tracker.log_metrics({"tune/trials": len(trials), "tune/started": sweep.started,
-                                   "tune/failed": sum(t.status != "ok" for t in trials),
+                                   "tune/failed": sum(t.status == "failed" for t in trials),
+                                   "tune/pruned": sum(t.status == "pruned" for t in trials),
                                    "tune/selected_accuracy": best.accuracy_after if best else math.nan,
                                    "tune/seconds": seconds}, step=0)
         status = "FINISHED"
@@ -476,68 +745,6 @@ def tune(cfg: TuneConfig) -> tuple[list[Trial], Optional[Trial]]:
         sweep.tracker.finish(status)
 
 
-def refine(grid_trials: list[Trial], spec: RefineSpec, grid_values: Sequence[Any], rule: SelectRule,
-           run_trial: Callable[[str, dict[str, Any]], Trial]) -> list[Trial]:
-    """Bounded 1-D search of ``spec.key`` around the best grid trial, the other keys fixed at its values.
-
-    Minimises score(x) = -held-out accuracy of an eligible trial, +1 for an ineligible or failed one (worse
-    than any accuracy), with ``scipy.optimize.minimize_scalar(method="bounded")`` (Brent's method on
-    [low, high]); each new point is one trial ``run_trial("r<j>", settings)``, at most ``spec.budget`` of
-    them. Points already evaluated (grid points on the same line included) are not run again; integer grids
-    are searched on integers. The grid trial to refine around is the selected one, else the best finished.
-    """
-    from scipy.optimize import minimize_scalar
-
-    ranked = [t for t in grid_trials if t.eligible] or [t for t in grid_trials if t.status == "ok"]
-    if not ranked:
-        log.warning("refine: no grid trial finished; nothing to refine around")
-        return []
-    best = max(ranked, key=lambda t: t.accuracy_after)
-    x0 = float(best.settings[spec.key])
-    if spec.bounds is not None:
-        lo, hi = float(spec.bounds[0]), float(spec.bounds[1])
-    else:
-        values = sorted({float(v) for v in grid_values})
-        i = values.index(x0)
-        lo, hi = values[max(i - 1, 0)], values[min(i + 1, len(values) - 1)]
-    if not lo < hi:
-        log.warning("refine: the interval around %s=%g is empty; give refine.bounds", spec.key, x0)
-        return []
-    as_int = all(isinstance(v, int) and not isinstance(v, bool) for v in grid_values)
-
-    def score(t: Trial) -> float:
-        select([t], rule)
-        return -t.accuracy_after if t.eligible else 1.0
-
-    others = {k: v for k, v in best.settings.items() if k != spec.key}
-    seen: dict[Any, float] = {t.settings[spec.key]: score(t) for t in grid_trials
-                              if {k: v for k, v in t.settings.items() if k != spec.key} == others}
-    select(grid_trials, rule)  # score() marked single trials; restore the grid's own marks
-    out: list[Trial] = []
-
-    class _Spent(Exception):
-        pass
-
-    def objective(x: float) -> float:
-        value = int(round(x)) if as_int else float(x)
-        if value in seen:
-            return seen[value]
-        if len(out) >= spec.budget:
-            raise _Spent
-        trial = run_trial(f"r{len(out):03d}", {**best.settings, spec.key: value})
-        out.append(trial)
-        seen[value] = score(trial)
-        return seen[value]
-
-    try:
-        # xatol far below any useful resolution: the budget, not the tolerance, ends the search
-        minimize_scalar(objective, bounds=(lo, hi), method="bounded", options={"maxiter": 10 * spec.budget,
-                                                                             "xatol": 1e-12})
-    except _Spent:
-        pass
-    return out
-
-
 # --------------------------------------------------------------------------------------------------
 # Outputs.
 
@@ -546,21 +753,20 @@ def _fmt_settings(settings: dict[str, Any]) -> str:
     return " ".join(f"{label(k)}={v:g}" if isinstance(v, float) else f"{label(k)}={v}" for k, v in settings.items())
 
 
-def _fmt(x: float, spec: str = ".4g") -> str:
+def _fmt(x: Any, spec: str = ".4g") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
 def table(trials: list[Trial], names: Sequence[str], rule: SelectRule) -> str:
-    """The printed table; the rule is stated above it."""
+    """The printed table; the rule is stated above it, and the last column says why a trial was not selected."""
     head = ["trial", "settings", "acc before", "acc after", *[f"mean D {c}" for c in names], "inside",
-            *[f"final λ {c}" for c in names], "collapsed", "selected", "status"]
+            *[f"final λ {c}" for c in names], "steps", "selected", "why not selected"]
     rows = [head]
     for t in trials:
         rows.append([t.trial, _fmt_settings(t.settings), _fmt(t.accuracy_before, ".1%"), _fmt(t.accuracy_after, ".1%"),
                      *[_fmt(t.mean_discrepancy.get(c, math.nan)) for c in names], _fmt(t.inside_frac, ".0%"),
-                     *[_fmt(t.final_lambda.get(c, math.nan)) for c in names],
-                     "-" if t.status != "ok" else ("yes" if t.collapsed else "no"), "*" if t.selected else "",
-                     t.status if t.status == "ok" else f"failed: {t.error[:60]}"])
+                     *[_fmt(t.final_lambda.get(c, math.nan)) for c in names], str(t.steps),
+                     "*" if t.selected else "", t.reason[:110]])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -570,9 +776,10 @@ def table(trials: list[Trial], names: Sequence[str], rule: SelectRule) -> str:
 def write_outputs(cfg: TuneConfig, sweep: _Sweep, trials: list[Trial], best: Optional[Trial],
                   seconds: float) -> list[Path]:
     out, names = sweep.out, sweep.names
+    count = {s: sum(t.status == s for t in trials) for s in ("pruned", "failed")}
     text = table(trials, names, cfg.select)
-    text += f"\n\n{len(trials)} trials ({sweep.started} run now, {sum(t.status != 'ok' for t in trials)} failed) " \
-            f"in {seconds:.0f} s with {cfg.workers} worker(s)"
+    text += (f"\n\n{len(trials)} trials in study {cfg.study!r} ({sweep.started} run now, {count['pruned']} pruned, "
+             f"{count['failed']} failed) in {seconds:.0f} s with {cfg.workers} worker(s)")
     text += f"\nselected: {best.trial} ({_fmt_settings(best.settings)})" if best else "\nselected: none (no eligible trial)"
     print(text)
     (out / "table.txt").write_text(text + "\n")
@@ -580,26 +787,36 @@ def write_outputs(cfg: TuneConfig, sweep: _Sweep, trials: list[Trial], best: Opt
     keys = list(cfg.space)
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["trial", "status", *keys, "accuracy_before", "accuracy_after",
+        w.writerow(["trial", "optuna_number", "status", *keys, "accuracy_before", "accuracy_after",
                     *[f"mean_discrepancy/{c}" for c in names], "inside_frac", *[f"final_lambda/{c}" for c in names],
-                    "nonfinite_loss", "peak_window_mean", "final_window_mean", "collapsed", "eligible", "selected",
-                    "run_id", "seconds", "error"])
+                    "steps", "nonfinite_loss", "peak_window_mean", "final_window_mean", "collapsed", "eligible",
+                    "selected", "run_id", "seconds", "reason"])
         for t in trials:
-            w.writerow([t.trial, t.status, *[t.settings.get(k, "") for k in keys], t.accuracy_before, t.accuracy_after,
-                        *[t.mean_discrepancy.get(c, math.nan) for c in names], t.inside_frac,
-                        *[t.final_lambda.get(c, math.nan) for c in names], int(t.nonfinite_loss), t.peak_window_mean,
-                        t.final_window_mean, int(t.collapsed), int(t.eligible), int(t.selected), t.run_id, t.seconds,
-                        t.error])
-    paths = [out / "table.txt", csv_path]
-    png = out / "tune.png"
-    plot_tune(trials, keys[0], names, png)
-    paths.append(png)
+            w.writerow([t.trial, t.number, t.status, *[t.settings.get(k, "") for k in keys], t.accuracy_before,
+                        t.accuracy_after, *[t.mean_discrepancy.get(c, math.nan) for c in names], t.inside_frac,
+                        *[t.final_lambda.get(c, math.nan) for c in names], t.steps, int(t.nonfinite_loss),
+                        t.peak_window_mean, t.final_window_mean, int(t.collapsed), int(t.eligible), int(t.selected),
+                        t.run_id, t.seconds, t.reason])
+    paths = [out / "table.txt", csv_path, out / "tune.png"]
+    plot_tune(trials, keys[0], names, paths[-1], log_x=log_spaced(sweep.dists[keys[0]]))
     if best is not None:
         snippet = out / "best.yaml"
         snippet.write_text(best_snippet(sweep.base, best))
         paths.append(snippet)
         print(f"winning settings written to {snippet}")
     return paths
+
+
+def log_spaced(dist: optuna.distributions.BaseDistribution) -> bool:
+    """A log axis: a log-scale range, or positive values spanning more than a decade that are closer to evenly
+    spaced in log than in linear terms."""
+    if getattr(dist, "log", False):
+        return True
+    xs = sorted({float(v) for v in getattr(dist, "choices", ()) if isinstance(v, (int, float))})
+    if len(xs) < 2 or xs[0] <= 0 or xs[-1] / xs[0] <= 10:
+        return False
+    spread = lambda v: max(b - a for a, b in zip(v, v[1:])) / min(b - a for a, b in zip(v, v[1:]))  # noqa: E731
+    return len(xs) == 2 or spread([math.log(x) for x in xs]) < spread(xs)
 
 
 def best_snippet(base: RunConfig, best: Trial) -> str:
@@ -615,41 +832,48 @@ def best_snippet(base: RunConfig, best: Trial) -> str:
             f"inside tolerance on {_fmt(best.inside_frac, '.0%')} of steps after warm-up\n" + OmegaConf.to_yaml(node))
 
 
-def plot_tune(trials: list[Trial], key: str, names: Sequence[str], path: Path) -> None:
-    """Accuracy and mean discrepancy against ``key`` (one line per setting of the other keys); λ trajectories."""
+def plot_tune(trials: list[Trial], key: str, names: Sequence[str], path: Path, log_x: bool = False) -> None:
+    """Accuracy and mean discrepancy against ``key`` (one line per setting of the other keys; ineligible trials
+    hollow, pruned ones at their last held-out accuracy); λ trajectories."""
     from matplotlib.figure import Figure
 
-    ok = [t for t in trials if t.status == "ok"]
+    shown = [t for t in trials if t.status in ("ok", "pruned") and isinstance(t.settings.get(key), (int, float))]
     fig = Figure(figsize=(15, 4.2))
     ax_acc, ax_d, ax_lam = fig.subplots(1, 3)
     groups: dict[str, list[Trial]] = {}
-    for t in ok:
+    for t in shown:
         groups.setdefault(_fmt_settings({k: v for k, v in t.settings.items() if k != key}), []).append(t)
     for name, members in groups.items():
         members.sort(key=lambda t: float(t.settings[key]))
-        xs = [float(t.settings[key]) for t in members]
-        ax_acc.plot(xs, [t.accuracy_after for t in members], "o-", label=name or "after")
+        done = [t for t in members if t.status == "ok"]
+        xs = [float(t.settings[key]) for t in done]
+        ax_acc.plot(xs, [t.accuracy_after for t in done], "-", color="C0", alpha=0.5, label=name or None)
         for c in names:
-            ax_d.plot(xs, [t.mean_discrepancy.get(c, math.nan) for t in members], "o-",
-                      label=f"{c} {name}".strip())
-    for t in ok:
-        x = float(t.settings[key])
-        if t.collapsed:
-            ax_acc.plot([x], [t.accuracy_after], "kx", ms=10)
-        if t.selected:
-            ax_acc.plot([x], [t.accuracy_after], "r*", ms=14, label="selected")
+            ax_d.plot([float(t.settings[key]) for t in members], [t.mean_discrepancy.get(c, math.nan) for t in members],
+                      "o-", label=f"{c} {name}".strip())
+    marks = {"eligible": dict(marker="o", color="C0"), "ineligible": dict(marker="o", mfc="none", color="gray"),
+             "collapsed": dict(marker="x", color="k"), "pruned": dict(marker="v", mfc="none", color="C3"),
+             "selected": dict(marker="*", color="r", ms=14)}
+    used = set()
+    for t in shown:
+        kind = ("selected" if t.selected else "pruned" if t.status == "pruned" else "collapsed" if t.collapsed
+                else "eligible" if t.eligible else "ineligible")
+        y = t.accuracy_after if t.status == "ok" else t.accuracy_before
+        ax_acc.plot([float(t.settings[key])], [y], ls="none", ms=marks[kind].pop("ms", 9), **marks[kind],
+                    label=None if kind in used else kind)
+        used.add(kind)
         for c in names:
             lam = t.lambda_history.get(c, [])
-            ax_lam.plot(range(1, len(lam) + 1), lam, label=f"{t.trial} {_fmt_settings(t.settings)}"[:40])
-    if ok:
-        ax_acc.axhline(ok[0].accuracy_before, color="gray", ls="--", lw=1, label="before")
-    if key.endswith(".tolerance") and ok:
-        xs = sorted({float(t.settings[key]) for t in ok})
+            ax_lam.plot(range(1, len(lam) + 1), lam, ls="--" if t.status == "pruned" else "-",
+                        label=f"{t.trial} {_fmt_settings(t.settings)}"[:40])
+    if shown:
+        ax_acc.axhline(shown[0].accuracy_before, color="gray", ls="--", lw=1, label="before")
+    if key.endswith(".tolerance") and shown:
+        xs = sorted({float(t.settings[key]) for t in shown})
         ax_d.plot(xs, xs, "k:", lw=1, label="D = c")
-    xs_all = [float(t.settings[key]) for t in ok]
     for ax in (ax_acc, ax_d):
         ax.set_xlabel(label(key))
-        if xs_all and min(xs_all) > 0 and max(xs_all) / min(xs_all) > 10:
+        if log_x:
             ax.set_xscale("log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -658,9 +882,9 @@ def plot_tune(trials: list[Trial], key: str, names: Sequence[str], path: Path) -
     ax_lam.set_xlabel("step")
     ax_lam.set_ylabel("λ")
     ax_lam.grid(alpha=0.3)
-    if ok:
+    if shown:
         ax_lam.legend(fontsize=6)
-    fig.suptitle("dcmdp tune (x: collapsed, *: selected)")
+    fig.suptitle("dcmdp tune (hollow: not eligible, x: collapsed, v: pruned, *: selected; λ dashed: pruned)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -673,8 +897,9 @@ def _last_line(path: Path) -> str:
     return lines[-1][-200:] if lines else ""
 
 
-def run_tune_file(path: str | Path, workers: Optional[int] = None) -> tuple[list[Trial], Optional[Trial]]:
-    cfg = load_tune_config(path)
+def run_tune_file(path: str | Path, overrides: Sequence[str] = (), workers: Optional[int] = None
+                  ) -> tuple[list[Trial], Optional[Trial]]:
+    cfg = load_tune_config(path, overrides)
     if workers is not None:
         cfg.workers = workers
         _check(cfg)
