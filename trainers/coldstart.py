@@ -37,6 +37,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from trainers import routing
 from trainers.config import ColdStartConfig, ModelConfig, RolloutConfig
 from trainers.models import load_model_dir, save_model_dir
 from trainers.scoring import response_logprobs
@@ -88,7 +89,9 @@ def cache_key(model: PreTrainedModel, tokenizer, task: _Task, cfg: ColdStartConf
         arch.pop(k, None)
     payload = {
         "arch": arch,
-        "model": dataclasses.asdict(model_cfg),
+        # fp32_router=False (the default) leaves every weight as it was before the field existed: left out of the
+        # key so that the caches written then stay valid
+        "model": {k: v for k, v in dataclasses.asdict(model_cfg).items() if not (k == "fp32_router" and not v)},
         "vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]),
         "task": {"name": getattr(task, "name", type(task).__qualname__),
                  "cfg": _jsonable(getattr(task, "cfg", None))},
@@ -281,6 +284,7 @@ def cold_start(model: PreTrainedModel, tokenizer, task: _Task, cfg: ColdStartCon
             log.info("cold start: loading cached model from %s", model_dir)
             model, cached = loaded, True
             model.config.use_cache = False
+            routing.set_fp32_router(model, model_cfg.fp32_router)
         else:
             log.warning("cold start: cached model %s is not usable (%s); training it again", model_dir, why)
     if not cached:

@@ -27,6 +27,9 @@ class ModelConfig:
     dtype: str = "float32"
     # Compute the LM head and the log-softmax in float32 whatever the parameter dtype (MiniMax-M1 §3.2).
     fp32_lm_head: bool = True
+    # MoE: router logits, softmax and top-k in float32 whatever the parameter dtype, in the training engine and the
+    # torch rollout engine (prime-rl's default; vLLM routes in its own precision). A no-op for float32 parameters.
+    fp32_router: bool = False
     # Enable activation checkpointing in the training engine (real presets).
     gradient_checkpointing: bool = False
 

@@ -37,6 +37,7 @@ from transformers import (
 )
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
+from trainers import routing
 from trainers.config import ModelConfig
 
 # "sdpa" keeps padded query rows finite (transformers unmasks fully masked rows), so left-padded
@@ -186,6 +187,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> PreTrainedMo
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    routing.set_fp32_router(model, cfg.fp32_router)
     return model
 
 

@@ -10,6 +10,12 @@ says. The router keeps its gradient through the gate values.
 Replayed rows whose indices are ``-1`` (padding, positions the rollout engine never routed) fall back
 to the router's own top-k; the number of replayed (token, layer) pairs is counted so that a replay that
 silently does nothing is detected by the caller.
+
+``set_fp32_router`` (``model.fp32_router``) makes a model's routers compute their logits, softmax and top-k
+in float32 whatever the parameter dtype, inside or outside a context: the bf16 inputs and weights are upcast
+exactly, so a bf16 model ranks experts as a float32 router does on the same hidden states, and near-tied
+logits no longer collapse to bf16 ties that each engine breaks its own way. The flag is a module attribute,
+so the rollout engine's copy of the model (``copy.deepcopy``) carries it.
 """
 
 from __future__ import annotations
@@ -76,14 +82,20 @@ _LOCAL = threading.local()
 def _patched_forward(self, hidden_states: Tensor):
     ctx = getattr(_LOCAL, "active", None)
     layer = getattr(self, "_dcmdp_layer", None)
-    if ctx is None or layer is None:
+    fp32 = getattr(self, "_dcmdp_fp32", False)
+    if ctx is not None and layer is None:
+        ctx = None  # a router the context did not tag (not part of its model)
+    if ctx is None and not fp32:
         return _original_forward(self, hidden_states)
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-    router_logits = F.linear(hidden_states, self.weight)  # (N, E)
+    if fp32:
+        router_logits = F.linear(hidden_states.float(), self.weight.float())  # (N, E), float32
+    else:
+        router_logits = F.linear(hidden_states, self.weight)  # (N, E)
     router_probs = torch.softmax(router_logits, dtype=torch.float, dim=-1)
     _, own_idx_NK = torch.topk(router_probs, self.top_k, dim=-1)
     idx_NK = own_idx_NK
-    if ctx.replay is not None and layer in ctx.replay:
+    if ctx is not None and ctx.replay is not None and layer in ctx.replay:
         replay_NK = ctx.replay[layer].to(own_idx_NK.device)
         if replay_NK.shape != own_idx_NK.shape:
             raise RuntimeError(f"routing replay: layer {layer} got routes of shape {tuple(replay_NK.shape)} "
@@ -94,9 +106,10 @@ def _patched_forward(self, hidden_states: Tensor):
     top_value_NK = router_probs.gather(-1, idx_NK)
     if self.norm_topk_prob:
         top_value_NK = top_value_NK / top_value_NK.sum(dim=-1, keepdim=True)
-    ctx.router_calls += 1
-    if ctx.capture:
-        ctx.captured.setdefault(layer, []).append(idx_NK.detach())
+    if ctx is not None:
+        ctx.router_calls += 1
+        if ctx.capture:
+            ctx.captured.setdefault(layer, []).append(idx_NK.detach())
     return router_logits, top_value_NK.to(router_logits.dtype), idx_NK
 
 
@@ -113,6 +126,19 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def is_moe(model: torch.nn.Module) -> bool:
     return any(isinstance(m, _ROUTER_CLS) for m in model.modules())
+
+
+def set_fp32_router(model: torch.nn.Module, enabled: bool) -> None:
+    """Compute the router logits, softmax and top-k of every Qwen3-MoE router of ``model`` in float32
+    (``model.fp32_router``; prime-rl's default). With float32 parameters this changes nothing. The gates
+    are returned in float32 too; the experts multiply them into their bf16 outputs before casting back."""
+    for router in (m for m in model.modules() if isinstance(m, _ROUTER_CLS)):
+        router._dcmdp_fp32 = bool(enabled)
+
+
+def fp32_router(model: torch.nn.Module) -> bool:
+    """Whether ``set_fp32_router`` is on for ``model``'s routers (False for a dense model)."""
+    return any(getattr(m, "_dcmdp_fp32", False) for m in model.modules() if isinstance(m, _ROUTER_CLS))
 
 
 @contextlib.contextmanager
