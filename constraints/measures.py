@@ -165,7 +165,7 @@ def seq_log_ratio(logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tenso
     """E_seq |sum_t log rho_t|, over sequences with at least one valid token (0 if there is none).
 
     The SUM, not the geometric mean |mean_t log rho_t|: exp(sum_t log rho_t) = prod_t rho_t is the
-    sequence-level ratio pi_old(y) / mu(y) that sequence-level IS (seq_tis / seq_mis, Liu, Li et al.
+    sequence-level ratio pi_old(y) / mu(y) that sequence-level IS (seq_tis / seq_mask, Liu, Li et al.
     2025) weights by, and the token-level objective is a first-order approximation of the sequence-level
     one only while that product stays near 1 (Zheng et al. arXiv 2512.01374). Per-token mismatch
     compounds with length, and the sum shows it; the geometric mean divides it away (and is

@@ -27,11 +27,15 @@ Measures without a differentiable per-token form:
   penalty form. The expert choice is a discrete top-k: no gradient path leads from the loss to it, so a
   hinge or mean term on m_t would be a constant. Shaping lowers the probability of tokens whose routes
   disagree between the engines.
-- ``seq_log_ratio``, ``extreme_rate``, ``ess``: rejected with a ValueError. None has a per-token form
-  that constrains the same quantity: the tolerance of seq_log_ratio lives on the sequence scale (a
-  token-level hinge against it would almost never fire), extreme_rate's token form is an indicator
-  (zero gradient everywhere), and ess is a batch-level diagnostic where higher is better. The error
-  names the token-level measures to constrain instead.
+- ``seq_log_ratio``, ``chi2_seq``, ``log_ppl_diff``, ``log_ppl_abs_diff``, ``training_ppl``, ``rollout_ppl``,
+  ``extreme_rate``, ``ess``: rejected with a ValueError. None has a per-token form that constrains the same
+  quantity: the sequence measures' tolerances live on the sequence scale (a token-level hinge against one
+  would almost never fire, or fire everywhere), extreme_rate's token form is an indicator (zero gradient
+  everywhere), and ess is a batch-level diagnostic where higher is better. The error names the token-level
+  measures to constrain instead. They remain measurable (``measure_constraint``, ``dcmdp calibrate``).
+- ``max_abs_prob_diff``, ``max_abs_log_ratio``: act through the per-token value they take the max of. The
+  hinge is exact for them: max_t d_t <= c iff every d_t <= c, and relu(d_t - c) pushes exactly the tokens
+  that break it.
 """
 
 from __future__ import annotations
