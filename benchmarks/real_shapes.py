@@ -317,6 +317,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--context", type=int, default=1024, help="max_position_embeddings of the one-layer models")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--keep-runs", action="store_true", help="keep the run folders (checkpoints are ~9 GB each)")
+    p.add_argument("--merge", action="store_true", help="keep the runs already in <out>.json that this invocation "
+                   "does not repeat (to run one recipe and engine at a time)")
     ns = p.parse_args(argv)
     work = Path(ns.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -350,6 +352,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                   + (f", error: {r.error}" if r.error else ""), flush=True)
             if not ns.keep_runs:
                 shutil.rmtree(out, ignore_errors=True)
+    if ns.merge and Path(ns.out).with_suffix(".json").is_file():
+        earlier = json.loads(Path(ns.out).with_suffix(".json").read_text())
+        done = {(r.recipe, r.engine) for r in results}
+        kept = [RunResult(**r) for r in earlier["runs"] if (r["recipe"], r["engine"]) not in done]
+        counts = {**earlier["models"], **counts}
+        order = {(rc, e): i for i, (rc, e) in enumerate((rc, e) for rc in RECIPES for e in ENGINES)}
+        results = sorted(kept + results, key=lambda r: order.get((r.recipe, r.engine), 99))
     text = table(results, counts)
     print("\n" + text)
     write_results(Path(ns.out), results, counts, ns, text)
@@ -361,7 +370,8 @@ def write_results(prefix: Path, results: list[RunResult], counts: dict, ns, text
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(), "versions": versions(),
             "command": f"OMP_NUM_THREADS={ns.threads} .venv/bin/python benchmarks/real_shapes.py --recipes "
-                       f"{ns.recipes} --engines {ns.engines} --context {ns.context} --threads {ns.threads}",
+                       f"{ns.recipes} --engines {ns.engines} --context {ns.context} --threads {ns.threads}"
+                       + (" --merge" if ns.merge else ""),
             "context": ns.context, "models": counts,
             "estimates_gb": {f"{r.recipe}/{r.engine}": memory_estimate(r.recipe, r.engine, ns.context)
                              for r in results},
