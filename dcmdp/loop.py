@@ -145,19 +145,28 @@ def _train_step(s: Setup, step: int, bar) -> None:
     score = dict(temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head, moe=s.moe,
                  shard=s.dist.shard)
     forward = None
+    bypass = cfg.algo.old_logp == "rollout"
     if learner.fuses_old_pass(cfg.algo):
         # one mini-batch: the update back-propagates the pi_old forward instead of running the model again
         batch, forward = learner.score_on_policy(s.model, rollout, advantages_B, cfg.algo, **score)
+    elif bypass:
+        batch = learner.score_bypass(rollout, advantages_B, cfg.algo)  # no forward before the updates
     else:
         batch = learner.score_old(s.model, rollout, advantages_B, cfg.algo, **score)
     batch, keep_B, forward, old_metrics = learner.screen_old(batch, keep_B, forward)
+    # the training engine's log-probs on the rollout weights, to measure against mu before the updates; a bypass
+    # with N > 1 has none and measures the log-probs of each token's update instead (pi_theta vs mu)
+    train_logp_BT = batch.old_logp_BT if not bypass or learner.fuses_old_pass(cfg.algo) else None
+    if bypass:
+        batch = learner.old_from_rollout(batch)
     kept = bool(keep_B.any())
     t2 = time.perf_counter()
     # nothing left to measure: a NaN D-hat makes the dual step keep lambda and report the skip
-    measured_C, disc_metrics = (measure_phase(s, batch) if kept else
+    measured_C, disc_metrics = (measure_phase(s, batch, train_logp_BT) if kept and train_logp_BT is not None else
                                 (torch.full((len(s.names),), float("nan"), dtype=torch.float64), {}))
     t3 = time.perf_counter()
-    trained_logp_BT = batch.old_logp_BT.clone() if kept and cfg.dual.measure_at == "updates" else None
+    trained_logp_BT = (batch.old_logp_BT.clone() if kept and (cfg.dual.measure_at == "updates" or train_logp_BT is None)
+                       else None)
     update_metrics = learner.update(
         s.model, s.optimizer, s.scheduler, batch, lambda_C=s.dual.lambda_C.float(),
         constraints=constraints_in_force(s.dual, cfg.dual), penalty=cfg.dual.penalty, dual_enabled=cfg.dual.enabled,
@@ -166,8 +175,10 @@ def _train_step(s: Setup, step: int, bar) -> None:
         shard=s.dist.shard, trained_logp_BT=trained_logp_BT, forward=forward) if kept else []
     del forward
     t4 = time.perf_counter()
+    if kept and train_logp_BT is None:
+        measured_C, disc_metrics = measure_phase(s, batch, trained_logp_BT)
     floor_C = measured_C  # pi_old vs mu on the weights that sampled the batch: an automatic tolerance's floor
-    if trained_logp_BT is not None:
+    if trained_logp_BT is not None and cfg.dual.measure_at == "updates":
         measured_C = constraint_values(s, batch, trained_logp_BT)
     s.dual, dual_metrics = dual_step(s.dual, measured_C, cfg.dual, floor_C=floor_C)
     t5 = time.perf_counter()
@@ -389,15 +400,18 @@ def constraint_values(s: Setup, batch: learner.ScoredBatch, train_logp_BT: torch
                                            **_routes(batch)).double() for c in s.cfg.dual.constraints])
 
 
-def measure_phase(s: Setup, batch: learner.ScoredBatch) -> tuple[torch.Tensor, dict[str, float]]:
-    """D-hat of every constraint (pi_old vs mu, before the updates) and all discrepancy measures, with the
-    per-token p50/p90/p99 of every constraint's measure.
+def measure_phase(s: Setup, batch: learner.ScoredBatch, train_logp_BT: Optional[torch.Tensor] = None
+                  ) -> tuple[torch.Tensor, dict[str, float]]:
+    """D-hat of every constraint (the training engine's ``train_logp_BT`` vs mu: pi_old before the updates) and
+    all discrepancy measures, with the per-token p50/p90/p99 of every constraint's measure.
 
     With ``dual.measure_at: updates`` the loop replaces D-hat after the updates (``constraint_values`` of
-    the log-probs the updates saw); the discrepancy/ metrics stay pi_old vs mu."""
+    the log-probs the updates saw); the discrepancy/ metrics stay pi_old vs mu. With ``algo.old_logp: rollout``
+    and N > 1 there is no pi_old: ``train_logp_BT`` is then pi_theta at each token's update. Default: pi_old."""
     r = batch.rollout
-    return constraint_values(s, batch, batch.old_logp_BT), discrepancy_metrics(
-        batch.old_logp_BT, r.rollout_logp_BT.float(), r.response_mask_BT.bool(), **_routes(batch),
+    train_logp_BT = batch.old_logp_BT if train_logp_BT is None else train_logp_BT
+    return constraint_values(s, batch, train_logp_BT), discrepancy_metrics(
+        train_logp_BT, r.rollout_logp_BT.float(), r.response_mask_BT.bool(), **_routes(batch),
         quantiles_of=[c.measure for c in s.cfg.dual.constraints])
 
 

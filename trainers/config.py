@@ -255,6 +255,9 @@ class AlgoConfig:
     routing_replay: str = "none"
     # Entropy bonus coefficient (0 disables).
     entropy_coef: float = 0.0
+    # Where log pi_old comes from: recompute (a training-engine forward before the updates) | rollout (bypass:
+    # log mu is taken as log pi_old, no forward; the clip then acts on pi_theta / mu and the IS weight is 1).
+    old_logp: str = "recompute"
 
     def check(self, prefix: str = "algo") -> None:
         _require(0 <= self.clip_low < 1, f"{prefix}.clip_low", f"must be in [0, 1), got {self.clip_low}")
@@ -280,6 +283,11 @@ class AlgoConfig:
                  f"{self.prompts_per_step} x {self.samples_per_prompt} = {total} samples")
         _require(self.routing_replay in ("none", "r2", "r3"), f"{prefix}.routing_replay",
                  f"got {self.routing_replay!r}, expected none, r2 or r3")
+        _require(self.old_logp in ("recompute", "rollout"), f"{prefix}.old_logp",
+                 f"got {self.old_logp!r}, expected recompute or rollout")
+        _require(not (self.old_logp == "rollout" and self.routing_replay == "r2"), f"{prefix}.routing_replay",
+                 "r2 replays the routes of the pi_old forward, which old_logp=rollout skips; use r3 (the rollout "
+                 "engine's routes) or old_logp=recompute")
 
 
 @dataclass

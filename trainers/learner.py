@@ -16,7 +16,7 @@ count of the mini-batch, so the summed gradients equal the single-process gradie
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -173,6 +173,30 @@ def _score(model, rollout: Rollout, advantages_B: Tensor, cfg: AlgoConfig, *, te
     replay = {"none": None, "r2": train_experts, "r3": rollout.rollout_experts_BSLK}[cfg.routing_replay]
     advantages_BT = advantages_B[:, None].to(old_logp_BT.dtype).expand_as(old_logp_BT)
     return ScoredBatch(rollout, old_logp_BT.float(), advantages_BT, train_experts, replay), forward
+
+
+def score_bypass(rollout: Rollout, advantages_B: Tensor, cfg: AlgoConfig) -> ScoredBatch:
+    """``algo.old_logp: rollout`` (bypass): log pi_old := log mu, no training-engine forward before the updates.
+
+    The clip then acts on r = pi_theta / mu, which holds the engines' discrepancy and the staleness at once, and
+    the IS weight pi_old / mu is exactly 1. R3 replays the rollout's routes in the updates; R2 has no pi_old pass
+    to record routes in (a config error).
+    """
+    if cfg.routing_replay == "r2":
+        raise ValueError("routing_replay=r2 records the routes of the pi_old forward, which old_logp=rollout skips")
+    r3 = cfg.routing_replay == "r3"
+    if r3 and rollout.rollout_experts_BSLK is None:
+        raise ValueError("routing_replay=r3 needs the rollout engine's routes, and this engine reported none")
+    old_logp_BT = rollout.rollout_logp_BT.float()
+    advantages_BT = advantages_B[:, None].to(old_logp_BT.dtype).expand_as(old_logp_BT)
+    experts = rollout.rollout_experts_BSLK if r3 else None
+    return ScoredBatch(rollout, old_logp_BT, advantages_BT, experts, experts)
+
+
+def old_from_rollout(batch: ScoredBatch) -> ScoredBatch:
+    """The batch with log pi_old replaced by log mu (bypass after a fused forward, see ``score_bypass``)."""
+    return replace(batch, old_logp_BT=batch.rollout.rollout_logp_BT.float().masked_fill(
+        ~batch.rollout.response_mask_BT.bool(), 0.0))
 
 
 def drop_rows(batch: ScoredBatch, keep_B: Tensor) -> ScoredBatch:
