@@ -46,6 +46,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -155,6 +156,86 @@ def memory_estimate(recipe: str, engine: str, context: int = 1024) -> dict[str, 
     return terms
 
 
+def saved_bytes_per_token(recipe: str, tokens: tuple[int, int] = (256, 512), seed: int = 0) -> dict[str, float]:
+    """Bytes autograd saves per token for the backward: one real-width decoder layer (bf16, sdpa, the MoE's
+    grouped_mm experts) and the fp32 LM-head chain at the real vocabulary (``trainers.scoring``: logits,
+    log-softmax at temperature 1, the gathered token, the entropy). Measured with ``saved_tensors_hooks`` at two
+    sequence lengths of one unpadded sequence; the difference over the token difference removes the per-call
+    terms (weights, the head's float32 weight copy). No activation checkpointing.
+
+    The layer is measured inside a one-layer model with a 1024-token vocabulary (its embedding saves only the ids);
+    the final norm's saved tensors come with it (a few KB per token). The head chain uses hidden size 64: per token
+    it saves V-sized rows, whose size does not depend on H, plus the H-sized input (added back at the real H).
+    """
+    from transformers import Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from trainers.models import _set_kernels
+    from trainers.scoring import lm_head_logits, tempered_logp
+
+    def saved(fn) -> int:
+        total = 0
+        seen: set[int] = set()
+
+        def pack(t):
+            nonlocal total
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn()
+        del out
+        return total
+
+    config = one_layer_config(recipe, max(tokens) + 1)
+    config.vocab_size = 1024
+    cls = Qwen3MoeForCausalLM if isinstance(config, Qwen3MoeConfig) else Qwen3ForCausalLM
+    default = torch.get_default_dtype()
+    torch.manual_seed(seed)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = _set_kernels(cls(config))
+    finally:
+        torch.set_default_dtype(default)
+    model.train()
+    layer = {}
+    for n in tokens:
+        ids = torch.randint(0, config.vocab_size, (1, n))
+        layer[n] = saved(lambda: model.model(input_ids=ids, use_cache=False).last_hidden_state)
+    del model
+    V, H_real = VOCAB, one_layer_config(recipe).hidden_size
+    head = torch.nn.Linear(64, V, bias=False, dtype=torch.bfloat16)
+    head_bytes = {}
+    for n in tokens:
+        hidden = torch.randn(1, n, 64, dtype=torch.bfloat16, requires_grad=True)
+
+        def chain():
+            logp_BTV = tempered_logp(lm_head_logits(_Head(head), hidden,
+                                                    fp32_lm_head=True), 1.0)
+            ids = torch.randint(0, V, (1, n, 1))
+            return logp_BTV.gather(-1, ids).sum() + (-(logp_BTV.exp() * logp_BTV).sum())
+
+        head_bytes[n] = saved(chain)
+    a, b = tokens
+    per_layer = (layer[b] - layer[a]) / (b - a)
+    per_head = (head_bytes[b] - head_bytes[a]) / (b - a) + (H_real - 64) * 4
+    return {"layer_bytes_per_token": per_layer, "head_bytes_per_token": per_head,
+            "layer_input_bytes_per_token": H_real * 2}
+
+
+class _Head(torch.nn.Module):
+    """A stand-in with ``get_output_embeddings`` for ``trainers.scoring.lm_head_logits``."""
+
+    def __init__(self, head: torch.nn.Linear):
+        super().__init__()
+        self.head = head
+
+    def get_output_embeddings(self) -> torch.nn.Linear:
+        return self.head
+
+
 def mem_available_gb() -> float:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -163,13 +244,14 @@ def mem_available_gb() -> float:
     return float("nan")
 
 
-def overrides(recipe: str, model_dir: Path, out: Path, engine: str, *, threads: int = 2) -> list[str]:
+def overrides(recipe: str, model_dir: Path, out: Path, engine: str, *, threads: int = 2,
+              extra: tuple[str, ...] = ()) -> list[str]:
     """The dotlist that turns the recipe into two small real-shape steps (module docstring)."""
     return [f"model.path={model_dir}", f"task.path={DATA}", "task.eval_path=null", "task.eval_size=2",
             f"rollout.engine={engine}", "rollout.max_new_tokens=16", "rollout.tensor_parallel_size=1",
             "algo.prompts_per_step=2", "algo.samples_per_prompt=2", *SYNC_PROBE, "steps=2", "eval_every=0",
             "checkpoint.every=0", "checkpoint.keep=1", "progress=false", f"threads={threads}",
-            f"output_dir={out}", "overwrite=true"]
+            f"output_dir={out}", "overwrite=true", *extra]
 
 
 @dataclass
@@ -186,6 +268,7 @@ class RunResult:
     changed_fraction: Optional[float] = None
     compared_elements: int = 0
     error: str = ""
+    extra: list[str] = field(default_factory=list)
 
 
 def _history_and_changes(out: Path, model_dir: Path) -> tuple[list[dict], Optional[float], int]:
@@ -213,10 +296,10 @@ def _history_and_changes(out: Path, model_dir: Path) -> tuple[list[dict], Option
 
 
 def run_recipe(recipe: str, engine: str, model_dir: Path, out: Path, *, context: int = 1024,
-               threads: int = 2) -> RunResult:
+               threads: int = 2, extra: tuple[str, ...] = ()) -> RunResult:
     """``dcmdp train configs/<recipe>.yaml <overrides>`` in a child process; its peak RSS from ``os.wait4``."""
     args = [str(ROOT / ".venv" / "bin" / "dcmdp"), "train", f"configs/{recipe}.yaml",
-            *overrides(recipe, model_dir, out, engine, threads=threads)]
+            *overrides(recipe, model_dir, out, engine, threads=threads, extra=extra)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CACHE_ROOT": str(out.parent / "vllm_cache")}
     command = f"OMP_NUM_THREADS={threads} " + " ".join(shlex.quote(a) for a in
                                                        [".venv/bin/dcmdp", *args[1:]])
@@ -231,10 +314,10 @@ def run_recipe(recipe: str, engine: str, model_dir: Path, out: Path, *, context:
     proc.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - t0
     result = RunResult(recipe, engine, command, proc.returncode, wall, usage.ru_maxrss * 1024 / 1e9, estimate,
-                       available)
+                       available, extra=list(extra))
     if proc.returncode != 0:
         lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
-        errors = [ln for ln in lines if "Error" in ln or "error" in ln or "Killed" in ln]
+        errors = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception)\b.*:", ln) or ln.startswith("dcmdp:")]
         result.error = (errors[-1] if errors else (lines[-1] if lines else f"exit {proc.returncode}"))[:600]
         return result
     result.steps, result.changed_fraction, result.compared_elements = _history_and_changes(out, model_dir)
@@ -251,15 +334,15 @@ def _fmt(v: Optional[float], spec: str = ".3g") -> str:
 
 
 def table(results: list[RunResult], counts: dict[str, dict]) -> str:
-    rows = ["| recipe (1 layer) | engine | params | peak RSS GB (est.) | step 1 s | step 2 s | rollout / pi_old+fwd / "
+    rows = ["| recipe (1 layer) | engine | extra overrides | params | peak RSS GB (est.) | step 1 s | step 2 s | rollout / pi_old+fwd / "
             "update / sync s (step 2) | abs_prob_diff 1, 2 | kl_k3 1, 2 | lambda 2 | loss 1, 2 | routing mismatch | "
             "weights changed |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         n = counts.get(r.recipe, {}).get("params")
         params = f"{n / 1e9:.3f} B" if n else "-"
         if r.returncode != 0 or len(r.steps) < 2:
-            rows.append(f"| {r.recipe} | {r.engine} | {params} | {r.peak_rss_gb:.1f} ({r.estimate_gb:.1f}) | failed "
+            rows.append(f"| {r.recipe} | {r.engine} | {' '.join(r.extra) or '-'} | {params} | {r.peak_rss_gb:.1f} ({r.estimate_gb:.1f}) | failed "
                         f"(exit {r.returncode}): {r.error.replace('|', '/')} |||||||||")
             continue
         s1, s2 = r.steps[0], r.steps[1]
@@ -269,7 +352,7 @@ def table(results: list[RunResult], counts: dict[str, dict]) -> str:
         lam = g(s2, "dual/lambda/abs_prob_diff")
         mism = g(s2, "routing/mismatch")
         rows.append(
-            f"| {r.recipe} | {r.engine} | {params} | {r.peak_rss_gb:.1f} ({r.estimate_gb:.1f}) | "
+            f"| {r.recipe} | {r.engine} | {' '.join(r.extra) or '-'} | {params} | {r.peak_rss_gb:.1f} ({r.estimate_gb:.1f}) | "
             f"{_fmt(g(s1, 'time/step'), '.1f')} | {_fmt(g(s2, 'time/step'), '.1f')} | {phases} | "
             f"{_fmt(g(s1, 'discrepancy/abs_prob_diff'), '.2e')}, {_fmt(g(s2, 'discrepancy/abs_prob_diff'), '.2e')} | "
             f"{_fmt(g(s1, 'discrepancy/kl_k3'), '.2e')}, {_fmt(g(s2, 'discrepancy/kl_k3'), '.2e')} | "
@@ -317,6 +400,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--context", type=int, default=1024, help="max_position_embeddings of the one-layer models")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--keep-runs", action="store_true", help="keep the run folders (checkpoints are ~9 GB each)")
+    p.add_argument("--extra", default="", help="space-separated overrides appended to every run "
+                   "(e.g. model.gradient_checkpointing=false)")
+    p.add_argument("--activations", action="store_true", help="also measure the bytes autograd saves per token for "
+                   "one real-width layer and the fp32 LM-head chain (saved_bytes_per_token)")
     p.add_argument("--merge", action="store_true", help="keep the runs already in <out>.json that this invocation "
                    "does not repeat (to run one recipe and engine at a time)")
     ns = p.parse_args(argv)
@@ -338,6 +425,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             meta.write_text(json.dumps(counts[recipe]))
         print(f"{recipe}: one layer, {counts[recipe]['params']:,} parameters "
               f"({counts[recipe]['active_params']:,} active) in {model_dir}", flush=True)
+    acts = {}
+    if ns.activations:
+        for recipe in recipes:
+            acts[recipe] = saved_bytes_per_token(recipe)
+            print(f"{recipe}: saved for backward per token: " + ", ".join(f"{k} {v:,.0f}" for k, v in
+                                                                        acts[recipe].items()), flush=True)
     results: list[RunResult] = []
     for recipe in recipes:
         for engine in engines:
@@ -346,7 +439,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                   + ", ".join(f"{k} {v:.2f}" for k, v in est.items() if k != "total")
                   + f"); available now {mem_available_gb():.1f} GB", flush=True)
             out = work / f"run_{recipe}_{engine}"
-            r = run_recipe(recipe, engine, work / f"{recipe}-1layer", out, context=ns.context, threads=ns.threads)
+            r = run_recipe(recipe, engine, work / f"{recipe}-1layer", out, context=ns.context, threads=ns.threads,
+                           extra=tuple(ns.extra.split()))
             results.append(r)
             print(f"  exit {r.returncode}, wall {r.wall_s:.0f} s, peak RSS {r.peak_rss_gb:.2f} GB"
                   + (f", error: {r.error}" if r.error else ""), flush=True)
@@ -354,25 +448,27 @@ def main(argv: Optional[list[str]] = None) -> int:
                 shutil.rmtree(out, ignore_errors=True)
     if ns.merge and Path(ns.out).with_suffix(".json").is_file():
         earlier = json.loads(Path(ns.out).with_suffix(".json").read_text())
-        done = {(r.recipe, r.engine) for r in results}
-        kept = [RunResult(**r) for r in earlier["runs"] if (r["recipe"], r["engine"]) not in done]
+        done = {(r.recipe, r.engine, tuple(r.extra)) for r in results}
+        kept = [RunResult(**r) for r in earlier["runs"]
+                if (r["recipe"], r["engine"], tuple(r.get("extra", []))) not in done]
         counts = {**earlier["models"], **counts}
+        acts = {**earlier.get("saved_bytes_per_token", {}), **acts}
         order = {(rc, e): i for i, (rc, e) in enumerate((rc, e) for rc in RECIPES for e in ENGINES)}
-        results = sorted(kept + results, key=lambda r: order.get((r.recipe, r.engine), 99))
+        results = sorted(kept + results, key=lambda r: (order.get((r.recipe, r.engine), 99), r.extra))
     text = table(results, counts)
     print("\n" + text)
-    write_results(Path(ns.out), results, counts, ns, text)
+    write_results(Path(ns.out), results, counts, ns, text, acts)
     return 0 if all(r.returncode == 0 for r in results) else 1
 
 
-def write_results(prefix: Path, results: list[RunResult], counts: dict, ns, text: str) -> None:
+def write_results(prefix: Path, results: list[RunResult], counts: dict, ns, text: str, acts: dict) -> None:
     prefix.parent.mkdir(parents=True, exist_ok=True)
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(), "versions": versions(),
             "command": f"OMP_NUM_THREADS={ns.threads} .venv/bin/python benchmarks/real_shapes.py --recipes "
                        f"{ns.recipes} --engines {ns.engines} --context {ns.context} --threads {ns.threads}"
-                       + (" --merge" if ns.merge else ""),
-            "context": ns.context, "models": counts,
+                       + (f" --extra '{ns.extra}'" if ns.extra else "") + (" --merge" if ns.merge else "") + (" --activations" if ns.activations else ""),
+            "context": ns.context, "models": counts, "saved_bytes_per_token": acts,
             "estimates_gb": {f"{r.recipe}/{r.engine}": memory_estimate(r.recipe, r.engine, ns.context)
                              for r in results},
             "runs": [{**asdict(r), "steps": [{k: s.get(k) for k in STEP_KEYS if k in s} for s in r.steps]}
@@ -384,6 +480,13 @@ def write_results(prefix: Path, results: list[RunResult], counts: dict, ns, text
              f"- command: `{info['command']}`", "", "Per run (each a `dcmdp train` child process):", ""]
     lines += [f"- `{r.command}`" for r in results]
     lines += ["", text, ""]
+    if acts:
+        lines += ["Bytes autograd saves per token (no activation checkpointing; `saved_bytes_per_token`):", "",
+                  "| recipe | one decoder layer (bf16) | fp32 LM-head chain (logits, log-softmax, entropy) | "
+                  "checkpointed layer input (bf16) |", "|---|---|---|---|"]
+        lines += [f"| {r} | {a['layer_bytes_per_token']:,.0f} | {a['head_bytes_per_token']:,.0f} | "
+                  f"{a['layer_input_bytes_per_token']:,.0f} |" for r, a in acts.items()]
+        lines += [""]
     prefix.with_suffix(".md").write_text("\n".join(lines))
 
 
