@@ -10,11 +10,12 @@ Per measure m and batch n, D_mn is the batch value (``constraints.measures``, pi
 update). Over the N batches we report the mean (the floor), p50 / p90 / p99 of the per-batch values, and a
 bootstrap 95% interval of the mean (``scipy.stats.bootstrap``, BCa, fixed seed); the proposed tolerance is
 
-    c_m = max(floor_m, 0) * (1 + slack)
+    c_m = max(q_m, 0) * (1 + slack),  rounded up to 3 significant digits
 
-(kl_k1 is a signed estimator and may have a negative floor; a tolerance is >= 0). The dual controller
-compares each batch's D-hat to c, so when p90 of the per-batch values exceeds c the table flags it: lambda
-will grow on roughly that share of batches even with matched weights.
+with q_m the ``inside_frac`` quantile of the per-batch values (the smallest value with at least that share of
+batches at or below it; default 0.9): the share of steps inside the tolerance that ``dcmdp tune``'s selection
+demands (``select.min_inside_frac``), so a proposed c is one tune can select even with matched weights
+(kl_k1 is a signed estimator and may have a negative floor; a tolerance is >= 0).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ from dcmdp.loop import Setup, measure_phase, rollout_phase, setup
 from trainers import learner
 
 log = logging.getLogger("dcmdp")
+
+# Share of batches at or below the proposed c: dcmdp tune's default select.min_inside_frac (tests keep them equal).
+INSIDE_FRAC = 0.9
 
 # Table rows: metric key of ``discrepancy_metrics`` -> the ConstraintConfig that measures the same thing; every
 # constrainable measure of the registry (``constraints.measures.MEASURES``), in registry order.
@@ -68,6 +72,8 @@ class Calibration:
     run_id: Optional[str]
     # per batch (old_logp_BT, rollout_logp_BT, mask_BT), kept only with ``keep_batches``
     kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # share of batches at or below the proposed c
+    inside_frac: float = INSIDE_FRAC
 
     def row(self, name: str) -> FloorStats:
         for r in self.rows:
@@ -78,30 +84,39 @@ class Calibration:
     def table(self) -> str:
         head = f"{'measure':<28}{'mean (floor)':>14}{'95% CI of mean':>28}{'p50':>12}{'p90':>12}{'p99':>12}" \
                f"{'proposed c':>14}"
-        lines = [f"discrepancy floor over {self.batches} batches (identical weights), c = floor x (1 + {self.slack})",
+        lines = [f"discrepancy floor over {self.batches} batches (identical weights), {self.rule()}",
                  head, "-" * len(head)]
         for r in self.rows:
             ci = f"[{r.ci_low:.3g}, {r.ci_high:.3g}]"
-            flag = "  (p90 > c)" if r.p90 > r.proposed else ""
             lines.append(f"{r.name:<28}{r.mean:>14.4g}{ci:>28}{r.p50:>12.4g}{r.p90:>12.4g}{r.p99:>12.4g}"
-                         f"{r.proposed:>14.4g}{flag}")
+                         f"{r.proposed:>14.3g}")
         return "\n".join(lines)
 
     def snippet(self) -> str:
         """YAML to paste into a config (or pass as a config file): ``dual: constraints: [...]`` with c."""
         body = {"dual": {"constraints": [OmegaConf.to_container(OmegaConf.structured(c)) for c in self.constraints]}}
-        note = (f"# dcmdp calibrate: discrepancy floor over {self.batches} batches with identical weights, "
-                f"c = floor x (1 + {self.slack})\n")
+        note = f"# dcmdp calibrate: floor over {self.batches} batches with identical weights, {self.rule()}\n"
         return note + OmegaConf.to_yaml(OmegaConf.create(body))
 
+    def rule(self) -> str:
+        q = f"q{100 * self.inside_frac:g}"
+        return (f"c = {q} x (1 + {self.slack}), {q} = the least batch value with >= {self.inside_frac:.0%} of batches "
+                f"at or below it (dcmdp tune's select.min_inside_frac)")
 
-def proposed_tolerance(floor: float, slack: float) -> float:
-    """c = max(floor, 0) * (1 + slack)."""
-    return max(floor, 0.0) * (1.0 + slack)
+
+def proposed_tolerance(level: float, slack: float) -> float:
+    """c = max(level, 0) * (1 + slack), rounded up to 3 significant digits."""
+    c = max(level, 0.0) * (1.0 + slack)
+    if not (math.isfinite(c) and c > 0):
+        return c
+    unit = 10.0 ** (math.floor(math.log10(c)) - 2)
+    return float(f"{math.ceil(round(c / unit, 9)) * unit:.3g}")
 
 
-def floor_stats(name: str, values: Sequence[float], slack: float, seed: int = 0) -> FloorStats:
-    """Mean, percentiles and bootstrap 95% interval of the mean of one measure's per-batch values."""
+def floor_stats(name: str, values: Sequence[float], slack: float, seed: int = 0,
+                inside_frac: float = INSIDE_FRAC) -> FloorStats:
+    """Mean, percentiles and bootstrap 95% interval of the mean of one measure's per-batch values; the proposed c
+    from their ``inside_frac`` quantile (``inverted_cdf``: a value with >= that share of batches at or below it)."""
     v = np.asarray(values, dtype=np.float64)
     mean = float(v.mean())
     p50, p90, p99 = (float(x) for x in np.percentile(v, [50, 90, 99]))
@@ -117,7 +132,8 @@ def floor_stats(name: str, values: Sequence[float], slack: float, seed: int = 0)
             res = stats.bootstrap((v,), np.mean, confidence_level=0.95, n_resamples=2000, method="percentile",
                                   random_state=np.random.default_rng(seed))
             lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
-    return FloorStats(name, [float(x) for x in v], mean, p50, p90, p99, lo, hi, proposed_tolerance(mean, slack))
+    level = float(np.quantile(v, inside_frac, method="inverted_cdf"))
+    return FloorStats(name, [float(x) for x in v], mean, p50, p90, p99, lo, hi, proposed_tolerance(level, slack))
 
 
 def _constraint_key(i: int, c: ConstraintConfig) -> str:
@@ -125,7 +141,7 @@ def _constraint_key(i: int, c: ConstraintConfig) -> str:
 
 
 def calibrate(cfg: RunConfig, batches: int = 8, slack: float = 0.25, measures: Sequence[str] = (),
-              keep_batches: bool = False) -> Calibration:
+              keep_batches: bool = False, inside_frac: float = INSIDE_FRAC) -> Calibration:
     """Run ``batches`` rollout batches without updates and summarise every measure's floor.
 
     The constraints of the snippet are ``measures`` (default settings, tolerance set) when given, else the
@@ -152,10 +168,11 @@ def calibrate(cfg: RunConfig, batches: int = 8, slack: float = 0.25, measures: S
                 r = batch.rollout
                 kept.append((batch.old_logp_BT.clone(), r.rollout_logp_BT.float().clone(),
                              r.response_mask_BT.bool().clone()))
-        rows = [floor_stats(k, per_key[k], slack, seed=cfg.seed) for k in FLOOR_MEASURES if k in per_key]
-        proposed = [replace(c, tolerance=floor_stats(k, per_key[k], slack).proposed)
+        rows = [floor_stats(k, per_key[k], slack, seed=cfg.seed, inside_frac=inside_frac)
+                for k in FLOOR_MEASURES if k in per_key]
+        proposed = [replace(c, tolerance=floor_stats(k, per_key[k], slack, inside_frac=inside_frac).proposed)
                     for k, c in ((_constraint_key(i, c), c) for i, c in enumerate(targets))]
-        result = Calibration(rows, proposed, slack, batches, s.tracker.run_id, kept)
+        result = Calibration(rows, proposed, slack, batches, s.tracker.run_id, kept, inside_frac)
         out = Path(cfg.output_dir)
         (out / "calibration.txt").write_text(result.table() + "\n")
         (out / "calibration.yaml").write_text(result.snippet())

@@ -1,62 +1,43 @@
 """Sweeps of the dual controller's settings on Optuna: ``dcmdp tune TUNE.yaml [key=value ...]``.
 
-A tune file (YAML)::
+A tune file (YAML; defaults in the dataclasses below)::
 
     base: configs/tiny-dense.yaml        # run config; a relative path is tried next to the tune file, then in cwd
-    overrides: [steps=40, progress=false] # dotlist applied to every trial (the command line's key=value come after)
-    space:                               # run-config keys; a list of values, or a range (tpe and gp only)
+    overrides: [steps=40, eval_every=10] # dotlist for every trial (the command line's key=value come after)
+    space:                               # run-config keys: a list of values, or a range (tpe and gp only)
       dual.constraints[0].tolerance: [0.001, 0.002, 0.005]
       dual.constraints[0].lr: {low: 0.1, high: 10, log: true}
-    sampler: grid                        # grid (every combination of the lists) | tpe | gp
-    trials: 20                           # tpe / gp: trials in the study (grid: the grid's size)
-    seed: 0                              # the sampler's seed
-    study: null                          # Optuna study name (default: the tune file's name without .yaml)
+    sampler: grid                        # grid (every combination of the lists) | tpe | gp, with `trials: N`
     storage: null                        # Optuna RDB URL (default: sqlite:///<output_dir>/study.db)
-    select: {min_inside_frac: 0.9, warmup_steps: 0, collapse_window: 5, collapse_drop_frac: 0.5,
-             collapse_metric: reward/accuracy}
-    prune: {enabled: true, collapse_patience: null}   # patience default: collapse_window
-    workers: 2                           # trials running at once in this process
-    prime_cold_start: true               # run the first trial alone so the others reuse its cached cold start
-    output_dir: outputs/tune
+    select: {min_inside_frac: 0.9, warmup_steps: 0, collapse_window: 5, collapse_drop_frac: 0.5}
+    prune: {enabled: true}
+    workers: 2
 
-Keys of ``space`` are OmegaConf paths into the run config (``dual.constraints[0].tolerance`` is c, ``.lr`` η,
-``.lambda_init`` λ_0, or any key such as ``optim.lr``); tables and plots write ``c[i].`` for
-``dual.constraints[i].``. A range ``{low, high, log, step}`` becomes an Optuna float distribution (an int one
-when low and high are integers); a list becomes a categorical one.
+``dual.constraints[0].tolerance`` is c, ``.lr`` η, ``.lambda_init`` λ_0; tables write ``c[i].`` for them.
 
-One Optuna study (direction: maximise held-out accuracy) per tune file. Several ``dcmdp tune`` processes, on
-one machine or many, may share a study: they claim trials from it and never run one twice (sqlite: claims
-are serialised by a lock file next to the database; a server database serialises them by itself, except
-for the rare race where two processes start on one stale study at the same moment). Each trial is
-``python -m dcmdp.cli train <trial>/run.yaml`` in ``<output_dir>/trials/t<number>``, a child MLflow run
-nested under one parent run (tag ``mlflow.parentRunId``; its id is a study attribute, so all processes
-share it). The trial appends every step's metrics to ``<trial>/progress.jsonl`` (environment variable
-``DCMDP_PROGRESS_FILE``); the parent reads it each second, reports held-out accuracy (``eval/accuracy``,
-every ``eval_every`` steps) as the trial's intermediate value and asks the pruner.
+One Optuna study per tune file (name: the file's stem, or ``study``), maximising held-out accuracy. Any
+number of ``dcmdp tune`` processes, here or on other machines, may share it: each claims trials and none
+runs twice (sqlite: claims are serialised by a lock file next to the database; a server database locks
+rows itself). A trial is ``python -m dcmdp.cli train <trial>/run.yaml`` in ``<output_dir>/trials/t<number>``,
+a child MLflow run nested under one parent run whose id is a study attribute. It appends each step's
+metrics to ``progress.jsonl`` (environment variable ``DCMDP_PROGRESS_FILE``); the tune process reads it
+every ``POLL_S``, reports held-out accuracy (``eval/accuracy``, every ``eval_every`` steps) as the
+intermediate value and asks ``RulePruner``. A pruned trial gets SIGTERM, writes its checkpoint, ends its
+MLflow run KILLED and is tagged ``dcmdp.tune.state=PRUNED``.
 
-Selection rule. A trial is *eligible* when it finished, did not collapse, and kept the constrained
-discrepancy inside the tolerance (every constraint's D-hat <= c, ``dual/measured/<c>`` <= ``dual/tolerance/<c>``)
-on at least ``min_inside_frac`` of its steps after warm-up (steps ``warmup_steps + 1 .. steps``). A trial
-*collapsed* when any ``loss/`` metric was non-finite at some step, or when the mean of ``collapse_metric``
-over its last ``collapse_window`` steps fell below ``collapse_drop_frac`` x its peak ``collapse_window``-step
-mean. The selected trial is the eligible one with the highest held-out accuracy after training (ties: larger
-inside share, then smaller mean discrepancy, then the earlier trial); none is selected when no trial is
-eligible. tpe and gp see the rule as an Optuna constraint (feasible = eligible).
+Selection rule. A trial is *eligible* when it finished, did not collapse, and kept every constraint's D-hat
+<= c (``dual/measured/<c>`` <= ``dual/tolerance/<c>``) on at least ``min_inside_frac`` of its steps after
+warm-up (steps ``warmup_steps + 1 .. steps``). It *collapsed* when a ``loss/`` metric was non-finite, or when
+the mean of ``collapse_metric`` over its last ``collapse_window`` steps fell below ``collapse_drop_frac`` x
+its peak window mean. The selected trial is the eligible one with the highest held-out accuracy after
+training (ties: larger inside share, then smaller mean discrepancy, then the earlier trial). tpe and gp
+see eligibility as an Optuna constraint.
 
-Pruning (``RulePruner``) stops a trial that can no longer be selected: a non-finite loss, more steps
-outside the tolerance than ``1 - min_inside_frac`` of the post-warm-up steps allow, or the collapse
-condition holding on ``collapse_patience`` steps in a row. The trial gets SIGTERM, writes its checkpoint
-and ends its MLflow run KILLED with the tag ``dcmdp.tune.state=PRUNED``; Optuna records it PRUNED.
-
-Resume. Running the tune file again continues the study: finished and pruned trials stay, failed trials
-(an interrupted ``dcmdp tune``, a trial process that died, a trial whose ``heartbeat`` stopped for
-``GRACE_S``) are retried as new Optuna trials (``RetryFailedTrialCallback``) in the original trial's
-folder, so a trial continues from its last checkpoint in the same child MLflow run.
-
-Outputs of each call, also logged on the parent run: ``table.txt`` (printed; says why each trial was not
-selected), ``results.csv``, ``tune.png`` (accuracy and mean discrepancy against the first space key, on a
-log axis for log-spaced values, ineligible trials marked; λ trajectories) and ``best.yaml`` (the winning
-``dual.constraints`` block, plus any other swept key).
+Resume: running the tune file again continues the study. Finished and pruned trials stay; failed ones (an
+interrupted sweep, a crashed trial, a trial whose heartbeat stopped for ``GRACE_S``) run again as Optuna
+retries in the first attempt's folder, so they continue from their checkpoint in the same child run.
+Outputs of each call, also parent-run artifacts: ``table.txt`` (why each trial was not selected),
+``results.csv``, ``tune.png`` and ``best.yaml`` (the winning ``dual.constraints`` block and swept keys).
 """
 
 from __future__ import annotations
@@ -84,14 +65,14 @@ from typing import Any, Iterator, Optional, Sequence
 import optuna
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from optuna.storages import RDBStorage, RetryFailedTrialCallback
+from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
 from dcmdp.config import ConfigError, RunConfig, TrackingConfig, load_config, to_yaml, validate
 from dcmdp.tracking import LOCAL_ID_PREFIX, Tracker, resolve_tracking_uri
 
 log = logging.getLogger("dcmdp.tune")
-# heartbeats, fail_stale_trials and RetryFailedTrialCallback are marked experimental; they are used with ask/tell
+# heartbeats, fail_stale_trials and the retry callback are marked experimental; used here with ask/tell
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
 
@@ -185,42 +166,25 @@ def load_tune_config(path: str | Path, overrides: Sequence[str] = ()) -> TuneCon
     if not path.is_file():
         raise ConfigError(f"tune file not found: {path}")
     try:
-        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        raw = OmegaConf.load(path)
     except Exception as exc:
         raise ConfigError(f"cannot parse tune file {path}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"tune file {path} must hold a mapping")
-    _only_keys(raw, TuneConfig, "")
-    if "base" not in raw:
-        raise ConfigError(f"tune file {path}: 'base' (the run config) is required")
-    base = Path(str(raw["base"]))
-    if not base.is_absolute() and (path.parent / base).is_file():
-        base = path.parent / base
-    space = raw.get("space") or {}
-    if not isinstance(space, dict) or not space:
-        raise ConfigError("tune config error at 'space': give at least one key with a list of values or a range")
-    for key in ("select", "prune"):
-        _only_keys(raw.get(key) or {}, {"select": SelectRule, "prune": PruneSpec}[key], f"{key}.")
-    cfg = TuneConfig(**{**raw, "base": str(base), "space": {str(k): v for k, v in space.items()},
-                        "overrides": [str(o) for o in raw.get("overrides") or []] + list(overrides),
-                        "select": SelectRule(**(raw.get("select") or {})),
-                        "prune": PruneSpec(**(raw.get("prune") or {}))})
+    try:
+        cfg: TuneConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TuneConfig), raw))  # type: ignore
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"tune config error at '{getattr(exc, 'full_key', '')}' in {path}: {exc.msg}") from exc
+    if not Path(cfg.base).is_absolute() and (path.parent / cfg.base).is_file():
+        cfg.base = str(path.parent / cfg.base)
+    cfg.overrides = [str(o) for o in cfg.overrides] + list(overrides)
     cfg.study = cfg.study or path.stem
     _check(cfg)
     return cfg
 
 
-def _only_keys(raw: Any, cls: type, prefix: str) -> None:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"tune config error at '{prefix[:-1] or 'top level'}': must be a mapping")
-    valid = {f.name for f in fields(cls)}
-    for k in raw:
-        if k not in valid:
-            raise ConfigError(f"unknown tune config key '{prefix}{k}'; valid keys: {', '.join(sorted(valid))}")
-
-
 def _check(cfg: TuneConfig) -> None:
     s = cfg.select
+    if not cfg.space:
+        raise ConfigError("tune config error at 'space': give at least one key with a list of values or a range")
     if cfg.workers < 1:
         raise ConfigError(f"tune config error at 'workers': must be >= 1, got {cfg.workers}")
     if not 0 <= s.min_inside_frac <= 1:
@@ -451,7 +415,7 @@ def read_progress(path: Path) -> tuple[dict[str, list[float]], str]:
 
 def root_number(trial: FrozenTrial) -> int:
     """The number of the first attempt of a retried trial (its folder), else the trial's own."""
-    history = RetryFailedTrialCallback.retry_history(trial)
+    history = RetryHeartbeatStaleTrialCallback.retry_history(trial)
     return history[0] if history else trial.number
 
 
@@ -495,9 +459,10 @@ class _Sweep:
         self.dists = distributions(cfg.space, grid=cfg.sampler == "grid")
         self.pruner = RulePruner(cfg.select, cfg.prune.collapse_patience)
         url = cfg.storage or f"sqlite:///{(self.out / 'study.db').resolve()}"
-        self.storage = RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
-                                  engine_kwargs={"connect_args": {"timeout": 120}} if url.startswith("sqlite") else None)
         self.lock = _StudyLock(url)
+        with self.lock():  # two processes creating one sqlite file's tables at once would collide
+            self.storage = RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, engine_kwargs={
+                "connect_args": {"timeout": 120}} if url.startswith("sqlite") else None)
         self.started = 0
         self.stopping = False
         self.procs: set[subprocess.Popen] = set()
@@ -524,9 +489,11 @@ class _Sweep:
                                             sampler=self._sampler(self.cfg.seed), pruner=self.pruner)
                 study.set_user_attr("dcmdp.spec", spec)
             except optuna.exceptions.DuplicatedStudyError:
-                # another process may be sampling too: a different seed keeps tpe/gp from proposing the same points
+                # another process may be sampling too: a seed of its own keeps tpe/gp from proposing the same
+                # points (the grid's order depends on the seed: it stays the study's)
+                seed = self.cfg.seed + (0 if self.cfg.sampler == "grid" else os.getpid())
                 study = optuna.load_study(storage=self.storage, study_name=self.cfg.study, pruner=self.pruner,
-                                          sampler=self._sampler(self.cfg.seed + os.getpid()))
+                                          sampler=self._sampler(seed))
                 stored = study.user_attrs.get("dcmdp.spec")
                 if stored is not None and stored != spec:
                     raise ConfigError(f"tune: study {self.cfg.study!r} in {self.storage.url} was made from another "
@@ -534,10 +501,10 @@ class _Sweep:
                                       f"or use another output_dir")
             optuna.storages.fail_stale_trials(study)
             trials = study.get_trials(deepcopy=False)
-            retried = {n for t in trials for n in RetryFailedTrialCallback.retry_history(t)}
+            retried = {n for t in trials for n in RetryHeartbeatStaleTrialCallback.retry_history(t)}
             for t in trials:  # failed trials run again, from their checkpoint
                 if t.state == TrialState.FAIL and t.number not in retried:
-                    RetryFailedTrialCallback(max_retry=None, inherit_intermediate_values=True)(study, t)
+                    RetryHeartbeatStaleTrialCallback(max_retry=None, inherit_intermediate_values=True)(study, t)
         return study
 
     def _start_parent(self) -> Optional[str]:
@@ -591,7 +558,7 @@ class _Sweep:
             run_cfg = apply_settings(self.base, {**overrides, **settings})
         except ConfigError as exc:
             log.warning("trial %s: %s", d.name, exc)
-            return self._tell(trial, TrialState.FAIL, {"error": str(exc)})
+            return self._tell(trial, TrialState.FAIL, Trial(d.name, settings, status="failed", error=str(exc)))
         (d / "run.yaml").write_text(to_yaml(run_cfg))
         trial.set_user_attr("steps_total", run_cfg.steps)
         trial.set_user_attr("process", f"{os.uname().nodename}:{os.getpid()}")
@@ -644,28 +611,27 @@ class _Sweep:
         if pruned:
             record.status, record.error, record.run_id = "pruned", pruned, run_id
             self._tag_child(run_id, "PRUNED", trial.number)
-            return self._tell(trial, TrialState.PRUNED, _record_attrs(record))
+            return self._tell(trial, TrialState.PRUNED, record)
         summary_path = d / "summary.json"
         if returncode != 0 or not summary_path.is_file():
             why = "interrupted" if self.stopping else f"exit code {returncode}: {_last_line(d / 'train.log')}"
             log.warning("trial %s failed (%s); log in %s", d.name, why, d / "train.log")
             record.status, record.error, record.run_id = "failed", why, run_id
             self._tag_child(run_id, "FAIL", trial.number)
-            return self._tell(trial, TrialState.FAIL, _record_attrs(record))
+            return self._tell(trial, TrialState.FAIL, record)
         summary = json.loads(summary_path.read_text())
         record.accuracy_before, record.accuracy_after = summary["accuracy_before"], summary["accuracy_after"]
         record.run_id, record.seconds = summary["run_id"], summary["seconds"]
         select([record], self.cfg.select)
         self._tag_child(record.run_id, "COMPLETE", trial.number)
-        self._tell(trial, TrialState.COMPLETE, _record_attrs(record), value=record.accuracy_after)
+        self._tell(trial, TrialState.COMPLETE if math.isfinite(record.accuracy_after) else TrialState.FAIL, record)
 
-    def _tell(self, trial: optuna.Trial, state: TrialState, attrs: dict[str, Any],
-              value: Optional[float] = None) -> None:
-        for k, v in attrs.items():
-            trial.set_user_attr(k, v)
-        ok = state == TrialState.COMPLETE and value is not None and math.isfinite(value)
-        self.study.tell(trial, value if ok else None, state=state if ok or state != TrialState.COMPLETE
-                        else TrialState.FAIL)
+    def _tell(self, trial: optuna.Trial, state: TrialState, record: Trial) -> None:
+        """The record as user attributes (``eligible`` is the tpe/gp constraint), then the end state."""
+        trial.set_user_attr("record", {k: v for k, v in asdict(record).items()
+                                       if k not in ("trial", "settings", "selected", "reason", "number")})
+        trial.set_user_attr("eligible", record.eligible)
+        self.study.tell(trial, record.accuracy_after if state == TrialState.COMPLETE else None, state=state)
 
     def _tag_child(self, run_id: str, state: str, number: int) -> None:
         if not run_id or run_id.startswith(LOCAL_ID_PREFIX):
@@ -693,19 +659,11 @@ class _Sweep:
             latest[root_number(t)] = t
         out = []
         for root, t in sorted(latest.items()):
-            attrs = dict(t.user_attrs.get("record") or {})
-            attrs.setdefault("status", "failed")
+            attrs = dict(t.user_attrs.get("record", {"status": "failed"}))
             if t.state in (TrialState.RUNNING, TrialState.WAITING):  # a retry carries its failed attempt's record
-                attrs.update(status=t.state.name.lower(), error="")
-            attrs.update(trial=f"t{root:03d}", settings={k: t.params.get(k) for k in self.dists}, number=t.number,
-                         error=attrs.get("error") if "error" in attrs else t.user_attrs.get("error", ""))
-            out.append(Trial(**{k: v for k, v in attrs.items() if k in {f.name for f in fields(Trial)}}))
+                attrs = {"status": t.state.name.lower()}
+            out.append(Trial(f"t{root:03d}", {k: t.params.get(k) for k in self.dists}, number=t.number, **attrs))
         return out
-
-
-def _record_attrs(record: Trial) -> dict[str, Any]:
-    keep = {k: v for k, v in asdict(record).items() if k not in ("trial", "settings", "selected", "reason", "number")}
-    return {"record": keep, "eligible": record.eligible, "error": record.error}
 
 
 def tune(cfg: TuneConfig) -> tuple[list[Trial], Optional[Trial]]:

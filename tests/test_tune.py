@@ -1,23 +1,29 @@
-"""dcmdp tune: the selection rule on hand-made records, and a real sweep against a real MLflow server.
+"""dcmdp tune: the selection rule, the pruner and the table on hand-made records; real sweeps on an Optuna
+sqlite study against a real MLflow server.
 
-The sweep runs two tolerances of one abs_prob_diff constraint on tiny-dense with int8 rollouts, whose
-discrepancy is ~1e-6..1e-5 per step: c = 1e-9 is violated on every step (never eligible), c = 1e-2 is
-never violated. A third grid value, c = -1, is an invalid config: a failed trial that must not stop
-the sweep.
+The sweeps run tolerances of one abs_prob_diff constraint on tiny-dense with int8 rollouts, whose
+discrepancy is ~1e-6..1e-5 per step: c = 1e-9 is violated on every step (pruned once the inside share can
+no longer reach 90%), c >= 1e-2 is never violated. c = -1 is an invalid config: a failed trial that must
+not stop the sweep.
 """
 
 import csv
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
+import optuna
 import pytest
 import yaml
 
 from dcmdp.config import ConfigError, load_config
-from dcmdp.tune import (RefineSpec, SelectRule, Trial, apply_settings, assess, grid, load_tune_config, refine,
-                        run_tune_file, select)
+from dcmdp.tune import (RulePruner, SelectRule, Trial, apply_settings, assess, distributions, grid, live_state,
+                        load_tune_config, log_spaced, read_progress, run_tune_file, select, table)
+
+ROOT = Path(__file__).parents[1]
 
 # --------------------------------------------------------------------------------------------------
 # The rule on hand-made records.
@@ -28,13 +34,28 @@ def _trial(name, acc, inside=1.0, collapsed=False, status="ok", mean_d=1e-3):
                  collapsed=collapsed, mean_discrepancy={"abs_prob_diff": mean_d})
 
 
-def test_collapsed_run_with_the_best_accuracy_is_rejected():
+def test_collapsed_run_with_the_best_accuracy_is_rejected_and_the_table_says_why():
     trials = [_trial("a", 0.40), _trial("b", 0.90, collapsed=True), _trial("c", 0.55), _trial("d", 0.95, inside=0.89),
-              _trial("e", math.nan, status="failed")]
-    best = select(trials, SelectRule(min_inside_frac=0.9))
+              _trial("e", math.nan, status="failed"), _trial("f", math.nan, status="pruned")]
+    trials[1].final_window_mean, trials[1].peak_window_mean = 0.2, 0.9
+    trials[4].error, trials[5].error = "exit code 1: boom", "non-finite loss"
+    best = select(trials, SelectRule(min_inside_frac=0.9, collapse_window=5))
     assert best is trials[2]
-    assert [t.eligible for t in trials] == [True, False, True, False, False]
-    assert [t.selected for t in trials] == [False, False, True, False, False]
+    assert [t.eligible for t in trials] == [True, False, True, False, False, False]
+    assert [t.selected for t in trials] == [False, False, True, False, False, False]
+    assert [t.reason for t in trials] == [
+        "eligible, lower accuracy than c (40.0% < 55.0%)",
+        "collapsed: last 5-step mean 0.2 < 0.5 x peak 0.9",
+        "",
+        "inside tolerance on 89% of steps < 90%",
+        "failed: exit code 1: boom",
+        "pruned: non-finite loss"]
+    text = table(trials, ["abs_prob_diff"], SelectRule())
+    assert text.startswith("selection: highest held-out accuracy")
+    lines = text.splitlines()
+    assert "why not selected" in lines[2]
+    assert lines[5].startswith("b ") and lines[5].endswith("collapsed: last 5-step mean 0.2 < 0.5 x peak 0.9")
+    assert lines[6].split()[0] == "c" and lines[6].rstrip().endswith("*")
 
 
 def test_min_inside_frac_is_inclusive_and_configurable():
@@ -43,40 +64,87 @@ def test_min_inside_frac_is_inclusive_and_configurable():
     assert select(trials, SelectRule(min_inside_frac=0.7)) is trials[1]
     assert select(trials, SelectRule(min_inside_frac=0.95)) is None
     assert not any(t.selected for t in trials)
+    assert trials[0].reason == "inside tolerance on 90% of steps < 95%"
 
 
 def test_ties_go_to_larger_inside_share_then_smaller_discrepancy_then_earlier_trial():
     trials = [_trial("a", 0.5, inside=0.92), _trial("b", 0.5, inside=0.97)]
     assert select(trials, SelectRule()) is trials[1]
+    assert trials[0].reason.startswith("eligible, same accuracy as b, lost the tie")
     trials = [_trial("a", 0.5, mean_d=2e-3), _trial("b", 0.5, mean_d=1e-3), _trial("c", 0.5, mean_d=1e-3)]
     assert select(trials, SelectRule()) is trials[1]
 
 
+HISTORY = {"dual/measured/m": [0.5, 0.5, 0.005, 0.02, 0.01, 0.0],
+           "dual/tolerance/m": [0.01] * 6,
+           "dual/lambda/m": [0.1, 0.2, 0.3, 0.25, 0.2, 0.15],
+           # 3-step means: 0.4, 0.6, 0.5, 0.3 -> peak 0.6, last 0.3 = 0.5 x peak: not below half, no collapse
+           "reward/accuracy": [0.2, 0.4, 0.6, 0.8, 0.1, 0.0],
+           "loss/total": [1.0] * 6}
+
+
 def test_assess_inside_share_after_warmup_and_collapse_window():
     # 6 steps; c = 0.01. D-hat per step: steps 1-2 (warm-up) outside, then in, out, in, in -> 3/4 inside.
-    history = {"dual/measured/m": [0.5, 0.5, 0.005, 0.02, 0.01, 0.0],
-               "dual/tolerance/m": [0.01] * 6,
-               "dual/lambda/m": [0.1, 0.2, 0.3, 0.25, 0.2, 0.15],
-               # 3-step means: 0.4, 0.6, 0.5, 0.3 -> peak 0.6, last 0.3 = 0.5 x peak: not below half, no collapse
-               "reward/accuracy": [0.2, 0.4, 0.6, 0.8, 0.1, 0.0],
-               "loss/total": [1.0] * 6}
-    t = assess(Trial("t", {}), history, ["m"], SelectRule(warmup_steps=2, collapse_window=3, collapse_drop_frac=0.5))
+    t = assess(Trial("t", {}), HISTORY, ["m"], SelectRule(warmup_steps=2, collapse_window=3, collapse_drop_frac=0.5))
     assert t.inside_frac == pytest.approx(3 / 4, abs=1e-12)
     assert t.mean_discrepancy["m"] == pytest.approx((0.5 + 0.5 + 0.005 + 0.02 + 0.01) / 6, abs=1e-12)
-    assert t.final_lambda == {"m": 0.15}
+    assert t.final_lambda == {"m": 0.15} and t.steps == 6
     assert (t.peak_window_mean, t.final_window_mean) == (pytest.approx(0.6), pytest.approx(0.3))
     assert not t.collapsed
-    t = assess(Trial("t", {}), history, ["m"], SelectRule(warmup_steps=2, collapse_window=3, collapse_drop_frac=0.51))
+    t = assess(Trial("t", {}), HISTORY, ["m"], SelectRule(warmup_steps=2, collapse_window=3, collapse_drop_frac=0.51))
     assert t.collapsed
     # A non-finite loss is a collapse whatever the accuracy; a NaN D-hat counts as outside.
-    nan_hist = dict(history, **{"loss/total": [1.0, math.nan, 1.0, 1.0, 1.0, 1.0],
+    nan_hist = dict(HISTORY, **{"loss/total": [1.0, math.nan, 1.0, 1.0, 1.0, 1.0],
                                 "dual/measured/m": [0.0, 0.0, math.nan, 0.0, 0.0, 0.0]})
     t = assess(Trial("t", {}), nan_hist, ["m"], SelectRule(warmup_steps=2, collapse_window=3, collapse_drop_frac=0.0))
     assert t.nonfinite_loss and t.collapsed
     assert t.inside_frac == pytest.approx(3 / 4, abs=1e-12)
 
 
-def test_grid_keys_and_settings(tmp_path):
+def test_pruner_stops_only_trials_the_rule_can_no_longer_pick():
+    rule = SelectRule(warmup_steps=2, collapse_window=3, collapse_drop_frac=0.5, min_inside_frac=0.9)
+    # after 4 steps: one post-warm-up step outside (step 4); window means 0.4, 0.6 -> no collapse yet
+    state = live_state({k: v[:4] for k, v in HISTORY.items()}, ["m"], rule)
+    assert state == {"live/steps": 4, "live/outside": 1, "live/nonfinite": False, "live/collapsed_for": 0}
+    pruner = RulePruner(rule, patience=2)
+    # 22 steps in all: 20 after warm-up allow 2 steps outside (10%); 42 allow 4
+    assert pruner.reason({**state, "steps_total": 22}) == ""
+    assert pruner.reason({**state, "live/outside": 3, "steps_total": 22}).startswith(
+        "outside tolerance on 3 steps after warm-up, more than the 2 that 90% inside allows")
+    assert pruner.reason({**state, "live/outside": 3, "steps_total": 42}) == ""
+    # collapse: 3-step means 0.4, 0.6, 0.5, 0.3; 0.3 < 0.55 x 0.6 holds on the last step only
+    drop = SelectRule(warmup_steps=2, collapse_window=3, collapse_drop_frac=0.55)
+    assert live_state(HISTORY, ["m"], drop)["live/collapsed_for"] == 1
+    longer = dict(HISTORY, **{"reward/accuracy": HISTORY["reward/accuracy"] + [0.0]})  # mean 0.033: twice in a row
+    collapsed = live_state(longer, ["m"], drop)
+    assert collapsed["live/collapsed_for"] == 2
+    assert RulePruner(drop, patience=2).reason({**collapsed, "steps_total": 100}).startswith("collapsed")
+    assert RulePruner(drop, patience=3).reason({**collapsed, "steps_total": 100}) == ""
+    assert pruner.reason({**state, "live/nonfinite": True, "steps_total": 100}) == "non-finite loss"
+    assert pruner.reason({}) == ""  # nothing reported yet
+
+
+def test_read_progress_keeps_the_last_line_of_a_step_and_skips_a_partial_line(tmp_path):
+    p = tmp_path / "progress.jsonl"
+    lines = [{"step": 1, "run_id": "r1", "a": 1.0}, {"step": 2, "run_id": "r1", "a": 2.0},
+             {"step": 2, "run_id": "r1", "a": 5.0, "b": 1.0}]  # step 2 again: a resume from step 1
+    p.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 3, "a"')
+    history, run_id = read_progress(p)
+    assert run_id == "r1"
+    assert history["a"] == [1.0, 5.0]
+    assert history["b"][0] != history["b"][0] and history["b"][1] == 1.0  # NaN where a step lacks the key
+    assert read_progress(tmp_path / "missing.jsonl") == ({}, "")
+
+
+def test_log_axis_for_log_spaced_values_only():
+    dist = distributions({"a": [1e-4, 1e-3, 1e-2], "b": [0.1, 0.2, 0.3], "c": [0.001, 0.002, 0.005, 0.01, 0.02],
+                          "d": [1, 50, 100], "e": {"low": 1e-4, "high": 1e-1, "log": True},
+                          "f": {"low": 1, "high": 8}})
+    assert [log_spaced(dist[k]) for k in "abcdef"] == [True, False, True, False, True, False]
+    assert isinstance(dist["f"], optuna.distributions.IntDistribution)
+
+
+def test_tune_file_keys_settings_and_overrides(tmp_path):
     assert grid({"a": [1, 2], "b": [3, 4, 5]}) == [{"a": a, "b": b} for a in (1, 2) for b in (3, 4, 5)]
     base = load_config(None, ["model.preset=tiny-dense"])
     cfg = apply_settings(base, {"dual.constraints[0].tolerance": 0.02, "dual.constraints.0.lr": 0.5,
@@ -88,84 +156,57 @@ def test_grid_keys_and_settings(tmp_path):
         apply_settings(base, {"dual.constraints[0].tolerence": 0.1})
     with pytest.raises(ConfigError, match="tolerance"):
         apply_settings(base, {"dual.constraints[0].tolerance": -1.0})
-    tune_file = tmp_path / "t.yaml"
-    tune_file.write_text(yaml.safe_dump({"base": "x.yaml", "space": {"steps": [1]}, "worker": 2}))
-    with pytest.raises(ConfigError, match="unknown tune config key 'worker'"):
-        load_tune_config(tune_file)
-    tune_file.write_text(yaml.safe_dump({"base": str(Path(__file__).parents[1] / "configs/tiny-dense.yaml"),
-                                         "space": {"steps": [1, 2]}, "refine": {"key": "seed"}}))
-    with pytest.raises(ConfigError, match="refine.key"):
-        load_tune_config(tune_file)
 
+    def load(**spec):
+        path = tmp_path / "t.yaml"
+        path.write_text(yaml.safe_dump({"base": str(ROOT / "configs/tiny-dense.yaml"), **spec}))
+        return load_tune_config(path, ["steps=7"])
 
-def _curve_trial(trial_id, settings, key="dual.constraints[0].tolerance"):
-    """A finished trial whose held-out accuracy is 0.6 - 1000 (c - 0.003)^2, eligible only for c <= 0.0045."""
-    c = settings[key]
-    return Trial(trial_id, dict(settings), accuracy_before=0.3, accuracy_after=0.6 - 1000 * (c - 0.003) ** 2,
-                 inside_frac=1.0 if c <= 0.0045 else 0.5, mean_discrepancy={"m": 1e-3})
-
-
-def test_refine_finds_the_peak_between_grid_points_within_budget():
-    key = "dual.constraints[0].tolerance"
-    values = [0.001, 0.002, 0.005, 0.01]
-    rule = SelectRule()
-    grid_trials = [_curve_trial(f"g{i:03d}", {key: v, "dual.constraints[0].lr": 1.0}) for i, v in enumerate(values)]
-    select(grid_trials, rule)
-    assert [t.eligible for t in grid_trials] == [True, True, False, False]
-    calls = []
-
-    def run_trial(trial_id, settings):
-        calls.append((trial_id, settings))
-        return _curve_trial(trial_id, settings)
-
-    out = refine(grid_trials, RefineSpec(key=key, budget=6), values, rule, run_trial)
-    assert 1 <= len(out) == len(calls) <= 6
-    assert [t for t, _ in calls] == [f"r{j:03d}" for j in range(len(calls))]
-    xs = [s[key] for _, s in calls]
-    # best grid point 0.002 -> searched between its neighbours 0.001 and 0.005, no point twice
-    assert all(0.001 <= x <= 0.005 for x in xs) and len(set(xs)) == len(xs)
-    assert all(s["dual.constraints[0].lr"] == 1.0 for _, s in calls)
-    best = select(grid_trials + out, rule)
-    assert best in out and abs(best.settings[key] - 0.003) < 2e-4  # 0.6 - 1000 (2e-4)^2 = 0.59996 > 0.599 at 0.002
-    assert [t.selected for t in grid_trials] == [False] * 4
-
-
-def test_refine_on_an_integer_key_runs_new_integers_only_within_the_budget():
-    key = "algo.minibatches"
-    grid_trials = [Trial(f"g{i}", {key: v}, accuracy_after=-(v - 6.4) ** 2 / 100, inside_frac=1.0)
-                   for i, v in enumerate([1, 4, 10])]
-    select(grid_trials, SelectRule())
-    calls = []
-
-    def run_trial(trial_id, settings):
-        calls.append(settings[key])
-        return Trial(trial_id, dict(settings), accuracy_after=-(settings[key] - 6.4) ** 2 / 100, inside_frac=1.0)
-
-    out = refine(grid_trials, RefineSpec(key=key, budget=3), [1, 4, 10], SelectRule(), run_trial)
-    # best grid point 4 -> interval [1, 10]; Brent's steps are rounded, and a rounded point already seen is not rerun
-    assert 1 <= len(calls) <= 3 and len(set(calls)) == len(calls)
-    assert all(isinstance(x, int) and 1 < x < 10 and x != 4 for x in calls)
-    assert abs(select(grid_trials + out, SelectRule()).settings[key] - 6.4) < 1
+    space = {"dual.constraints[0].tolerance": [0.001, 0.01]}
+    with pytest.raises(ConfigError, match="tune config error at 'worker'.*Key 'worker' not in 'TuneConfig'"):
+        load(space=space, worker=2)
+    with pytest.raises(ConfigError, match="tune config error at 'prune.patience'"):
+        load(space=space, prune={"patience": 2})
+    with pytest.raises(ConfigError, match="'sampler': 'cmaes' is not one of grid, tpe, gp"):
+        load(space=space, sampler="cmaes")
+    with pytest.raises(ConfigError, match="'trials': the grid sampler runs every combination"):
+        load(space=space, trials=4)
+    with pytest.raises(ConfigError, match="'trials': sampler tpe needs trials >= 1"):
+        load(space=space, sampler="tpe")
+    with pytest.raises(ConfigError, match="'space.dual.constraints\\[0\\].lr': must be a non-empty list of values, "):
+        load(space={"dual.constraints[0].lr": {"low": 0.1, "high": 1.0}})  # a range needs tpe or gp
+    with pytest.raises(ConfigError, match="no key 'dual.constraints\\[0\\].rate'"):
+        load(space={"dual.constraints[0].rate": [1.0]})
+    cfg = load(space={"dual.constraints[0].lr": {"low": 0.1, "high": 1.0, "log": True}}, sampler="gp", trials=3)
+    assert cfg.study == "t" and cfg.overrides == ["steps=7"] and cfg.sampler == "gp"
+    # the command line's overrides come after the tune file's, and are checked like dcmdp train's
+    cfg = load(space=space, overrides=["steps=3", "algo.minibatches=2"])
+    assert cfg.overrides == ["steps=3", "algo.minibatches=2", "steps=7"]
+    assert load_config(cfg.base, cfg.overrides).steps == 7
+    with pytest.raises(ConfigError, match="stesp"):
+        load_tune_config(tmp_path / "t.yaml", ["stesp=3"])
 
 
 # --------------------------------------------------------------------------------------------------
-# A real sweep.
+# Real sweeps.
 
 TOLERANCES = [1e-9, 1e-2, -1.0]
 
 
-def _write_tune_file(tmp: Path, uri: str) -> Path:
-    spec = {
-        "base": str(Path(__file__).parents[1] / "configs/tiny-dense.yaml"),
-        "overrides": ["steps=3", "cold_start.steps=5", f"cold_start.cache_dir={tmp / 'cache'}", "task.eval_size=8",
-                      "algo.prompts_per_step=4", "algo.samples_per_prompt=2", "threads=1", f"tracking.uri={uri}",
-                      "tracking.experiment=tune-test"],
-        "space": {"dual.constraints[0].tolerance": TOLERANCES},
-        "select": {"warmup_steps": 1, "collapse_window": 2},
-        "workers": 2,
-        "prime_cold_start": False,
-        "output_dir": str(tmp / "sweep"),
-    }
+@pytest.fixture(scope="module")
+def cold_start_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cold_start_cache")
+
+
+def _tune_file(tmp: Path, uri: str, cache: Path, space: list, steps: int, **extra) -> Path:
+    spec = {"base": str(ROOT / "configs/tiny-dense.yaml"),
+            "overrides": [f"steps={steps}", "cold_start.steps=5", f"cold_start.cache_dir={cache}", "task.eval_size=8",
+                          "algo.prompts_per_step=4", "algo.samples_per_prompt=2", "threads=1", f"tracking.uri={uri}",
+                          "tracking.experiment=tune-test"],
+            "space": {"dual.constraints[0].tolerance": space},
+            "select": {"warmup_steps": 1, "collapse_window": 2},
+            "prime_cold_start": False,
+            "output_dir": str(tmp / "sweep"), **extra}
     path = tmp / "tune.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -176,64 +217,96 @@ def _children(client, parent_id: str) -> list:
     return client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'")
 
 
-def test_sweep_nested_runs_outputs_selection_and_resume(tmp_path, mlflow_server, monkeypatch, capsys):
+def _study(out: Path, name: str = "tune") -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{out / 'study.db'}")
+
+
+def test_sweep_prunes_selects_nests_runs_and_resumes(tmp_path, mlflow_server, monkeypatch, capsys, cold_start_cache):
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    tune_file = _write_tune_file(tmp_path, mlflow_server.uri)
-    trials, best = run_tune_file(tune_file)
+    tune_file = _tune_file(tmp_path, mlflow_server.uri, cold_start_cache, TOLERANCES, steps=8, workers=2)
+    trials, best = run_tune_file(tune_file, ["eval_every=2"])  # an override of the base config, as on the CLI
     out = tmp_path / "sweep"
     printed = capsys.readouterr().out
 
+    # Optuna: c = 1e-9 pruned, c = 1e-2 complete with held-out accuracy reported every 2 steps, c = -1 failed
+    study = _study(out)
+    by_c = {t.params["dual.constraints[0].tolerance"]: t for t in study.trials}
+    assert sorted(by_c) == sorted(TOLERANCES) and len(study.trials) == 3
+    pruned, done, failed = by_c[1e-9], by_c[1e-2], by_c[-1.0]
+    assert (pruned.state, done.state, failed.state) == (optuna.trial.TrialState.PRUNED,
+                                                        optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
+    assert sorted(done.intermediate_values) == [2, 4, 6]  # eval_every=2 reached the trial; the final eval is the value
+    assert done.value == trials[[t.number for t in trials].index(done.number)].accuracy_after
+    assert "must be >= 0" in failed.user_attrs["record"]["error"]
+
     # table, CSV, plot, snippet
     assert "selection: highest held-out accuracy" in printed and ">= 90% of steps after warm-up (steps > 1)" in printed
-    assert "last 2 steps < 0.5 x its peak" in printed
-    rows = list(csv.DictReader(open(out / "results.csv")))
-    assert [float(r["dual.constraints[0].tolerance"]) for r in rows] == TOLERANCES
+    assert "(2 run now, 1 pruned, 1 failed)" in printed
+    rows = {float(r["dual.constraints[0].tolerance"]): r for r in csv.DictReader(open(out / "results.csv"))}
+    assert rows[1e-9]["status"] == "pruned" and rows[1e-9]["reason"].startswith("pruned: outside tolerance on ")
+    assert rows[-1.0]["status"] == "failed" and "tolerance" in rows[-1.0]["reason"]
+    assert rows[1e-2]["status"] == "ok" and rows[1e-2]["selected"] == "1" and rows[1e-2]["reason"] == ""
+    assert float(rows[1e-2]["inside_frac"]) == 1.0 and rows[1e-2]["steps"] == "8"
+    assert best is not None and best.trial == rows[1e-2]["trial"]
     import matplotlib.image
 
     assert matplotlib.image.imread(out / "tune.png").shape[0] > 100
-    failed = rows[2]
-    assert failed["status"] == "failed" and "tolerance" in failed["error"] and failed["selected"] == "0"
-    ok = rows[:2]
-    assert all(r["status"] == "ok" for r in ok)
-
-    # the rule, recomputed from the CSV
-    for r in ok:
-        collapsed = r["nonfinite_loss"] == "1" or float(r["final_window_mean"]) < 0.5 * float(r["peak_window_mean"])
-        assert (r["collapsed"] == "1") == collapsed
-    eligible = [i for i, r in enumerate(ok) if r["collapsed"] == "0" and float(r["inside_frac"]) >= 0.9]
-    assert float(ok[0]["inside_frac"]) == 0.0 and 0 not in eligible  # c = 1e-9: outside on every step
-    assert float(ok[1]["inside_frac"]) == 1.0 and 1 in eligible       # c = 1e-2: inside on every step
-    top = max(float(ok[i]["accuracy_after"]) for i in eligible)
-    first_top = [i for i in eligible if float(ok[i]["accuracy_after"]) == top]
-    selected = [i for i, r in enumerate(rows) if r["selected"] == "1"]
-    assert len(selected) == 1 and selected[0] in first_top
-    assert best is not None and best.trial == rows[selected[0]]["trial"]
-
-    # the snippet loads as a config with the winning tolerance
     cfg = load_config(out / "best.yaml", ["model.preset=tiny-dense"])
-    assert cfg.dual.constraints[0].tolerance == float(rows[selected[0]]["dual.constraints[0].tolerance"])
+    assert cfg.dual.constraints[0].tolerance == 1e-2
 
-    # one parent run, the two trials that ran as its children, the outputs as its artifacts
+    # the pruned trial stopped early and left its checkpoint; its run config carries the override
+    pruned_dir = out / "trials" / rows[1e-9]["trial"]
+    pruned_steps = int(rows[1e-9]["steps"])
+    assert 2 <= pruned_steps < 8
+    assert sorted(p.name for p in (pruned_dir / "checkpoints").iterdir() if p.name.startswith("step_")) == [
+        f"step_{pruned_steps:08d}"]
+    assert yaml.safe_load((pruned_dir / "run.yaml").read_text())["eval_every"] == 2
+
+    # MLflow: one parent run; the two trials that ran are its children, the pruned one KILLED and tagged PRUNED
     client = MlflowClient(tracking_uri=mlflow_server.uri)
-    parent_id = json.loads((out / "tune_state.json").read_text())["parent_run_id"]
-    children = _children(client, parent_id)
-    assert sorted(c.info.run_id for c in children) == sorted(r["run_id"] for r in ok)
-    assert all(c.info.status == "FINISHED" for c in children)
-    artifacts = {a.path for a in client.list_artifacts(parent_id)}
-    assert {"table.txt", "results.csv", "tune.png", "best.yaml"} <= artifacts
+    parent_id = study.user_attrs["mlflow_parent"]
+    children = {c.info.run_id: c for c in _children(client, parent_id)}
+    assert sorted(children) == sorted([rows[1e-2]["run_id"], rows[1e-9]["run_id"]])
+    done_run, pruned_run = children[rows[1e-2]["run_id"]], children[rows[1e-9]["run_id"]]
+    assert (done_run.info.status, done_run.data.tags["dcmdp.tune.state"]) == ("FINISHED", "COMPLETE")
+    assert (pruned_run.info.status, pruned_run.data.tags["dcmdp.tune.state"]) == ("KILLED", "PRUNED")
+    assert pruned_run.data.tags["optuna.trial"] == str(pruned.number)
+    assert {"table.txt", "results.csv", "tune.png", "best.yaml"} <= {a.path for a in client.list_artifacts(parent_id)}
     # λ per step of a child equals the trial's recorded trajectory
-    lam = client.get_metric_history(ok[1]["run_id"], "dual/lambda/abs_prob_diff")
-    assert [m.step for m in sorted(lam, key=lambda m: m.step)] == [1, 2, 3]
-    assert [m.value for m in sorted(lam, key=lambda m: m.step)] == trials[1].lambda_history["abs_prob_diff"]
+    lam = sorted(client.get_metric_history(rows[1e-2]["run_id"], "dual/lambda/abs_prob_diff"), key=lambda m: m.step)
+    assert [m.step for m in lam] == list(range(1, 9))
+    assert [m.value for m in lam] == done.user_attrs["record"]["lambda_history"]["abs_prob_diff"]
 
-    # resume: the finished trials are skipped, the parent run is reused, no child is added
-    mtimes = {r["trial"]: os.path.getmtime(out / "trials" / r["trial"] / "summary.json") for r in ok}
-    trials2, best2 = run_tune_file(tune_file)
-    assert "(0 run now, 1 failed)" in capsys.readouterr().out
-    assert json.loads((out / "tune_state.json").read_text())["parent_run_id"] == parent_id
+    # resume: finished and pruned trials stay, the failed one is retried (and fails again), the parent is reused
+    mtime = os.path.getmtime(out / "trials" / rows[1e-2]["trial"] / "summary.json")
+    trials2, best2 = run_tune_file(tune_file, ["eval_every=2"])
+    assert "(0 run now, 1 pruned, 1 failed)" in capsys.readouterr().out
+    study = _study(out)
+    assert len(study.trials) == 4 and study.user_attrs["mlflow_parent"] == parent_id
+    assert optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(study.trials[3]) == failed.number
     assert len(_children(client, parent_id)) == 2
-    assert {r: os.path.getmtime(out / "trials" / r / "summary.json") for r in mtimes} == mtimes
-    assert best2 is not None and best2.trial == best.trial
-    assert [t.accuracy_after for t in trials2[:2]] == [t.accuracy_after for t in trials[:2]]
+    assert os.path.getmtime(out / "trials" / rows[1e-2]["trial"] / "summary.json") == mtime
+    assert best2 is not None and best2.trial == best.trial and len(trials2) == 3
+
+
+def test_two_processes_share_one_study_without_running_a_trial_twice(tmp_path, mlflow_server, cold_start_cache):
+    tolerances = [1e-2, 2e-2, 5e-2]
+    tune_file = _tune_file(tmp_path, mlflow_server.uri, cold_start_cache, tolerances, steps=2, workers=1)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "dcmdp.cli", "tune", str(tune_file), "dual.constraints[0].lambda_init=0.2"]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    study = _study(tmp_path / "sweep")
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 3
+    assert sorted(t.params["dual.constraints[0].tolerance"] for t in study.trials) == tolerances
+    # both processes took trials; the trials' folders are distinct and every run config has the CLI override
+    assert len({t.user_attrs["process"] for t in study.trials}) == 2
+    dirs = sorted((tmp_path / "sweep" / "trials").iterdir())
+    assert [d.name for d in dirs] == ["t000", "t001", "t002"]
+    assert all(yaml.safe_load((d / "run.yaml").read_text())["dual"]["constraints"][0]["lambda_init"] == 0.2
+               for d in dirs)
+    assert sum("3 trials in study 'tune'" in o for o in outputs) == 2
