@@ -75,10 +75,24 @@ def _cmd_report(ns: argparse.Namespace) -> int:
 
 
 def _cmd_sync(ns: argparse.Namespace) -> int:
-    from dcmdp.tracking import sync_buffer
+    """Exit code 0 only when nothing is left unsent; otherwise 1, with one line per buffer file that remains."""
+    from pathlib import Path
 
-    sent = sync_buffer(ns.buffer_dir, tracking_uri=ns.tracking_uri)
-    print(f"sent {sent} buffered metric values")
+    from dcmdp.tracking import check_tracking_uri, sync_report
+
+    if not Path(ns.buffer_dir).is_dir():
+        raise FileNotFoundError(f"tracking buffer folder {ns.buffer_dir} does not exist (the folder is named in the "
+                                f"warning printed when buffering started; default <output_dir>/tracking_buffer)")
+    if ns.tracking_uri:
+        check_tracking_uri(ns.tracking_uri, "--tracking-uri")
+    report = sync_report(ns.buffer_dir, tracking_uri=ns.tracking_uri)
+    print(f"sent {report.sent} buffered metric values")
+    if report.remaining:
+        print(f"dcmdp: {len(report.remaining)} buffer file(s) in {ns.buffer_dir} still hold records that were not "
+              f"sent:", file=sys.stderr)
+        for line in report.remaining:
+            print(f"  {line}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -148,6 +162,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (OSError, ValueError, CheckpointError) as exc:
         print(f"dcmdp: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # the training loop turns SIGINT into a checkpoint and a clean stop; before it (cold start, setup) there is
+        # nothing to save, and a traceback would only hide this line
+        print(f"dcmdp: interrupted (SIGINT) during dcmdp {ns.command}: stopped; finished checkpoints and cold-start "
+              f"cache entries are kept", file=sys.stderr)
+        return 130
 
 
 def entry() -> None:

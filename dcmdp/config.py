@@ -147,8 +147,11 @@ class RunConfig:
     output_dir: str = "outputs/default"
     # torch intra-op threads (0: torch's default).
     threads: int = 0
-    # Show a progress bar.
-    progress: bool = True
+    # Show a progress bar; null: only when stdout and stderr are terminals. Without a bar, one line per log_every
+    # steps goes to the log (step, reward, accuracy, lambda and D-hat per constraint, step time).
+    progress: Optional[bool] = None
+    # Steps between two console lines when no progress bar is shown.
+    log_every: int = 10
     # Start a fresh run in an output_dir that holds an earlier run's checkpoints or summary.json, deleting them
     # (its MLflow run stays). Without it such a folder is refused unless checkpoint.resume is set.
     overwrite: bool = False
@@ -329,6 +332,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"config error at 'optim.weight_decay': must be >= 0, got {cfg.optim.weight_decay}")
     if cfg.checkpoint.keep < 1:
         raise ConfigError(f"config error at 'checkpoint.keep': must be >= 1, got {cfg.checkpoint.keep}")
+    if cfg.log_every < 1:
+        raise ConfigError(f"config error at 'log_every': must be >= 1, got {cfg.log_every}")
     for key, value in (("eval_every", cfg.eval_every), ("threads", cfg.threads),
                        ("checkpoint.every", cfg.checkpoint.every)):
         if value < 0:

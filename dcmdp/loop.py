@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,13 +26,13 @@ from tqdm.auto import tqdm
 from constraints.measures import discrepancy_metrics, measure_constraint
 from constraints.penalties import constraint_names
 from dcmdp.async_rollout import RolloutWorker, screen_stale
-from dcmdp.checkpoint import (SignalCheckpointer, capture_rng, find_resume_checkpoint, load_checkpoint,
-                              restore_rng, save_checkpoint)
-from dcmdp.config import RunConfig, flatten, to_yaml
+from dcmdp.checkpoint import (RunFolderError, RunFolderLock, SignalCheckpointer, capture_rng, clear_run_folder,
+                              load_checkpoint, load_resume_checkpoint, restore_rng, run_in_folder, save_checkpoint)
+from dcmdp.config import ConfigError, RunConfig, flatten, resume_conflicts, to_yaml
 from dcmdp import distributed
 from dcmdp.dual import DualState, constraints_in_force, dual_step, init_state
 from dcmdp.plots import plot_dual
-from dcmdp.tracking import Tracker
+from dcmdp.tracking import Tracker, check_tracking_uri, provenance_tags, resolve_tracking_uri, tracking_uri_source
 from trainers import guards, learner
 from trainers.advantages import ADVANTAGES
 from trainers.batch import Rollout
@@ -69,6 +70,14 @@ class Setup:
     dist: distributed.Dist = field(default_factory=distributed.Dist)
     # Rollout worker thread (async_rollout.enabled); None samples in the loop.
     worker: Optional[RolloutWorker] = None
+    # The exclusive lock on output_dir (rank 0), released when the run ends.
+    lock: Optional[RunFolderLock] = None
+    # Held-out accuracy before the first RL step (kept in checkpoints, so a resumed run reports the same one).
+    accuracy_before: Optional[float] = None
+    # The held-out examples that fit the context by length in characters (``screen_prompt_chars``), once screened.
+    eval_examples: Optional[list[Example]] = None
+    # Consecutive steps in which almost every group had zero reward variance (see ``_watch_signal``).
+    no_signal_steps: int = 0
 
 
 @dataclass
@@ -82,13 +91,17 @@ class Summary:
     tracking_uri: str
     output_dir: str
     seconds: float
+    # Step the run was resumed from (0: a fresh run); this process ran steps - resumed_at steps in ``seconds``.
+    resumed_at: int = 0
 
     def lines(self) -> list[str]:
         lam = ", ".join(f"{k}={v:.4g}" for k, v in self.final_lambda.items()) or "-"
         disc = ", ".join(f"{k}={v:.4g}" for k, v in self.mean_discrepancy.items()) or "-"
+        ran = (f"{self.steps} steps in {self.seconds:.0f} s" if not self.resumed_at else
+               f"{self.steps} steps ({self.steps - self.resumed_at} in {self.seconds:.0f} s after resuming at step "
+               f"{self.resumed_at})")
         return [f"held-out accuracy: {self.accuracy_before:.1%} -> {self.accuracy_after:.1%} "
-                f"({100 * (self.accuracy_after - self.accuracy_before):+.1f} points) after {self.steps} steps "
-                f"in {self.seconds:.0f} s",
+                f"({100 * (self.accuracy_after - self.accuracy_before):+.1f} points) after {ran}",
                 f"final lambda: {lam}", f"mean discrepancy: {disc}",
                 f"MLflow run {self.run_id} at {self.tracking_uri}", f"outputs: {self.output_dir}"]
 
@@ -102,15 +115,20 @@ def train(cfg: RunConfig) -> Summary:
         # never leave the MLflow run RUNNING; the guard and the signal stop have ended it already (a no-op then)
         s.tracker.finish("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
         raise
+    finally:
+        if s.lock is not None:
+            s.lock.release()
 
 
 def _train(s: Setup, t_start: float) -> Summary:
     cfg = s.cfg
-    acc_before = evaluate(s, seed=cfg.seed)
-    s.tracker.log_metrics({"eval/accuracy": acc_before}, step=s.start_step)
+    if s.accuracy_before is None:
+        s.accuracy_before = evaluate(s, seed=cfg.seed)
+        s.tracker.log_metrics({"eval/accuracy": s.accuracy_before}, step=s.start_step)
+    acc_before = s.accuracy_before
     s.worker = _rollout_worker(s)
     steps = range(s.start_step, cfg.steps)
-    bar = tqdm(steps, desc="dcmdp train", disable=not cfg.progress, dynamic_ncols=True, initial=s.start_step,
+    bar = tqdm(steps, desc="dcmdp train", disable=not show_bar(cfg), dynamic_ncols=True, initial=s.start_step,
                total=cfg.steps)
     with SignalCheckpointer() as stop, s.worker or contextlib.nullcontext():
         for step in bar:
@@ -208,6 +226,45 @@ def _train_step(s: Setup, step: int, bar) -> None:
             f.write(json.dumps({"step": step + 1, "run_id": s.tracker.run_id, **metrics}) + "\n")
     bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.2f}",
                     **{f"lam_{n}": f"{float(v):.3g}" for n, v in zip(s.names, s.dual.lambda_C)})
+    if bar.disable and s.dist.main and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
+        log.info("%s", step_line(s, step + 1, metrics))
+    _watch_signal(s, step + 1, metrics)
+
+
+def show_bar(cfg: RunConfig) -> bool:
+    """``progress``, or when unset, whether stdout and stderr are terminals (a bar redirected to a file is a line
+    per refresh)."""
+    return cfg.progress if cfg.progress is not None else sys.stdout.isatty() and sys.stderr.isatty()
+
+
+def step_line(s: Setup, step: int, metrics: dict[str, float]) -> str:
+    """The console line of a step when no progress bar is shown."""
+    nan = float("nan")
+    lam = " ".join(f"{n}={float(v):.3g}" for n, v in zip(s.names, s.dual.lambda_C)) or "-"
+    measured = " ".join(f"{n}={metrics.get(f'dual/measured/{n}', nan):.3g}" for n in s.names) or "-"
+    return (f"step {step}/{s.cfg.steps}: reward {metrics.get('reward/mean', nan):.3f}, accuracy "
+            f"{metrics.get('reward/accuracy', nan):.1%}, lambda {lam}, D-hat {measured}, "
+            f"{metrics.get('time/step', nan):.2f} s/step")
+
+
+# RL has no signal when at least this share of the groups has one reward for every sample ...
+NO_SIGNAL_FRAC = 0.95
+# ... for this many steps in a row: warned once per such stretch.
+NO_SIGNAL_STEPS = 20
+
+
+def _watch_signal(s: Setup, step: int, metrics: dict[str, float]) -> None:
+    """Warn when almost every group's rewards are all equal (``advantage/zero_groups_frac``) for many steps in a
+    row: group advantages are then 0 and RL cannot learn, though nothing fails."""
+    zero = metrics.get("advantage/zero_groups_frac")
+    s.no_signal_steps = s.no_signal_steps + 1 if zero is not None and zero >= NO_SIGNAL_FRAC else 0
+    if s.no_signal_steps == NO_SIGNAL_STEPS and s.dist.main:
+        log.warning("RL has no signal: for %d steps in a row (up to step %d) at least %.0f%% of the groups gave the "
+                    "same reward to every sample (advantage/zero_groups_frac), so their advantages are 0 and the "
+                    "policy does not move (reward/accuracy %.1f%%); the task is too hard or too easy for the model: "
+                    "check the cold start (cold_start.steps, cold_start.target_accuracy), the task, or raise "
+                    "algo.samples_per_prompt", NO_SIGNAL_STEPS, step, 100 * NO_SIGNAL_FRAC,
+                    100 * metrics.get("reward/accuracy", float("nan")))
 
 
 def screen_phase(s: Setup, rollout: Rollout, rewards_B: torch.Tensor, fresh_B: Optional[torch.Tensor] = None
@@ -263,17 +320,66 @@ def _stop_bad_run(s: Setup, step: int) -> None:
 def setup(cfg: RunConfig) -> Setup:
     """Seeds, tokenizer, task, (cold-started) model, rollout engine, optimiser, dual state, tracker."""
     d = distributed.init(cfg)
+    if not show_bar(cfg):  # transformers' own bars (saving a model) too: a redirected log gets no bar lines
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
     _seed_everything(cfg.seed)
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)
+    if d.main:  # an unusable URI would keep nothing but buffered metrics: refuse it before anything is written
+        check_tracking_uri(resolve_tracking_uri(cfg.tracking, out), tracking_uri_source(cfg.tracking))
+    lock = None
     try:
         out.mkdir(parents=True, exist_ok=True)
         if d.main:
-            (out / "config.yaml").write_text(to_yaml(cfg))
+            lock = RunFolderLock(out).acquire()
     except OSError as exc:
         raise OSError(exc.errno, f"output_dir={cfg.output_dir!r} is not a writable directory: "
                                  f"{exc.strerror or exc} ({exc.filename or out})") from exc
+    try:
+        return _build(cfg, d, out, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> tuple[Optional[Path], Optional[dict]]:
+    """The checkpoint to continue from and its payload, checked against ``cfg`` before any file or MLflow run is
+    touched; for a fresh run, refuse (or with ``overwrite``, clear) a folder that holds an earlier run."""
+    found = load_resume_checkpoint(out / "checkpoints", cfg.checkpoint.resume) if d.main else None
+    resume = d.from_main(found[0] if found is not None else None)
+    if resume is None:
+        if cfg.checkpoint.resume and cfg.checkpoint.resume != "auto":
+            raise FileNotFoundError(f"checkpoint.resume={cfg.checkpoint.resume!r}: no checkpoint there")
+        earlier = run_in_folder(out) if d.main and not cfg.checkpoint.resume else None
+        if earlier and not cfg.overwrite:
+            raise RunFolderError(f"output_dir {out} already holds a run ({earlier}): continue it with "
+                                 f"checkpoint.resume=auto, start afresh there with overwrite=true (deletes its "
+                                 f"checkpoints, summary.json and dual.png; its MLflow run stays), or choose another "
+                                 f"output_dir")
+        if earlier:
+            clear_run_folder(out)
+        return None, None
+    state = found[1] if found is not None else load_checkpoint(resume)
+    saved = state.get("config")
+    if saved is None:
+        log.warning("checkpoint %s records no config (written by an older dcmdp): its compatibility with this "
+                    "config is not checked", resume)
+    elif conflicts := resume_conflicts(saved, cfg):
+        raise ConfigError(f"cannot resume from {resume}: the config differs from the checkpoint's in "
+                          f"{'; '.join(conflicts)}. Resume with the checkpoint's values, or start a new run in "
+                          f"another output_dir; nothing was changed")
+    if "model" in state and d.world > 1:
+        raise RunFolderError(f"checkpoint {resume} was written by a single-process run; resume it with world size 1 "
+                             f"(without torchrun), or start the {d.world}-rank run afresh")
+    return resume, state
+
+
+def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFolderLock]) -> Setup:
+    resume, state = _resume_state(cfg, out, d)
     preset = PRESETS[cfg.model.preset]
     task = TASKS[cfg.task.name](cfg.task, cfg.seed)
     if cfg.model.path:
@@ -292,7 +398,7 @@ def setup(cfg: RunConfig) -> Setup:
     elif cfg.cold_start.steps > 0:
         with d.main_first():  # rank 0 fills the on-disk cache, the other ranks load from it
             model, info = cold_start(model, tokenizer, task, cfg.cold_start, cfg.model, seed=init_seed, eos_id=eos_id,
-                                     progress=cfg.progress and d.main)
+                                     progress=show_bar(cfg) and d.main, fallback_dir=str(out / "initial_model"))
         model_dir = str(info["model_dir"])
     else:
         model_dir = str(out / "initial_model")
@@ -307,9 +413,8 @@ def setup(cfg: RunConfig) -> Setup:
         warm = cfg.optim.warmup_steps * cfg.algo.minibatches
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warm))
     dual, history, start_step, run_id, bad_steps = init_state(cfg.dual), [], 0, None, 0
-    resume = d.from_main(find_resume_checkpoint(out / "checkpoints", cfg.checkpoint.resume) if d.main else None)
+    accuracy_before = None
     if resume is not None:
-        state = load_checkpoint(resume)
         distributed.restore_model_optimizer(resume, state, model, optimizer, d)
         if scheduler is not None and state["scheduler"] is not None:
             scheduler.load_state_dict(state["scheduler"])
@@ -319,15 +424,21 @@ def setup(cfg: RunConfig) -> Setup:
         distributed.restore_rank_rng(state, d)
         # the engine must sample from the trainer's weights, not the cold start's, from the first new rollout
         engine.load_weights(model.state_dict(), version=int(state["engine_version"]))
+        accuracy_before = state.get("accuracy_before")
         log.info("resumed from %s at step %d (MLflow run %s)", resume, start_step, run_id)
-    elif cfg.checkpoint.resume and cfg.checkpoint.resume != "auto":
-        raise FileNotFoundError(f"checkpoint.resume={cfg.checkpoint.resume!r}: no checkpoint there")
     tracker = Tracker(cfg.tracking, out) if d.main else distributed.NoTracker()
     tracker.start(flatten(cfg), run_id=run_id,
-                  tags={"model.preset": cfg.model.preset, "dcmdp.version": _version()})
+                  tags={"model.preset": cfg.model.preset, "dcmdp.version": _version(),
+                        "dcmdp.output_dir": str(out.resolve()), **provenance_tags()})
+    if resume is not None and d.main:
+        # the steps between the checkpoint and the crash were logged once already: they are not logged again
+        tracker.skip_logged(after_step=start_step)
+    if d.main:  # written once the run has started cleanly: a run that failed to start leaves the old one
+        (out / "config.yaml").write_text(to_yaml(cfg))
     tracker.log_artifact(out / "config.yaml")
     return Setup(cfg, tokenizer, task, model, model_dir, engine, optimizer, scheduler, dual, tracker,
-                 is_moe(model), constraint_names(cfg.dual.constraints), history, start_step, bad_steps, dist=d)
+                 is_moe(model), constraint_names(cfg.dual.constraints), history, start_step, bad_steps, dist=d, lock=lock,
+                 accuracy_before=accuracy_before)
 
 
 def checkpoint(s: Setup, step: int) -> Path:
@@ -338,7 +449,8 @@ def checkpoint(s: Setup, step: int) -> Path:
     payload = {"step": step, "model": s.model.state_dict(), "optimizer": s.optimizer.state_dict(),
                "scheduler": s.scheduler.state_dict() if s.scheduler is not None else None,
                "dual": s.dual.state_dict(), "engine_version": s.engine.version, "run_id": s.tracker.run_id,
-               "history": s.history, "rng": capture_rng(), "guard": {"consecutive_bad_steps": s.bad_steps}}
+               "history": s.history, "rng": capture_rng(), "guard": {"consecutive_bad_steps": s.bad_steps},
+               "config": flatten(s.cfg), "accuracy_before": s.accuracy_before}
     ckpt_dir = Path(s.cfg.output_dir) / "checkpoints"
     if s.dist.world > 1:
         payload = {k: v for k, v in payload.items() if k not in ("model", "optimizer")}
@@ -425,7 +537,11 @@ def evaluate(s: Setup, seed: int) -> float:
 
 
 def _evaluate(s: Setup, seed: int) -> float:
-    examples = s.task.eval_set()
+    if s.eval_examples is None:
+        s.eval_examples = screen_prompt_chars(s, s.task.eval_set(), "held-out")
+    examples = s.eval_examples
+    if not examples:
+        raise ValueError("every held-out prompt is too long for the model's context: nothing to evaluate")
     ids = encode_prompts(s, examples)
     rollout = s.engine.generate(ids, seed=_step_seed(seed, 10**6, 3))
     completions = decode_responses(s.tokenizer, rollout)
@@ -435,13 +551,14 @@ def _evaluate(s: Setup, seed: int) -> float:
 def finish(s: Setup, acc_before: float, acc_after: float, seconds: float) -> Summary:
     cfg, out = s.cfg, Path(s.cfg.output_dir)
     if s.history and s.names and s.dist.main:
-        plot_dual(s.history, s.names, out / "dual.png")
+        # history[i] is step i + 1, as in MLflow
+        plot_dual([{**h, "step": i + 1} for i, h in enumerate(s.history)], s.names, out / "dual.png")
         s.tracker.log_artifact(out / "dual.png")
     # steps with every sample dropped measured nothing and have no discrepancy/ keys
     disc_keys = dict.fromkeys(k for h in s.history for k in h if k.startswith("discrepancy/"))
     mean_disc = {k.split("/", 1)[1]: float(np.mean([h[k] for h in s.history if k in h])) for k in disc_keys}
     summary = Summary(acc_before, acc_after, {n: float(v) for n, v in zip(s.names, s.dual.lambda_C)}, mean_disc,
-                      cfg.steps, s.tracker.run_id, s.tracker.tracking_uri, str(out), seconds)
+                      cfg.steps, s.tracker.run_id, s.tracker.tracking_uri, str(out), seconds, s.start_step)
     if s.dist.main:
         (out / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
     s.tracker.log_artifact(out / "summary.json")
@@ -449,6 +566,24 @@ def finish(s: Setup, acc_before: float, acc_after: float, seconds: float) -> Sum
     s.engine.close()
     distributed.shutdown(s.dist)
     return summary
+
+
+def screen_prompt_chars(s: Setup, examples: list[Example], what: str) -> list[Example]:
+    """Drop the prompts whose length in characters alone shows they cannot fit the context, before tokenising
+    them (a 100 MB prompt would take gigabytes to tokenise): a prompt of more than context x (the longest
+    vocabulary entry, in characters) characters has more tokens than the context has positions. Logs the count."""
+    context = getattr(getattr(s.model, "config", None), "max_position_embeddings", None)
+    if not context or not examples:
+        return examples
+    longest_token = max((len(t) for t in s.tokenizer.get_vocab()), default=1)
+    limit = context * max(longest_token, 1)
+    kept = [ex for ex in examples if len(ex.prompt) <= limit]
+    if len(kept) < len(examples):
+        longest = max(len(ex.prompt) for ex in examples)
+        log.warning("%d of %d %s prompts skipped: longer than %d characters (%d positions x %d characters in the "
+                    "longest token), so they cannot fit the model's context; the longest has %d characters",
+                    len(examples) - len(kept), len(examples), what, limit, context, longest_token, longest)
+    return kept
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:

@@ -3,7 +3,7 @@
 Per run and constraint ``<n>`` (found from the keys ``dual/lambda/<n>`` and ``dual/measured/<n>``):
 final and mean multiplier λ, mean and final measured discrepancy D, the tolerance c (last logged
 ``dual/tolerance/<n>``) and the share of steps with D ≤ c; per run the final ``eval/accuracy`` (if
-logged), the number of distinct steps logged and the MLflow status. Means skip NaN values.
+logged), the number of distinct steps with a training metric logged and the MLflow status. Means skip NaN values.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import unquote, urlparse
 
 from dcmdp.plots import plot_runs
 
@@ -70,12 +71,34 @@ def _expand(client: Any, items: list[str]) -> list[Any]:
             try:
                 found = [client.get_run(item)]
             except Exception as exc:
-                raise ValueError(f"{item!r} is neither an experiment name nor a run id in this store") from exc
+                raise ValueError(f"{item!r} is neither an experiment name nor a run id in the store "
+                                 f"{client.tracking_uri} (pass the store of the run's output_dir with --tracking-uri "
+                                 f"sqlite:///<output_dir>/mlflow.db)") from exc
         for run in found:
             if run.info.run_id not in seen:
                 seen.add(run.info.run_id)
                 runs.append(run)
     return runs
+
+
+def _existing_store(tracking_uri: Optional[str]) -> str:
+    """``tracking_uri`` (default: MLflow's own resolution), checked to name a store that exists: reading from a
+    sqlite file or a store folder that is not there would create an empty one and report that nothing is found."""
+    import mlflow
+
+    from dcmdp.tracking import check_tracking_uri, sqlite_store_file
+
+    uri = tracking_uri or mlflow.get_tracking_uri()
+    check_tracking_uri(uri, "--tracking-uri" if tracking_uri else "MLFLOW_TRACKING_URI")
+    parsed = urlparse(uri)
+    path = sqlite_store_file(uri)
+    if path is None and parsed.scheme in ("", "file"):
+        path = Path(unquote(parsed.path) if parsed.scheme else uri)
+    if path is not None and not path.exists():
+        how = "--tracking-uri" if tracking_uri else "the default store (pass --tracking-uri)"
+        raise FileNotFoundError(f"no MLflow store at {path} ({how}: {uri}); a run's local store is "
+                                f"sqlite:///<output_dir>/mlflow.db")
+    return uri
 
 
 def _summarise(client: Any, run: Any) -> RunSummary:
@@ -98,7 +121,8 @@ def _summarise(client: Any, run: Any) -> RunSummary:
             name=name, tolerance=_final(tol), lambda_final=_final(lam), lambda_mean=_mean([v for _, v in lam]),
             measured_mean=_mean([v for _, v in measured]), measured_final=_final(measured),
             within_tolerance_frac=sum(judged) / len(judged) if judged else None))
-    steps = len({s for points in history.values() for s, _ in points})
+    # the evaluations (before training at step 0, after it at step N) are not steps of their own
+    steps = len({s for key, points in history.items() if key != ACCURACY_KEY for s, _ in points})
     return RunSummary(run_id=run.info.run_id, run_name=run.info.run_name or "", status=run.info.status,
                       steps=steps, eval_accuracy_final=_final(history.get(ACCURACY_KEY, [])),
                       constraints=constraints, history=history)
@@ -158,12 +182,15 @@ def write_report(run_ids_or_experiment: list[str], out_dir: str | Path, tracking
     """
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=tracking_uri)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"--out {out_dir} is a file: the report is a folder (report.md, report.csv, "
+                                 f"report.png); give a folder path")
+    client = MlflowClient(tracking_uri=_existing_store(tracking_uri))
     runs = _expand(client, list(run_ids_or_experiment))
     if not runs:
         raise ValueError(f"no runs found for {list(run_ids_or_experiment)}")
     summaries = [_summarise(client, run) for run in runs]
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     md_path = out_dir / "report.md"

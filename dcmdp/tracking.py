@@ -36,18 +36,23 @@ Non-finite metric values are sent as they are: MLflow stores NaN as NaN and +-in
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
 import os
+import shlex
 import shutil
+import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterable, Iterator, Optional
+from urllib.parse import quote, unquote, urlparse
 
-from dcmdp.config import TrackingConfig
+from dcmdp.config import ConfigError, TrackingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +85,64 @@ def resolve_tracking_uri(cfg: TrackingConfig, output_dir: str | Path) -> str:
 
 
 def local_store_uri(output_dir: str | Path) -> str:
-    return f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
+    """``sqlite:///<abs path>/mlflow.db`` with the path percent-encoded: SQLAlchemy decodes it, so a folder whose name
+    holds ``?``, ``#``, ``%`` or spaces is the folder the database goes to."""
+    return f"sqlite:///{quote(str(Path(output_dir).resolve() / 'mlflow.db'))}"
+
+
+def sqlite_store_file(uri: str) -> Optional[Path]:
+    """The database file of a ``sqlite:///`` URI (percent-decoded), else None."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = unquote(uri[len("sqlite:///"):])
+    return Path(path) if path and path != ":memory:" else None
+
+
+def check_tracking_uri(uri: str, source: str) -> None:
+    """Raise ConfigError naming ``source`` (the config key or variable the URI came from) when no MLflow tracking
+    store serves the URI's scheme: such a run would create no run, log no params, and buffer its metrics for a
+    ``dcmdp sync`` that could never send them."""
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry as registry
+
+    try:
+        registry.get_store_builder(uri)
+    except Exception:
+        schemes = ", ".join(repr(s) for s in sorted(getattr(registry, "_registry", {})) if s)
+        raise ConfigError(f"config error at '{source}': MLflow cannot use the tracking URI {uri!r} (scheme "
+                          f"{urlparse(uri).scheme!r}); use one of the schemes {schemes}, or a local path") from None
+
+
+def tracking_uri_source(cfg: TrackingConfig) -> str:
+    """The config key or environment variable ``resolve_tracking_uri`` takes the URI from."""
+    if cfg.uri:
+        return "tracking.uri"
+    return "MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "the local store"
+
+
+def provenance_tags() -> dict[str, str]:
+    """Where a run came from, as MLflow tags: the command line, the dcmdp / torch / transformers / vllm versions
+    (read from the installed packages' metadata: vllm is not imported), and the git commit of the dcmdp checkout
+    (with ``dcmdp.git_dirty``) when the code runs from one."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    tags = {"dcmdp.command": shlex.join(sys.argv)}
+    for package in ("dcmdp", "torch", "transformers", "vllm"):
+        try:
+            tags[f"dcmdp.version.{package}"] = version(package)
+        except PackageNotFoundError:
+            tags[f"dcmdp.version.{package}"] = "not installed"
+    root = Path(__file__).resolve().parent.parent
+    try:
+        def git(*args: str) -> str:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10,
+                                  check=True).stdout.strip()
+
+        if git("rev-parse", "--show-toplevel") == str(root):
+            tags["mlflow.source.git.commit"] = git("rev-parse", "HEAD")
+            tags["dcmdp.git_dirty"] = str(bool(git("status", "--porcelain", "--untracked-files=no"))).lower()
+    except (OSError, subprocess.SubprocessError):
+        pass  # not a checkout, or no git
+    return tags
 
 
 def resolve_buffer_dir(cfg: TrackingConfig, output_dir: str | Path) -> Path:
@@ -131,6 +193,10 @@ class _Segment:
         self.sent_path = path.with_suffix(".sent")
         self.files_dir = path.with_suffix(".files")
         self._n_files = 0
+        # complete lines that are not JSON (a damaged buffer): skipped when sending, counted; ``scanned`` is the end
+        # of the last complete line ``pending`` read
+        self.unreadable = 0
+        self.scanned = offset
 
     @classmethod
     def create(cls, buffer_dir: Path, tracking_uri: str) -> "_Segment":
@@ -203,10 +269,14 @@ class _Segment:
                 pos += len(line)
                 if not line.endswith(b"\n"):
                     break
+                self.scanned = pos
                 try:
-                    yield pos, json.loads(line)
+                    record = json.loads(line)
                 except json.JSONDecodeError:
                     logger.warning("skipping an unreadable line in %s at byte %d", self.path, pos - len(line))
+                    self.unreadable += 1
+                    continue
+                yield pos, record
 
     def mark_sent(self, offset: int) -> None:
         tmp = self.sent_path.with_suffix(".sent.tmp")
@@ -256,6 +326,18 @@ class _Sender:
 
     def __post_init__(self) -> None:
         self.run_map.update(_read_run_map(self.buffer_dir))
+        self._sqlite_file = sqlite_store_file(self.tracking_uri)
+        self._sqlite_seen = False
+
+    def _check_store(self) -> None:
+        """A sqlite store file deleted under a live run fails like an unreachable server (so the records are
+        buffered), instead of SQLAlchemy writing to the unlinked file and logging a traceback per call."""
+        if self._sqlite_file is None:
+            return
+        if self._sqlite_file.exists():
+            self._sqlite_seen = True
+        elif self._sqlite_seen:
+            raise FileNotFoundError(errno.ENOENT, "the sqlite tracking store was deleted", str(self._sqlite_file))
 
     def _client(self) -> Any:
         if self.client is None:
@@ -277,6 +359,7 @@ class _Sender:
         """Send in order; after each stored request yield (end offset of the last record it held,
         metrics in it). Consecutive metrics of one run share a log_batch request. Raises on
         failures worth retrying; drops (with a warning) only what the store rejects as invalid."""
+        self._check_store()
         group: list[dict] = []
         group_end = 0
         for end, rec in records:
@@ -434,37 +517,74 @@ def _drain(segment: _Segment, sender: _Sender) -> int:
     return sent
 
 
+UNREADABLE_SUFFIX = ".unreadable"
+
+
+@dataclass
+class SyncReport:
+    """What ``sync_report`` sent, and one line per buffer file that still holds something it did not send."""
+
+    sent: int = 0
+    remaining: list[str] = field(default_factory=list)
+
+
 def sync_buffer(buffer_dir: str | Path, tracking_uri: Optional[str] = None) -> int:
-    """Replay every leftover segment in ``buffer_dir`` (oldest first); return the metrics sent.
+    """``sync_report``'s count of metrics sent."""
+    return sync_report(buffer_dir, tracking_uri).sent
+
+
+def sync_report(buffer_dir: str | Path, tracking_uri: Optional[str] = None) -> SyncReport:
+    """Replay every leftover segment in ``buffer_dir`` (oldest first); report the metrics sent and what remains.
 
     ``tracking_uri`` overrides the URI recorded in each segment. Segments held by a live tracker are
-    skipped. Fully sent segments are removed, so a second sync sends nothing.
+    skipped. Fully sent segments are removed, so a second sync sends nothing. A segment with lines that are
+    not JSON is sent without them and then kept as ``<segment>.unreadable`` for inspection; such files stay
+    listed as remaining until removed by hand.
     """
     _set_http_defaults()
     buffer_dir = Path(buffer_dir)
     senders: dict[str, _Sender] = {}
-    total = 0
+    report = SyncReport()
     for path in _segments(buffer_dir):
         seg = _Segment.open_existing(path)
         if seg is None:
             logger.info("segment %s is in use by a running tracker; skipped", path)
+            report.remaining.append(f"{path}: in use by a running tracker (sent by it, or by a sync once it ends)")
             continue
         try:
             uri = tracking_uri or seg.header().get("uri")
             if not uri:
                 logger.warning("segment %s names no tracking URI; pass one", path)
+                report.remaining.append(f"{path}: names no tracking URI; pass one with --tracking-uri")
                 continue
             sender = senders.setdefault(uri, _Sender(uri, buffer_dir))
-            total += _drain(seg, sender)
+            report.sent += _drain(seg, sender)
+            if seg.unreadable:
+                kept = path.with_name(path.name + UNREADABLE_SUFFIX)
+                shutil.copy2(path, kept)
+                logger.warning("%d unreadable line(s) in %s could not be sent; the segment is kept as %s",
+                               seg.unreadable, path, kept)
+                seg.mark_sent(max(seg.offset, seg.scanned))  # every readable record up to there was sent
             if seg.drained():
                 seg.remove()
+            else:
+                left = path.stat().st_size - seg.offset
+                report.remaining.append(f"{path}: {left} bytes after byte {seg.offset} not sent (a record cut short "
+                                        f"when its writer died)")
         except _Blocked as exc:
             logger.warning("segment %s refers to run %s, which no earlier segment creates; kept", path, exc)
+            report.remaining.append(f"{path}: refers to run {exc}, which no earlier segment creates")
         except Exception as exc:
             logger.warning("sync of %s stopped at byte %d: %s; the rest stays buffered", path, seg.offset, exc)
+            report.remaining.append(f"{path}: stopped at byte {seg.offset} of {path.stat().st_size} "
+                                    f"({type(exc).__name__}: {str(exc)[:200]}); the rest stays buffered")
         finally:
             seg.close()
-    return total
+    if buffer_dir.is_dir():
+        for kept in sorted(buffer_dir.glob(f"*.jsonl{UNREADABLE_SUFFIX}")):
+            report.remaining.append(f"{kept}: a segment with unreadable lines, kept for inspection (its readable "
+                                    f"records were sent); remove it once inspected")
+    return report
 
 
 # --------------------------------------------------------------------------------------------------
@@ -490,6 +610,11 @@ class Tracker:
         self._artifact_location = ((self.output_dir.resolve() / "mlartifacts").as_uri()
                                    if self.tracking_uri == local_store_uri(output_dir) else None)
         self._sender = _Sender(self.tracking_uri, self.buffer_dir)
+        # MLflow makes the parent folder of the sqlite path before decoding it: with a ``%`` in the URI that is a
+        # stray empty folder, removed after ``start`` (only when it did not exist before)
+        db = sqlite_store_file(self.tracking_uri)
+        encoded = Path(self.tracking_uri[len("sqlite:///"):]).parent if db is not None else None
+        self._stray_dir = encoded if encoded is not None and encoded != db.parent and not encoded.exists() else None
         self._segment: Optional[_Segment] = None
         self._id: Optional[str] = None
         self.buffered = 0
@@ -529,6 +654,11 @@ class Tracker:
         params = _clip("param", params, MAX_PARAM_VAL_LENGTH)
         records += [{"t": "params", "run": self._id, "params": c} for c in _chunks(params, MAX_PARAMS_TAGS_PER_BATCH)]
         self._emit(records, force=True)
+        if self._stray_dir is not None:
+            try:
+                self._stray_dir.rmdir()
+            except OSError:
+                pass  # not empty, or already gone: not ours to remove
         return self.run_id  # type: ignore[return-value]
 
     def skip_logged(self, after_step: int) -> int:

@@ -7,8 +7,13 @@ Cases already tested elsewhere are listed in docs/bad_inputs.md with the test th
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -286,3 +291,59 @@ def test_an_error_mid_run_ends_the_mlflow_run_failed(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="overflow"):
         train(load_config(None, _overrides(out, "optim.lr=1e38")))
     assert [status for _, status in _runs(out)] == ["FAILED"]
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+
+def _math_file(path: Path, prompts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"question": p, "answer": f"#### {i}"}) + "\n" for i, p in enumerate(prompts)))
+    return path
+
+
+def test_huge_held_out_prompt_is_skipped_by_length_before_tokenising(tmp_path, caplog, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    train_file = _math_file(tmp_path / "train.jsonl", [f"{a}+{a}=" for a in range(6)])
+    huge = "7" * 2_000_000
+    eval_file = _math_file(tmp_path / "eval.jsonl", ["1+2=", huge, "2+2=", "3+1="])
+    cfg = load_config(None, _overrides(tmp_path / "out", "task.name=math", f"task.path={train_file}",
+                                       f"task.eval_path={eval_file}", "steps=1"))
+    summary = train(cfg)
+    assert "1 of 4 held-out prompts skipped: longer than " in caplog.text
+    assert "the longest has 2000000 characters" in caplog.text
+    assert 0.0 <= summary.accuracy_after <= 1.0
+
+
+def test_report_out_pointing_at_a_file_and_a_missing_store_are_clear_errors(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    a_file = tmp_path / "report.txt"
+    a_file.write_text("keep me")
+    assert cli.main(["report", "dcmdp", "--out", str(a_file), "--tracking-uri", f"sqlite:///{tmp_path}/x.db"]) == 1
+    assert f"--out {a_file} is a file: the report is a folder" in capsys.readouterr().err
+    assert a_file.read_text() == "keep me"
+    missing = tmp_path / "no" / "such" / "mlflow.db"
+    rc = cli.main(["report", "dcmdp", "--out", str(tmp_path / "rep"), "--tracking-uri", f"sqlite:///{missing}"])
+    assert rc == 1 and f"no MLflow store at {missing} (--tracking-uri: sqlite:///{missing})" in capsys.readouterr().err
+    assert not (tmp_path / "no").exists() and not (tmp_path / "rep").exists()  # nothing created
+
+
+def test_sigint_during_the_cold_start_is_one_line(tmp_path):
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dcmdp.cli", "train", *_overrides(out, "cold_start.steps=100000",
+                             f"cold_start.cache_dir={cache}")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stderr:  # wait until the cold start trains
+        lines.append(line)
+        if "cold start: training 100000 steps" in line:
+            break
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, rest = proc.communicate(timeout=120)
+    err = "".join(lines) + rest
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == ("dcmdp: interrupted (SIGINT) during dcmdp train: stopped; finished "
+                                           "checkpoints and cold-start cache entries are kept")
+    assert not any(cache.glob("*/model.safetensors"))  # no half-trained entry

@@ -1,0 +1,85 @@
+"""What the console says: a line per log_every steps when there is no terminal, a warning when RL has no signal
+or the cold start ends below its target, and the same step numbers in MLflow, the report and the summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from dcmdp import cli
+from dcmdp.config import load_config
+from dcmdp.loop import NO_SIGNAL_STEPS, train
+from dcmdp.report import write_report
+from dcmdp.tracking import local_store_uri
+from test_coldstart import SingleDigitSum
+from trainers.coldstart import cold_start
+from trainers.config import ColdStartConfig, ModelConfig
+from trainers.models import build_model
+from trainers.tokenizer import build_char_tokenizer
+
+torch.set_num_threads(1)
+
+BASE = ["model.preset=tiny-dense", "cold_start.steps=0", "algo.prompts_per_step=2", "algo.samples_per_prompt=2",
+        "algo.minibatches=1", "task.eval_size=4", "threads=1", "rollout.max_new_tokens=4"]
+
+
+@pytest.fixture(autouse=True)
+def _local_store(monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
+def test_without_a_terminal_a_line_every_log_every_steps_and_no_bar(tmp_path):
+    env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "dcmdp.cli", "train", *BASE, f"output_dir={tmp_path / 'out'}",
+                           "steps=5", "log_every=2", "dual.constraints=[{measure: abs_prob_diff}, {measure: kl_k3}]"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "it/s" not in done.stderr and "dcmdp train:" not in done.stderr  # progress unset, no terminal: no bar
+    lines = re.findall(r"dcmdp: (step \d+/5: .*)", done.stderr)
+    assert [line.split(":")[0] for line in lines] == ["step 2/5", "step 4/5", "step 5/5"]
+    assert re.fullmatch(r"step 2/5: reward [\d.]+, accuracy [\d.]+%, lambda abs_prob_diff=[\d.e-]+ "
+                        r"kl_k3=[\d.e-]+, D-hat abs_prob_diff=[\d.e-]+ kl_k3=[\d.e-]+, [\d.]+ s/step", lines[0]), lines[0]
+
+
+def test_zero_reward_variance_for_many_steps_warns_once(tmp_path, caplog):
+    # a random model never answers right: every group's rewards are all 0
+    train(load_config(None, [*BASE, f"output_dir={tmp_path / 'out'}", f"steps={NO_SIGNAL_STEPS + 3}",
+                             "progress=false"]))
+    warnings = [r.getMessage() for r in caplog.records if r.getMessage().startswith("RL has no signal")]
+    assert len(warnings) == 1
+    assert warnings[0].startswith(f"RL has no signal: for {NO_SIGNAL_STEPS} steps in a row (up to step "
+                                  f"{NO_SIGNAL_STEPS}) at least 95% of the groups gave the same reward")
+
+
+def test_cold_start_below_its_target_warns_with_the_accuracy_and_steps(tmp_path, caplog):
+    tok = build_char_tokenizer()
+    model_cfg = ModelConfig(preset="tiny-dense")
+    cfg = ColdStartConfig(steps=4, batch_size=8, cache_dir=str(tmp_path), target_accuracy=0.99, check_every=2)
+    _, info = cold_start(build_model(model_cfg, len(tok), seed=0), tok, SingleDigitSum(), cfg, model_cfg, seed=0,
+                         eos_id=tok.eos_token_id, progress=False)
+    assert (f"cold start ended below its target: held-out sampled accuracy {100 * info['coldstart/accuracy']:.1f}% < "
+            f"cold_start.target_accuracy 99.0% (after 4 of 4 steps)") in caplog.text
+
+
+def test_step_numbers_agree_in_mlflow_report_and_summary_after_a_resume(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.main(["train", *BASE, f"output_dir={out}", "steps=2", "progress=false"]) == 0
+    assert cli.main(["train", *BASE, f"output_dir={out}", "steps=5", "progress=false",
+                     "checkpoint.resume=auto"]) == 0
+    stdout = capsys.readouterr().out
+    assert re.search(r"after 5 steps \(3 in \d+ s after resuming at step 2\)", stdout), stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 5 and summary["resumed_at"] == 2
+    client = MlflowClient(local_store_uri(out))
+    run = client.search_runs([client.get_experiment_by_name("dcmdp").experiment_id])[0]
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")) == [1, 2, 3, 4, 5]
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy")) == [0, 2, 5]
+    md = write_report([run.info.run_id], tmp_path / "rep", tracking_uri=local_store_uri(out)).read_text()
+    assert f"| `{run.info.run_id}` | FINISHED | 5 |" in md
