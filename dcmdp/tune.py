@@ -58,7 +58,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
@@ -99,9 +99,9 @@ class SelectRule:
     def describe(self) -> str:
         return (f"selection: highest held-out accuracy among finished trials that did not collapse and kept every "
                 f"constraint's D-hat <= c on >= {self.min_inside_frac:.0%} of steps after warm-up "
-                f"(steps > {self.warmup_steps}); collapsed = a non-finite loss/ value, or the mean {self.collapse_metric} "
-                f"of the last {self.collapse_window} steps < {self.collapse_drop_frac:g} x its peak "
-                f"{self.collapse_window}-step mean")
+                f"(steps > {self.warmup_steps}); collapsed = a non-finite loss/ value, or the mean "
+                f"{self.collapse_metric} of the last {self.collapse_window} steps < {self.collapse_drop_frac:g} x "
+                f"its peak {self.collapse_window}-step mean")
 
 
 @dataclass
@@ -114,18 +114,31 @@ class PruneSpec:
 
 @dataclass
 class TuneConfig:
+    # Run config of every trial (a relative path is tried next to the tune file, then in cwd).
     base: str
+    # Dotlist overrides of the base config for every trial.
     overrides: list[str] = field(default_factory=list)
+    # Run-config key -> a list of values, or {low, high, log, step} (tpe and gp only).
     space: dict[str, Any] = field(default_factory=dict)
+    # grid | tpe | gp.
     sampler: str = "grid"
+    # Trials in the study (tpe and gp; the grid runs every combination).
     trials: Optional[int] = None
+    # Seed of the sampler.
     seed: int = 0
+    # Optuna study name (default: the tune file's name without .yaml).
     study: Optional[str] = None
+    # Optuna RDB URL (default: sqlite:///<output_dir>/study.db).
     storage: Optional[str] = None
+    # The selection rule.
     select: SelectRule = field(default_factory=SelectRule)
+    # The pruner.
     prune: PruneSpec = field(default_factory=PruneSpec)
+    # Trials running at once in this process.
     workers: int = 1
+    # Run the first trial alone so that the others reuse its cached cold start.
     prime_cold_start: bool = True
+    # Tune folder: the sqlite study, trials/, table.txt, results.csv, tune.png, best.yaml.
     output_dir: str = "outputs/tune"
 
 
@@ -288,8 +301,8 @@ def assess(trial: Trial, history: dict[str, list[float]], names: Sequence[str], 
 
 def _inside(history: dict[str, list[float]], names: Sequence[str], rule: SelectRule) -> list[bool]:
     n = max((len(v) for v in history.values()), default=0)
-    return [all(math.isfinite(d := _at(history, f"dual/measured/{c}", t)) and d <= _at(history, f"dual/tolerance/{c}", t)
-                for c in names) for t in range(rule.warmup_steps, n)]
+    return [all(math.isfinite(d := _at(history, f"dual/measured/{c}", t))
+                and d <= _at(history, f"dual/tolerance/{c}", t) for c in names) for t in range(rule.warmup_steps, n)]
 
 
 def _window_means(watched: Sequence[float], window: int) -> list[float]:
@@ -564,9 +577,10 @@ class _Sweep:
         trial.set_user_attr("process", f"{os.uname().nodename}:{os.getpid()}")
         self.started += 1
         log.info("trial %s (optuna #%d): %s", d.name, trial.number, _fmt_settings(settings))
+        env = {**os.environ, PROGRESS_ENV: str(d / "progress.jsonl")}
         with open(d / "train.log", "ab") as logf:
             proc = subprocess.Popen([sys.executable, "-m", "dcmdp.cli", "train", str(d / "run.yaml")], stdout=logf,
-                                    stderr=subprocess.STDOUT, env={**os.environ, PROGRESS_ENV: str(d / "progress.jsonl")})
+                                    stderr=subprocess.STDOUT, env=env)
         self.procs.add(proc)
         reported, live, beat, pruned, interrupted = set(frozen.intermediate_values), {}, time.monotonic(), "", False
         try:
@@ -738,23 +752,16 @@ def write_outputs(cfg: TuneConfig, sweep: _Sweep, trials: list[Trial], best: Opt
     text = table(trials, names, cfg.select)
     text += (f"\n\n{len(trials)} trials in study {cfg.study!r} ({sweep.started} run now, {count['pruned']} pruned, "
              f"{count['failed']} failed) in {seconds:.0f} s with {cfg.workers} worker(s)")
-    text += f"\nselected: {best.trial} ({_fmt_settings(best.settings)})" if best else "\nselected: none (no eligible trial)"
+    text += f"\nselected: {best.trial} ({_fmt_settings(best.settings)})" if best else \
+        "\nselected: none (no eligible trial)"
     print(text)
     (out / "table.txt").write_text(text + "\n")
-    csv_path = out / "results.csv"
-    keys = list(cfg.space)
+    csv_path, keys = out / "results.csv", list(cfg.space)
+    rows = [_csv_row(t) for t in trials]
     with open(csv_path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["trial", "optuna_number", "status", *keys, "accuracy_before", "accuracy_after",
-                    *[f"mean_discrepancy/{c}" for c in names], "inside_frac", *[f"final_lambda/{c}" for c in names],
-                    "steps", "nonfinite_loss", "peak_window_mean", "final_window_mean", "collapsed", "eligible",
-                    "selected", "run_id", "seconds", "reason"])
-        for t in trials:
-            w.writerow([t.trial, t.number, t.status, *[t.settings.get(k, "") for k in keys], t.accuracy_before,
-                        t.accuracy_after, *[t.mean_discrepancy.get(c, math.nan) for c in names], t.inside_frac,
-                        *[t.final_lambda.get(c, math.nan) for c in names], t.steps, int(t.nonfinite_loss),
-                        t.peak_window_mean, t.final_window_mean, int(t.collapsed), int(t.eligible), int(t.selected),
-                        t.run_id, t.seconds, t.reason])
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+        w.writeheader()
+        w.writerows(rows)
     paths = [out / "table.txt", csv_path, out / "tune.png"]
     plot_tune(trials, keys[0], names, paths[-1], log_x=log_spaced(sweep.dists[keys[0]]))
     if best is not None:
@@ -763,6 +770,17 @@ def write_outputs(cfg: TuneConfig, sweep: _Sweep, trials: list[Trial], best: Opt
         paths.append(snippet)
         print(f"winning settings written to {snippet}")
     return paths
+
+
+def _csv_row(t: Trial) -> dict[str, Any]:
+    """One CSV row: settings, per-constraint values as ``<field>/<constraint>``, booleans as 0/1."""
+    row: dict[str, Any] = {"trial": t.trial, "optuna_number": t.number, **t.settings}
+    for k, v in asdict(t).items():
+        if isinstance(v, dict) and k in ("mean_discrepancy", "final_lambda"):
+            row.update({f"{k}/{c}": x for c, x in v.items()})
+        elif not isinstance(v, dict) and k not in ("trial", "number", "error"):
+            row[k] = int(v) if isinstance(v, bool) else v
+    return row
 
 
 def log_spaced(dist: optuna.distributions.BaseDistribution) -> bool:
@@ -790,61 +808,58 @@ def best_snippet(base: RunConfig, best: Trial) -> str:
             f"inside tolerance on {_fmt(best.inside_frac, '.0%')} of steps after warm-up\n" + OmegaConf.to_yaml(node))
 
 
-def plot_tune(trials: list[Trial], key: str, names: Sequence[str], path: Path, log_x: bool = False) -> None:
-    """Accuracy and mean discrepancy against ``key`` (one line per setting of the other keys; ineligible trials
-    hollow, pruned ones at their last held-out accuracy); λ trajectories."""
+def plot_tune(trials: list[Trial], key: str, names: Sequence[str], path: Path, log_x: bool = False) -> Any:
+    """Accuracy and mean discrepancy against ``key`` (lines join the settings of the other keys; hollow: not
+    eligible, x: collapsed, *: selected, dotted vertical line: pruned); λ trajectories (dashed: pruned)."""
     from matplotlib.figure import Figure
 
     shown = [t for t in trials if t.status in ("ok", "pruned") and isinstance(t.settings.get(key), (int, float))]
     fig = Figure(figsize=(15, 4.2))
     ax_acc, ax_d, ax_lam = fig.subplots(1, 3)
     groups: dict[str, list[Trial]] = {}
-    for t in shown:
+    for t in sorted(shown, key=lambda t: float(t.settings[key])):
         groups.setdefault(_fmt_settings({k: v for k, v in t.settings.items() if k != key}), []).append(t)
     for name, members in groups.items():
-        members.sort(key=lambda t: float(t.settings[key]))
         done = [t for t in members if t.status == "ok"]
-        xs = [float(t.settings[key]) for t in done]
-        ax_acc.plot(xs, [t.accuracy_after for t in done], "-", color="C0", alpha=0.5, label=name or None)
+        ax_acc.plot([t.settings[key] for t in done], [t.accuracy_after for t in done], "-", alpha=0.4,
+                    label=name or None)
         for c in names:
-            ax_d.plot([float(t.settings[key]) for t in members], [t.mean_discrepancy.get(c, math.nan) for t in members],
-                      "o-", label=f"{c} {name}".strip())
-    marks = {"eligible": dict(marker="o", color="C0"), "ineligible": dict(marker="o", mfc="none", color="gray"),
-             "collapsed": dict(marker="x", color="k"), "pruned": dict(marker="v", mfc="none", color="C3"),
-             "selected": dict(marker="*", color="r", ms=14)}
-    used = set()
+            ax_d.plot([t.settings[key] for t in members], [t.mean_discrepancy.get(c, math.nan) for t in members], "o-",
+                      label=f"{c} {name}".strip())
+    marks = {"selected": dict(marker="*", color="r", ms=14), "collapsed": dict(marker="x", color="k", ms=9),
+             "eligible": dict(marker="o", color="C0", ms=8), "not eligible": dict(marker="o", mfc="none", color="gray",
+                                                                                  ms=8)}
     for t in shown:
-        kind = ("selected" if t.selected else "pruned" if t.status == "pruned" else "collapsed" if t.collapsed
-                else "eligible" if t.eligible else "ineligible")
-        y = t.accuracy_after if t.status == "ok" else t.accuracy_before
-        ax_acc.plot([float(t.settings[key])], [y], ls="none", ms=marks[kind].pop("ms", 9), **marks[kind],
-                    label=None if kind in used else kind)
-        used.add(kind)
+        kind = ("pruned" if t.status == "pruned" else "selected" if t.selected else "collapsed" if t.collapsed
+                else "eligible" if t.eligible else "not eligible")
+        if kind == "pruned":
+            ax_acc.axvline(t.settings[key], color="C3", ls=":", lw=1, label=kind)
+        else:
+            ax_acc.plot([t.settings[key]], [t.accuracy_after], ls="none", label=kind, **marks[kind])
         for c in names:
             lam = t.lambda_history.get(c, [])
-            ax_lam.plot(range(1, len(lam) + 1), lam, ls="--" if t.status == "pruned" else "-",
+            ax_lam.plot(range(1, len(lam) + 1), lam, ls="--" if kind == "pruned" else "-",
                         label=f"{t.trial} {_fmt_settings(t.settings)}"[:40])
-    if shown:
-        ax_acc.axhline(shown[0].accuracy_before, color="gray", ls="--", lw=1, label="before")
+    before = [t.accuracy_before for t in shown if math.isfinite(t.accuracy_before)]
+    if before:
+        ax_acc.axhline(before[0], color="gray", ls="--", lw=1, label="before")
     if key.endswith(".tolerance") and shown:
         xs = sorted({float(t.settings[key]) for t in shown})
         ax_d.plot(xs, xs, "k:", lw=1, label="D = c")
-    for ax in (ax_acc, ax_d):
-        ax.set_xlabel(label(key))
-        if log_x:
+    for ax, ylabel in ((ax_acc, "held-out accuracy after training"), (ax_d, "mean measured D-hat"), (ax_lam, "λ")):
+        ax.set_xlabel("step" if ax is ax_lam else label(key))
+        ax.set_ylabel(ylabel)
+        if log_x and ax is not ax_lam:
             ax.set_xscale("log")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    ax_acc.set_ylabel("held-out accuracy after training")
-    ax_d.set_ylabel("mean measured D-hat")
-    ax_lam.set_xlabel("step")
-    ax_lam.set_ylabel("λ")
-    ax_lam.grid(alpha=0.3)
-    if shown:
-        ax_lam.legend(fontsize=6)
-    fig.suptitle("dcmdp tune (hollow: not eligible, x: collapsed, v: pruned, *: selected; λ dashed: pruned)")
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles))
+        if unique:
+            ax.legend(unique.values(), unique.keys(), fontsize=6 if ax is ax_lam else 7)
+    fig.suptitle("dcmdp tune")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return fig
 
 
 def _last_line(path: Path) -> str:

@@ -21,7 +21,7 @@ import yaml
 
 from dcmdp.config import ConfigError, load_config
 from dcmdp.tune import (RulePruner, SelectRule, Trial, apply_settings, assess, distributions, grid, live_state,
-                        load_tune_config, log_spaced, read_progress, run_tune_file, select, table)
+                        load_tune_config, log_spaced, plot_tune, read_progress, run_tune_file, select, table)
 
 ROOT = Path(__file__).parents[1]
 
@@ -142,6 +142,34 @@ def test_log_axis_for_log_spaced_values_only():
                           "f": {"low": 1, "high": 8}})
     assert [log_spaced(dist[k]) for k in "abcdef"] == [True, False, True, False, True, False]
     assert isinstance(dist["f"], optuna.distributions.IntDistribution)
+
+
+def test_plot_marks_ineligible_and_pruned_trials_on_a_log_axis(tmp_path):
+    key = "dual.constraints[0].tolerance"
+    trials = [Trial(f"t{i}", {key: c}, accuracy_before=0.2, accuracy_after=acc, inside_frac=inside,
+                    mean_discrepancy={"m": 1e-3}, lambda_history={"m": [0.1, 0.2]})
+              for i, (c, acc, inside) in enumerate([(1e-4, 0.5, 0.5), (1e-3, 0.4, 1.0), (1e-2, 0.3, 1.0)])]
+    trials.append(Trial("t3", {key: 1e-5}, status="pruned", lambda_history={"m": [0.1]}))
+    select(trials, SelectRule())
+    fig = plot_tune(trials, key, ["m"], tmp_path / "tune.png", log_x=True)
+    ax_acc, ax_d, ax_lam = fig.axes
+    assert ax_acc.get_xscale() == ax_d.get_xscale() == "log" and ax_lam.get_xscale() == "linear"
+    legend = [t.get_text() for t in ax_acc.get_legend().get_texts()]
+    assert {"selected", "eligible", "not eligible", "pruned", "before"} <= set(legend)
+    assert (tmp_path / "tune.png").stat().st_size > 10_000
+
+
+def test_calibrate_proposes_c_at_the_share_tune_selects_by():
+    from dcmdp.calibrate import INSIDE_FRAC, floor_stats
+
+    assert INSIDE_FRAC == SelectRule().min_inside_frac
+    values = [1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 6e-3, 7e-3, 8e-3, 9e-3, 1.2345e-2]
+    c = floor_stats("discrepancy/abs_prob_diff", values, slack=0.0).proposed
+    assert c == 9e-3  # 9 of 10 batches (90%) at or below it
+    history = {"dual/measured/m": values, "dual/tolerance/m": [c] * len(values)}
+    assert assess(Trial("t", {}), history, ["m"], SelectRule()).inside_frac == 0.9  # just eligible
+    assert floor_stats("d", values, slack=0.1).proposed == 9.9e-3  # 3 significant digits
+    assert floor_stats("d", values, slack=0.1, inside_frac=1.0).proposed == 1.36e-2  # 1.35795e-2 rounded up
 
 
 def test_tune_file_keys_settings_and_overrides(tmp_path):
@@ -310,3 +338,40 @@ def test_two_processes_share_one_study_without_running_a_trial_twice(tmp_path, m
     assert all(yaml.safe_load((d / "run.yaml").read_text())["dual"]["constraints"][0]["lambda_init"] == 0.2
                for d in dirs)
     assert sum("3 trials in study 'tune'" in o for o in outputs) == 2
+
+
+@pytest.mark.slow
+def test_an_interrupted_sweep_resumes_its_trial_from_the_checkpoint(tmp_path, mlflow_server, cold_start_cache):
+    import signal
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    tune_file = _tune_file(tmp_path, mlflow_server.uri, cold_start_cache, [1e-2], steps=12, workers=1)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dcmdp.cli", "tune", str(tune_file)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    trial_dir = tmp_path / "sweep" / "trials" / "t000"
+    deadline = time.monotonic() + 600
+    while len(read_progress(trial_dir / "progress.jsonl")[0].get("dual/lambda/abs_prob_diff", [])) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)  # as Ctrl-C: the sweep stops its trial, which writes a checkpoint
+    assert proc.wait(timeout=300) != 0
+    first = _study(tmp_path / "sweep").trials[0]
+    assert first.state == optuna.trial.TrialState.FAIL and first.user_attrs["record"]["error"] == "interrupted"
+    stopped_at = int(max(p.name for p in (trial_dir / "checkpoints").iterdir() if p.name.startswith("step_"))[5:])
+    assert 3 <= stopped_at < 12
+    run_id = read_progress(trial_dir / "progress.jsonl")[1]
+
+    trials, best = run_tune_file(tune_file)
+    study = _study(tmp_path / "sweep")
+    retry = study.trials[1]
+    assert retry.state == optuna.trial.TrialState.COMPLETE
+    assert optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(retry) == 0
+    assert f"first step after resume (step {stopped_at + 1})" in (trial_dir / "train.log").read_text()
+    assert best is not None and best.trial == "t000" and best.run_id == run_id  # the same child run, continued
+    client = MlflowClient(tracking_uri=mlflow_server.uri)
+    lam = client.get_metric_history(run_id, "dual/lambda/abs_prob_diff")
+    assert sorted(m.step for m in lam) == list(range(1, 13))  # every step once
+    assert len(_children(client, study.user_attrs["mlflow_parent"])) == 1
