@@ -38,7 +38,7 @@ from trainers.advantages import ADVANTAGES
 from trainers.batch import Rollout
 from trainers.coldstart import cold_start
 from trainers.engines import RolloutEngine
-from trainers.models import PRESETS, build_model, check_context, save_model_dir
+from trainers.models import PRESETS, build_model, check_context, compute_dtype, save_model_dir
 from trainers.routing import is_moe
 from trainers.tasks import TASKS, Example, Task
 from trainers.tokenizer import build_char_tokenizer, load_tokenizer
@@ -78,6 +78,8 @@ class Setup:
     eval_examples: Optional[list[Example]] = None
     # Consecutive steps in which almost every group had zero reward variance (see ``_watch_signal``).
     no_signal_steps: int = 0
+    # Dynamic loss scaling of model.dtype=float16 training (None otherwise).
+    scaler: Optional[torch.amp.GradScaler] = None
 
 
 @dataclass
@@ -190,7 +192,7 @@ def _train_step(s: Setup, step: int, bar) -> None:
         constraints=constraints_in_force(s.dual, cfg.dual), penalty=cfg.dual.penalty, dual_enabled=cfg.dual.enabled,
         cfg=cfg.algo, temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
         grad_clip=cfg.optim.grad_clip, generator=torch.Generator().manual_seed(_step_seed(cfg.seed, step, 2)),
-        shard=s.dist.shard, trained_logp_BT=trained_logp_BT, forward=forward) if kept else []
+        shard=s.dist.shard, trained_logp_BT=trained_logp_BT, forward=forward, scaler=s.scaler) if kept else []
     del forward
     t4 = time.perf_counter()
     if kept and train_logp_BT is None:
@@ -408,6 +410,9 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
     model = distributed.shard_model(model, cfg, d)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
+    # float16 compute needs dynamic loss scaling: small gradients underflow in float16 without it
+    scaler = (torch.amp.GradScaler(next(model.parameters()).device.type) if compute_dtype(model) == torch.float16
+              else None)
     scheduler = None
     if cfg.optim.warmup_steps > 0:
         warm = cfg.optim.warmup_steps * cfg.algo.minibatches
@@ -418,6 +423,8 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
         distributed.restore_model_optimizer(resume, state, model, optimizer, d)
         if scheduler is not None and state["scheduler"] is not None:
             scheduler.load_state_dict(state["scheduler"])
+        if scaler is not None and state.get("scaler") is not None:
+            scaler.load_state_dict(state["scaler"])
         dual, history = DualState.from_state_dict(state["dual"]), list(state["history"])
         start_step, run_id = int(state["step"]), state["run_id"]
         bad_steps = int(state.get("guard", {}).get("consecutive_bad_steps", 0))
@@ -438,7 +445,7 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
     tracker.log_artifact(out / "config.yaml")
     return Setup(cfg, tokenizer, task, model, model_dir, engine, optimizer, scheduler, dual, tracker,
                  is_moe(model), constraint_names(cfg.dual.constraints), history, start_step, bad_steps, dist=d, lock=lock,
-                 accuracy_before=accuracy_before)
+                 accuracy_before=accuracy_before, scaler=scaler)
 
 
 def checkpoint(s: Setup, step: int) -> Path:
@@ -450,7 +457,8 @@ def checkpoint(s: Setup, step: int) -> Path:
                "scheduler": s.scheduler.state_dict() if s.scheduler is not None else None,
                "dual": s.dual.state_dict(), "engine_version": s.engine.version, "run_id": s.tracker.run_id,
                "history": s.history, "rng": capture_rng(), "guard": {"consecutive_bad_steps": s.bad_steps},
-               "config": flatten(s.cfg), "accuracy_before": s.accuracy_before}
+               "config": flatten(s.cfg), "accuracy_before": s.accuracy_before,
+               "scaler": s.scaler.state_dict() if s.scaler is not None else None}
     ckpt_dir = Path(s.cfg.output_dir) / "checkpoints"
     if s.dist.world > 1:
         payload = {k: v for k, v in payload.items() if k not in ("model", "optimizer")}

@@ -39,7 +39,7 @@ from transformers import PreTrainedModel
 
 from trainers import routing
 from trainers.config import ColdStartConfig, ModelConfig, RolloutConfig
-from trainers.models import load_model_dir, save_model_dir
+from trainers.models import load_model_dir, param_dtype, save_model_dir, set_compute_dtype
 from trainers.scoring import response_logprobs
 
 log = logging.getLogger(__name__)
@@ -279,12 +279,13 @@ def cold_start(model: PreTrainedModel, tokenizer, task: _Task, cfg: ColdStartCon
     losses: list[float] = []
     cached = False
     if os.path.exists(model_dir):
-        loaded, why = _load_cached(model_dir, model_cfg.dtype)
+        loaded, why = _load_cached(model_dir, param_dtype(model_cfg.dtype))
         if loaded is not None:
             log.info("cold start: loading cached model from %s", model_dir)
             model, cached = loaded, True
             model.config.use_cache = False
             routing.set_fp32_router(model, model_cfg.fp32_router)
+            set_compute_dtype(model, model_cfg.dtype)
         else:
             log.warning("cold start: cached model %s is not usable (%s); training it again", model_dir, why)
     if not cached:

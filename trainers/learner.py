@@ -30,6 +30,7 @@ from trainers import guards, routing
 from trainers.batch import Rollout
 from trainers.config import AlgoConfig
 from trainers.losses import IS_MODES, POLICY_LOSSES
+from trainers.models import compute_dtype
 from trainers.scoring import response_logprobs
 
 
@@ -82,7 +83,17 @@ class ScoredBatch:
 
 def _forward_logp(model, rollout: Rollout, *, temperature: float, fp32_lm_head: bool, with_entropy: bool,
                   replay_experts_BSLK: Optional[Tensor], capture: bool):
-    """One full forward; returns (logp_BT, entropy_BT, captured_experts_BSLK)."""
+    """One full forward; returns (logp_BT, entropy_BT, captured_experts_BSLK). Under float16 autocast for a
+    ``model.dtype=float16`` model (``trainers.models.compute_dtype``); the LM head keeps ``fp32_lm_head``."""
+    amp = compute_dtype(model)
+    device = rollout.input_ids_BS.device.type
+    with torch.autocast(device_type=device, dtype=amp or torch.float32, enabled=amp is not None):
+        return _forward_logp_in(model, rollout, temperature=temperature, fp32_lm_head=fp32_lm_head,
+                                with_entropy=with_entropy, replay_experts_BSLK=replay_experts_BSLK, capture=capture)
+
+
+def _forward_logp_in(model, rollout: Rollout, *, temperature: float, fp32_lm_head: bool, with_entropy: bool,
+                     replay_experts_BSLK: Optional[Tensor], capture: bool):
     ids_BS, mask_BS = rollout.input_ids_BS, rollout.attention_mask_BS
     B, S = ids_BS.shape
     kwargs = dict(temperature=temperature, fp32_lm_head=fp32_lm_head, with_entropy=with_entropy)
@@ -275,8 +286,13 @@ def update(model, optimizer, scheduler, batch: ScoredBatch, *, lambda_C: Tensor,
            constraints: Sequence[ConstraintConfig], penalty: str, dual_enabled: bool, cfg: AlgoConfig,
            temperature: float, fp32_lm_head: bool, grad_clip: float, generator: torch.Generator,
            shard: DataShard = DataShard(), trained_logp_BT: Optional[Tensor] = None,
-           forward: Optional[OnPolicyForward] = None) -> list[dict]:
+           forward: Optional[OnPolicyForward] = None, scaler: Optional[torch.amp.GradScaler] = None) -> list[dict]:
     """N mini-batch optimiser steps on one scored rollout batch; returns one metrics dict per step.
+
+    ``scaler`` (``model.dtype=float16``): dynamic loss scaling. The loss is scaled before the backward and the
+    gradients unscaled before the clip; an overflow (non-finite gradients at a finite loss) is the scaler's
+    business, not a bad update: that step is skipped, the scale halves ('optim/loss_scale',
+    'optim/scale_overflow') and the guard does not count it.
 
     ``forward`` (N = 1 only, from ``score_on_policy`` on this ``batch``): the single mini-batch is the whole
     batch in row order and back-propagates that forward instead of running the model again.
@@ -336,13 +352,23 @@ def update(model, optimizer, scheduler, batch: ScoredBatch, *, lambda_C: Tensor,
             trained_logp_BT[idx] = (shard.gather_rows(logp_BT.detach()) if shard.world > 1
                                     else logp_BT.detach()).to(trained_logp_BT.dtype)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is not None:
+            scaler.unscale_(optimizer)
         grad_norm = _global_norm(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                                 grad_clip if grad_clip > 0 else float("inf")))
         finite = bool(torch.isfinite(full_loss)) and bool(torch.isfinite(grad_norm))
-        if finite:
+        if scaler is not None:
+            overflow = bool(torch.isfinite(full_loss)) and not bool(torch.isfinite(grad_norm))
+            metrics["optim/scale_overflow"] = float(overflow)
+            metrics["optim/loss_scale"] = float(scaler.get_scale())
+            if finite or overflow:
+                scaler.step(optimizer)  # skips the step itself when the unscaled gradients hold an inf or NaN
+            scaler.update()
+            finite = finite or overflow
+        elif finite:
             optimizer.step()
-        else:
+        if not finite:
             # a non-finite loss or gradient would poison the weights: drop this update, keep going
             optimizer.zero_grad(set_to_none=True)
             skipped += 1

@@ -23,7 +23,7 @@ import os
 import shutil
 import uuid
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from transformers import (
@@ -141,6 +141,26 @@ def get_preset(name: str) -> Preset:
     return PRESETS[name]
 
 
+# The attribute that marks a training model whose forward runs under autocast (``model.dtype=float16``).
+COMPUTE_DTYPE_ATTR = "dcmdp_compute_dtype"
+
+
+def param_dtype(train_dtype: str) -> str:
+    """The parameters' dtype for ``model.dtype``: float16 training keeps float32 master weights (AdamW's small
+    updates vanish in float16 parameters) and computes in float16 under autocast."""
+    return "float32" if train_dtype == "float16" else train_dtype
+
+
+def set_compute_dtype(model: torch.nn.Module, train_dtype: str) -> None:
+    """Mark ``model`` for float16 autocast in the learner's forwards when ``train_dtype`` is float16."""
+    setattr(model, COMPUTE_DTYPE_ATTR, torch.float16 if train_dtype == "float16" else None)
+
+
+def compute_dtype(model: torch.nn.Module) -> Optional[torch.dtype]:
+    """The autocast dtype of the learner's forwards (None: the parameters' own dtype)."""
+    return getattr(model, COMPUTE_DTYPE_ATTR, None)
+
+
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -172,7 +192,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> PreTrainedMo
     """
     preset = get_preset(cfg.preset)
     if cfg.path:
-        model = load_model_dir(cfg.path, cfg.dtype)
+        model = load_model_dir(cfg.path, param_dtype(cfg.dtype))
         if model.config.model_type != preset.model_type:
             raise ValueError(f"model.path {cfg.path!r} holds a {model.config.model_type!r} model, preset "
                              f"{preset.name!r} expects {preset.model_type!r}")
@@ -183,11 +203,12 @@ def build_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> PreTrainedMo
         raise FileNotFoundError(f"preset {preset.name!r} loads real weights: set model.path to a local "
                                 f"Hugging Face directory (got model.path={cfg.path!r})")
     else:
-        model = model_from_config(preset.make_config(vocab_size), seed=seed, dtype=cfg.dtype)
+        model = model_from_config(preset.make_config(vocab_size), seed=seed, dtype=param_dtype(cfg.dtype))
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     routing.set_fp32_router(model, cfg.fp32_router)
+    set_compute_dtype(model, cfg.dtype)
     return model
 
 

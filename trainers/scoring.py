@@ -35,10 +35,14 @@ def lm_head_logits(model: torch.nn.Module, hidden_BTH: Tensor, *, fp32_lm_head: 
     a low-precision head is upcast here.
     """
     head = model.get_output_embeddings()
-    if fp32_lm_head and head.weight.dtype != torch.float32:
-        bias = None if head.bias is None else head.bias.float()
-        return F.linear(hidden_BTH.float(), head.weight.float(), bias)
-    return head(hidden_BTH.float() if fp32_lm_head else hidden_BTH)
+    if not fp32_lm_head:
+        return head(hidden_BTH)
+    # a float32 head stays float32 inside a float16 autocast region (model.dtype=float16) too
+    with torch.autocast(device_type=hidden_BTH.device.type, enabled=False):
+        if head.weight.dtype != torch.float32:
+            bias = None if head.bias is None else head.bias.float()
+            return F.linear(hidden_BTH.float(), head.weight.float(), bias)
+        return head(hidden_BTH.float())
 
 
 def register_fsdp_scoring(model: torch.nn.Module) -> None:
