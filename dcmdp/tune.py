@@ -486,12 +486,11 @@ class _Sweep:
         self.parent_id = self._start_parent()
 
     def _sampler(self, seed: int) -> optuna.samplers.BaseSampler:
-        feasible = lambda t: [0.0 if t.user_attrs.get("eligible") else 1.0]  # noqa: E731
         if self.cfg.sampler == "grid":
             return _GridSampler(self.cfg.space, seed=seed)
         if self.cfg.sampler == "tpe":
-            return optuna.samplers.TPESampler(seed=seed, constraints_func=feasible)
-        return optuna.samplers.GPSampler(seed=seed, constraints_func=feasible)
+            return optuna.samplers.TPESampler(seed=seed)
+        return optuna.samplers.GPSampler(seed=seed)
 
     def _open_study(self) -> optuna.Study:
         spec = json.dumps({"base": self.cfg.base, "overrides": self.cfg.overrides, "space": self.cfg.space,
@@ -641,10 +640,10 @@ class _Sweep:
         self._tell(trial, TrialState.COMPLETE if math.isfinite(record.accuracy_after) else TrialState.FAIL, record)
 
     def _tell(self, trial: optuna.Trial, state: TrialState, record: Trial) -> None:
-        """The record as user attributes (``eligible`` is the tpe/gp constraint), then the end state."""
+        """The record as a user attribute and eligibility as a constraint (tpe and gp model both), then the state."""
         trial.set_user_attr("record", {k: v for k, v in asdict(record).items()
                                        if k not in ("trial", "settings", "selected", "reason", "number")})
-        trial.set_user_attr("eligible", record.eligible)
+        trial.set_constraint("eligible", 0.0 if record.eligible else 1.0)
         self.study.tell(trial, record.accuracy_after if state == TrialState.COMPLETE else None, state=state)
 
     def _tag_child(self, run_id: str, state: str, number: int) -> None:

@@ -268,6 +268,7 @@ def test_sweep_prunes_selects_nests_runs_and_resumes(tmp_path, mlflow_server, mo
     assert sorted(done.intermediate_values) == [2, 4, 6]  # eval_every=2 reached the trial; the final eval is the value
     assert done.value == trials[[t.number for t in trials].index(done.number)].accuracy_after
     assert "must be >= 0" in failed.user_attrs["record"]["error"]
+    assert (done.constraints, pruned.constraints) == ({"eligible": 0.0}, {"eligible": 1.0})  # what tpe and gp model
 
     # table, CSV, plot, snippet
     assert "selection: highest held-out accuracy" in printed and ">= 90% of steps after warm-up (steps > 1)" in printed
