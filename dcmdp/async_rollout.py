@@ -63,27 +63,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from dcmdp.config import AsyncRolloutConfig  # noqa: F401 (defined with the run config, which imports no torch)
 from trainers.batch import Rollout
 from trainers.engines import RolloutEngine
 
 
-@dataclass
-class AsyncRolloutConfig:
-    # Sample rollouts in a worker thread while the trainer trains (false: in the loop, between the updates).
-    enabled: bool = False
-    # Batch k is sampled with the weights of step max(k0, k - max_staleness); 0 reproduces the synchronous run.
-    max_staleness: int = 0
-    # torch intra-op threads of the rollout worker (0: the trainer's count).
-    threads: int = 0
-
-    def check(self, prefix: str = "async_rollout") -> None:
-        if self.max_staleness < 0:
-            raise ValueError(f"config error at '{prefix}.max_staleness': must be >= 0, got {self.max_staleness}")
-        if self.threads < 0:
-            raise ValueError(f"config error at '{prefix}.threads': must be >= 0, got {self.threads}")
-        if self.max_staleness > 0 and not self.enabled:
-            raise ValueError(f"config error at '{prefix}.max_staleness': {self.max_staleness} needs the rollout "
-                             f"worker; set {prefix}.enabled=true")
 
 
 def behaviour_version(step: int, start: int, max_staleness: int) -> int:

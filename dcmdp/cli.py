@@ -8,9 +8,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from dcmdp.checkpoint import CheckpointError
 from dcmdp.config import ConfigError, load_config
-from trainers.guards import TooManyBadStepsError
 
 
 def _split_config_args(args: Sequence[str]) -> tuple[Optional[str], list[str]]:
@@ -21,10 +19,10 @@ def _split_config_args(args: Sequence[str]) -> tuple[Optional[str], list[str]]:
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
-    from dcmdp.loop import train
-
     path, overrides = _split_config_args(ns.args)
     cfg = load_config(path, overrides)
+    from dcmdp.loop import train  # after the config is checked: a typo is reported before torch imports
+
     summary = train(cfg)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
         print("\n".join(summary.lines()))
@@ -34,10 +32,9 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 def _cmd_calibrate(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from dcmdp.calibrate import calibrate
-
     path, overrides = _split_config_args(ns.args)
     cfg = load_config(path, overrides)
+    from dcmdp.calibrate import calibrate
     measures = [m for m in ns.measures.split(",") if m] if ns.measures else []
     result = calibrate(cfg, batches=ns.batches, slack=ns.slack, measures=measures)
     print(result.table())
@@ -58,10 +55,9 @@ def _cmd_tune(ns: argparse.Namespace) -> int:
 
 
 def _cmd_eval(ns: argparse.Namespace) -> int:
-    from dcmdp.evaluation import evaluate_checkpoint
-
     path, overrides = _split_config_args(ns.args)
     cfg = load_config(path, overrides)
+    from dcmdp.evaluation import evaluate_checkpoint
     print(evaluate_checkpoint(cfg, ns.checkpoint).line())
     return 0
 
@@ -156,18 +152,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as exc:
         print(f"dcmdp: {exc}", file=sys.stderr)
         return 2
-    except TooManyBadStepsError as exc:
-        print(f"dcmdp: training stopped: {exc}", file=sys.stderr)
-        return 4
-    except (OSError, ValueError, CheckpointError) as exc:
-        print(f"dcmdp: error: {exc}", file=sys.stderr)
-        return 1
+    except Exception as exc:
+        code = _exit_code(exc)
+        if code is None:
+            raise
+        print(f"dcmdp: training stopped: {exc}" if code == 4 else f"dcmdp: error: {exc}", file=sys.stderr)
+        return code
     except KeyboardInterrupt:
         # the training loop turns SIGINT into a checkpoint and a clean stop; before it (cold start, setup) there is
         # nothing to save, and a traceback would only hide this line
         print(f"dcmdp: interrupted (SIGINT) during dcmdp {ns.command}: stopped; finished checkpoints and cold-start "
               f"cache entries are kept", file=sys.stderr)
         return 130
+
+
+def _exit_code(exc: Exception) -> Optional[int]:
+    """4 for the non-finite guard's stop, 1 for an input error (OSError, ValueError, CheckpointError), None for a
+    bug. The classes are looked up only in modules already imported (an exception cannot come from one that is
+    not), so reporting a config typo does not wait for torch to import."""
+    guards, checkpoint = sys.modules.get("trainers.guards"), sys.modules.get("dcmdp.checkpoint")
+    if guards is not None and isinstance(exc, guards.TooManyBadStepsError):
+        return 4
+    if isinstance(exc, (OSError, ValueError)) or (checkpoint is not None and isinstance(exc, checkpoint.CheckpointError)):
+        return 1
+    return None
 
 
 def entry() -> None:

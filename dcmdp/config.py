@@ -17,13 +17,33 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from constraints.config import ConstraintConfig
-from dcmdp.async_rollout import AsyncRolloutConfig
 from trainers.config import (RENAMED_KEYS, AlgoConfig, ColdStartConfig, ModelConfig, OptimConfig, RolloutConfig,
                              TaskConfig)
 
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the key."""
+
+
+@dataclass
+class AsyncRolloutConfig:
+    """The rollout worker thread of ``dcmdp.async_rollout`` (defined here: reading a config imports no torch)."""
+
+    # Sample rollouts in a worker thread while the trainer trains (false: in the loop, between the updates).
+    enabled: bool = False
+    # Batch k is sampled with the weights of step max(k0, k - max_staleness); 0 reproduces the synchronous run.
+    max_staleness: int = 0
+    # torch intra-op threads of the rollout worker (0: the trainer's count).
+    threads: int = 0
+
+    def check(self, prefix: str = "async_rollout") -> None:
+        if self.max_staleness < 0:
+            raise ValueError(f"config error at '{prefix}.max_staleness': must be >= 0, got {self.max_staleness}")
+        if self.threads < 0:
+            raise ValueError(f"config error at '{prefix}.threads': must be >= 0, got {self.threads}")
+        if self.max_staleness > 0 and not self.enabled:
+            raise ValueError(f"config error at '{prefix}.max_staleness': {self.max_staleness} needs the rollout "
+                             f"worker; set {prefix}.enabled=true")
 
 
 @dataclass

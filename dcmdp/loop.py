@@ -330,16 +330,21 @@ def setup(cfg: RunConfig) -> Setup:
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)
-    if d.main:  # an unusable URI would keep nothing but buffered metrics: refuse it before anything is written
-        check_tracking_uri(resolve_tracking_uri(cfg.tracking, out), tracking_uri_source(cfg.tracking))
-    lock = None
+    # an unusable URI would keep nothing but buffered metrics: refuse it before anything is written
+    check_tracking_uri(resolve_tracking_uri(cfg.tracking, out), tracking_uri_source(cfg.tracking))
+    lock, error = None, None
     try:
         out.mkdir(parents=True, exist_ok=True)
         if d.main:
             lock = RunFolderLock(out).acquire()
     except OSError as exc:
-        raise OSError(exc.errno, f"output_dir={cfg.output_dir!r} is not a writable directory: "
-                                 f"{exc.strerror or exc} ({exc.filename or out})") from exc
+        error = OSError(exc.errno, f"output_dir={cfg.output_dir!r} is not a writable directory: "
+                                   f"{exc.strerror or exc} ({exc.filename or out})")
+    except RunFolderError as exc:
+        error = exc
+    error = d.from_main(error)  # every rank stops alike, none waits in a collective for rank 0
+    if error is not None:
+        raise error
     try:
         return _build(cfg, d, out, lock)
     except BaseException:
@@ -356,13 +361,14 @@ def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> tuple[Optio
     if resume is None:
         if cfg.checkpoint.resume and cfg.checkpoint.resume != "auto":
             raise FileNotFoundError(f"checkpoint.resume={cfg.checkpoint.resume!r}: no checkpoint there")
-        earlier = run_in_folder(out) if d.main and not cfg.checkpoint.resume else None
+        # every rank raises alike (rank 0 alone raising would leave the others waiting in a collective)
+        earlier = d.from_main(run_in_folder(out) if d.main and not cfg.checkpoint.resume else None)
         if earlier and not cfg.overwrite:
             raise RunFolderError(f"output_dir {out} already holds a run ({earlier}): continue it with "
                                  f"checkpoint.resume=auto, start afresh there with overwrite=true (deletes its "
                                  f"checkpoints, summary.json and dual.png; its MLflow run stays), or choose another "
                                  f"output_dir")
-        if earlier:
+        if earlier and d.main:
             clear_run_folder(out)
         return None, None
     state = found[1] if found is not None else load_checkpoint(resume)

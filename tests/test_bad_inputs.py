@@ -347,3 +347,15 @@ def test_sigint_during_the_cold_start_is_one_line(tmp_path):
     assert err.strip().splitlines()[-1] == ("dcmdp: interrupted (SIGINT) during dcmdp train: stopped; finished "
                                            "checkpoints and cold-start cache entries are kept")
     assert not any(cache.glob("*/model.safetensors"))  # no half-trained entry
+
+
+def test_a_config_typo_is_reported_before_torch_is_imported():
+    # torch's import alone takes seconds: a mistyped key or a bad value must not wait for it
+    code = ("import json, sys; from dcmdp import cli; "
+            "rcs = [cli.main(['train', 'algo.minibatchs=4']), cli.main(['train', 'optim.lr=inf'])]; "
+            "print(json.dumps({'rcs': rcs, 'torch': 'torch' in sys.modules}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert json.loads(done.stdout) == {"rcs": [2, 2], "torch": False}, done.stdout + done.stderr
+    assert "unknown config key 'algo.minibatchs'; did you mean 'minibatches'?" in done.stderr
+    assert "config error at 'optim.lr': must be a finite number, got inf" in done.stderr
