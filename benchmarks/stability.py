@@ -14,7 +14,7 @@ Methods:
   training-inference IS correction (w = 1): the one-factor ablation of IS.
 * ``minirl``: Zheng et al. Eq. 7: TIS weight min(pi_old / mu, 5) and the clip mask; ``_r2`` / ``_r3`` add
   routing replay.
-* ``fixed_penalty``: MiniRL plus the hinge penalty with a constant lambda = LAMBDA_INIT (``dual.fixed``):
+* ``fixed_penalty``: MiniRL plus the hinge penalty with a constant lambda = LAMBDA_INIT (``dual.rule=fixed``):
   a fixed-coefficient penalty, no dual controller.
 * ``dcmdp_r2`` / ``dcmdp_r3``: MiniRL plus the hinge penalty, lambda from projected dual ascent
   (lambda_0 = LAMBDA_INIT, eta = 1, the paper's settings) with R2 / R3.
@@ -74,11 +74,11 @@ DUAL_LR = 1.0
 
 _MINIRL = ["algo.loss=minirl", "algo.is_mode=tis"]
 METHODS: dict[str, list[str]] = {
-    "grpo_no_is": ["algo.loss=minirl", "algo.is_mode=none", "dual.enabled=false"],
-    "minirl": _MINIRL + ["dual.enabled=false"],
-    "minirl_r2": _MINIRL + ["dual.enabled=false", "algo.routing_replay=r2"],
-    "minirl_r3": _MINIRL + ["dual.enabled=false", "algo.routing_replay=r3"],
-    "fixed_penalty": _MINIRL + ["dual.fixed=true"],
+    "grpo_no_is": ["algo.loss=minirl", "algo.is_mode=none", "dual.rule=off"],
+    "minirl": _MINIRL + ["dual.rule=off"],
+    "minirl_r2": _MINIRL + ["dual.rule=off", "algo.routing_replay=r2"],
+    "minirl_r3": _MINIRL + ["dual.rule=off", "algo.routing_replay=r3"],
+    "fixed_penalty": _MINIRL + ["dual.rule=fixed"],
     "dcmdp_r2": _MINIRL + ["algo.routing_replay=r2"],
     "dcmdp_r3": _MINIRL + ["algo.routing_replay=r3"],
 }
@@ -95,13 +95,13 @@ PROBE_METHODS: dict[str, list[str]] = {
     # a dual that can act within 100 steps: c below the measured int8 floor, eta 100
     "dcmdp_r3_c1e-3_eta100": METHODS["dcmdp_r3"] + [_constraint(1e-3, 0.1, 100.0)],
     # the same hinge penalty with a 10x larger constant coefficient
-    "fixed_r3_lambda1": _MINIRL + ["algo.routing_replay=r3", "dual.fixed=true", _constraint(2.7e-3, 1.0, 1.0)],
+    "fixed_r3_lambda1": _MINIRL + ["algo.routing_replay=r3", "dual.rule=fixed", _constraint(2.7e-3, 1.0, 1.0)],
     # stress: 5x the RL learning rate (configs/default.yaml notes 1e-3 "drifts or degrades the policy")
     "grpo_no_is_lr1e-3": METHODS["grpo_no_is"] + ["optim.lr=1e-3"],
     "minirl_r3_lr1e-3": METHODS["minirl_r3"] + ["optim.lr=1e-3"],
     "dcmdp_r3_lr1e-3": METHODS["dcmdp_r3"] + ["optim.lr=1e-3"],
     # does a penalty with bite (fixed 1, or the active dual) hold the 5x learning rate?
-    "fixed_r3_lambda1_lr1e-3": _MINIRL + ["algo.routing_replay=r3", "dual.fixed=true", _constraint(2.7e-3, 1.0, 1.0),
+    "fixed_r3_lambda1_lr1e-3": _MINIRL + ["algo.routing_replay=r3", "dual.rule=fixed", _constraint(2.7e-3, 1.0, 1.0),
                                           "optim.lr=1e-3"],
     "dcmdp_r3_c1e-3_eta100_lr1e-3": METHODS["dcmdp_r3"] + [_constraint(1e-3, 0.1, 100.0), "optim.lr=1e-3"],
     # the dual fed the discrepancy the updates trained on (pi_theta vs mu: engine floor + update drift)

@@ -83,16 +83,16 @@ DCMDP = ["dual.relative=true", "dual.measure_at=updates"]
 # The fixed-coefficient penalty: the same hinge and tolerance with lambda held at FIXED_LAMBDA.
 FIXED_LAMBDA = 1.0
 
-_PPO = ["algo.loss=ppo_clip", "dual.enabled=false"]
+_PPO = ["algo.loss=ppo_clip", "dual.rule=off"]
 _MINIRL = ["algo.loss=minirl", "algo.is_mode=tis"]
 METHODS: dict[str, list[str]] = {
-    "grpo_no_is": ["algo.loss=minirl", "algo.is_mode=none", "dual.enabled=false"],
+    "grpo_no_is": ["algo.loss=minirl", "algo.is_mode=none", "dual.rule=off"],
     "tis": _PPO + ["algo.is_mode=tis"],
     "icepop": _PPO + ["algo.is_mode=icepop"],
     "seq_mis": _PPO + ["algo.is_mode=none", "algo.seq_mask.mode=geo"],
-    "minirl": _MINIRL + ["dual.enabled=false"],
-    "minirl_r3": _MINIRL + ["algo.routing_replay=r3", "dual.enabled=false"],
-    "fixed_penalty": _MINIRL + ["algo.routing_replay=r3", "dual.fixed=true",
+    "minirl": _MINIRL + ["dual.rule=off"],
+    "minirl_r3": _MINIRL + ["algo.routing_replay=r3", "dual.rule=off"],
+    "fixed_penalty": _MINIRL + ["algo.routing_replay=r3", "dual.rule=fixed",
                                 "dual.constraints[0].lambda_init=%g" % FIXED_LAMBDA],
     "dcmdp_r3": _MINIRL + ["algo.routing_replay=r3", *DCMDP],
 }

@@ -73,7 +73,7 @@ def run_config(args, model_dir: str, output_dir: str) -> list[str]:
             f"seed={args.seed}", f"model.path={model_dir}", "cold_start.steps=0", "rollout.engine=torch",
             "rollout.precision=fp32", "rollout.temperature=1.0", f"rollout.max_new_tokens={args.max_new_tokens}",
             "algo.minibatches=1", f"algo.prompts_per_step={args.prompts}", f"algo.samples_per_prompt={args.samples}",
-            "optim.warmup_steps=0", "dual.enabled=true", f"task.eval_size={args.eval_size}"]
+            "optim.warmup_steps=0", f"task.eval_size={args.eval_size}"]
 
 
 def prepare_model(args, work: Path) -> tuple[str, dict]:

@@ -17,12 +17,20 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from constraints.config import ConstraintConfig
-from trainers.config import (RENAMED_KEYS, AlgoConfig, ColdStartConfig, ModelConfig, OptimConfig, RolloutConfig,
-                             TaskConfig)
+from trainers.config import RENAMED_KEYS as TRAINER_RENAMED_KEYS
+from trainers.config import AlgoConfig, ColdStartConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig
 
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the key."""
+
+
+# Keys that were replaced, with what replaces them: the error for an old key names its replacement.
+RENAMED_KEYS = {
+    **TRAINER_RENAMED_KEYS,
+    "dual.enabled": "dual.rule=off (for dual.enabled=false; dual.enabled=true was the default, dual.rule=projected)",
+    "dual.fixed": "dual.rule=fixed (for dual.fixed=true; lambda held at lambda_init)",
+}
 
 
 @dataclass
@@ -80,9 +88,8 @@ class CouplingConfig:
 
 @dataclass
 class DualConfig:
-    # Turn the Lagrangian penalty and the dual controller on.
-    enabled: bool = True
-    # Dual update rule: projected | pid (see dcmdp.dual.DUAL_RULES).
+    # Dual update rule: projected | pid | fixed (lambda held at lambda_init: the fixed-coefficient baseline) | off
+    # (lambda = 0, no penalty; the measures are still logged). See dcmdp.dual.DUAL_RULES.
     rule: str = "projected"
     # Penalty form in the primal loss: hinge | mean | advantage (see constraints.penalties.PENALTIES).
     penalty: str = "hinge"
@@ -93,8 +100,6 @@ class DualConfig:
     pid: PIDConfig = field(default_factory=PIDConfig)
     # Linear limits coupling the multipliers (projection solved as a QP with cvxpy).
     coupling: CouplingConfig = field(default_factory=CouplingConfig)
-    # Keep lambda fixed at lambda_init (the fixed-coefficient baseline).
-    fixed: bool = False
     # Which policy D-hat (the dual step's input) measures against the rollout engine mu:
     # rollout (pi_old, before the updates: the engines' discrepancy at the weights that sampled the batch) |
     # updates (pi_theta of every token at the mini-batch update that trained on it, before that update's
@@ -253,6 +258,17 @@ def _set_list_element(cfg: DictConfig, key: str, value: str) -> None:
     OmegaConf.update(cfg, key, parsed, merge=False)
 
 
+# String fields with a value "off", which YAML 1.1 (OmegaConf's parser, for files and overrides alike) reads as the
+# boolean false: ``dual.rule: off`` must stay the rule's name.
+_OFF_KEYS = ("dual.rule",)
+
+
+def _undo_yaml_false(layer: DictConfig) -> None:
+    for key in _OFF_KEYS:
+        if OmegaConf.select(layer, key, default=None) is False:
+            OmegaConf.update(layer, key, "off", merge=False)
+
+
 def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()) -> RunConfig:
     """Compose defaults <- YAML file <- dotlist overrides into a checked RunConfig."""
     schema = OmegaConf.structured(RunConfig)
@@ -280,6 +296,7 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
             raise ConfigError(f"cannot parse overrides {plain}: {exc}") from exc
     for layer in layers:
         _check_keys(layer, schema)
+        _undo_yaml_false(layer)
     try:
         merged = OmegaConf.merge(schema, *layers)
         for override in indexed:
@@ -400,7 +417,8 @@ def _validate_registries(cfg: RunConfig) -> None:
     one_of(cfg.dual.measure_at, ("rollout", "updates"), "dual.measure_at")
     for i, c in enumerate(cfg.dual.constraints):
         one_of(c.measure, MEASURES, f"dual.constraints[{i}].measure")
-    if cfg.dual.enabled:
+    penalizes = DUAL_RULES[cfg.dual.rule].penalizes
+    if penalizes:
         try:
             check_penalty_constraints(cfg.dual.constraints)
         except ValueError as exc:
@@ -417,7 +435,7 @@ def _validate_registries(cfg: RunConfig) -> None:
                           f"torch engine only; use rollout.engine=torch, or async_rollout.enabled=false with "
                           f"rollout.engine={cfg.rollout.engine}")
     mismatch = [i for i, c in enumerate(cfg.dual.constraints) if c.measure == "routing_mismatch"]
-    if cfg.dual.enabled and mismatch and cfg.algo.routing_replay == "r3":
+    if penalizes and mismatch and cfg.algo.routing_replay == "r3":
         raise ConfigError(f"config error at 'dual.constraints[{mismatch[0]}].measure': routing_mismatch compares the "
                           f"two engines' expert choices, and algo.routing_replay=r3 trains on the rollout engine's "
                           f"choices, so it measures exactly 0 and its constraint can never act; drop the constraint "
@@ -486,9 +504,20 @@ def resume_conflicts(saved: dict[str, str], cfg: RunConfig) -> list[str]:
     """One line per ``RESUME_KEYS`` key where ``cfg`` differs from the flattened config ``saved`` with a checkpoint
     (``flatten``), the number of constraints first; empty when the run can continue from it."""
     now = flatten(cfg)
+def _rule_of_old_keys(saved: dict[str, str]) -> dict[str, str]:
+    """A flattened config saved before ``dual.rule`` named off and fixed: its ``dual.enabled=False`` is rule off and
+    its ``dual.fixed=True`` rule fixed (see ``RENAMED_KEYS``)."""
+    if saved.get("dual.enabled") == "False":
+        return {**saved, "dual.rule": "off"}
+    if saved.get("dual.fixed") == "True":
+        return {**saved, "dual.rule": "fixed"}
+    return saved
+
+
 
     def count(flat: dict[str, str]) -> int:
         return len({k.split(".")[2] for k in flat if k.startswith("dual.constraints.")})
+    saved = _rule_of_old_keys(saved)
 
     out = []
     if count(saved) != count(now):

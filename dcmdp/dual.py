@@ -297,6 +297,8 @@ class DualRule:
     initial_lambda: Callable[[DualConfig], Tensor] = _lambda_init
     # whether lambda lives in the projection set [lambda_min, lambda_max] ∩ {A lambda <= b} (checked at init)
     projects: bool = True
+    # whether the primal loss carries the penalty (false: the constraints are measured and logged only)
+    penalizes: bool = True
 
 
 DUAL_RULES: dict[str, DualRule] = {
@@ -305,20 +307,15 @@ DUAL_RULES: dict[str, DualRule] = {
     # lambda held at lambda_init: the fixed-coefficient penalty baseline
     "fixed": DualRule(_no_state, _keep),
     # no penalty and no controller: lambda stays 0 (the measurements are still logged)
-    "off": DualRule(_no_state, _keep, initial_lambda=_zeros, projects=False),
+    "off": DualRule(_no_state, _keep, initial_lambda=_zeros, projects=False, penalizes=False),
 }
 
 
-def rule_name(cfg: DualConfig) -> str:
-    """The registry name of the rule ``cfg`` selects (``dual.enabled=false``: off; ``dual.fixed=true``: fixed)."""
-    return "off" if not cfg.enabled else "fixed" if cfg.fixed else cfg.rule
-
-
 def get_rule(cfg: DualConfig) -> DualRule:
-    name = rule_name(cfg)
-    if name not in DUAL_RULES:
-        raise ValueError(f"unknown dual rule {name!r}; known: {', '.join(DUAL_RULES)}")
-    return DUAL_RULES[name]
+    """The registered rule ``cfg.rule`` names."""
+    if cfg.rule not in DUAL_RULES:
+        raise ValueError(f"unknown dual rule {cfg.rule!r}; known: {', '.join(DUAL_RULES)}")
+    return DUAL_RULES[cfg.rule]
 
 
 def dual_step(state: DualState, measured_C: Tensor, cfg: DualConfig,

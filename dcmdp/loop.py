@@ -30,7 +30,7 @@ from dcmdp.checkpoint import (RunFolderError, RunFolderLock, SignalCheckpointer,
                               load_checkpoint, load_resume_checkpoint, restore_rng, run_in_folder, save_checkpoint)
 from dcmdp.config import ConfigError, RunConfig, flatten, resume_conflicts, to_yaml
 from dcmdp import distributed
-from dcmdp.dual import DualState, constraints_in_force, dual_step, init_state
+from dcmdp.dual import DualState, constraints_in_force, dual_step, get_rule, init_state
 from dcmdp.plots import plot_dual
 from dcmdp.tracking import Tracker, check_tracking_uri, provenance_tags, resolve_tracking_uri, tracking_uri_source
 from trainers import guards, learner
@@ -189,7 +189,7 @@ def _train_step(s: Setup, step: int, bar) -> None:
                        else None)
     update_metrics = learner.update(
         s.model, s.optimizer, s.scheduler, batch, lambda_C=s.dual.lambda_C.float(),
-        constraints=constraints_in_force(s.dual, cfg.dual), penalty=cfg.dual.penalty, dual_enabled=cfg.dual.enabled,
+        constraints=constraints_in_force(s.dual, cfg.dual), penalty=cfg.dual.penalty, dual_enabled=get_rule(cfg.dual).penalizes,
         cfg=cfg.algo, temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
         grad_clip=cfg.optim.grad_clip, generator=torch.Generator().manual_seed(_step_seed(cfg.seed, step, 2)),
         shard=s.dist.shard, trained_logp_BT=trained_logp_BT, forward=forward, scaler=s.scaler) if kept else []

@@ -164,7 +164,7 @@ def test_async_run_with_staleness_two_trains_on_the_default_task(tmp_path):
     cfg = load_config(REPO / "configs" / "default.yaml", [
         "cold_start.steps=950", f"cold_start.cache_dir={tmp_path / 'cache'}", "steps=200", "threads=1",
         "progress=false", f"output_dir={tmp_path / 'run'}", "async_rollout.enabled=true",
-        "async_rollout.max_staleness=2", "dual.enabled=false"])
+        "async_rollout.max_staleness=2", "dual.rule=off"])
     train(cfg)
     history = _history(tmp_path / "run")
     assert max(h["async/staleness_max"] for h in history) == 2

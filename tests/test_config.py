@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from dcmdp.config import ConfigError, flatten, load_config
+from dcmdp.config import ConfigError, flatten, load_config, resume_conflicts
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -101,6 +101,8 @@ def test_bad_list_element_overrides_name_the_key(override, needle):
     (["algo.is_low=0.9"], r"'algo.is_low' was replaced: use algo.icepop.low .*algo.seq_mask.geo.low"),
     (["algo.is_high=1.1"], r"'algo.is_high' was replaced: use algo.icepop.high .*algo.seq_mask.geo.high"),
     (["algo.is_mode=seq_mis"], r"algo.is_mode.*is_mode=none seq_mask.mode=geo"),
+    (["dual.enabled=false"], r"'dual.enabled' was replaced: use dual.rule=off"),
+    (["dual.fixed=true"], r"'dual.fixed' was replaced: use dual.rule=fixed"),
 ])
 def test_replaced_is_keys_name_their_replacement(override, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -152,3 +154,23 @@ def test_inf_means_no_bound_in_the_is_sub_configs():
     assert cfg.algo.tis.cap == cfg.algo.icepop.high == cfg.algo.seq_mask.geo.high == float("inf")
     with pytest.raises(ConfigError, match=r"'algo.icepop.low': must be a finite number"):
         load_config(None, ["algo.icepop.low=inf"])
+
+
+@pytest.mark.parametrize("rule", ["projected", "pid", "fixed", "off"])
+def test_dual_rule_names_every_registered_rule(rule):
+    assert load_config(None, [f"dual.rule={rule}"]).dual.rule == rule
+    with pytest.raises(ConfigError, match=r"'dual.rule': unknown 'of'.*did you mean 'off'"):
+        load_config(None, ["dual.rule=of"])
+
+
+@pytest.mark.parametrize("old, rule", [({"dual.enabled": "False", "dual.fixed": "False"}, "off"),
+                                       ({"dual.enabled": "True", "dual.fixed": "True"}, "fixed"),
+                                       ({"dual.enabled": "True", "dual.fixed": "False"}, "projected")])
+def test_a_checkpoint_config_with_the_old_dual_keys_resumes_under_its_rule(old, rule):
+    """A checkpoint written before dual.rule named off and fixed records dual.enabled / dual.fixed next to
+    dual.rule=projected: resuming it under the rule those keys meant is no conflict, under another rule is."""
+    cfg = load_config(None, [f"dual.rule={rule}"])
+    saved = {**flatten(cfg), "dual.rule": "projected", **old}
+    assert resume_conflicts(saved, cfg) == []
+    other = load_config(None, ["dual.rule=pid"])
+    assert resume_conflicts(saved, other) == [f"dual.rule: {rule!r} in the checkpoint, 'pid' now"]

@@ -74,13 +74,13 @@ def test_non_finite_measurements_are_skipped(rule):
 
 
 def test_fixed_and_disabled():
-    fixed = _cfg(fixed=True)
+    fixed = _cfg(rule="fixed")
     state = init_state(fixed)
     for _ in range(3):
         state, m = dual_step(state, torch.tensor([1.0, 1.0]), fixed)
     assert state.lambda_C.tolist() == [0.1, 0.5]
     assert m["dual/violation/abs_prob_diff"] == pytest.approx(0.995)  # still measured and logged
-    off = _cfg(enabled=False)
+    off = _cfg(rule="off")
     state = init_state(off)
     assert state.lambda_C.tolist() == [0.0, 0.0]
     state, m = dual_step(state, torch.tensor([1.0, 1.0]), off)
