@@ -42,7 +42,8 @@ from torch import Tensor
 from constraints.config import ConstraintConfig
 
 LOG_RATIO_MAX = 20.0
-"""Above this log rho, kl_k3 and chi2 are continued linearly (see the module docstring)."""
+"""Above this log rho, kl_k3 and chi2 are continued linearly (see the module docstring); trainers.losses clamps its
+log ratios to +-LOG_RATIO_MAX before exp."""
 
 _SERIES_BELOW = 1e-2  # |log rho| below which exp(x) - 1 - x is summed as a series (no cancellation)
 _LOG_PPL_MAX = 700.0  # log perplexities are capped here, where exp is still finite in float64

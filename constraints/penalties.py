@@ -10,7 +10,7 @@ a penalty P(theta) = sum_i lambda_i P_i(theta). Three forms (Liu et al., DCMDP, 
 - ``advantage``: no loss term; advantages are shaped, A_t - sum_i lambda_i d_t (d_t detached), so the
   discrepancy acts as a per-token cost in the policy gradient.
 
-Every function has one signature::
+Every form (``PENALTIES[name]``, a ``PenaltyForm``) is called with one signature::
 
     fn(logp_BT, rollout_logp_BT, advantages_BT, mask_BT, lambda_C, constraints, normalizer,
        routing_mismatch_BT=None) -> (penalty_loss 0-dim, advantages_BT, metrics)
@@ -41,6 +41,7 @@ Measures without a differentiable per-token form:
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -79,7 +80,25 @@ def check_penalty_constraints(constraints: Sequence[ConstraintConfig]) -> None:
                 f"the token-level counterparts of seq_log_ratio / extreme_rate, chi2 of ess)")
 
 
-def _penalty(form: str, logp_BT: Tensor, rollout_logp_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor,
+@dataclass(frozen=True)
+class PenaltyForm:
+    """How a constraint's per-token measure d_t(theta) enters the primal step: ``term(d_BT, c)`` is the per-token
+    value weighted by lambda_i, added to the loss as sum_t mask_t lambda_i term_t / normalizer or, with
+    ``shapes_advantages``, subtracted (detached) from the advantages. Calling it runs the penalty with the
+    module's one signature (see the module docstring)."""
+
+    term: Callable[[Tensor, float], Tensor]
+    shapes_advantages: bool = False
+
+    def __call__(self, logp_BT: Tensor, rollout_logp_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor,
+                 lambda_C: Tensor | Sequence[float], constraints: Sequence[ConstraintConfig],
+                 normalizer: float | Tensor, routing_mismatch_BT: Optional[Tensor] = None
+                 ) -> tuple[Tensor, Tensor, dict[str, float]]:
+        return _penalty(self, logp_BT, rollout_logp_BT, advantages_BT, mask_BT, lambda_C, constraints, normalizer,
+                        routing_mismatch_BT)
+
+
+def _penalty(form: PenaltyForm, logp_BT: Tensor, rollout_logp_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor,
              lambda_C: Tensor | Sequence[float], constraints: Sequence[ConstraintConfig], normalizer: float | Tensor,
              routing_mismatch_BT: Optional[Tensor]) -> tuple[Tensor, Tensor, dict[str, float]]:
     check_penalty_constraints(constraints)
@@ -108,12 +127,11 @@ def _penalty(form: str, logp_BT: Tensor, rollout_logp_BT: Tensor, advantages_BT:
             shaping_BT = shaping_BT + lambda_C[i] * d_BT
         else:
             d_BT = measure.token(logp_BT, rollout_logp_BT)
-            if form == "hinge":
-                loss = loss + lambda_C[i] * torch.where(valid_BT, F.relu(d_BT - c.tolerance), zero).sum() / norm
-            elif form == "mean":
-                loss = loss + lambda_C[i] * torch.where(valid_BT, d_BT, zero).sum() / norm
+            term_BT = form.term(d_BT, c.tolerance)
+            if form.shapes_advantages:
+                shaping_BT = shaping_BT + lambda_C[i] * term_BT.detach()
             else:
-                shaping_BT = shaping_BT + lambda_C[i] * d_BT.detach()
+                loss = loss + lambda_C[i] * torch.where(valid_BT, term_BT, zero).sum() / norm
         outside_C.append(((d_BT.detach() > c.tolerance) & valid_BT).sum())
 
     advantages_out_BT = torch.where(valid_BT, advantages_BT - shaping_BT.to(advantages_BT.dtype), advantages_BT)
@@ -125,39 +143,25 @@ def _penalty(form: str, logp_BT: Tensor, rollout_logp_BT: Tensor, advantages_BT:
     return loss, advantages_out_BT, metrics
 
 
-def hinge_penalty(logp_BT: Tensor, rollout_logp_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor,
-                  lambda_C: Tensor | Sequence[float], constraints: Sequence[ConstraintConfig],
-                  normalizer: float | Tensor, routing_mismatch_BT: Optional[Tensor] = None
-                  ) -> tuple[Tensor, Tensor, dict[str, float]]:
-    """sum_i lambda_i sum_t mask_t relu(d_t(theta) - c_i) / normalizer; d_t of pi_theta (``logp_BT``) vs mu.
-
-    Gradient only on tokens with d_t > c_i (outside the tolerance region). Advantages come back unchanged
-    unless a routing_mismatch constraint shapes them.
-    """
-    return _penalty("hinge", logp_BT, rollout_logp_BT, advantages_BT, mask_BT, lambda_C, constraints, normalizer,
-                    routing_mismatch_BT)
+def hinge_term(d_BT: Tensor, tolerance: float) -> Tensor:
+    """relu(d_t(theta) - c_i): a gradient only on tokens outside the tolerance region, pushing pi_theta(y_t) back
+    towards mu(y_t). Advantages come back unchanged unless a routing_mismatch constraint shapes them."""
+    return F.relu(d_BT - tolerance)
 
 
-def mean_penalty(logp_BT: Tensor, rollout_logp_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor,
-                 lambda_C: Tensor | Sequence[float], constraints: Sequence[ConstraintConfig],
-                 normalizer: float | Tensor, routing_mismatch_BT: Optional[Tensor] = None
-                 ) -> tuple[Tensor, Tensor, dict[str, float]]:
-    """sum_i lambda_i sum_t mask_t d_t(theta) / normalizer: every valid token is pulled towards mu."""
-    return _penalty("mean", logp_BT, rollout_logp_BT, advantages_BT, mask_BT, lambda_C, constraints, normalizer,
-                    routing_mismatch_BT)
+def mean_term(d_BT: Tensor, tolerance: float) -> Tensor:
+    """d_t(theta): every valid token is pulled towards mu."""
+    return d_BT
 
 
-def advantage_penalty(logp_BT: Tensor, rollout_logp_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor,
-                      lambda_C: Tensor | Sequence[float], constraints: Sequence[ConstraintConfig],
-                      normalizer: float | Tensor, routing_mismatch_BT: Optional[Tensor] = None
-                      ) -> tuple[Tensor, Tensor, dict[str, float]]:
+def advantage_term(d_BT: Tensor, tolerance: float) -> Tensor:
     """Zero loss; advantages A_t - sum_i lambda_i d_t on valid tokens, d_t detached (a per-token cost)."""
-    return _penalty("advantage", logp_BT, rollout_logp_BT, advantages_BT, mask_BT, lambda_C, constraints,
-                    normalizer, routing_mismatch_BT)
+    return d_BT
 
 
-PENALTIES: dict[str, Callable[..., tuple[Tensor, Tensor, dict[str, float]]]] = {
-    "hinge": hinge_penalty,
-    "mean": mean_penalty,
-    "advantage": advantage_penalty,
+# name -> PenaltyForm; a new form is one term function and one line here
+PENALTIES: dict[str, PenaltyForm] = {
+    "hinge": PenaltyForm(hinge_term),
+    "mean": PenaltyForm(mean_term),
+    "advantage": PenaltyForm(advantage_term, shapes_advantages=True),
 }

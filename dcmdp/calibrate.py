@@ -198,10 +198,7 @@ def measure_batch(s: Setup, targets: Sequence[ConstraintConfig], step: int):
     _, metrics = measure_phase(s, batch)
     values = {k: float(v) for k, v in metrics.items() if k in FLOOR_MEASURES}
     r = batch.rollout
-    routes = {}
-    if batch.train_experts_BSLK is not None and r.rollout_experts_BSLK is not None:
-        routes = dict(experts_train_BSLK=batch.train_experts_BSLK, experts_rollout_BSLK=r.rollout_experts_BSLK,
-                      mask_BS=r.attention_mask_BS.bool())
+    routes = batch.routes()
     for i, c in enumerate(targets):
         if c.measure == "routing_mismatch" and not routes:
             raise ValueError("routing_mismatch needs an MoE model and a rollout engine that reports its routes")

@@ -6,7 +6,7 @@ Launched by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) the run becomes
   load the cached result), then ``shard_model`` wraps it with ``torch.distributed.fsdp.fully_shard``: each
   decoder layer, the LM head (its own unit so it can keep float32 parameters when ``model.fp32_lm_head``),
   then the root (embedding, final norm), with the ``dist`` block's ``MixedPrecisionPolicy``;
-- rank 0 alone holds the MLflow run (the other ranks log nothing, ``NoTracker``) and the torch rollout
+- rank 0 alone holds the MLflow run (the other ranks log nothing, ``dcmdp.tracking.NoTracker``) and the torch rollout
   engine: ``RankZeroEngine`` broadcasts every Rollout it samples. A vLLM engine is instead hosted by every
   rank (``SpmdEngine``): vLLM's ``external_launcher`` executor makes rank r tensor-parallel part r of one
   colocated engine (``rollout.tensor_parallel_size`` = world size), and all ranks generate from the same
@@ -311,25 +311,6 @@ def agree_stop(stop, d: Dist) -> None:
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if int(flag) and not stop.requested:
         stop.requested, stop.signum = True, int(flag)
-
-
-class NoTracker:
-    """The tracker of ranks other than 0: only rank 0 logs to MLflow."""
-
-    run_id = None
-    tracking_uri = ""
-
-    def start(self, *args, **kwargs) -> None:
-        pass
-
-    def log_metrics(self, *args, **kwargs) -> None:
-        pass
-
-    def log_artifact(self, *args, **kwargs) -> None:
-        pass
-
-    def finish(self, *args, **kwargs) -> None:
-        pass
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints

@@ -32,7 +32,8 @@ from dcmdp.config import ConfigError, RunConfig, flatten, resume_conflicts, to_y
 from dcmdp import distributed
 from dcmdp.dual import DualState, constraints_in_force, dual_step, get_rule, init_state
 from dcmdp.plots import plot_dual
-from dcmdp.tracking import Tracker, check_tracking_uri, provenance_tags, resolve_tracking_uri, tracking_uri_source
+from dcmdp.tracking import (NoTracker, Tracker, check_tracking_uri, provenance_tags, resolve_tracking_uri,
+                            tracking_uri_source)
 from trainers import guards, learner
 from trainers.advantages import ADVANTAGES
 from trainers.batch import Rollout
@@ -439,7 +440,7 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
         engine.load_weights(model.state_dict(), version=int(state["engine_version"]))
         accuracy_before = state.get("accuracy_before")
         log.info("resumed from %s at step %d (MLflow run %s)", resume, start_step, run_id)
-    tracker = Tracker(cfg.tracking, out) if d.main else distributed.NoTracker()
+    tracker = Tracker(cfg.tracking, out) if d.main else NoTracker()
     tracker.start(flatten(cfg), run_id=run_id,
                   tags={"model.preset": cfg.model.preset, "dcmdp.version": _version(),
                         "dcmdp.output_dir": str(out.resolve()), **provenance_tags()})
@@ -509,21 +510,13 @@ def reward_phase(s: Setup, examples: list[Example], rollout: Rollout) -> tuple[t
                        "response/length_mean": float(lengths.mean())}
 
 
-def _routes(batch: learner.ScoredBatch) -> dict:
-    r = batch.rollout
-    if batch.train_experts_BSLK is None or r.rollout_experts_BSLK is None:
-        return {}
-    return dict(experts_train_BSLK=batch.train_experts_BSLK, experts_rollout_BSLK=r.rollout_experts_BSLK,
-                mask_BS=r.attention_mask_BS.bool())
-
-
 def constraint_values(s: Setup, batch: learner.ScoredBatch, train_logp_BT: torch.Tensor) -> torch.Tensor:
     """D-hat of every constraint: the training engine's log-probs ``train_logp_BT`` vs mu (float64, [C])."""
     r = batch.rollout
     if not s.cfg.dual.constraints:
         return torch.zeros(0, dtype=torch.float64)
     return torch.stack([measure_constraint(c, train_logp_BT, r.rollout_logp_BT.float(), r.response_mask_BT.bool(),
-                                           **_routes(batch)).double() for c in s.cfg.dual.constraints])
+                                           **batch.routes()).double() for c in s.cfg.dual.constraints])
 
 
 def measure_phase(s: Setup, batch: learner.ScoredBatch, train_logp_BT: Optional[torch.Tensor] = None
@@ -537,7 +530,7 @@ def measure_phase(s: Setup, batch: learner.ScoredBatch, train_logp_BT: Optional[
     r = batch.rollout
     train_logp_BT = batch.old_logp_BT if train_logp_BT is None else train_logp_BT
     return constraint_values(s, batch, train_logp_BT), discrepancy_metrics(
-        train_logp_BT, r.rollout_logp_BT.float(), r.response_mask_BT.bool(), **_routes(batch),
+        train_logp_BT, r.rollout_logp_BT.float(), r.response_mask_BT.bool(), **batch.routes(),
         quantiles_of=[c.measure for c in s.cfg.dual.constraints])
 
 

@@ -822,3 +822,29 @@ class Tracker:
                 logger.info("sent %d metrics left in %s by an earlier process", n, self.buffer_dir)
         except Exception as exc:
             logger.warning("could not sync leftover tracking buffer %s: %s", self.buffer_dir, exc)
+
+
+class NoTracker:
+    """The tracker of ranks other than 0 under torchrun (only rank 0 logs to MLflow): ``Tracker``'s calls, doing
+    nothing."""
+
+    run_id = None
+    tracking_uri = ""
+
+    def start(self, *args, **kwargs) -> None:
+        pass
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        pass
+
+    def log_metrics(self, *args, **kwargs) -> None:
+        pass
+
+    def log_artifact(self, *args, **kwargs) -> None:
+        pass
+
+    def skip_logged(self, *args, **kwargs) -> None:
+        pass
+
+    def finish(self, *args, **kwargs) -> None:
+        pass

@@ -13,7 +13,7 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 from dcmdp.config import TrackingConfig
-from dcmdp.tracking import LOCAL_ID_TAG, Tracker, resolve_tracking_uri, sync_buffer
+from dcmdp.tracking import LOCAL_ID_TAG, NoTracker, Tracker, resolve_tracking_uri, sync_buffer
 
 KEYS = ["dual/lambda/abs_prob_diff", "dual/measured/abs_prob_diff", "reward/mean"]
 
@@ -54,6 +54,21 @@ def log_steps(tracker: Tracker, steps: range) -> list[float]:
 
 def leftover_segments(tmp_path: Path) -> list[Path]:
     return sorted((tmp_path / "buffer").glob("*.jsonl"))
+
+
+def test_no_tracker_answers_every_tracker_call(tmp_path):
+    """Ranks >= 1 under torchrun hold a NoTracker where rank 0 holds a Tracker: every public call of the one (dcmdp
+    calibrate's set_tags included) is a no-op of the other."""
+    public = {n for n in dir(Tracker) if not n.startswith("_")}
+    assert public <= set(dir(NoTracker)), public - set(dir(NoTracker))
+    t = NoTracker()
+    t.start({"a": "1"}, run_id=None, tags={})
+    t.set_tags({"dcmdp.kind": "calibrate"})
+    t.log_metrics({"m": 1.0}, step=1)
+    t.log_artifact(tmp_path / "x")
+    t.skip_logged(after_step=3)
+    t.finish("FAILED")
+    assert t.run_id is None
 
 
 def test_explicit_uri_wins_over_environment(tmp_path, monkeypatch):

@@ -78,3 +78,15 @@ class Rollout:
 
     def with_(self, **changes) -> "Rollout":
         return replace(self, **changes)
+
+
+def left_pad_prompts(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """(prompt_ids_BP, prompt_mask_BP) of the Rollout layout: each prompt right-aligned in P = the longest prompt's
+    length, ``pad_id`` and mask False before it."""
+    B, P = len(prompts), max(len(p) for p in prompts)
+    prompt_ids_BP = torch.full((B, P), int(pad_id), dtype=torch.long)
+    prompt_mask_BP = torch.zeros((B, P), dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        prompt_ids_BP[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        prompt_mask_BP[b, P - len(p):] = True
+    return prompt_ids_BP, prompt_mask_BP

@@ -80,6 +80,15 @@ class ScoredBatch:
     # (B, S, L, K) routes to replay in the updates (None: no replay).
     replay_experts_BSLK: Optional[Tensor]
 
+    def routes(self) -> dict[str, Tensor]:
+        """The keyword arguments of the routing measures (``constraints.measures``): both engines' routes and the
+        attention mask; empty unless both engines' routes are known."""
+        r = self.rollout
+        if self.train_experts_BSLK is None or r.rollout_experts_BSLK is None:
+            return {}
+        return dict(experts_train_BSLK=self.train_experts_BSLK, experts_rollout_BSLK=r.rollout_experts_BSLK,
+                    mask_BS=r.attention_mask_BS.bool())
+
 
 def _forward_logp(model, rollout: Rollout, *, temperature: float, fp32_lm_head: bool, with_entropy: bool,
                   replay_experts_BSLK: Optional[Tensor], capture: bool):

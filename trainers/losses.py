@@ -43,11 +43,10 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from constraints.measures import MEASURES
+# log r and sequence-level log ratios are clamped to +-LOG_RATIO_MAX before exp (see the module docstring): the
+# measures' bound, where kl_k3 and chi2 turn linear
+from constraints.measures import LOG_RATIO_MAX, MEASURES
 from trainers.config import AlgoConfig
-
-LOG_RATIO_MAX = 20.0
-"""log r and sequence-level log ratios are clamped to +-LOG_RATIO_MAX before exp (see the module docstring)."""
 
 _METRIC_LOG_MAX = 700.0  # raw weights reported as metrics saturate at e^700 (float64 stays finite)
 

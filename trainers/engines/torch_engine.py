@@ -37,7 +37,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from trainers import routing
-from trainers.batch import Rollout
+from trainers.batch import Rollout, left_pad_prompts
 from trainers.config import RolloutConfig
 from trainers.quant import PRECISION_DTYPES, QUANTIZED_PRECISIONS, cast_for_precision, quantize_weights_
 from trainers.scoring import lm_head_logits, position_ids, tempered_logp
@@ -83,11 +83,7 @@ class TorchEngine:
             raise ValueError("generate needs at least one prompt and no empty prompt")
         B, P, T = len(prompts), max(len(p) for p in prompts), self.cfg.max_new_tokens
         dev = self.device
-        prompt_ids_BP = torch.full((B, P), self.pad_id, dtype=torch.long)
-        prompt_mask_BP = torch.zeros((B, P), dtype=torch.bool)
-        for b, p in enumerate(prompts):
-            prompt_ids_BP[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
-            prompt_mask_BP[b, P - len(p):] = True
+        prompt_ids_BP, prompt_mask_BP = left_pad_prompts(prompts, self.pad_id)
         prompt_ids_BP, prompt_mask_BP = prompt_ids_BP.to(dev), prompt_mask_BP.to(dev)
         gen = torch.Generator(device=dev).manual_seed(int(seed))
 

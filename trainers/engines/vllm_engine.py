@@ -91,7 +91,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.platforms import current_platform
 
-from trainers.batch import Rollout
+from trainers.batch import Rollout, left_pad_prompts
 from trainers.config import RolloutConfig
 from trainers.quant import VLLM_FP8_UNAVAILABLE, VLLM_LOGIT_NOISE_UNSUPPORTED, VLLM_UNSUPPORTED_PRECISIONS
 
@@ -311,7 +311,7 @@ class VllmEngine:
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt and no empty prompt")
-        B, P = len(prompts), max(len(p) for p in prompts)
+        B = len(prompts)
         params = [SamplingParams(temperature=self.cfg.temperature, top_p=self.cfg.top_p,
                                  max_tokens=self.cfg.max_new_tokens, logprobs=0,
                                  seed=(int(seed) * 1_000_003 + b) % (1 << 63), stop_token_ids=[self.eos_id],
@@ -338,14 +338,11 @@ class VllmEngine:
             logps.append([lp[tok].logprob for lp, tok in zip(completion.logprobs, ids)])
         T = max(len(r) for r in responses)
 
-        prompt_ids_BP = torch.full((B, P), self.pad_id, dtype=torch.long)
-        prompt_mask_BP = torch.zeros((B, P), dtype=torch.bool)
+        prompt_ids_BP, prompt_mask_BP = left_pad_prompts(prompts, self.pad_id)
         response_ids_BT = torch.full((B, T), self.pad_id, dtype=torch.long)
         response_mask_BT = torch.zeros((B, T), dtype=torch.bool)
         rollout_logp_BT = torch.zeros((B, T), dtype=torch.float32)
-        for b, (p, r, lp) in enumerate(zip(prompts, responses, logps)):
-            prompt_ids_BP[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
-            prompt_mask_BP[b, P - len(p):] = True
+        for b, (r, lp) in enumerate(zip(responses, logps)):
             response_ids_BT[b, :len(r)] = torch.tensor(r, dtype=torch.long)
             response_mask_BT[b, :len(r)] = True
             rollout_logp_BT[b, :len(r)] = torch.tensor(lp, dtype=torch.float32)
