@@ -398,7 +398,7 @@ def _validate_registries(cfg: RunConfig) -> None:
     from trainers.engines import ENGINES
     from trainers.losses import IS_MODES, POLICY_LOSSES
     from trainers.models import PRESETS
-    from trainers.tasks import TASKS
+    from trainers.tasks import TASKS, check_task_config
 
     from dcmdp.dual import DUAL_RULES
 
@@ -409,6 +409,10 @@ def _validate_registries(cfg: RunConfig) -> None:
     one_of(cfg.model.preset, PRESETS, "model.preset")
     one_of(cfg.rollout.engine, ENGINES, "rollout.engine")
     one_of(cfg.task.name, TASKS, "task.name")
+    try:
+        check_task_config(cfg.task)  # task jsonl: its files exist and its reward function imports
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     one_of(cfg.algo.loss, POLICY_LOSSES, "algo.loss")
     one_of(cfg.algo.is_mode, IS_MODES, "algo.is_mode")
     one_of(cfg.algo.advantage, ADVANTAGES, "algo.advantage")

@@ -70,7 +70,8 @@ def evaluate_checkpoint(cfg: RunConfig, checkpoint: str = "auto") -> EvalResult:
         try:
             engine.load_weights(model.state_dict(), version=int(state["engine_version"]))
             # evaluate() reads only these fields of a training Setup
-            s = SimpleNamespace(cfg=cfg, tokenizer=tokenizer, task=task, model=model, engine=engine, worker=None)
+            s = SimpleNamespace(cfg=cfg, tokenizer=tokenizer, task=task, model=model, engine=engine, worker=None,
+                                eval_examples=None)
             accuracy = evaluate(s, seed=cfg.seed)  # type: ignore[arg-type]
         finally:
             engine.close()

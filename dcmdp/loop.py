@@ -41,7 +41,7 @@ from trainers.coldstart import cold_start
 from trainers.engines import RolloutEngine
 from trainers.models import PRESETS, build_model, check_context, compute_dtype, save_model_dir
 from trainers.routing import is_moe
-from trainers.tasks import TASKS, Example, Task
+from trainers.tasks import TASKS, Example, Task, score_completions
 from trainers.tokenizer import build_char_tokenizer, load_tokenizer
 
 log = logging.getLogger("dcmdp")
@@ -504,9 +504,10 @@ def _rollout_worker(s: Setup) -> Optional[RolloutWorker]:
 
 def reward_phase(s: Setup, examples: list[Example], rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
     completions = decode_responses(s.tokenizer, rollout)
-    rewards_B = torch.tensor([s.task.reward(c, ex) for c, ex in zip(completions, examples)], dtype=torch.float32)
+    rewards, errors = score_completions(s.task, completions, examples)
+    rewards_B = torch.tensor(rewards, dtype=torch.float32)
     lengths = rollout.response_mask_BT.sum(dim=1).float()
-    return rewards_B, {"reward/accuracy": float((rewards_B > 0.5).float().mean()),
+    return rewards_B, {"reward/accuracy": float((rewards_B > 0.5).float().mean()), "reward/errors": float(errors),
                        "response/length_mean": float(lengths.mean())}
 
 
@@ -552,7 +553,7 @@ def _evaluate(s: Setup, seed: int) -> float:
     ids = encode_prompts(s, examples)
     rollout = s.engine.generate(ids, seed=_step_seed(seed, 10**6, 3))
     completions = decode_responses(s.tokenizer, rollout)
-    return float(np.mean([s.task.reward(c, ex) for c, ex in zip(completions, examples)]))
+    return float(np.mean(score_completions(s.task, completions, examples)[0]))
 
 
 def finish(s: Setup, acc_before: float, acc_after: float, seconds: float) -> Summary:

@@ -41,6 +41,7 @@ from trainers import routing
 from trainers.config import ColdStartConfig, ModelConfig, RolloutConfig
 from trainers.models import load_model_dir, param_dtype, save_model_dir, set_compute_dtype
 from trainers.scoring import response_logprobs
+from trainers.tasks import score_completions
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +79,12 @@ def cache_key(model: PreTrainedModel, tokenizer, task: _Task, cfg: ColdStartConf
     """Hex digest over everything that determines the cold-started weights.
 
     Covers the model's architecture config, the model config (preset, dtype, path), the tokenizer's
-    vocabulary, the task's name and config, the cold-start hyper-parameters (not the cache directory),
-    the seed, the torch / transformers versions (kernels and init code change across versions), and
-    torch's intra-op thread count: CPU reductions split across threads sum in another order, and over
-    ~1000 steps at a high learning rate the rounding differences grow into a different model (measured on
-    the default config: 1150 steps give 91.8% held-out accuracy with 1 thread, ~32% with 2).
+    vocabulary, the task's name and config (and its ``data_digest``, a hash of its files, when it has one), the
+    cold-start hyper-parameters (not the cache directory), the seed, the torch / transformers versions (kernels
+    and init code change across versions), and torch's intra-op thread count: CPU reductions split across threads
+    sum in another order, and over ~1000 steps at a high learning rate the rounding differences grow into a
+    different model (measured on the default config: 1150 steps give 91.8% held-out accuracy with 1 thread, ~32%
+    with 2).
     """
     arch = model.config.to_dict()
     for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"):
@@ -94,7 +96,9 @@ def cache_key(model: PreTrainedModel, tokenizer, task: _Task, cfg: ColdStartConf
         "model": {k: v for k, v in dataclasses.asdict(model_cfg).items() if not (k == "fp32_router" and not v)},
         "vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]),
         "task": {"name": getattr(task, "name", type(task).__qualname__),
-                 "cfg": _jsonable(getattr(task, "cfg", None))},
+                 "cfg": _jsonable(getattr(task, "cfg", None)),
+                 # a task read from files names their content (the same path may hold other data later)
+                 **({"data": task.data_digest} if getattr(task, "data_digest", None) else {})},
         "cold_start": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "cache_dir"},
         "seed": seed,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
@@ -184,12 +188,11 @@ def sampled_accuracy(model: PreTrainedModel, tokenizer, task: _Task, examples: S
     engine = TorchEngine(RolloutConfig(temperature=temperature, max_new_tokens=max_new_tokens), model,
                          eos_id=eos_id, pad_id=pad_id)
     rollout = engine.generate([tokenizer.encode(ex.prompt, add_special_tokens=False) for ex in examples], seed=seed)
-    hits = 0
-    for b, ex in enumerate(examples):
-        ids = rollout.response_ids_BT[b][rollout.response_mask_BT[b]].tolist()
-        hits += task.reward(tokenizer.decode(ids, skip_special_tokens=True), ex) > 0.5
+    completions = [tokenizer.decode(rollout.response_ids_BT[b][rollout.response_mask_BT[b]].tolist(),
+                                    skip_special_tokens=True) for b in range(len(examples))]
+    rewards, _ = score_completions(task, completions, list(examples))
     engine.close()
-    return hits / len(examples)
+    return sum(r > 0.5 for r in rewards) / len(examples)
 
 
 def _file_digests(directory: str) -> dict[str, dict]:
@@ -274,6 +277,9 @@ def cold_start(model: PreTrainedModel, tokenizer, task: _Task, cfg: ColdStartCon
     new temporary directory) when the cache directory cannot be written.
     """
     t0 = time.perf_counter()
+    check = getattr(task, "check_demonstrations", None)
+    if check is not None:  # a task whose examples may lack a demonstration says so before any work
+        check()
     key = cache_key(model, tokenizer, task, cfg, model_cfg, seed=seed)
     model_dir = os.path.abspath(os.path.join(cfg.cache_dir, key))
     losses: list[float] = []

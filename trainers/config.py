@@ -87,7 +87,8 @@ class RolloutConfig:
 
 @dataclass
 class TaskConfig:
-    # Task name: addition | sorting | long_addition | math (see trainers.tasks.TASKS).
+    # Task name: addition | sorting | long_addition | math | jsonl (your data and reward; docs/custom_tasks.md). See
+    # trainers.tasks.TASKS.
     name: str = "addition"
     # Largest operand / list element has this many digits (generated tasks).
     digits: int = 2
@@ -98,10 +99,14 @@ class TaskConfig:
     # Size of the held-out evaluation set: a fixed sample per task config that training never draws (at most
     # half of the prompt space of a generated task).
     eval_size: int = 256
-    # JSONL file with prompts and reference answers (task `math`).
+    # JSONL file with prompts and reference answers (task `math`), or with prompts and what the reward needs (task
+    # `jsonl`).
     path: Optional[str] = None
-    # Held-out JSONL file for task `math`; defaults to the last `eval_size` lines of `path`.
+    # Held-out JSONL file for tasks `math` and `jsonl`; defaults to the last `eval_size` lines of `path`.
     eval_path: Optional[str] = None
+    # Reward function of task `jsonl`: `module:function` (importable, the working directory included) or
+    # `path/to/file.py:function`, called as function(prompt, completion, example) -> float.
+    reward: Optional[str] = None
 
     def check(self, prefix: str = "task") -> None:
         _require(self.digits >= 1, f"{prefix}.digits", f"must be >= 1, got {self.digits}")
@@ -109,6 +114,8 @@ class TaskConfig:
                  f"must be in [1, digits={self.digits}], got {self.min_digits}")
         _require(self.items >= 1, f"{prefix}.items", f"must be >= 1, got {self.items}")
         _require(self.eval_size >= 1, f"{prefix}.eval_size", f"must be >= 1, got {self.eval_size}")
+        _require(self.reward is None or self.name == "jsonl", f"{prefix}.reward",
+                 f"only task 'jsonl' takes a reward function; task {self.name!r} scores with its own")
 
 
 @dataclass

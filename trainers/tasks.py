@@ -39,16 +39,31 @@ affect a generated task: training prompts come from the ``rng`` the caller passe
 
 ``math`` reads JSONL problems (see ``load_math_jsonl``) and checks answers with the ``math-verify``
 library (``pip install 'dcmdp[math]'``), imported when the task is built.
+
+``jsonl`` is the user's own task: prompts (and optional demonstrations) from a JSON-lines file, scored by a
+reward function the config names (``task.reward``), imported by the CLI on every rank; see ``JsonlTask`` and
+docs/custom_tasks.md.
+
+Every caller scores completions through ``score_completions``: a reward that raises or returns anything but a
+finite number gives 0.0 for that sample, counted (``reward/errors``) and logged, and never stops a run.
+JSONL files are read as UTF-8 with an optional byte-order mark.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.util
+import inspect
 import json
 import logging
+import math
+import numbers
 import os
 import random
+import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
 from trainers.config import TaskConfig
@@ -311,26 +326,51 @@ def load_math_jsonl(path: str | os.PathLike, *, on_error: str = "raise") -> list
     the first malformed line; ``"skip"`` logs a warning per malformed line and drops it. A file without any
     example raises ValueError in both modes; a missing file raises FileNotFoundError.
     """
+    return _load_jsonl(path, lambda record, where: parse_math_record(record), "math", on_error=on_error)
+
+
+def _load_jsonl(path: str | os.PathLike, parse: Callable[[Any, str], Example], task: str, *,
+                on_error: str = "raise") -> list[Example]:
+    """``parse(json.loads(line), "path:line")`` of every non-blank line (UTF-8, a leading byte-order mark
+    allowed); the errors of ``load_math_jsonl``, naming ``task``."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"math task file not found: {path!r}")
+        raise FileNotFoundError(f"{task} task file not found: {path!r}")
     examples = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                examples.append(parse_math_record(json.loads(line)))
-            except ValueError as exc:  # json.JSONDecodeError is a ValueError
-                msg = f"{path}:{lineno}: malformed math example: {exc}"
+                examples.append(parse(json.loads(line), f"{path}:{lineno}"))
+            except ValueError as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+                msg = f"{path}:{lineno}: malformed {task} example: {exc}"
                 if on_error == "raise":
                     raise ValueError(msg) from exc
                 log.warning("%s (skipped)", msg)
     if not examples:
         raise ValueError(f"{path}: no examples (the file is empty or every line was malformed)")
     return examples
+
+
+def _split(cfg: TaskConfig, data: list[Example], eval_data: Optional[list[Example]]
+           ) -> tuple[list[Example], list[Example]]:
+    """(train, eval): ``eval_data`` if given, else the last ``cfg.eval_size`` examples of ``data``; training drops
+    every prompt that is also held out."""
+    if eval_data is not None:
+        held_out = eval_data
+    elif len(data) <= cfg.eval_size:
+        raise ValueError(f"{cfg.path}: {len(data)} examples leave none for training after holding out "
+                         f"task.eval_size={cfg.eval_size}: lower task.eval_size or set task.eval_path")
+    else:
+        held_out, data = data[-cfg.eval_size:], data[:-cfg.eval_size]
+    prompts = {ex.prompt for ex in held_out}
+    train = [ex for ex in data if ex.prompt not in prompts]
+    if not train:
+        raise ValueError(f"{cfg.path}: every training problem also appears in the evaluation set")
+    return train, list(held_out)
 
 
 def _import_math_verify():
@@ -366,20 +406,8 @@ class MathTask:
             raise ValueError("config error at 'task.path': task 'math' needs a JSONL file of problems")
         self.cfg = cfg
         self._mv = _import_math_verify()
-        data = load_math_jsonl(cfg.path)
-        if cfg.eval_path:
-            self._eval = load_math_jsonl(cfg.eval_path)
-            held = {ex.prompt for ex in self._eval}
-            self._train = [ex for ex in data if ex.prompt not in held]
-        else:
-            if len(data) <= cfg.eval_size:
-                raise ValueError(f"{cfg.path}: {len(data)} examples leave none for training after holding out "
-                                 f"task.eval_size={cfg.eval_size}: lower task.eval_size or set task.eval_path")
-            self._eval = data[-cfg.eval_size:]
-            held = {ex.prompt for ex in self._eval}
-            self._train = [ex for ex in data[:-cfg.eval_size] if ex.prompt not in held]
-        if not self._train:
-            raise ValueError(f"{cfg.path}: every training problem also appears in the evaluation set")
+        self._train, self._eval = _split(cfg, load_math_jsonl(cfg.path),
+                                         load_math_jsonl(cfg.eval_path) if cfg.eval_path else None)
         self._gold: dict[str, list] = {}
 
     def sample(self, rng: random.Random, n: int) -> list[Example]:
@@ -406,9 +434,256 @@ class MathTask:
         return f"\\boxed{{{example.answer}}}"
 
 
+# ------------------------------------------------------------------------------------- your own task (JSONL)
+
+
+@dataclass(frozen=True)
+class RecordExample(Example):
+    """An example of task ``jsonl``: ``answer`` is the record's ``"answer"`` as a string ("" without one)."""
+
+    # The line's whole JSON object, given to the reward function.
+    record: dict = field(default_factory=dict, compare=False, repr=False)
+    # Target completion for the cold start: the record's "completion", None without one.
+    completion: Optional[str] = None
+    # "file:line" of the record, for messages.
+    source: str = ""
+
+
+def parse_jsonl_record(record: Any, where: str = "") -> RecordExample:
+    """One JSON object of task ``jsonl``: a non-blank string ``"prompt"`` (given to the model as it is), an
+    optional string ``"completion"`` (the cold start's demonstration), any other keys for the reward function.
+    Raises ValueError (without location; the loader adds file:line) on anything else."""
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    prompt = record.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError("needs a non-empty string 'prompt'" if "prompt" in record else
+                         f"no 'prompt' (keys: {sorted(record)})")
+    completion = record.get("completion")
+    if completion is not None and not isinstance(completion, str):
+        raise ValueError(f"'completion' must be a string, got {type(completion).__name__}")
+    answer = record.get("answer")
+    answer = str(answer) if isinstance(answer, (str, int, float)) and not isinstance(answer, bool) else ""
+    return RecordExample(prompt, answer, record=record, completion=completion, source=where)
+
+
+RewardFunction = Callable[[str, str, dict], Any]
+
+
+class _RewardSpecError(ValueError):
+    """``task.reward`` names nothing usable (not an error raised by the user's module)."""
+
+
+def _reward_error(spec: str, why: str) -> ValueError:
+    return _RewardSpecError(f"config error at 'task.reward': {spec!r}: {why}")
+
+
+def load_reward(spec: str) -> RewardFunction:
+    """The function ``spec`` names: ``module:function`` (imported with the working directory on the search path,
+    as ``python -m`` has it) or ``path/to/file.py:function`` (a relative path from the working directory).
+
+    The function is called as ``function(prompt, completion, example)`` (see ``JsonlTask``). Raises ValueError
+    naming ``task.reward`` when the module cannot be imported (with the import's own error), has no such
+    attribute, or the attribute does not take three positional arguments.
+    """
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name.isidentifier():
+        raise _reward_error(spec, "expected 'module:function' or 'path/to/file.py:function'")
+    try:
+        module = _import_reward_module(target, spec)
+    except _RewardSpecError:
+        raise
+    except BaseException as exc:  # the user's module runs arbitrary code at import, SystemExit included
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise _reward_error(spec, f"importing {target!r} failed: {type(exc).__name__}: {exc}") from exc
+    fn = getattr(module, name, None)
+    if fn is None:
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise _reward_error(spec, f"{target!r} has no {name!r} (its functions: {', '.join(found) or 'none'})")
+    if not callable(fn):
+        raise _reward_error(spec, f"{name!r} in {target!r} is a {type(fn).__name__}, not a function")
+    try:
+        inspect.signature(fn).bind("prompt", "completion", {})
+    except TypeError as exc:
+        raise _reward_error(spec, f"the function must take (prompt, completion, example): {exc}") from exc
+    except ValueError:  # no signature to read (some builtins): the first call will tell
+        pass
+    return fn
+
+
+def _import_reward_module(target: str, spec: str):
+    if target.endswith(".py") or "/" in target or os.sep in target:
+        path = os.path.abspath(target)
+        if not path.endswith(".py"):
+            raise _reward_error(spec, "a reward file must be a Python file ending in .py")
+        if not os.path.isfile(path):
+            raise _reward_error(spec, f"file not found: {path}")
+        # one module per file, shared by every load in the process
+        module_name = "dcmdp_reward_" + hashlib.sha256(path.encode()).hexdigest()[:16]
+        if module_name in sys.modules:
+            return sys.modules[module_name]
+        found = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(found)
+        sys.modules[module_name] = module
+        try:
+            found.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[module_name]
+            raise
+        return module
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)  # after the installed packages: a local file never shadows one
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as exc:
+        if exc.name and target.split(".")[0] == exc.name.split(".")[0]:
+            raise _reward_error(spec, f"no module {exc.name!r} in the working directory {cwd} or on the Python "
+                                        f"path; give a file instead: path/to/file.py:function") from exc
+        raise
+
+
+def _file_digest(paths: list[str]) -> str:
+    h = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+class JsonlTask:
+    """Your own task: prompts from a JSON-lines file, scored by your reward function (docs/custom_tasks.md).
+
+    Data: one JSON object per line (``parse_jsonl_record``): ``"prompt"`` (a string), an optional
+    ``"completion"`` (the cold start's demonstration), and whatever the reward needs (``"answer"``, test cases,
+    ...). A malformed line is a ValueError naming file and line. Split: as task ``math`` (``cfg.eval_path``, else
+    the last ``cfg.eval_size`` lines of ``cfg.path``); ``sample`` draws training records with replacement.
+
+    Reward: ``cfg.reward`` names ``function(prompt: str, completion: str, example: dict) -> float``: the prompt as
+    given to the model, the decoded response (no EOS or padding), and a shallow copy of the record. The value is
+    used as it is (group advantages need no scale); ``reward/accuracy`` counts rewards > 0.5 and the held-out
+    score (``eval/accuracy``) is the mean reward. Failures: see ``score_completions``.
+
+    Cold start: trains on every record's ``"completion"``; a record without one stops it with a ValueError
+    (``check_demonstrations``). The cache key of the cold start covers the files' bytes (``data_digest``).
+    """
+
+    name = "jsonl"
+
+    def __init__(self, cfg: TaskConfig, seed: int):
+        cfg.check()
+        self.check_config(cfg)
+        self.cfg = cfg
+        self.reward_name = cfg.reward
+        self._reward = load_reward(cfg.reward)
+        load = lambda path: _load_jsonl(path, lambda record, where: parse_jsonl_record(record, where), "jsonl")
+        self._train, self._eval = _split(cfg, load(cfg.path), load(cfg.eval_path) if cfg.eval_path else None)
+        self.data_digest = _file_digest([p for p in (cfg.path, cfg.eval_path) if p])
+
+    @staticmethod
+    def check_config(cfg: TaskConfig) -> None:
+        """What the config alone shows: both files exist and the reward function imports (ValueError naming the
+        key)."""
+        if not cfg.path:
+            raise ValueError("config error at 'task.path': task 'jsonl' needs a JSON-lines file of prompts "
+                             "(one {\"prompt\": ...} object per line)")
+        for key, path in (("task.path", cfg.path), ("task.eval_path", cfg.eval_path)):
+            if path and not os.path.isfile(path):
+                raise ValueError(f"config error at '{key}': file not found: {os.path.abspath(path)}")
+        if not cfg.reward:
+            raise ValueError("config error at 'task.reward': task 'jsonl' needs a reward function: "
+                             "task.reward=module:function or task.reward=path/to/file.py:function")
+        load_reward(cfg.reward)
+
+    def sample(self, rng: random.Random, n: int) -> list[Example]:
+        return [rng.choice(self._train) for _ in range(n)]
+
+    def eval_set(self) -> list[Example]:
+        return list(self._eval)
+
+    def reward(self, completion: str, example: Example) -> Any:
+        record = example.record if isinstance(example, RecordExample) else {"prompt": example.prompt}
+        return self._reward(example.prompt, completion, dict(record))
+
+    def check_demonstrations(self) -> None:
+        """ValueError unless every record has a ``"completion"`` (the cold start trains on them)."""
+        missing = [ex for ex in self._train + self._eval if ex.completion is None]
+        if missing:
+            raise ValueError(f"config error at 'cold_start.steps': the cold start trains on demonstrations, and task "
+                             f"'jsonl' takes them from each record's \"completion\" string, which "
+                             f"{len(missing)} of {len(self._train) + len(self._eval)} records lack (first: "
+                             f"{missing[0].source}); add a \"completion\" to every record of task.path and "
+                             f"task.eval_path, or set cold_start.steps=0 (or model.path, to start from a trained "
+                             f"model)")
+
+    def demonstration(self, example: Example) -> str:
+        completion = getattr(example, "completion", None)
+        if completion is None:
+            raise ValueError(f"{getattr(example, 'source', '') or example.prompt[:40]!r}: no \"completion\" to "
+                             f"demonstrate")
+        return completion
+
+
+def check_task_config(cfg: TaskConfig) -> None:
+    """The checks of ``cfg`` that its task can make before it is built (ValueError naming the key)."""
+    check = getattr(TASKS.get(cfg.name), "check_config", None)
+    if check is not None:
+        check(cfg)
+
+
+def _not_a_reward(value: Any) -> Optional[str]:
+    """Why ``value`` is not a usable reward, None when it is (a finite real number; bool counts as 0 or 1)."""
+    if not isinstance(value, numbers.Real):
+        return f"returned {type(value).__name__} {repr(value)[:40]}, not a number"
+    if not math.isfinite(float(value)):
+        return f"returned {float(value)}"
+    return None
+
+
+# reward names whose first failure has been logged with its traceback (once per process)
+_TRACEBACK_SHOWN: set[str] = set()
+
+
+def score_completions(task: Task, completions: list[str], examples: list[Example]) -> tuple[list[float], int]:
+    """``task.reward`` of each completion, and the number of errors: a reward that raises (any Exception) or
+    returns anything but a finite real number gives that sample 0.0, and one warning per call names the reward,
+    the count and the first failure (the first one in the process with its traceback). Never raises for a reward's
+    failure: one bad sample should not end a run, and a reward that always fails shows in ``reward/errors``."""
+    if len(completions) != len(examples):
+        raise ValueError(f"{len(completions)} completions for {len(examples)} examples")
+    rewards: list[float] = []
+    errors, first, first_exc = 0, "", None
+    for completion, example in zip(completions, examples):
+        exc = None
+        try:
+            value = task.reward(completion, example)
+            why = _not_a_reward(value)
+        except Exception as e:
+            value, why, exc = None, f"raised {type(e).__name__}: {e}", e
+        if why is None:
+            rewards.append(float(value))
+            continue
+        rewards.append(0.0)
+        errors += 1
+        if errors == 1:
+            first, first_exc = f"{why} on prompt {example.prompt[:60]!r}", exc
+    if errors:
+        name = getattr(task, "reward_name", None) or f"of task {getattr(task, 'name', type(task).__name__)!r}"
+        show = first_exc is not None and name not in _TRACEBACK_SHOWN
+        if show:
+            _TRACEBACK_SHOWN.add(name)
+        log.warning("reward %s failed on %d of %d samples (first: %s); they get reward 0 (counted in reward/errors)",
+                    name, errors, len(examples), first, exc_info=first_exc if show else None)
+    return rewards, errors
+
+
 TASKS: dict[str, Callable[[TaskConfig, int], Task]] = {
     "addition": AdditionTask,
     "sorting": SortingTask,
     "long_addition": LongAdditionTask,
     "math": MathTask,
+    "jsonl": JsonlTask,
 }
