@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
@@ -19,6 +19,9 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from constraints.config import ConstraintConfig
 from trainers.config import RENAMED_KEYS as TRAINER_RENAMED_KEYS
 from trainers.config import AlgoConfig, ColdStartConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig
+
+if TYPE_CHECKING:
+    from trainers.engines import EngineCapabilities
 
 
 class ConfigError(ValueError):
@@ -427,16 +430,16 @@ def _validate_registries(cfg: RunConfig) -> None:
             check_penalty_constraints(cfg.dual.constraints)
         except ValueError as exc:
             raise ConfigError(f"config error at 'dual.constraints': {exc}") from exc
-    if cfg.rollout.engine == "vllm" and cfg.rollout.precision == "int8":
-        raise ConfigError("config error at 'rollout.precision': vLLM has no weight-only int8 path on this build; "
-                          "use rollout.engine=torch for int8 rollouts, or bf16/fp16/fp32 with vLLM")
-    _validate_rollout_quantization(cfg, PRESETS)
-    if cfg.rollout.engine == "vllm" and cfg.algo.routing_replay == "r3" and not cfg.rollout.enforce_eager:
-        raise ConfigError("config error at 'rollout.enforce_eager': R3 with the vllm engine records routes through "
-                          "router hooks that only run in eager mode; set rollout.enforce_eager=true")
-    if cfg.async_rollout.enabled and cfg.rollout.engine != "torch":
-        raise ConfigError(f"config error at 'async_rollout.enabled': the rollout worker thread drives the embedded "
-                          f"torch engine only; use rollout.engine=torch, or async_rollout.enabled=false with "
+    engine = ENGINES[cfg.rollout.engine].capabilities
+    _validate_rollout_quantization(cfg, PRESETS, engine)
+    if engine.routes == "eager" and cfg.algo.routing_replay == "r3" and not cfg.rollout.enforce_eager:
+        raise ConfigError(f"config error at 'rollout.enforce_eager': R3 with the {cfg.rollout.engine} engine records "
+                          f"routes through router hooks that only run in eager mode; set rollout.enforce_eager=true")
+    if cfg.async_rollout.enabled and not engine.async_worker:
+        able = " | ".join(n for n, e in ENGINES.items() if e.capabilities.async_worker)
+        raise ConfigError(f"config error at 'async_rollout.enabled': the rollout worker thread drives an engine in "
+                          f"the trainer's process (the {able} engine), not the {cfg.rollout.engine} engine; use "
+                          f"rollout.engine={able}, or async_rollout.enabled=false with "
                           f"rollout.engine={cfg.rollout.engine}")
     mismatch = [i for i, c in enumerate(cfg.dual.constraints) if c.measure == "routing_mismatch"]
     if penalizes and mismatch and cfg.algo.routing_replay == "r3":
@@ -449,22 +452,21 @@ def _validate_registries(cfg: RunConfig) -> None:
                           f"but model.preset={cfg.model.preset!r} is a dense model; use routing_replay=none")
 
 
-def _validate_rollout_quantization(cfg: RunConfig, presets: dict) -> None:
-    """Quantised rollout precisions the chosen engine and model can run, refused at load, before anything is built."""
+def _validate_rollout_quantization(cfg: RunConfig, presets: dict, engine: EngineCapabilities) -> None:
+    """Rollout precisions (and logit noise) the chosen engine and model can run, refused at load, before anything is
+    built."""
     import torch
 
     from trainers.models import model_from_config
-    from trainers.quant import (VLLM_FP8_UNAVAILABLE, VLLM_LOGIT_NOISE_UNSUPPORTED, VLLM_UNSUPPORTED_PRECISIONS,
-                                fp8_gemm_available, int4_group_error)
+    from trainers.quant import fp8_gemm_available, int4_group_error
 
     r = cfg.rollout
-    if r.engine == "vllm":
-        if r.precision in VLLM_UNSUPPORTED_PRECISIONS:
-            raise ConfigError(f"config error at 'rollout.precision': {VLLM_UNSUPPORTED_PRECISIONS[r.precision]}")
-        if r.precision == "fp8" and not fp8_gemm_available():
-            raise ConfigError(f"config error at 'rollout.precision': {VLLM_FP8_UNAVAILABLE}")
-        if r.logit_noise > 0:
-            raise ConfigError(f"config error at 'rollout.logit_noise': {VLLM_LOGIT_NOISE_UNSUPPORTED}")
+    if r.precision in engine.unsupported_precisions:
+        raise ConfigError(f"config error at 'rollout.precision': {engine.unsupported_precisions[r.precision]}")
+    if r.precision == "fp8" and engine.fp8_needs_tensor_cores and not fp8_gemm_available():
+        raise ConfigError(f"config error at 'rollout.precision': {engine.fp8_needs_tensor_cores}")
+    if r.logit_noise > 0 and engine.no_logit_noise:
+        raise ConfigError(f"config error at 'rollout.logit_noise': {engine.no_logit_noise}")
     if r.precision == "int4":
         # the preset's architecture on the meta device: shapes only, no memory, no weights
         with torch.device("meta"):
@@ -504,10 +506,6 @@ RESUME_KEYS = ("model.preset", "model.path", "model.dtype", "task.name", "dual.r
                "dual.constraints.*.tau")
 
 
-def resume_conflicts(saved: dict[str, str], cfg: RunConfig) -> list[str]:
-    """One line per ``RESUME_KEYS`` key where ``cfg`` differs from the flattened config ``saved`` with a checkpoint
-    (``flatten``), the number of constraints first; empty when the run can continue from it."""
-    now = flatten(cfg)
 def _rule_of_old_keys(saved: dict[str, str]) -> dict[str, str]:
     """A flattened config saved before ``dual.rule`` named off and fixed: its ``dual.enabled=False`` is rule off and
     its ``dual.fixed=True`` rule fixed (see ``RENAMED_KEYS``)."""
@@ -518,10 +516,14 @@ def _rule_of_old_keys(saved: dict[str, str]) -> dict[str, str]:
     return saved
 
 
+def resume_conflicts(saved: dict[str, str], cfg: RunConfig) -> list[str]:
+    """One line per ``RESUME_KEYS`` key where ``cfg`` differs from the flattened config ``saved`` with a checkpoint
+    (``flatten``), the number of constraints first; empty when the run can continue from it."""
+    saved = _rule_of_old_keys(saved)
+    now = flatten(cfg)
 
     def count(flat: dict[str, str]) -> int:
         return len({k.split(".")[2] for k in flat if k.startswith("dual.constraints.")})
-    saved = _rule_of_old_keys(saved)
 
     out = []
     if count(saved) != count(now):

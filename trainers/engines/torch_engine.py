@@ -180,3 +180,11 @@ class TorchEngine:
     def close(self) -> None:
         self.model = None
 
+
+
+def build(cfg: RolloutConfig, model: torch.nn.Module, model_dir: str | None, *, eos_id: int, pad_id: int,
+          every_rank: bool = False) -> TorchEngine:
+    """The registry's builder (``trainers.engines.ENGINES``): the engine copies ``model``; ``model_dir`` is unused."""
+    if every_rank:
+        raise ValueError("the torch engine runs on rank 0 only (weight_sync rank0); it has no per-rank part")
+    return TorchEngine(cfg, model, eos_id=eos_id, pad_id=pad_id)

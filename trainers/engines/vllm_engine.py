@@ -93,7 +93,7 @@ from vllm.platforms import current_platform
 
 from trainers.batch import Rollout, left_pad_prompts
 from trainers.config import RolloutConfig
-from trainers.quant import VLLM_FP8_UNAVAILABLE, VLLM_LOGIT_NOISE_UNSUPPORTED, VLLM_UNSUPPORTED_PRECISIONS
+from trainers.engines import VLLM_FP8_UNAVAILABLE, VLLM_LOGIT_NOISE_UNSUPPORTED, VLLM_UNSUPPORTED_PRECISIONS
 
 # precision name -> vLLM dtype
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
@@ -519,3 +519,11 @@ def _kv_cache_bytes(hf_config, dtype: str) -> int:
     per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * _DTYPE_BYTES[dtype]
     one_sequence = per_token * hf_config.max_position_embeddings
     return max(one_sequence, min(one_sequence * _MAX_NUM_SEQS, _MAX_CPU_KV_BYTES))
+
+
+def build(cfg: RolloutConfig, model: torch.nn.Module, model_dir: Optional[str], *, eos_id: int, pad_id: int,
+          every_rank: bool = False) -> VllmEngine:
+    """The registry's builder (``trainers.engines.ENGINES``); ``every_rank``: this torchrun rank hosts its
+    tensor-parallel part of one engine (vLLM's ``external_launcher`` executor)."""
+    return VllmEngine(cfg, model, model_dir, eos_id=eos_id, pad_id=pad_id,
+                      distributed_executor_backend="external_launcher" if every_rank else None)
