@@ -49,6 +49,7 @@ import platform
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -316,12 +317,22 @@ def run_recipe(recipe: str, engine: str, model_dir: Path, out: Path, *, context:
     result = RunResult(recipe, engine, command, proc.returncode, wall, usage.ru_maxrss * 1024 / 1e9, estimate,
                        available, extra=list(extra))
     if proc.returncode != 0:
-        lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
-        errors = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception)\b.*:", ln) or ln.startswith("dcmdp:")]
-        result.error = (errors[-1] if errors else (lines[-1] if lines else f"exit {proc.returncode}"))[:600]
+        result.error = error_from_log(log_path, proc.returncode)
         return result
     result.steps, result.changed_fraction, result.compared_elements = _history_and_changes(out, model_dir)
     return result
+
+
+def error_from_log(log_path: Path, returncode: int) -> str:
+    """The line that says why a run failed: the last exception line of its log (vLLM prefixes its workers' lines
+    with ``[rank0]:``), a ``dcmdp:`` error, or the signal that killed it (SIGKILL with no traceback: usually the
+    kernel's out-of-memory killer)."""
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name} (no traceback)"
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", ln) for ln in log_path.read_text(errors="replace").splitlines()]
+    lines = [ln for ln in lines if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception)\b.*:", ln) or ln.startswith("dcmdp:")]
+    return (errors[-1] if errors else (lines[-1] if lines else f"exit {returncode}"))[:600]
 
 
 STEP_KEYS = ("time/step", "time/rollout", "time/old_logp", "time/update", "time/sync", "discrepancy/abs_prob_diff",
@@ -446,8 +457,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                   + (f", error: {r.error}" if r.error else ""), flush=True)
             if not ns.keep_runs:
                 shutil.rmtree(out, ignore_errors=True)
+    earlier_invocations: list[dict] = []
     if ns.merge and Path(ns.out).with_suffix(".json").is_file():
         earlier = json.loads(Path(ns.out).with_suffix(".json").read_text())
+        earlier_invocations = earlier.get("invocations") or [{"date": earlier["date"], "command": earlier["command"]}]
         done = {(r.recipe, r.engine, tuple(r.extra)) for r in results}
         kept = [RunResult(**r) for r in earlier["runs"]
                 if (r["recipe"], r["engine"], tuple(r.get("extra", []))) not in done]
@@ -457,17 +470,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         results = sorted(kept + results, key=lambda r: (order.get((r.recipe, r.engine), 99), r.extra))
     text = table(results, counts)
     print("\n" + text)
-    write_results(Path(ns.out), results, counts, ns, text, acts)
+    write_results(Path(ns.out), results, counts, ns, text, acts, earlier_invocations)
     return 0 if all(r.returncode == 0 for r in results) else 1
 
 
-def write_results(prefix: Path, results: list[RunResult], counts: dict, ns, text: str, acts: dict) -> None:
+def write_results(prefix: Path, results: list[RunResult], counts: dict, ns, text: str, acts: dict,
+                  earlier_invocations: tuple[dict, ...] | list[dict] = ()) -> None:
+    """<prefix>.json and <prefix>.md; ``earlier_invocations`` (date, command) are the --merge'd runs' own."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine(), "versions": versions(),
-            "command": f"OMP_NUM_THREADS={ns.threads} .venv/bin/python benchmarks/real_shapes.py --recipes "
-                       f"{ns.recipes} --engines {ns.engines} --context {ns.context} --threads {ns.threads}"
-                       + (f" --extra '{ns.extra}'" if ns.extra else "") + (" --merge" if ns.merge else "") + (" --activations" if ns.activations else ""),
+    command = (f"OMP_NUM_THREADS={ns.threads} .venv/bin/python benchmarks/real_shapes.py --recipes {ns.recipes} "
+               f"--engines '{ns.engines}' --context {ns.context} --threads {ns.threads}"
+               + (f" --extra '{ns.extra}'" if ns.extra else "") + (" --merge" if ns.merge else "")
+               + (" --activations" if ns.activations else ""))
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    info = {"date": date, "machine": machine(), "versions": versions(), "command": command,
+            "invocations": [*earlier_invocations, {"date": date, "command": command}],
             "context": ns.context, "models": counts, "saved_bytes_per_token": acts,
             "estimates_gb": {f"{r.recipe}/{r.engine}": memory_estimate(r.recipe, r.engine, ns.context)
                              for r in results},
@@ -477,7 +494,9 @@ def write_results(prefix: Path, results: list[RunResult], counts: dict, ns, text
     lines = [f"# Real recipes at real shapes, one decoder layer, CPU", "",
              f"- date: {info['date']}", f"- machine: {info['machine']}",
              f"- versions: {', '.join(f'{k} {v}' for k, v in info['versions'].items())}",
-             f"- command: `{info['command']}`", "", "Per run (each a `dcmdp train` child process):", ""]
+             "- commands (in order; `--merge` keeps the earlier invocations' results):"]
+    lines += [f"  - {i['date']}: `{i['command']}`" for i in info["invocations"]]
+    lines += ["", "Per run (each a `dcmdp train` child process):", ""]
     lines += [f"- `{r.command}`" for r in results]
     lines += ["", text, ""]
     if acts:
