@@ -92,7 +92,8 @@ class Task(Protocol):
         ...
 
     def reward(self, completion: str, example: Example) -> float:
-        """1.0 if ``completion`` answers ``example`` correctly, else 0.0."""
+        """1.0 if ``completion`` answers ``example`` correctly, else 0.0 (task ``jsonl``: what the user's function
+        returns). Callers score through ``score_completions``, which turns a failure into 0.0 and counts it."""
         ...
 
     def demonstration(self, example: Example) -> str:
@@ -562,8 +563,8 @@ class JsonlTask:
     ...). A malformed line is a ValueError naming file and line. Split: as task ``math`` (``cfg.eval_path``, else
     the last ``cfg.eval_size`` lines of ``cfg.path``); ``sample`` draws training records with replacement.
 
-    Reward: ``cfg.reward`` names ``function(prompt: str, completion: str, example: dict) -> float``: the prompt as
-    given to the model, the decoded response (no EOS or padding), and a shallow copy of the record. The value is
+    Reward: ``cfg.reward`` names ``function(prompt: str, completion: str, example: dict) -> float``: the record's
+    prompt, the decoded response (no EOS or padding), and a shallow copy of the record. The value is
     used as it is (group advantages need no scale); ``reward/accuracy`` counts rewards > 0.5 and the held-out
     score (``eval/accuracy``) is the mean reward. Failures: see ``score_completions``.
 
@@ -579,8 +580,9 @@ class JsonlTask:
         self.cfg = cfg
         self.reward_name = cfg.reward
         self._reward = load_reward(cfg.reward)
-        load = lambda path: _load_jsonl(path, lambda record, where: parse_jsonl_record(record, where), "jsonl")
-        self._train, self._eval = _split(cfg, load(cfg.path), load(cfg.eval_path) if cfg.eval_path else None)
+        self._train, self._eval = _split(cfg, _load_jsonl(cfg.path, parse_jsonl_record, "jsonl"),
+                                         _load_jsonl(cfg.eval_path, parse_jsonl_record, "jsonl") if cfg.eval_path
+                                         else None)
         self.data_digest = _file_digest([p for p in (cfg.path, cfg.eval_path) if p])
 
     @staticmethod
