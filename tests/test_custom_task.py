@@ -291,6 +291,9 @@ def test_a_byte_order_mark_is_read_in_jsonl_and_config_files(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     task = JsonlTask(TaskConfig(name="jsonl", path="sums.jsonl", eval_size=2, reward="my_reward:score"), 0)
     assert len(task.eval_set()) == 2 and all(not ex.prompt.startswith("\ufeff") for ex in task.eval_set())
+    math_file = tmp_path / "math.jsonl"
+    math_file.write_text('\ufeff{"problem": "1+1?", "answer": "2"}\n', encoding="utf-8")
+    assert tasks.load_math_jsonl(math_file) == [tasks.Example("1+1?", "2")]
     config = tmp_path / "run.yaml"
     config.write_text("\ufeffsteps: 7\ntask:\n  name: jsonl\n  path: sums.jsonl\n  reward: my_reward:score\n",
                       encoding="utf-8")
