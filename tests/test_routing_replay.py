@@ -221,3 +221,34 @@ def test_same_shape_shift_is_detected():
     with pytest.raises(learner.ReplayError, match="line up"):
         learner.score_old(model, rollout.with_(rollout_experts_BSLK=shifted), torch.ones(len(rollout)), cfg,
                           temperature=TEMP, fp32_lm_head=True, moe=True)
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_replay_survives_activation_checkpointing(capture):
+    # the recipes turn on R3 and gradient checkpointing together: the backward recomputes each decoder layer
+    # after replay_routes has closed, and must route the recomputation like the forward (same gradients as
+    # without checkpointing, routes captured and replayed pairs counted once)
+    models = {gc: build_model(ModelConfig(preset="tiny-moe", gradient_checkpointing=gc), V, seed=0).train()
+              for gc in (False, True)}
+    rollout = _rollout(models[False])
+    B, S = rollout.input_ids_BS.shape
+    own_BSLK = _own_routes(models[False], rollout)
+    # routes none of the routers would pick (the experts after their own top-2, mod E): a replay that the
+    # recomputation ignored gives other gradients (or a CheckpointError)
+    E = models[False].config.num_experts
+    replay_BSLK = (own_BSLK + 2) % E
+    grads, counts = {}, {}
+    for gc, model in models.items():
+        model.zero_grad()
+        with routing.replay_routes(model, replay_BSLK, capture=capture) as stats:
+            logp_BT, _ = response_logprobs(model, rollout.input_ids_BS, rollout.attention_mask_BS,
+                                           rollout.num_prompt_positions, temperature=TEMP)
+        loss = -(logp_BT * rollout.response_mask_BT.clone()).sum()  # the engine made the mask in inference mode
+        loss.backward()
+        grads[gc] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        counts[gc] = (stats.replayed_pairs, [len(stats._ctx.captured.get(layer, [])) for layer in range(2)])
+    assert counts[True] == counts[False] == (routing.expected_replay_pairs(replay_BSLK),
+                                             [1, 1] if capture else [0, 0])
+    assert grads[True].keys() == grads[False].keys()
+    for name, g in grads[False].items():
+        torch.testing.assert_close(grads[True][name], g, rtol=1e-5, atol=1e-6, msg=name)

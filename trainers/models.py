@@ -205,7 +205,9 @@ def build_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> PreTrainedMo
     else:
         model = model_from_config(preset.make_config(vocab_size), seed=seed, dtype=param_dtype(cfg.dtype))
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # the recomputed layers route like their forward did (R2/R3 replay), see routing.checkpoint_context_fn
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+            "use_reentrant": False, "context_fn": routing.checkpoint_context_fn})
     model.config.use_cache = False
     routing.set_fp32_router(model, cfg.fp32_router)
     set_compute_dtype(model, cfg.dtype)

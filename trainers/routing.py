@@ -152,6 +152,30 @@ def _activate(ctx: _RouteContext) -> Iterator[_RouteContext]:
         _LOCAL.active = None
 
 
+def checkpoint_context_fn() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """``context_fn`` for ``torch.utils.checkpoint`` (non-reentrant): the recomputation of a checkpointed layer
+    during ``backward()`` runs under the routing context its forward ran under.
+
+    Activation checkpointing recomputes each decoder layer in the backward pass, after ``replay_routes`` or
+    ``capture_routes`` has closed; without this the recomputed routers would take their own top-k instead of
+    the replayed routes (a different graph: torch raises ``CheckpointError``, or with equal shapes the
+    gradient of another routing). The recomputation replays the same routes but neither captures nor counts
+    again, so ``RouteCapture`` and ``ReplayStats`` see each forward once."""
+    ctx = getattr(_LOCAL, "active", None)
+    return contextlib.nullcontext(), _recomputing(ctx)
+
+
+@contextlib.contextmanager
+def _recomputing(ctx: Optional[_RouteContext]) -> Iterator[None]:
+    # runs in the thread that recomputes (on a GPU, an autograd worker thread), whatever context it holds
+    before = getattr(_LOCAL, "active", None)
+    _LOCAL.active = None if ctx is None else _RouteContext(replay=ctx.replay)
+    try:
+        yield
+    finally:
+        _LOCAL.active = before
+
+
 class RouteCapture:
     """Routes recorded by ``capture_routes``; ``experts(B, S)`` stacks a single full forward."""
 
