@@ -48,7 +48,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Iterator, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,8 +71,6 @@ KEYS = {"discrepancy/kl_k3": "kl_k3", "discrepancy/abs_prob_diff": "abs_prob_dif
         "discrepancy/extreme_rate_2": "extreme_rate(2)", "routing/mismatch": "routing mismatch"}
 # trainer column -> model.dtype whose forwards it runs (float16: float32 weights under float16 autocast)
 TRAINERS = {"fp32": "float32", "fp16": "float16"}
-# measure_phase reads only s.cfg.dual.constraints: with none, it returns every measure of the batch
-_MEASURE_ONLY = SimpleNamespace(cfg=SimpleNamespace(dual=SimpleNamespace(constraints=[])))
 
 
 def vllm_python() -> Optional[Path]:
@@ -143,7 +140,7 @@ def _rollout_rows(model, model_dir: str, engine: str, precision: str, fp32_route
                     batch = learner.score_old(model, rollout, torch.zeros(len(rollout)),
                                               AlgoConfig(routing_replay=mode), temperature=TEMP, fp32_lm_head=True,
                                               moe=moe)
-                    _, metrics = measure_phase(_MEASURE_ONLY, batch)
+                    _, metrics = measure_phase([], batch)  # no constraints: every measure of the batch
                     for k in KEYS:
                         if k in metrics:
                             values[(trainer, mode)][k].append(float(metrics[k]))

@@ -57,6 +57,8 @@ PHASES = ("rollout", "old_logp", "measure", "update", "dual", "sync")
 class _NoBar:
     """Stands in for the tqdm bar ``_train_step`` writes its postfix to."""
 
+    disable = False  # a shown bar: the loop writes no console line per log_every steps
+
     def set_postfix(self, **_):
         pass
 
@@ -74,10 +76,10 @@ def larger_moe_config(vocab_size: int) -> Qwen3MoeConfig:
 def swap_model(s: Setup, model: torch.nn.Module) -> None:
     """Replace the Setup's model (and its engine and optimiser) by ``model``, keeping everything else."""
     cfg = s.cfg
-    s.engine.close()
-    s.model = model
-    s.engine = build_engine(cfg.rollout, model, None, eos_id=s.tokenizer.eos_token_id,
-                            pad_id=s.tokenizer.pad_token_id)
+    s.policy.engine.close()
+    s.policy.model = model
+    s.policy.engine = build_engine(cfg.rollout, model, None, eos_id=s.policy.tokenizer.eos_token_id,
+                                   pad_id=s.policy.tokenizer.pad_token_id)
     s.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                     weight_decay=cfg.optim.weight_decay)
     s.scheduler = None
@@ -100,16 +102,16 @@ def controller_share(s: Setup, steps: int, warmup: int) -> dict:
 
 def r3_overhead(s: Setup, repeats: int) -> dict:
     """R3 / none fwd+bwd time ratio on the first mini-batch of a fresh rollout of ``s``."""
-    _, rollout = rollout_phase(s, 10**6)
+    _, rollout = rollout_phase(s.policy, s.cfg, 10**6)
     size = len(rollout) // s.cfg.algo.minibatches
     mb = rollout.select(torch.arange(size))
-    out = overhead(s.model, mb, repeats)
+    out = overhead(s.policy.model, mb, repeats)
     out["rows"] = size
     return out
 
 
 def model_row(name: str, s: Setup, steps: int, warmup: int, repeats: int) -> dict:
-    total, active = param_counts(s.model)
+    total, active = param_counts(s.policy.model)
     print(f"[{name}] {total / 1e6:.2f}M params ({active / 1e6:.2f}M active): {steps} steps", flush=True)
     t0 = time.perf_counter()
     ctrl = controller_share(s, steps, warmup)
@@ -198,12 +200,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         try:
             rows = [model_row(cfg.model.preset, s, args.steps, args.warmup, args.repeats)]
             if args.larger:
-                swap_model(s, model_from_config(larger_moe_config(len(s.tokenizer)), seed=cfg.seed))
+                swap_model(s, model_from_config(larger_moe_config(len(s.policy.tokenizer)), seed=cfg.seed))
                 rows.append(model_row("larger-moe (h256, L4, E32 top-4)", s, args.larger_steps, args.warmup,
                                       args.larger_repeats))
         finally:
             s.tracker.finish()
-            s.engine.close()
+            s.policy.engine.close()
 
     cmd = "OMP_NUM_THREADS=%s .venv/bin/python benchmarks/overheads.py %s" % (
         os.environ.get("OMP_NUM_THREADS", "<unset>"), " ".join(argv if argv is not None else sys.argv[1:]))

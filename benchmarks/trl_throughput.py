@@ -55,7 +55,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from dcmdp.config import load_config  # noqa: E402
-from dcmdp.loop import _step_seed  # noqa: E402
+from dcmdp.policy import step_seed  # noqa: E402
 from trainers.coldstart import cold_start  # noqa: E402
 from trainers.models import build_model, save_model_dir  # noqa: E402
 from trainers.tasks import TASKS  # noqa: E402
@@ -98,7 +98,7 @@ def step_prompts(args) -> list[list[str]]:
     task = TASKS[cfg.task.name](cfg.task, cfg.seed)
     rows = []
     for step in range(args.steps):
-        rng = random.Random(_step_seed(args.seed, step, 0))
+        rng = random.Random(step_seed(args.seed, step, 0))
         rows += [[ex.prompt, ex.answer] for ex in task.sample(rng, args.prompts)]
     return rows
 

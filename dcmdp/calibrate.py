@@ -35,6 +35,7 @@ from constraints.config import ConstraintConfig
 from constraints.measures import measure_constraint, panel_constraints
 from dcmdp.config import RunConfig
 from dcmdp.loop import Setup, measure_phase, rollout_phase, setup
+from dcmdp.policy import Policy
 from trainers import learner
 
 log = logging.getLogger("dcmdp")
@@ -146,7 +147,7 @@ def calibrate(cfg: RunConfig, batches: int = 8, slack: float = 0.25, measures: S
 
     The constraints of the snippet are ``measures`` (default settings, tolerance set) when given, else the
     config's ``dual.constraints`` with only their tolerance replaced. Builds the run with
-    ``dcmdp.loop.setup`` (cold start, engine, MLflow run tagged ``dcmdp.kind=calibrate``) and logs each
+    ``dcmdp.loop.setup`` (``dcmdp.policy.build_policy``, MLflow run tagged ``dcmdp.kind=calibrate``) and logs each
     batch's measures as metrics at step n.
     """
     if batches < 1:
@@ -160,7 +161,7 @@ def calibrate(cfg: RunConfig, batches: int = 8, slack: float = 0.25, measures: S
         per_key: dict[str, list[float]] = {}
         kept = []
         for n in range(batches):
-            values, batch = measure_batch(s, targets, n)
+            values, batch = measure_batch(s.policy, cfg, targets, n)
             for k, v in values.items():
                 per_key.setdefault(k, []).append(v)
             s.tracker.log_metrics(values, step=n + 1)
@@ -183,19 +184,18 @@ def calibrate(cfg: RunConfig, batches: int = 8, slack: float = 0.25, measures: S
         s.tracker.finish("FAILED")
         raise
     finally:
-        s.engine.close()
+        s.policy.engine.close()
     return result
 
 
 @torch.no_grad()
-def measure_batch(s: Setup, targets: Sequence[ConstraintConfig], step: int):
+def measure_batch(policy: Policy, cfg: RunConfig, targets: Sequence[ConstraintConfig], step: int):
     """One rollout batch with the current weights, pi_old recomputed; every measure's batch value."""
-    cfg = s.cfg
-    _, rollout = rollout_phase(s, step)
+    _, rollout = rollout_phase(policy, cfg, step)
     advantages_B = torch.zeros(len(rollout))  # no update follows: the advantages are never used
-    batch = learner.score_old(s.model, rollout, advantages_B, cfg.algo, temperature=cfg.rollout.temperature,
-                              fp32_lm_head=cfg.model.fp32_lm_head, moe=s.moe)
-    _, metrics = measure_phase(s, batch)
+    batch = learner.score_old(policy.model, rollout, advantages_B, cfg.algo, temperature=cfg.rollout.temperature,
+                              fp32_lm_head=cfg.model.fp32_lm_head, moe=policy.moe)
+    _, metrics = measure_phase(cfg.dual.constraints, batch)
     values = {k: float(v) for k, v in metrics.items() if k in FLOOR_MEASURES}
     r = batch.rollout
     routes = batch.routes()

@@ -17,12 +17,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from constraints.config import ConstraintConfig
 from constraints.measures import discrepancy_metrics, measure_constraint
 from constraints.penalties import constraint_names
 from dcmdp.async_rollout import RolloutWorker, screen_stale
@@ -34,15 +35,13 @@ from dcmdp.dual import DualState, constraints_in_force, dual_step, get_rule, ini
 from dcmdp.plots import plot_dual
 from dcmdp.tracking import (NoTracker, Tracker, check_tracking_uri, provenance_tags, resolve_tracking_uri,
                             tracking_uri_source)
+from dcmdp.policy import (Policy, build_policy, decode_responses, encode_prompts, held_out_accuracy, held_out_examples,
+                          seed_everything, step_seed)
 from trainers import guards, learner
 from trainers.advantages import ADVANTAGES
 from trainers.batch import Rollout
-from trainers.coldstart import cold_start
-from trainers.engines import RolloutEngine
-from trainers.models import PRESETS, build_model, check_context, compute_dtype, save_model_dir
-from trainers.routing import is_moe
-from trainers.tasks import TASKS, Example, Task, score_completions
-from trainers.tokenizer import build_char_tokenizer, load_tokenizer
+from trainers.models import compute_dtype
+from trainers.tasks import Example, score_completions
 
 log = logging.getLogger("dcmdp")
 
@@ -52,16 +51,12 @@ class Setup:
     """Everything a run holds; built once by ``setup``."""
 
     cfg: RunConfig
-    tokenizer: Any
-    task: Task
-    model: torch.nn.Module
-    model_dir: str
-    engine: RolloutEngine
+    # Tokenizer, task, model (pi_theta) and rollout engine (mu), from ``dcmdp.policy.build_policy``.
+    policy: Policy
     optimizer: torch.optim.Optimizer
     scheduler: Optional[torch.optim.lr_scheduler.LRScheduler]
     dual: DualState
     tracker: Tracker
-    moe: bool
     names: list[str]
     history: list[dict[str, float]] = field(default_factory=list)
     start_step: int = 0
@@ -75,7 +70,7 @@ class Setup:
     lock: Optional[RunFolderLock] = None
     # Held-out accuracy before the first RL step (kept in checkpoints, so a resumed run reports the same one).
     accuracy_before: Optional[float] = None
-    # The held-out examples that fit the context by length in characters (``screen_prompt_chars``), once screened.
+    # The held-out examples that fit the context by length in characters (``dcmdp.policy.screen_prompt_chars``), once screened.
     eval_examples: Optional[list[Example]] = None
     # Consecutive steps in which almost every group had zero reward variance (see ``_watch_signal``).
     no_signal_steps: int = 0
@@ -163,17 +158,17 @@ def _train_step(s: Setup, step: int, bar) -> None:
     t1 = time.perf_counter()
     rewards_B, reward_metrics = reward_phase(s, examples, rollout)
     rollout, advantages_B, keep_B, guard_metrics = screen_phase(s, rollout, rewards_B, fresh_B)
-    score = dict(temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head, moe=s.moe,
+    score = dict(temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head, moe=s.policy.moe,
                  shard=s.dist.shard)
     forward = None
     bypass = cfg.algo.old_logp == "rollout"
     if learner.fuses_old_pass(cfg.algo):
         # one mini-batch: the update back-propagates the pi_old forward instead of running the model again
-        batch, forward = learner.score_on_policy(s.model, rollout, advantages_B, cfg.algo, **score)
+        batch, forward = learner.score_on_policy(s.policy.model, rollout, advantages_B, cfg.algo, **score)
     elif bypass:
         batch = learner.score_bypass(rollout, advantages_B, cfg.algo)  # no forward before the updates
     else:
-        batch = learner.score_old(s.model, rollout, advantages_B, cfg.algo, **score)
+        batch = learner.score_old(s.policy.model, rollout, advantages_B, cfg.algo, **score)
     batch, keep_B, forward, old_metrics = learner.screen_old(batch, keep_B, forward)
     # the training engine's log-probs on the rollout weights, to measure against mu before the updates; a bypass
     # with N > 1 has none and measures the log-probs of each token's update instead (pi_theta vs mu)
@@ -183,30 +178,31 @@ def _train_step(s: Setup, step: int, bar) -> None:
     kept = bool(keep_B.any())
     t2 = time.perf_counter()
     # nothing left to measure: a NaN D-hat makes the dual step keep lambda and report the skip
-    measured_C, disc_metrics = (measure_phase(s, batch, train_logp_BT) if kept and train_logp_BT is not None else
+    measured_C, disc_metrics = (measure_phase(cfg.dual.constraints, batch, train_logp_BT)
+                                if kept and train_logp_BT is not None else
                                 (torch.full((len(s.names),), float("nan"), dtype=torch.float64), {}))
     t3 = time.perf_counter()
     trained_logp_BT = (batch.old_logp_BT.clone() if kept and (cfg.dual.measure_at == "updates" or train_logp_BT is None)
                        else None)
     update_metrics = learner.update(
-        s.model, s.optimizer, s.scheduler, batch, lambda_C=s.dual.lambda_C.float(),
+        s.policy.model, s.optimizer, s.scheduler, batch, lambda_C=s.dual.lambda_C.float(),
         constraints=constraints_in_force(s.dual, cfg.dual), penalty=cfg.dual.penalty, dual_enabled=get_rule(cfg.dual).penalizes,
         cfg=cfg.algo, temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
-        grad_clip=cfg.optim.grad_clip, generator=torch.Generator().manual_seed(_step_seed(cfg.seed, step, 2)),
+        grad_clip=cfg.optim.grad_clip, generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 2)),
         shard=s.dist.shard, trained_logp_BT=trained_logp_BT, forward=forward, scaler=s.scaler) if kept else []
     del forward
     t4 = time.perf_counter()
     if kept and train_logp_BT is None:
-        measured_C, disc_metrics = measure_phase(s, batch, trained_logp_BT)
+        measured_C, disc_metrics = measure_phase(cfg.dual.constraints, batch, trained_logp_BT)
     floor_C = measured_C  # pi_old vs mu on the weights that sampled the batch: an automatic tolerance's floor
     if trained_logp_BT is not None and cfg.dual.measure_at == "updates":
-        measured_C = constraint_values(s, batch, trained_logp_BT)
+        measured_C = constraint_values(cfg.dual.constraints, batch, trained_logp_BT)
     s.dual, dual_metrics = dual_step(s.dual, measured_C, cfg.dual, floor_C=floor_C)
     t5 = time.perf_counter()
     if s.worker is None:
-        s.engine.load_weights(s.model.state_dict(), version=step + 1)
+        s.policy.engine.load_weights(s.policy.model.state_dict(), version=step + 1)
     else:
-        s.worker.publish(s.model.state_dict(), version=step + 1)
+        s.worker.publish(s.policy.model.state_dict(), version=step + 1)
     t6 = time.perf_counter()
     metrics = {**reward_metrics, **disc_metrics, **dual_metrics, **_mean_dicts(update_metrics)}
     metrics.update(guard_metrics)
@@ -313,7 +309,7 @@ def _stop_bad_run(s: Setup, step: int) -> None:
     what = ", ".join(f"{k}={v:g}" for k, v in last.items()
                      if k.startswith("guard/") and k != "guard/consecutive_bad_steps" and v)
     s.tracker.finish("FAILED")
-    s.engine.close()
+    s.policy.engine.close()
     raise guards.TooManyBadStepsError(
         f"{s.bad_steps} consecutive bad steps up to step {step} (guard.max_bad_steps={s.cfg.guard.max_bad_steps}): "
         f"non-finite values in the rollout log-probs, rewards, advantages, pi_old log-probs, loss or gradient norm; "
@@ -327,7 +323,7 @@ def setup(cfg: RunConfig) -> Setup:
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
-    _seed_everything(cfg.seed)
+    seed_everything(cfg.seed)
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)
@@ -389,32 +385,8 @@ def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> tuple[Optio
 
 def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFolderLock]) -> Setup:
     resume, state = _resume_state(cfg, out, d)
-    preset = PRESETS[cfg.model.preset]
-    task = TASKS[cfg.task.name](cfg.task, cfg.seed)
-    if cfg.model.path:
-        tokenizer = load_tokenizer(cfg.model.path)
-    else:
-        if preset.needs_path:
-            raise FileNotFoundError(f"model.preset={cfg.model.preset!r} loads real weights: set model.path to a "
-                                    f"local directory with the weights and tokenizer")
-        tokenizer = build_char_tokenizer()
-    # a cold start from its own seed starts every run seed from one model
-    init_seed = cfg.cold_start.seed if cfg.cold_start.seed is not None and not cfg.model.path else cfg.seed
-    model = build_model(cfg.model, len(tokenizer), seed=init_seed)
-    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
-    if cfg.model.path:
-        model_dir = cfg.model.path
-    elif cfg.cold_start.steps > 0:
-        with d.main_first():  # rank 0 fills the on-disk cache, the other ranks load from it
-            model, info = cold_start(model, tokenizer, task, cfg.cold_start, cfg.model, seed=init_seed, eos_id=eos_id,
-                                     progress=show_bar(cfg) and d.main, fallback_dir=str(out / "initial_model"))
-        model_dir = str(info["model_dir"])
-    else:
-        model_dir = str(out / "initial_model")
-        if d.main:
-            save_model_dir(model, tokenizer, model_dir)
-    engine = distributed.rollout_engine(cfg, model, model_dir, eos_id=eos_id, pad_id=pad_id, d=d)
-    model = distributed.shard_model(model, cfg, d)
+    policy = build_policy(cfg, out, d=d, progress=show_bar(cfg))
+    model = policy.model = distributed.shard_model(policy.model, cfg, d)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
     # float16 compute needs dynamic loss scaling: small gradients underflow in float16 without it
@@ -437,7 +409,7 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
         bad_steps = int(state.get("guard", {}).get("consecutive_bad_steps", 0))
         distributed.restore_rank_rng(state, d)
         # the engine must sample from the trainer's weights, not the cold start's, from the first new rollout
-        engine.load_weights(model.state_dict(), version=int(state["engine_version"]))
+        policy.engine.load_weights(model.state_dict(), version=int(state["engine_version"]))
         accuracy_before = state.get("accuracy_before")
         log.info("resumed from %s at step %d (MLflow run %s)", resume, start_step, run_id)
     tracker = Tracker(cfg.tracking, out) if d.main else NoTracker()
@@ -450,45 +422,43 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
     if d.main:  # written once the run has started cleanly: a run that failed to start leaves the old one
         (out / "config.yaml").write_text(to_yaml(cfg))
     tracker.log_artifact(out / "config.yaml")
-    return Setup(cfg, tokenizer, task, model, model_dir, engine, optimizer, scheduler, dual, tracker,
-                 is_moe(model), constraint_names(cfg.dual.constraints), history, start_step, bad_steps, dist=d, lock=lock,
-                 accuracy_before=accuracy_before, scaler=scaler)
+    return Setup(cfg, policy, optimizer, scheduler, dual, tracker, constraint_names(cfg.dual.constraints), history,
+                 start_step, bad_steps, dist=d, lock=lock, accuracy_before=accuracy_before, scaler=scaler)
 
 
 def checkpoint(s: Setup, step: int) -> Path:
     """Everything a bitwise-identical continuation needs; written atomically, last ``keep`` kept."""
     if s.worker is not None:
         # the engine then holds version ``step``, and the rollout schedule restarts there, as on resume
-        s.worker.drain(s.model.state_dict(), step)
-    payload = {"step": step, "model": s.model.state_dict(), "optimizer": s.optimizer.state_dict(),
+        s.worker.drain(s.policy.model.state_dict(), step)
+    payload = {"step": step, "model": s.policy.model.state_dict(), "optimizer": s.optimizer.state_dict(),
                "scheduler": s.scheduler.state_dict() if s.scheduler is not None else None,
-               "dual": s.dual.state_dict(), "engine_version": s.engine.version, "run_id": s.tracker.run_id,
+               "dual": s.dual.state_dict(), "engine_version": s.policy.engine.version, "run_id": s.tracker.run_id,
                "history": s.history, "rng": capture_rng(), "guard": {"consecutive_bad_steps": s.bad_steps},
                "config": flatten(s.cfg), "accuracy_before": s.accuracy_before,
                "scaler": s.scaler.state_dict() if s.scaler is not None else None}
     ckpt_dir = Path(s.cfg.output_dir) / "checkpoints"
     if s.dist.world > 1:
         payload = {k: v for k, v in payload.items() if k not in ("model", "optimizer")}
-        return distributed.save_sharded_checkpoint(ckpt_dir, step, payload, s.model, s.optimizer,
+        return distributed.save_sharded_checkpoint(ckpt_dir, step, payload, s.policy.model, s.optimizer,
                                                    keep=s.cfg.checkpoint.keep, d=s.dist)
     return save_checkpoint(ckpt_dir, step, payload, keep=s.cfg.checkpoint.keep)
 
 
-def rollout_phase(s: Setup, step: int) -> tuple[list[Example], Rollout]:
+def rollout_phase(policy: Policy, cfg: RunConfig, step: int) -> tuple[list[Example], Rollout]:
     """Sample B prompts, G responses each; row p*G + g is sample g of prompt p."""
-    cfg = s.cfg
-    rng = random.Random(_step_seed(cfg.seed, step, 0))
-    prompts = s.task.sample(rng, cfg.algo.prompts_per_step)
+    rng = random.Random(step_seed(cfg.seed, step, 0))
+    prompts = policy.task.sample(rng, cfg.algo.prompts_per_step)
     examples = [ex for ex in prompts for _ in range(cfg.algo.samples_per_prompt)]
-    ids = encode_prompts(s, examples)
-    rollout = s.engine.generate(ids, seed=_step_seed(cfg.seed, step, 1))
+    ids = encode_prompts(policy.tokenizer, policy.model, examples, cfg.rollout.max_new_tokens)
+    rollout = policy.engine.generate(ids, seed=step_seed(cfg.seed, step, 1))
     return examples, rollout
 
 
 def _next_rollout(s: Setup, step: int) -> tuple[list[Example], Rollout, Optional[torch.Tensor], dict[str, float]]:
     """The batch of ``step``: sampled here, or taken from the rollout worker with its staleness screen."""
     if s.worker is None:
-        return (*rollout_phase(s, step), None, {})
+        return (*rollout_phase(s.policy, s.cfg, step), None, {})
     batch = s.worker.get(step)
     fresh_B, metrics = screen_stale(batch.rollout.version_B, step, s.cfg.async_rollout.max_staleness)
     return batch.examples, batch.rollout, fresh_B, {**metrics, **batch.timings()}
@@ -498,30 +468,31 @@ def _rollout_worker(s: Setup) -> Optional[RolloutWorker]:
     cfg = s.cfg.async_rollout
     if not cfg.enabled:
         return None
-    return RolloutWorker(s.engine, lambda step: rollout_phase(s, step), start=s.start_step, stop=s.cfg.steps,
-                         max_staleness=cfg.max_staleness, threads=cfg.threads, state_dict=s.model.state_dict())
+    return RolloutWorker(s.policy.engine, lambda step: rollout_phase(s.policy, s.cfg, step), start=s.start_step,
+                         stop=s.cfg.steps, max_staleness=cfg.max_staleness, threads=cfg.threads, state_dict=s.policy.model.state_dict())
 
 
 def reward_phase(s: Setup, examples: list[Example], rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
-    completions = decode_responses(s.tokenizer, rollout)
-    rewards, errors = score_completions(s.task, completions, examples)
+    completions = decode_responses(s.policy.tokenizer, rollout)
+    rewards, errors = score_completions(s.policy.task, completions, examples)
     rewards_B = torch.tensor(rewards, dtype=torch.float32)
     lengths = rollout.response_mask_BT.sum(dim=1).float()
     return rewards_B, {"reward/accuracy": float((rewards_B > 0.5).float().mean()), "reward/errors": float(errors),
                        "response/length_mean": float(lengths.mean())}
 
 
-def constraint_values(s: Setup, batch: learner.ScoredBatch, train_logp_BT: torch.Tensor) -> torch.Tensor:
+def constraint_values(constraints: Sequence[ConstraintConfig], batch: learner.ScoredBatch, train_logp_BT: torch.Tensor
+                      ) -> torch.Tensor:
     """D-hat of every constraint: the training engine's log-probs ``train_logp_BT`` vs mu (float64, [C])."""
     r = batch.rollout
-    if not s.cfg.dual.constraints:
+    if not constraints:
         return torch.zeros(0, dtype=torch.float64)
     return torch.stack([measure_constraint(c, train_logp_BT, r.rollout_logp_BT.float(), r.response_mask_BT.bool(),
-                                           **batch.routes()).double() for c in s.cfg.dual.constraints])
+                                           **batch.routes()).double() for c in constraints])
 
 
-def measure_phase(s: Setup, batch: learner.ScoredBatch, train_logp_BT: Optional[torch.Tensor] = None
-                  ) -> tuple[torch.Tensor, dict[str, float]]:
+def measure_phase(constraints: Sequence[ConstraintConfig], batch: learner.ScoredBatch,
+                  train_logp_BT: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, float]]:
     """D-hat of every constraint (the training engine's ``train_logp_BT`` vs mu: pi_old before the updates) and
     all discrepancy measures, with the per-token p50/p90/p99 of every constraint's measure.
 
@@ -530,9 +501,9 @@ def measure_phase(s: Setup, batch: learner.ScoredBatch, train_logp_BT: Optional[
     and N > 1 there is no pi_old: ``train_logp_BT`` is then pi_theta at each token's update. Default: pi_old."""
     r = batch.rollout
     train_logp_BT = batch.old_logp_BT if train_logp_BT is None else train_logp_BT
-    return constraint_values(s, batch, train_logp_BT), discrepancy_metrics(
+    return constraint_values(constraints, batch, train_logp_BT), discrepancy_metrics(
         train_logp_BT, r.rollout_logp_BT.float(), r.response_mask_BT.bool(), **batch.routes(),
-        quantiles_of=[c.measure for c in s.cfg.dual.constraints])
+        quantiles_of=[c.measure for c in constraints])
 
 
 @torch.no_grad()
@@ -540,20 +511,14 @@ def evaluate(s: Setup, seed: int) -> float:
     """Held-out accuracy: share of eval prompts whose sampled response (rollout temperature) is correct."""
     if s.worker is not None:
         # between two worker batches, on the trainer's current weights
-        return s.worker.evaluate(lambda: _evaluate(s, seed), s.model.state_dict())
+        return s.worker.evaluate(lambda: _evaluate(s, seed), s.policy.model.state_dict())
     return _evaluate(s, seed)
 
 
 def _evaluate(s: Setup, seed: int) -> float:
     if s.eval_examples is None:
-        s.eval_examples = screen_prompt_chars(s, s.task.eval_set(), "held-out")
-    examples = s.eval_examples
-    if not examples:
-        raise ValueError("every held-out prompt is too long for the model's context: nothing to evaluate")
-    ids = encode_prompts(s, examples)
-    rollout = s.engine.generate(ids, seed=_step_seed(seed, 10**6, 3))
-    completions = decode_responses(s.tokenizer, rollout)
-    return float(np.mean(score_completions(s.task, completions, examples)[0]))
+        s.eval_examples = held_out_examples(s.policy)
+    return held_out_accuracy(s.policy, s.eval_examples, s.cfg.rollout.max_new_tokens, seed)
 
 
 def finish(s: Setup, acc_before: float, acc_after: float, seconds: float) -> Summary:
@@ -571,47 +536,9 @@ def finish(s: Setup, acc_before: float, acc_after: float, seconds: float) -> Sum
         (out / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
     s.tracker.log_artifact(out / "summary.json")
     s.tracker.finish()
-    s.engine.close()
+    s.policy.engine.close()
     distributed.shutdown(s.dist)
     return summary
-
-
-def screen_prompt_chars(s: Setup, examples: list[Example], what: str) -> list[Example]:
-    """Drop the prompts whose length in characters alone shows they cannot fit the context, before tokenising
-    them (a 100 MB prompt would take gigabytes to tokenise): a prompt of more than context x (the longest
-    vocabulary entry, in characters) characters has more tokens than the context has positions. Logs the count."""
-    context = getattr(getattr(s.model, "config", None), "max_position_embeddings", None)
-    if not context or not examples:
-        return examples
-    longest_token = max((len(t) for t in s.tokenizer.get_vocab()), default=1)
-    limit = context * max(longest_token, 1)
-    kept = [ex for ex in examples if len(ex.prompt) <= limit]
-    if len(kept) < len(examples):
-        longest = max(len(ex.prompt) for ex in examples)
-        log.warning("%d of %d %s prompts skipped: longer than %d characters (%d positions x %d characters in the "
-                    "longest token), so they cannot fit the model's context; the longest has %d characters",
-                    len(examples) - len(kept), len(examples), what, limit, context, longest_token, longest)
-    return kept
-
-
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=True)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def encode_prompts(s: Setup, examples: list[Example]) -> list[list[int]]:
-    """Token ids of every prompt; a prompt that leaves no room for the response in the context is an error."""
-    ids = [encode_prompt(s.tokenizer, ex.prompt) for ex in examples]
-    check_context(ids, s.cfg.rollout.max_new_tokens, s.model, [ex.prompt for ex in examples])
-    return ids
-
-
-def decode_responses(tokenizer, rollout: Rollout) -> list[str]:
-    ids, mask = rollout.response_ids_BT.tolist(), rollout.response_mask_BT.tolist()
-    return [tokenizer.decode([t for t, m in zip(row, mrow) if m], skip_special_tokens=True)
-            for row, mrow in zip(ids, mask)]
 
 
 def _timings(rollout: Rollout, t0, t1, t2, t3, t4, t5, t6) -> dict[str, float]:
@@ -624,17 +551,6 @@ def _timings(rollout: Rollout, t0, t1, t2, t3, t4, t5, t6) -> dict[str, float]:
 def _mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
     keys = {k for d in dicts for k in d}
     return {k: float(np.mean([d[k] for d in dicts if k in d])) for k in keys}
-
-
-def _step_seed(seed: int, step: int, stream: int) -> int:
-    """Independent seeds per (run seed, step, stream): a resumed run regenerates the same randomness."""
-    return int(np.random.SeedSequence([seed, step, stream]).generate_state(1)[0])
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def _version() -> str:

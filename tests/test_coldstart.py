@@ -134,10 +134,10 @@ def test_cold_start_seed_gives_run_seeds_one_starting_model(tmp_path):
                                  *extra])
         s = setup(cfg)
         try:
-            return {k: v.clone() for k, v in s.model.state_dict().items()}
+            return {k: v.clone() for k, v in s.policy.model.state_dict().items()}
         finally:
             s.tracker.finish()
-            s.engine.close()
+            s.policy.engine.close()
 
     a, b = start(1, "cold_start.seed=7"), start(2, "cold_start.seed=7")
     assert all(torch.equal(a[k], b[k]) for k in a)

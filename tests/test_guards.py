@@ -13,7 +13,8 @@ from mlflow.tracking import MlflowClient
 from dcmdp import cli
 from dcmdp.checkpoint import find_resume_checkpoint, load_checkpoint
 from dcmdp.config import ConfigError, load_config
-from dcmdp.loop import _step_seed, train
+from dcmdp.loop import train
+from dcmdp.policy import step_seed
 from trainers import guards, learner
 from trainers.advantages import ADVANTAGES, STD_EPS
 from trainers.batch import Rollout
@@ -204,7 +205,7 @@ def _metric(client, run_id, key) -> dict[int, float]:
 def test_nan_rollout_logp_is_dropped_counted_and_lambda_kept(tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     # step index 1 (logged at step 2): one sample NaN; step index 2 (logged at 3): every sample NaN
-    _poison_generate(monkeypatch, {_step_seed(0, 1, 1): slice(0, 1), _step_seed(0, 2, 1): slice(None)})
+    _poison_generate(monkeypatch, {step_seed(0, 1, 1): slice(0, 1), step_seed(0, 2, 1): slice(None)})
     summary = train(load_config(None, _overrides(tmp_path / "out", 4)))
     assert summary.steps == 4
 
@@ -230,7 +231,7 @@ def test_nan_rollout_logp_is_dropped_counted_and_lambda_kept(tmp_path, monkeypat
 
 def test_consecutive_bad_steps_stop_the_cli_after_a_checkpoint(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    _poison_generate(monkeypatch, {_step_seed(0, s, 1): slice(None) for s in range(1, 10)})
+    _poison_generate(monkeypatch, {step_seed(0, s, 1): slice(None) for s in range(1, 10)})
     out = tmp_path / "out"
     rc = cli.main(["train", *_overrides(out, 10, "guard.max_bad_steps=2")])
     err = capsys.readouterr().err

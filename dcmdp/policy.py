@@ -1,0 +1,156 @@
+"""One builder of the policy for every command: tokenizer, task, model and rollout engine (``build_policy``).
+
+``dcmdp train`` (``dcmdp.loop``), ``dcmdp calibrate`` and ``dcmdp eval`` build them alike, so an evaluation
+or a calibration sees the same prompts, engine settings and sampling seeds as training. Also here: what
+those commands share to sample the held-out set (prompt encoding, the length screen, response decoding,
+``held_out_accuracy``) and the seeding of a run.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from dcmdp import distributed
+from dcmdp.config import RunConfig
+from trainers.batch import Rollout
+from trainers.coldstart import cold_start
+from trainers.engines import RolloutEngine
+from trainers.models import PRESETS, build_model, check_context, save_model_dir
+from trainers.routing import is_moe
+from trainers.tasks import TASKS, Example, Task, score_completions
+from trainers.tokenizer import build_char_tokenizer, load_tokenizer
+
+log = logging.getLogger("dcmdp")
+
+
+@dataclass
+class Policy:
+    """What ``build_policy`` builds."""
+
+    tokenizer: Any
+    task: Task
+    # The training engine's model pi_theta (under torchrun the loop shards it in place).
+    model: torch.nn.Module
+    # Hugging Face directory of the model's starting weights (engines that load from disk read it).
+    model_dir: str
+    # The rollout engine mu, holding the model's starting weights.
+    engine: RolloutEngine
+
+    @property
+    def moe(self) -> bool:
+        return is_moe(self.model)
+
+
+def build_policy(cfg: RunConfig, out: Path, *, d: distributed.Dist = distributed.Dist(), progress: bool = False,
+                 weights: Optional[dict[str, torch.Tensor]] = None) -> Policy:
+    """Tokenizer, task, model (loaded from ``model.path``, or cold-started and cached) and rollout engine.
+
+    ``weights``: a checkpoint's model state dict, loaded instead of the cold start (``dcmdp eval``). A model that
+    is neither loaded from ``model.path`` nor cached by the cold start is saved to ``out/initial_model`` for the
+    engines that load from disk. Under torchrun (``d``) rank 0 fills the cold-start cache first and the engine is
+    the scale-out's (``distributed.rollout_engine``). ``progress``: the cold start's progress bar.
+    """
+    preset = PRESETS[cfg.model.preset]
+    task = TASKS[cfg.task.name](cfg.task, cfg.seed)
+    if cfg.model.path:
+        tokenizer = load_tokenizer(cfg.model.path)
+    else:
+        if preset.needs_path:
+            raise FileNotFoundError(f"model.preset={cfg.model.preset!r} loads real weights: set model.path to a "
+                                    f"local directory with the weights and tokenizer")
+        tokenizer = build_char_tokenizer()
+    # a cold start from its own seed starts every run seed from one model
+    init_seed = cfg.cold_start.seed if cfg.cold_start.seed is not None and not cfg.model.path else cfg.seed
+    model = build_model(cfg.model, len(tokenizer), seed=init_seed)
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if weights is not None:
+        model.load_state_dict(weights)
+    if cfg.model.path and weights is None:
+        model_dir = cfg.model.path
+    elif cfg.cold_start.steps > 0 and weights is None:
+        with d.main_first():  # rank 0 fills the on-disk cache, the other ranks load from it
+            model, info = cold_start(model, tokenizer, task, cfg.cold_start, cfg.model, seed=init_seed, eos_id=eos_id,
+                                     progress=progress and d.main, fallback_dir=str(out / "initial_model"))
+        model_dir = str(info["model_dir"])
+    else:
+        model_dir = str(out / "initial_model")
+        if d.main:
+            save_model_dir(model, tokenizer, model_dir)
+    engine = distributed.rollout_engine(cfg, model, model_dir, eos_id=eos_id, pad_id=pad_id, d=d)
+    return Policy(tokenizer, task, model, model_dir, engine)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def step_seed(seed: int, step: int, stream: int) -> int:
+    """Independent seeds per (run seed, step, stream): a resumed run regenerates the same randomness."""
+    return int(np.random.SeedSequence([seed, step, stream]).generate_state(1)[0])
+
+
+# The sampling seed stream of the held-out evaluation (one fixed draw per run seed, whatever the step).
+EVAL_SEED_STEP, EVAL_SEED_STREAM = 10**6, 3
+
+
+def held_out_examples(policy: Policy) -> list[Example]:
+    """The task's held-out examples that can fit the model's context (``screen_prompt_chars``)."""
+    return screen_prompt_chars(policy.tokenizer, policy.model, policy.task.eval_set(), "held-out")
+
+
+def held_out_accuracy(policy: Policy, examples: list[Example], max_new_tokens: int, seed: int) -> float:
+    """Mean reward of one sampled response (the rollout engine's settings) per held-out example."""
+    if not examples:
+        raise ValueError("every held-out prompt is too long for the model's context: nothing to evaluate")
+    ids = encode_prompts(policy.tokenizer, policy.model, examples, max_new_tokens)
+    rollout = policy.engine.generate(ids, seed=step_seed(seed, EVAL_SEED_STEP, EVAL_SEED_STREAM))
+    completions = decode_responses(policy.tokenizer, rollout)
+    return float(np.mean(score_completions(policy.task, completions, examples)[0]))
+
+
+def screen_prompt_chars(tokenizer, model: torch.nn.Module, examples: list[Example], what: str) -> list[Example]:
+    """Drop the prompts whose length in characters alone shows they cannot fit the context, before tokenising
+    them (a 100 MB prompt would take gigabytes to tokenise): a prompt of more than context x (the longest
+    vocabulary entry, in characters) characters has more tokens than the context has positions. Logs the count."""
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not context or not examples:
+        return examples
+    longest_token = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    limit = context * max(longest_token, 1)
+    kept = [ex for ex in examples if len(ex.prompt) <= limit]
+    if len(kept) < len(examples):
+        longest = max(len(ex.prompt) for ex in examples)
+        log.warning("%d of %d %s prompts skipped: longer than %d characters (%d positions x %d characters in the "
+                    "longest token), so they cannot fit the model's context; the longest has %d characters",
+                    len(examples) - len(kept), len(examples), what, limit, context, longest_token, longest)
+    return kept
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_prompts(tokenizer, model: torch.nn.Module, examples: list[Example], max_new_tokens: int
+                   ) -> list[list[int]]:
+    """Token ids of every prompt; a prompt that leaves no room for the response in the context is an error."""
+    ids = [encode_prompt(tokenizer, ex.prompt) for ex in examples]
+    check_context(ids, max_new_tokens, model, [ex.prompt for ex in examples])
+    return ids
+
+
+def decode_responses(tokenizer, rollout: Rollout) -> list[str]:
+    ids, mask = rollout.response_ids_BT.tolist(), rollout.response_mask_BT.tolist()
+    return [tokenizer.decode([t for t, m in zip(row, mrow) if m], skip_special_tokens=True)
+            for row, mrow in zip(ids, mask)]
