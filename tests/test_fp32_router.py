@@ -55,8 +55,8 @@ def test_bf16_router_in_fp32_gives_the_fp32_routers_top_k():
 
 
 def _router_calls(fp32_router: bool):
-    """(router, input, experts) of every router call of a bf16 tiny-moe's training forward and of its torch
-    rollout engine's generation. The routers' expert rows are one shared vector plus 0.3% noise, so that their
+    """(router, input, experts) of every router call of a bfloat16 tiny-moe's training forward (under bfloat16
+    autocast) and of its torch rollout engine's generation. The routers' expert rows are one shared vector plus 0.3% noise, so that their
     logits are near-tied and bf16 rounding matters (at random init it rarely does in so small a model)."""
     from trainers.engines.torch_engine import TorchEngine
 
@@ -78,14 +78,17 @@ def _router_calls(fp32_router: bool):
     try:
         torch.manual_seed(1)
         ids = torch.randint(2, 64, (8, 12))
-        with torch.no_grad():
+        # the training forward as the learner runs a model.dtype=bfloat16 model: float32 master weights under
+        # bfloat16 autocast, which must not reach the fp32 router
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             model(input_ids=ids)
         engine.generate([row.tolist() for row in ids], seed=0)
     finally:
         for h in hooks:
             h.remove()
     assert len(calls) > 2 * len(routing.moe_routers(model))  # training forward + prefill + decode steps
-    assert all(hidden.dtype == torch.bfloat16 for _, hidden, _ in calls)
+    train_calls = len(routing.moe_routers(model))
+    assert all(hidden.dtype == torch.bfloat16 for _, hidden, _ in calls[train_calls:])  # the engine's bf16 copy
     return calls
 
 

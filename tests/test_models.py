@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainers.config import ModelConfig
-from trainers.models import ATTN_IMPLEMENTATION, PRESETS, build_model, load_model_dir, param_counts, save_model_dir
+from trainers.models import ATTN_IMPLEMENTATION, PRESETS, build_model, compute_dtype, load_model_dir, param_counts, save_model_dir
 from trainers.routing import is_moe, moe_routers
 from trainers.tokenizer import build_char_tokenizer
 
@@ -106,8 +106,16 @@ def test_build_is_seeded_and_uses_declared_kernel():
     before = torch.random.get_rng_state()
     build_model(ModelConfig(preset="tiny-dense"), 101, seed=5)
     assert torch.equal(before, torch.random.get_rng_state())  # global RNG untouched
+    # bfloat16 training: float32 master weights (AdamW's small steps survive), bfloat16 compute under autocast
     bf16 = build_model(ModelConfig(preset="tiny-dense", dtype="bfloat16"), 101, seed=0)
-    assert all(p.dtype == torch.bfloat16 for p in bf16.parameters())
+    assert all(p.dtype == torch.float32 for p in bf16.parameters())
+    assert compute_dtype(bf16) == torch.bfloat16 and compute_dtype(a) is None
+    p = next(bf16.parameters())
+    before = p.detach().clone()
+    opt = torch.optim.AdamW([p], lr=1e-6, weight_decay=0.0)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert (p.detach() != before).float().mean() > 0.99  # in bfloat16 parameters almost none would move
 
 
 def test_real_presets_need_a_path(tmp_path):

@@ -23,9 +23,9 @@ class ModelConfig:
     # Local directory with weights + tokenizer (Hugging Face layout). Required for the real presets;
     # for tiny presets the cold-started model is cached and this may stay empty.
     path: Optional[str] = None
-    # Training dtype: float32 | bfloat16 (bf16 parameters) | float16 (float32 master weights, forward and backward
-    # under float16 autocast with dynamic loss scaling, torch's GradScaler: the FP16 recipe of Qi et al., arXiv
-    # 2510.26788, whose rollouts then run in fp16 too, rollout.precision=fp16).
+    # Training dtype: float32 | bfloat16 (float32 master weights, forward and backward under bfloat16 autocast)
+    # | float16 (the same under float16 autocast, with dynamic loss scaling, torch's GradScaler: the FP16 recipe
+    # of Qi et al., arXiv 2510.26788, whose rollouts then run in fp16 too, rollout.precision=fp16).
     dtype: str = "float32"
     # Compute the LM head and the log-softmax in float32 whatever the parameter dtype (MiniMax-M1 §3.2).
     fp32_lm_head: bool = True

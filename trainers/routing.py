@@ -89,7 +89,9 @@ def _patched_forward(self, hidden_states: Tensor):
         return _original_forward(self, hidden_states)
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     if fp32:
-        router_logits = F.linear(hidden_states.float(), self.weight.float())  # (N, E), float32
+        # float32 even under the learner's 16-bit autocast (model.dtype=bfloat16/float16), which would cast back
+        with torch.autocast(hidden_states.device.type, enabled=False):
+            router_logits = F.linear(hidden_states.float(), self.weight.float())  # (N, E), float32
     else:
         router_logits = F.linear(hidden_states, self.weight)  # (N, E)
     router_probs = torch.softmax(router_logits, dtype=torch.float, dim=-1)
