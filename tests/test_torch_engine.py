@@ -260,3 +260,33 @@ def test_int8_engine_routes_replay_in_the_trainer():
     differs = (own.sort(-1).values != e.sort(-1).values).any(-1) & valid
     assert differs.any()
     assert (replayed - plain)[r.response_mask_BT].abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("preset,precision,noise", [("tiny-dense", "fp32", 0.0), ("tiny-moe", "fp32", 0.0),
+                                                    ("tiny-moe", "bf16", 0.5)])
+def test_dropping_finished_rows_changes_no_token(preset, precision, noise):
+    """rollout.drop_finished compacts the decode batch; tokens, masks and routes are those of the path that
+    feeds finished rows padding, and log mu agrees to float rounding of matmuls over a smaller batch."""
+    model = _model(preset)
+    _boost_eos(model, 2.5)  # rows finish after 1 to 16 tokens
+    prompts = _prompts(48, seed=3)
+    runs = {}
+    for drop in (False, True):
+        cfg = RolloutConfig(max_new_tokens=16, precision=precision, logit_noise=noise, drop_finished=drop)
+        runs[drop] = TorchEngine(cfg, model, eos_id=EOS, pad_id=PAD).generate(prompts, seed=7)
+    kept, dropped = runs[False], runs[True]
+    lengths = kept.response_mask_BT.sum(-1)
+    assert lengths.min() <= 2 and lengths.max() >= 12  # uneven: compaction happened more than once
+    assert torch.equal(kept.response_ids_BT, dropped.response_ids_BT)
+    assert torch.equal(kept.response_mask_BT, dropped.response_mask_BT)
+    torch.testing.assert_close(dropped.rollout_logp_BT, kept.rollout_logp_BT, rtol=0, atol=1e-5)
+    if preset == "tiny-moe":
+        assert torch.equal(kept.rollout_experts_BSLK, dropped.rollout_experts_BSLK)
+
+
+def test_exponential_race_is_multinomial():
+    """The engine's sampler draws what torch.multinomial(p, 1) draws from the same generator state."""
+    probs_BV = torch.softmax(torch.randn(37, V), dim=-1)
+    expected = torch.multinomial(probs_BV, 1, generator=torch.Generator().manual_seed(5)).squeeze(-1)
+    race_BV = torch.empty_like(probs_BV).exponential_(1, generator=torch.Generator().manual_seed(5))
+    assert torch.equal((probs_BV / race_BV).argmax(-1), expected)

@@ -66,6 +66,8 @@ class RolloutConfig:
     top_p: float = 1.0
     # Maximum number of generated tokens per response.
     max_new_tokens: int = 8
+    # torch engine: finished rows leave the decode batch (no compute after EOS); off feeds them padding.
+    drop_finished: bool = True
     # vLLM tensor-parallel size (ignored by the torch engine).
     tensor_parallel_size: int = 1
     # vLLM: disable CUDA graphs / torch.compile (faster start, used on CPU).

@@ -8,11 +8,18 @@ softmax, as serving engines do). In fp32 every log-prob it reports equals
 ``log softmax(logits / temperature)`` of the same network at the same positions
 (``scoring.position_ids`` over the full left-padded sequence).
 
-Decoding: one prefill over the left-padded prompts, then one token per step for the whole batch
-(finished rows keep being fed padding, masked out, so that no per-row bookkeeping is needed). Each
-row stops at EOS (kept in the response and its mask); the loop stops when every row has stopped or
-after ``max_new_tokens``. The returned T is the longest response of the batch, not necessarily
-``max_new_tokens``.
+Decoding: one prefill over the left-padded prompts, then one token per step for the rows still
+decoding. Each row stops at EOS (kept in the response and its mask); the loop stops when every row has
+stopped or after ``max_new_tokens``. The returned T is the longest response of the batch, not
+necessarily ``max_new_tokens``. With ``rollout.drop_finished`` (default) finished rows leave the decode
+batch: once at least ``COMPACT_FRACTION`` of the rows in it have stopped (a row stops the step after
+its EOS, which is fed and routed as before), the batch, its attention mask
+and every layer's KV cache are cut down to the live rows, so long responses of uneven length cost no
+compute after EOS (verl and vLLM schedule per sequence for the same reason). Off, finished rows keep being
+fed padding, masked out. Sampling is the same in both: every step draws its random numbers for all B
+rows (the exponential race ``argmax p / q``, q ~ Exp(1), which is ``torch.multinomial``'s own one-sample
+path) and the live rows take theirs, so a seed gives the same tokens whichever rows are still decoding;
+log mu agrees to float rounding (matmuls over a smaller batch may round differently, tests/test_engine.py).
 
 Logit noise (``rollout.logit_noise = sigma > 0``): a stress knob, not a deployment format. Each decode
 step adds ``sigma * N(0, 1)`` noise, drawn from the engine's generator seeded by ``generate``'s ``seed``
@@ -41,6 +48,10 @@ from trainers.batch import Rollout, left_pad_prompts
 from trainers.config import RolloutConfig
 from trainers.quant import PRECISION_DTYPES, QUANTIZED_PRECISIONS, cast_for_precision, quantize_weights_
 from trainers.scoring import lm_head_logits, position_ids, tempered_logp
+
+# drop_finished: compact the decode batch once this share of its rows has stopped (a compaction copies the KV
+# cache once, as every decode step's cache append already does).
+COMPACT_FRACTION = 0.125
 
 
 def nucleus_logp(logp_BV: Tensor, top_p: float) -> Tensor:
@@ -90,62 +101,84 @@ class TorchEngine:
         response_ids_BT = torch.full((B, T), self.pad_id, dtype=torch.long, device=dev)
         response_mask_BT = torch.zeros((B, T), dtype=torch.bool, device=dev)
         rollout_logp_BT = torch.zeros((B, T), dtype=torch.float32, device=dev)
-        # Mask over every position fed so far; grows by one column per decode step.
-        mask_BS = prompt_mask_BP.clone()
+        # The decode batch: A rows, row a is row rows_A[a] of the batch; live_A: not yet stopped.
+        rows_A = torch.arange(B, device=dev)
+        live_A = torch.ones(B, dtype=torch.bool, device=dev)
+        # Mask over every position fed so far (decode batch rows); grows by one column per decode step.
+        mask_AS = prompt_mask_BP.clone()
+        next_pos_A = prompt_mask_BP.sum(dim=-1)  # position of the first response token
         cache = DynamicCache(config=self.model.config)
-        alive_B = torch.ones(B, dtype=torch.bool, device=dev)
-        next_pos_B = prompt_mask_BP.sum(dim=-1)  # position of the first response token
+        fed_rows = []  # rows_A of every decode forward, for the routes
         base = self.model.model
 
         with routing.capture_routes(self.model) if self.is_moe else contextlib.nullcontext() as capture:
-            out = base(input_ids=prompt_ids_BP, attention_mask=mask_BS, position_ids=position_ids(mask_BS),
+            out = base(input_ids=prompt_ids_BP, attention_mask=mask_AS, position_ids=position_ids(mask_AS),
                        past_key_values=cache, use_cache=True)
-            hidden_BH = out.last_hidden_state[:, -1]
+            hidden_AH = out.last_hidden_state[:, -1]
             steps = 0
             for t in range(T):
-                token_B, logp_B = self._sample(hidden_BH, gen)
-                response_ids_BT[:, t] = torch.where(alive_B, token_B, self.pad_id)
-                response_mask_BT[:, t] = alive_B
-                rollout_logp_BT[:, t] = torch.where(alive_B, logp_B, 0.0)
-                alive_B = alive_B & (token_B != self.eos_id)
+                token_A, logp_A = self._sample(hidden_AH, gen, rows_A, B)
+                fed_A = live_A  # token t is a real position of these rows (EOS included)
+                response_ids_BT[rows_A, t] = torch.where(fed_A, token_A, self.pad_id)
+                response_mask_BT[rows_A, t] = fed_A
+                rollout_logp_BT[rows_A, t] = torch.where(fed_A, logp_A, 0.0)
+                live_A = fed_A & (token_A != self.eos_id)
                 steps = t + 1
-                if t == T - 1 or not bool(alive_B.any()):
+                if t == T - 1 or not bool(live_A.any()):
                     break
+                # A row leaves the decode batch the step after its EOS, which is still fed so that its routes
+                # are recorded as without compaction.
+                if self.cfg.drop_finished and int((~fed_A).sum()) >= COMPACT_FRACTION * len(fed_A):
+                    keep_A = fed_A.nonzero().squeeze(-1)
+                    for layer in cache.layers:
+                        layer.batch_select_indices(keep_A)
+                    rows_A, mask_AS, next_pos_A = rows_A[keep_A], mask_AS[keep_A], next_pos_A[keep_A]
+                    fed_A, live_A = fed_A[keep_A], live_A[keep_A]
                 # Feed token t back at its position in the full sequence (scoring.position_ids); in rows
-                # already finished it is padding, masked out of every later query.
-                mask_BS = torch.cat([mask_BS, response_mask_BT[:, t:t + 1]], dim=1)
-                out = base(input_ids=response_ids_BT[:, t:t + 1], attention_mask=mask_BS,
-                           position_ids=(next_pos_B + t)[:, None],
-                           past_key_values=cache, use_cache=True)
-                hidden_BH = out.last_hidden_state[:, -1]
+                # already finished (drop_finished off, or not compacted yet) it is padding, masked out of
+                # every later query.
+                mask_AS = torch.cat([mask_AS, fed_A[:, None]], dim=1)
+                fed_rows.append(rows_A)
+                out = base(input_ids=response_ids_BT[rows_A, t:t + 1], attention_mask=mask_AS,
+                           position_ids=(next_pos_A + t)[:, None], past_key_values=cache, use_cache=True)
+                hidden_AH = out.last_hidden_state[:, -1]
 
         response_ids_BT = response_ids_BT[:, :steps].contiguous()
         response_mask_BT = response_mask_BT[:, :steps].contiguous()
         rollout_logp_BT = rollout_logp_BT[:, :steps].contiguous()
         experts_BSLK = None
         if self.is_moe:
-            experts_BSLK = self._assemble_routes(capture, prompt_mask_BP, response_mask_BT)
+            experts_BSLK = self._assemble_routes(capture, prompt_mask_BP, response_mask_BT, fed_rows)
         return Rollout(prompt_ids_BP=prompt_ids_BP.cpu(), prompt_mask_BP=prompt_mask_BP.cpu(),
                        response_ids_BT=response_ids_BT.cpu(), response_mask_BT=response_mask_BT.cpu(),
                        rollout_logp_BT=rollout_logp_BT.cpu(),
                        rollout_experts_BSLK=None if experts_BSLK is None else experts_BSLK.cpu(),
                        version_B=torch.full((B,), self.version, dtype=torch.long))
 
-    def _sample(self, hidden_BH: Tensor, gen: torch.Generator) -> tuple[Tensor, Tensor]:
-        """Sample one token per row from the tempered (top-p) distribution; returns (token_B, logp_B)."""
-        logits_BV = lm_head_logits(self.model, hidden_BH, fp32_lm_head=False).float()
-        if self.cfg.logit_noise > 0:
-            noise_BV = torch.randn(logits_BV.shape, generator=gen, device=logits_BV.device)
-            logits_BV = logits_BV + self.cfg.logit_noise * noise_BV
-        logp_BV = nucleus_logp(tempered_logp(logits_BV, self.cfg.temperature), self.cfg.top_p)
-        token_B = torch.multinomial(logp_BV.exp(), 1, generator=gen).squeeze(-1)
-        return token_B, logp_BV.gather(-1, token_B[:, None]).squeeze(-1)
+    def _sample(self, hidden_AH: Tensor, gen: torch.Generator, rows_A: Tensor, B: int) -> tuple[Tensor, Tensor]:
+        """Sample one token per decode-batch row from the tempered (top-p) distribution; returns (token_A, logp_A).
 
-    def _assemble_routes(self, capture: routing.RouteCapture, prompt_mask_BP: Tensor,
-                         response_mask_BT: Tensor) -> Tensor:
+        The random numbers are drawn for all B rows of the batch and row ``rows_A[a]``'s are used, so a row's
+        token does not depend on which rows are still in the decode batch. The token is the exponential race
+        argmax_v p_v / q_v with q ~ Exp(1), the algorithm ``torch.multinomial`` runs for one sample (same draws,
+        same tokens).
+        """
+        logits_AV = lm_head_logits(self.model, hidden_AH, fp32_lm_head=False).float()
+        V = logits_AV.shape[-1]
+        if self.cfg.logit_noise > 0:
+            noise_BV = torch.randn((B, V), generator=gen, device=logits_AV.device)
+            logits_AV = logits_AV + self.cfg.logit_noise * noise_BV[rows_A]
+        logp_AV = nucleus_logp(tempered_logp(logits_AV, self.cfg.temperature), self.cfg.top_p)
+        race_BV = torch.empty((B, V), dtype=logp_AV.dtype, device=logp_AV.device).exponential_(1, generator=gen)
+        token_A = (logp_AV.exp() / race_BV[rows_A]).argmax(dim=-1)
+        return token_A, logp_AV.gather(-1, token_A[:, None]).squeeze(-1)
+
+    def _assemble_routes(self, capture: routing.RouteCapture, prompt_mask_BP: Tensor, response_mask_BT: Tensor,
+                         fed_rows: list[Tensor]) -> Tensor:
         """(B, S, L, K) experts per fed position: router call 0 is the prefill over the P prompt
-        positions, call t >= 1 fed response token t-1 at position P + t - 1. -1 where nothing real was
-        routed (padding) and at the last response column, which is never fed back."""
+        positions, call t >= 1 fed response token t-1 at position P + t - 1 for the rows ``fed_rows[t-1]``.
+        -1 where nothing real was routed (padding, rows no longer decoding) and at the last response
+        column, which is never fed back."""
         B, P = prompt_mask_BP.shape
         T = response_mask_BT.shape[1]
         L, K = capture.num_layers, capture.top_k
@@ -153,8 +186,8 @@ class TorchEngine:
         for layer in range(L):
             calls = capture.calls(layer)
             experts_BSLK[:, :P, layer] = calls[0].reshape(B, P, K)
-            if len(calls) > 1:
-                experts_BSLK[:, P:P + len(calls) - 1, layer] = torch.stack(calls[1:], dim=1).reshape(B, -1, K)
+            for t, (rows_A, experts) in enumerate(zip(fed_rows, calls[1:])):
+                experts_BSLK[rows_A, P + t, layer] = experts.reshape(len(rows_A), K)
         fed_BS = torch.cat([prompt_mask_BP, response_mask_BT[:, :-1], torch.zeros_like(response_mask_BT[:, :1])], dim=1)
         return experts_BSLK.masked_fill(~fed_BS[:, :, None, None], -1)
 
