@@ -138,8 +138,8 @@ def _rollout_rows(model, model_dir: str, engine: str, precision: str, fp32_route
             with numerics(model, trainer=trainer, fp32_router=fp32_router):
                 for mode in modes:
                     batch = learner.score_old(model, rollout, torch.zeros(len(rollout)),
-                                              AlgoConfig(routing_replay=mode), temperature=TEMP, fp32_lm_head=True,
-                                              moe=moe)
+                                              AlgoConfig(routing_replay=mode),
+                                              learner.ScoringSpec(temperature=TEMP, fp32_lm_head=True, moe=moe))
                     _, metrics = measure_phase([], batch)  # no constraints: every measure of the batch
                     for k in KEYS:
                         if k in metrics:

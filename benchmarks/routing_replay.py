@@ -79,15 +79,15 @@ def discrepancy(model, rollout, mode: str, lr: float) -> dict[str, float]:
     kl = MEASURES["kl_k3"].batch
     cfg = AlgoConfig(routing_replay=mode, minibatches=1, is_mode="tis")
     adv_B = torch.tensor([1.0, -1.0]).repeat(len(rollout) // 2)
-    batch = learner.score_old(model, rollout, adv_B, cfg, temperature=TEMP, fp32_lm_head=True, moe=True)
+    scoring = learner.ScoringSpec(temperature=TEMP, fp32_lm_head=True, moe=True)
+    batch = learner.score_old(model, rollout, adv_B, cfg, scoring)
     old_logp, old_routes = forward_routes(model, rollout, batch.replay_experts_BSLK if mode == "r3" else None)
     assert torch.allclose(old_logp, batch.old_logp_BT, atol=1e-6)
     out = {"old_mismatch": float(routing_mismatch(old_routes, rollout.rollout_experts_BSLK, mask_BS)),
            "old_kl_k3": float(kl(batch.old_logp_BT, rollout.rollout_logp_BT, mask_BT))}
     trained = copy.deepcopy(model)
     opt = torch.optim.Adam(trained.parameters(), lr=lr)
-    learner.update(trained, opt, None, batch, lambda_C=torch.zeros(0), constraints=[], penalty="hinge",
-                   dual_enabled=False, cfg=cfg, temperature=TEMP, fp32_lm_head=True, grad_clip=1.0,
+    learner.update(trained, opt, None, batch, scoring=scoring, penalty=learner.PenaltySpec(), cfg=cfg, grad_clip=1.0,
                    generator=torch.Generator().manual_seed(0))
     trained.eval()
     new_logp, new_routes = forward_routes(trained, rollout, batch.replay_experts_BSLK)
@@ -99,12 +99,13 @@ def discrepancy(model, rollout, mode: str, lr: float) -> dict[str, float]:
 
 def overhead(model, rollout, repeats: int) -> dict[str, float]:
     model.train()
-    kw = dict(temperature=TEMP, fp32_lm_head=True, with_entropy=True, capture=False)
+    scoring = learner.ScoringSpec(temperature=TEMP, fp32_lm_head=True, moe=True)
     mask_BT = rollout.response_mask_BT.clone()  # the engine returns inference-mode tensors
 
     def step(replay):
         t0 = time.perf_counter()
-        logp_BT, ent_BT, _ = learner._forward_logp(model, rollout, replay_experts_BSLK=replay, **kw)
+        logp_BT, ent_BT, _ = learner._forward_logp(model, rollout, scoring, with_entropy=True,
+                                                   replay_experts_BSLK=replay, capture=False)
         ((-logp_BT - 0.01 * ent_BT) * mask_BT).sum().backward()
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - t0

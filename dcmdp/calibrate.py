@@ -161,7 +161,7 @@ def calibrate(cfg: RunConfig, batches: int = 8, slack: float = 0.25, measures: S
         per_key: dict[str, list[float]] = {}
         kept = []
         for n in range(batches):
-            values, batch = measure_batch(s.policy, cfg, targets, n)
+            values, batch = measure_batch(s.policy, s.scoring, cfg, targets, n)
             for k, v in values.items():
                 per_key.setdefault(k, []).append(v)
             s.tracker.log_metrics(values, step=n + 1)
@@ -189,12 +189,12 @@ def calibrate(cfg: RunConfig, batches: int = 8, slack: float = 0.25, measures: S
 
 
 @torch.no_grad()
-def measure_batch(policy: Policy, cfg: RunConfig, targets: Sequence[ConstraintConfig], step: int):
+def measure_batch(policy: Policy, scoring: learner.ScoringSpec, cfg: RunConfig, targets: Sequence[ConstraintConfig],
+                  step: int):
     """One rollout batch with the current weights, pi_old recomputed; every measure's batch value."""
     _, rollout = rollout_phase(policy, cfg, step)
     advantages_B = torch.zeros(len(rollout))  # no update follows: the advantages are never used
-    batch = learner.score_old(policy.model, rollout, advantages_B, cfg.algo, temperature=cfg.rollout.temperature,
-                              fp32_lm_head=cfg.model.fp32_lm_head, moe=policy.moe)
+    batch = learner.score_old(policy.model, rollout, advantages_B, cfg.algo, scoring)
     _, metrics = measure_phase(cfg.dual.constraints, batch)
     values = {k: float(v) for k, v in metrics.items() if k in FLOOR_MEASURES}
     r = batch.rollout

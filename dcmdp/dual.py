@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from constraints.penalties import constraint_names
+from trainers.learner import PenaltySpec
 
 if TYPE_CHECKING:  # the config imports this module's registry to validate names: no import at run time
     from dcmdp.config import DualConfig
@@ -135,6 +136,14 @@ def tolerances(state: DualState, cfg: DualConfig) -> Tensor:
 def constraints_in_force(state: DualState, cfg: DualConfig) -> list:
     """``cfg.constraints`` with each tolerance replaced by the one in force (``tolerances``), for the penalty."""
     return [replace(c, tolerance=float(t)) for c, t in zip(cfg.constraints, tolerances(state, cfg).tolist())]
+
+
+def penalty_spec(state: DualState, cfg: DualConfig) -> PenaltySpec:
+    """The penalty the updates of the next rollout batch carry: lambda_C (float32), the constraints with the
+    tolerances in force and the penalty form; none under a rule that does not penalise (``off``)."""
+    if not get_rule(cfg).penalizes:
+        return PenaltySpec()
+    return PenaltySpec(state.lambda_C.float(), tuple(constraints_in_force(state, cfg)), cfg.penalty)
 
 
 def update_floor(state: DualState, floor_measured_C: Tensor, cfg: DualConfig) -> DualState:

@@ -31,7 +31,7 @@ from dcmdp.checkpoint import (RunFolderError, RunFolderLock, SignalCheckpointer,
                               load_checkpoint, load_resume_checkpoint, restore_rng, run_in_folder, save_checkpoint)
 from dcmdp.config import ConfigError, RunConfig, flatten, resume_conflicts, to_yaml
 from dcmdp import distributed
-from dcmdp.dual import DualState, constraints_in_force, dual_step, get_rule, init_state
+from dcmdp.dual import DualState, dual_step, init_state, penalty_spec
 from dcmdp.plots import plot_dual
 from dcmdp.tracking import (NoTracker, Tracker, check_tracking_uri, provenance_tags, resolve_tracking_uri,
                             tracking_uri_source)
@@ -53,6 +53,8 @@ class Setup:
     cfg: RunConfig
     # Tokenizer, task, model (pi_theta) and rollout engine (mu), from ``dcmdp.policy.build_policy``.
     policy: Policy
+    # How the training engine scores a rollout (temperature, LM-head precision, MoE, this rank's rows).
+    scoring: learner.ScoringSpec
     optimizer: torch.optim.Optimizer
     scheduler: Optional[torch.optim.lr_scheduler.LRScheduler]
     dual: DualState
@@ -158,17 +160,15 @@ def _train_step(s: Setup, step: int, bar) -> None:
     t1 = time.perf_counter()
     rewards_B, reward_metrics = reward_phase(s, examples, rollout)
     rollout, advantages_B, keep_B, guard_metrics = screen_phase(s, rollout, rewards_B, fresh_B)
-    score = dict(temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head, moe=s.policy.moe,
-                 shard=s.dist.shard)
     forward = None
     bypass = cfg.algo.old_logp == "rollout"
     if learner.fuses_old_pass(cfg.algo):
         # one mini-batch: the update back-propagates the pi_old forward instead of running the model again
-        batch, forward = learner.score_on_policy(s.policy.model, rollout, advantages_B, cfg.algo, **score)
+        batch, forward = learner.score_on_policy(s.policy.model, rollout, advantages_B, cfg.algo, s.scoring)
     elif bypass:
         batch = learner.score_bypass(rollout, advantages_B, cfg.algo)  # no forward before the updates
     else:
-        batch = learner.score_old(s.policy.model, rollout, advantages_B, cfg.algo, **score)
+        batch = learner.score_old(s.policy.model, rollout, advantages_B, cfg.algo, s.scoring)
     batch, keep_B, forward, old_metrics = learner.screen_old(batch, keep_B, forward)
     # the training engine's log-probs on the rollout weights, to measure against mu before the updates; a bypass
     # with N > 1 has none and measures the log-probs of each token's update instead (pi_theta vs mu)
@@ -182,21 +182,18 @@ def _train_step(s: Setup, step: int, bar) -> None:
                                 if kept and train_logp_BT is not None else
                                 (torch.full((len(s.names),), float("nan"), dtype=torch.float64), {}))
     t3 = time.perf_counter()
-    trained_logp_BT = (batch.old_logp_BT.clone() if kept and (cfg.dual.measure_at == "updates" or train_logp_BT is None)
-                       else None)
-    update_metrics = learner.update(
-        s.policy.model, s.optimizer, s.scheduler, batch, lambda_C=s.dual.lambda_C.float(),
-        constraints=constraints_in_force(s.dual, cfg.dual), penalty=cfg.dual.penalty, dual_enabled=get_rule(cfg.dual).penalizes,
-        cfg=cfg.algo, temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
-        grad_clip=cfg.optim.grad_clip, generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 2)),
-        shard=s.dist.shard, trained_logp_BT=trained_logp_BT, forward=forward, scaler=s.scaler) if kept else []
+    result = learner.update(
+        s.policy.model, s.optimizer, s.scheduler, batch, scoring=s.scoring, penalty=penalty_spec(s.dual, cfg.dual),
+        cfg=cfg.algo, grad_clip=cfg.optim.grad_clip,
+        generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 2)), forward=forward,
+        scaler=s.scaler) if kept else None
     del forward
     t4 = time.perf_counter()
-    if kept and train_logp_BT is None:
-        measured_C, disc_metrics = measure_phase(cfg.dual.constraints, batch, trained_logp_BT)
+    if result is not None and train_logp_BT is None:
+        measured_C, disc_metrics = measure_phase(cfg.dual.constraints, batch, result.trained_logp_BT)
     floor_C = measured_C  # pi_old vs mu on the weights that sampled the batch: an automatic tolerance's floor
-    if trained_logp_BT is not None and cfg.dual.measure_at == "updates":
-        measured_C = constraint_values(cfg.dual.constraints, batch, trained_logp_BT)
+    if result is not None and cfg.dual.measure_at == "updates":
+        measured_C = constraint_values(cfg.dual.constraints, batch, result.trained_logp_BT)
     s.dual, dual_metrics = dual_step(s.dual, measured_C, cfg.dual, floor_C=floor_C)
     t5 = time.perf_counter()
     if s.worker is None:
@@ -204,7 +201,7 @@ def _train_step(s: Setup, step: int, bar) -> None:
     else:
         s.worker.publish(s.policy.model.state_dict(), version=step + 1)
     t6 = time.perf_counter()
-    metrics = {**reward_metrics, **disc_metrics, **dual_metrics, **_mean_dicts(update_metrics)}
+    metrics = {**reward_metrics, **disc_metrics, **dual_metrics, **(result.metrics() if result is not None else {})}
     metrics.update(guard_metrics)
     metrics.update(old_metrics)
     metrics.update(_guard_step(s, step, metrics, kept))
@@ -422,8 +419,10 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
     if d.main:  # written once the run has started cleanly: a run that failed to start leaves the old one
         (out / "config.yaml").write_text(to_yaml(cfg))
     tracker.log_artifact(out / "config.yaml")
-    return Setup(cfg, policy, optimizer, scheduler, dual, tracker, constraint_names(cfg.dual.constraints), history,
-                 start_step, bad_steps, dist=d, lock=lock, accuracy_before=accuracy_before, scaler=scaler)
+    scoring = learner.ScoringSpec(temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
+                                  moe=policy.moe, shard=d.shard)
+    return Setup(cfg, policy, scoring, optimizer, scheduler, dual, tracker, constraint_names(cfg.dual.constraints),
+                 history, start_step, bad_steps, dist=d, lock=lock, accuracy_before=accuracy_before, scaler=scaler)
 
 
 def checkpoint(s: Setup, step: int) -> Path:
@@ -546,11 +545,6 @@ def _timings(rollout: Rollout, t0, t1, t2, t3, t4, t5, t6) -> dict[str, float]:
     return {"time/rollout": t1 - t0, "time/old_logp": t2 - t1, "time/measure": t3 - t2, "time/update": t4 - t3,
             "time/dual": t5 - t4, "time/sync": t6 - t5, "time/step": t6 - t0,
             "throughput/response_tokens_per_s": tokens / max(t6 - t0, 1e-9)}
-
-
-def _mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
-    keys = {k for d in dicts for k in d}
-    return {k: float(np.mean([d[k] for d in dicts if k in d])) for k in keys}
 
 
 def _version() -> str:

@@ -169,14 +169,13 @@ def test_all_masked_responses_give_a_finite_zero_update():
     keep_B, m = guards.screen_rows(empty.rollout_logp_BT, empty.response_mask_BT, torch.zeros(4))
     assert keep_B.all() and m["guard/empty_response_samples"] == 4.0
     cfg = AlgoConfig(prompts_per_step=2, samples_per_prompt=2, minibatches=2)
-    batch = learner.score_old(model, empty, torch.tensor([1.0, -1.0, 0.5, -0.5]), cfg, temperature=1.0,
-                              fp32_lm_head=True, moe=False)
+    batch = learner.score_old(model, empty, torch.tensor([1.0, -1.0, 0.5, -0.5]), cfg, learner.ScoringSpec())
     before = [p.detach().clone() for p in model.parameters()]
-    metrics = learner.update(model, torch.optim.SGD(model.parameters(), lr=0.1), None, batch,
-                             lambda_C=torch.zeros(0), constraints=[], penalty="hinge", dual_enabled=False, cfg=cfg,
-                             temperature=1.0, fp32_lm_head=True, grad_clip=1.0, generator=torch.Generator())
-    assert metrics[0]["guard/skipped_updates"] == 0.0
-    assert all(m["loss/total"] == 0.0 and m["optim/grad_norm"] == 0.0 for m in metrics)
+    result = learner.update(model, torch.optim.SGD(model.parameters(), lr=0.1), None, batch,
+                            scoring=learner.ScoringSpec(), penalty=learner.PenaltySpec(), cfg=cfg, grad_clip=1.0,
+                            generator=torch.Generator())
+    assert result.skipped == 0
+    assert all(m["loss/total"] == 0.0 and m["optim/grad_norm"] == 0.0 for m in result.steps)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 

@@ -35,11 +35,11 @@ def _update(model, batch, cfg):
     calls = []
     hook = model.model.register_forward_hook(lambda *_: calls.append(1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    metrics = learner.update(model, opt, None, batch, lambda_C=torch.tensor([0.5]), constraints=CONSTRAINTS,
-                             penalty="hinge", dual_enabled=True, cfg=cfg, temperature=1.0, fp32_lm_head=True,
-                             grad_clip=1.0, generator=torch.Generator().manual_seed(0))
+    result = learner.update(model, opt, None, batch, scoring=learner.ScoringSpec(moe=routing.is_moe(model)),
+                            penalty=learner.PenaltySpec(torch.tensor([0.5]), tuple(CONSTRAINTS)), cfg=cfg,
+                            grad_clip=1.0, generator=torch.Generator().manual_seed(0))
     hook.remove()
-    return metrics, len(calls)
+    return result, len(calls)
 
 
 @pytest.mark.parametrize("replay", ["none", "r3"])
@@ -50,15 +50,14 @@ def test_bypass_on_fp32_rollouts_takes_the_recompute_step(replay):
     mask_BT = rollout.response_mask_BT.bool()
     assert torch.equal(batch.old_logp_BT, rollout.rollout_logp_BT.float())
     assert (batch.replay_experts_BSLK is rollout.rollout_experts_BSLK) == (replay == "r3")
-    ref_batch = learner.score_old(ref_model, rollout, adv_B, cfg, temperature=1.0, fp32_lm_head=True,
-                                  moe=routing.is_moe(model))
+    ref_batch = learner.score_old(ref_model, rollout, adv_B, cfg, learner.ScoringSpec(moe=routing.is_moe(model)))
     # fp32 engines: mu and pi_old agree to float rounding
     assert (batch.old_logp_BT - ref_batch.old_logp_BT)[mask_BT].abs().max() < 2e-5
     metrics, calls = _update(model, batch, cfg)
     ref_metrics, ref_calls = _update(ref_model, ref_batch, cfg)
     assert calls == ref_calls == cfg.minibatches  # the updates' forwards; the bypass ran none before them
-    assert metrics[0]["is/weight_mean"] == pytest.approx(ref_metrics[0]["is/weight_mean"], abs=1e-4)
-    for m, ref in zip(metrics, ref_metrics):
+    assert metrics.is_metrics["is/weight_mean"] == pytest.approx(ref_metrics.is_metrics["is/weight_mean"], abs=1e-4)
+    for m, ref in zip(metrics.steps, ref_metrics.steps):
         for key in ("loss/policy", "clip/frac"):
             assert m[key] == pytest.approx(ref[key], rel=1e-3, abs=1e-5), key
     for p, q in zip(model.parameters(), ref_model.parameters()):
@@ -68,16 +67,15 @@ def test_bypass_on_fp32_rollouts_takes_the_recompute_step(replay):
 def test_bypass_on_bf16_rollouts_has_unit_is_weights_and_clips_on_pi_theta_over_mu():
     model, rollout, cfg, adv_B = _setup("bf16")
     batch = learner.score_bypass(rollout, adv_B, cfg)
-    ref_batch = learner.score_old(copy.deepcopy(model), rollout, adv_B, cfg, temperature=1.0, fp32_lm_head=True,
-                                  moe=True)
+    ref_batch = learner.score_old(copy.deepcopy(model), rollout, adv_B, cfg, learner.ScoringSpec(moe=True))
     mask_BT = rollout.response_mask_BT.bool()
     assert (batch.old_logp_BT - ref_batch.old_logp_BT)[mask_BT].abs().max() > 1e-4  # a real discrepancy
     metrics, _ = _update(copy.deepcopy(model), batch, cfg)
     ref_metrics, _ = _update(copy.deepcopy(model), ref_batch, cfg)
-    assert metrics[0]["is/weight_mean"] == pytest.approx(1.0, abs=1e-7)  # rho = mu / mu
-    assert abs(ref_metrics[0]["is/weight_mean"] - 1.0) > 1e-5
+    assert metrics.is_metrics["is/weight_mean"] == pytest.approx(1.0, abs=1e-7)  # rho = mu / mu
+    assert abs(ref_metrics.is_metrics["is/weight_mean"] - 1.0) > 1e-5
     # first mini-batch: pi_theta = pi_old, so the bypass ratio r = pi_old / mu is the recompute path's rho
-    assert metrics[0]["policy/approx_kl"] > ref_metrics[0]["policy/approx_kl"]
+    assert metrics.steps[0]["policy/approx_kl"] > ref_metrics.steps[0]["policy/approx_kl"]
 
 
 def test_r2_cannot_bypass():

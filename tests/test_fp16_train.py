@@ -29,7 +29,7 @@ def _setup(dtype: str = "float16", precision: str = "fp16"):
 
 
 def _score(model, rollout, cfg, adv_B):
-    return learner.score_old(model, rollout, adv_B, cfg, temperature=1.0, fp32_lm_head=True, moe=True)
+    return learner.score_old(model, rollout, adv_B, cfg, learner.ScoringSpec(moe=True))
 
 
 def test_float16_training_keeps_float32_weights_and_computes_in_float16():
@@ -53,10 +53,9 @@ def test_float16_training_keeps_float32_weights_and_computes_in_float16():
 
 def _update(model, batch, cfg, scaler):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return learner.update(model, opt, None, batch, lambda_C=torch.tensor([0.5]),
-                          constraints=[ConstraintConfig(measure="abs_prob_diff", tolerance=1e-6)], penalty="hinge",
-                          dual_enabled=True, cfg=cfg, temperature=1.0, fp32_lm_head=True, grad_clip=1.0,
-                          generator=torch.Generator().manual_seed(0), scaler=scaler)
+    penalty = learner.PenaltySpec(torch.tensor([0.5]), (ConstraintConfig(measure="abs_prob_diff", tolerance=1e-6),))
+    return learner.update(model, opt, None, batch, scoring=learner.ScoringSpec(moe=True), penalty=penalty, cfg=cfg,
+                          grad_clip=1.0, generator=torch.Generator().manual_seed(0), scaler=scaler)
 
 
 def test_an_overflow_is_skipped_by_the_scaler_and_the_scale_backs_off():
@@ -65,15 +64,16 @@ def test_an_overflow_is_skipped_by_the_scaler_and_the_scale_backs_off():
     before = [p.detach().clone() for p in model.parameters()]
     # a scale this large overflows float16 gradients (and float32 ones: 3e38 times a gradient is inf)
     scaler = torch.amp.GradScaler("cpu", init_scale=3e38, growth_interval=1000)
-    metrics = _update(model, batch, cfg, scaler)
+    result = _update(model, batch, cfg, scaler)
+    metrics = result.steps
     assert [m["optim/scale_overflow"] for m in metrics] == [1.0, 1.0]
-    assert [m["guard/skipped_update"] for m in metrics] == [0.0, 0.0] and metrics[0]["guard/skipped_updates"] == 0
+    assert [m["guard/skipped_update"] for m in metrics] == [0.0, 0.0] and result.skipped == 0
     assert metrics[1]["optim/loss_scale"] == pytest.approx(3e38 * 0.5, rel=1e-6)  # backoff 0.5 per overflow
     assert scaler.get_scale() == pytest.approx(3e38 * 0.25, rel=1e-6)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))  # no step was taken
     # at a sane scale the same batch trains
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
-    metrics = _update(model, batch, cfg, scaler)
+    metrics = _update(model, batch, cfg, scaler).steps
     assert [m["optim/scale_overflow"] for m in metrics] == [0.0, 0.0]
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
@@ -92,9 +92,8 @@ def test_scaled_steps_match_unscaled_float32_gradients_direction():
                 grads[id(m)] = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]).clone()
 
         opt.register_step_pre_hook(keep_first)
-        learner.update(m, opt, None, batch, lambda_C=torch.tensor([0.0]), constraints=[], penalty="hinge",
-                       dual_enabled=False, cfg=cfg, temperature=1.0, fp32_lm_head=True, grad_clip=0.0,
-                       generator=torch.Generator().manual_seed(0), scaler=scaler)
+        learner.update(m, opt, None, batch, scoring=learner.ScoringSpec(moe=True), penalty=learner.PenaltySpec(),
+                       cfg=cfg, grad_clip=0.0, generator=torch.Generator().manual_seed(0), scaler=scaler)
 
     ref = copy.deepcopy(model)
     ref.dcmdp_compute_dtype = None

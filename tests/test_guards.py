@@ -119,9 +119,8 @@ def _tiny_batch(seed: int = 0):
 
 def _update(model, batch, cfg):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    return learner.update(model, opt, None, batch, lambda_C=torch.zeros(0), constraints=[], penalty="hinge",
-                          dual_enabled=False, cfg=cfg, temperature=1.0, fp32_lm_head=True, grad_clip=0.0,
-                          generator=torch.Generator().manual_seed(0))
+    return learner.update(model, opt, None, batch, scoring=learner.ScoringSpec(), penalty=learner.PenaltySpec(),
+                          cfg=cfg, grad_clip=0.0, generator=torch.Generator().manual_seed(0))
 
 
 def test_dropped_row_changes_the_update_exactly_like_removing_it():
@@ -138,9 +137,8 @@ def test_dropped_row_changes_the_update_exactly_like_removing_it():
     for name, r, a in [("masked", masked, torch.where(keep_B, adv_B, 0.0)),
                        ("removed", rollout.select(keep_B), adv_B[keep_B])]:
         m_ = build_model(ModelConfig(preset="tiny-dense"), 101, seed=0)
-        batch = learner.score_old(m_, r, a, cfg, temperature=1.0, fp32_lm_head=True, moe=False)
-        metrics = _update(m_, batch, cfg)
-        assert metrics[0]["guard/skipped_updates"] == 0.0
+        batch = learner.score_old(m_, r, a, cfg, learner.ScoringSpec())
+        assert _update(m_, batch, cfg).skipped == 0
         runs[name] = m_
     for (n, p), q in zip(runs["masked"].named_parameters(), runs["removed"].parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=n)
@@ -151,14 +149,13 @@ def test_dropped_row_changes_the_update_exactly_like_removing_it():
 def test_nonfinite_loss_skips_the_optimizer_step_and_zeroes_grads(caplog):
     cfg = AlgoConfig(samples_per_prompt=2, prompts_per_step=2, minibatches=2)
     model, rollout = _tiny_batch()
-    batch = learner.score_old(model, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), cfg, temperature=1.0,
-                              fp32_lm_head=True, moe=False)
+    batch = learner.score_old(model, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5]), cfg, learner.ScoringSpec())
     with torch.no_grad():
         model.model.norm.weight[0] = NAN  # every forward of pi_theta is NaN from here on
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    metrics = _update(model, batch, cfg)
-    assert [m["guard/skipped_update"] for m in metrics] == [1.0, 1.0]
-    assert metrics[0]["guard/skipped_updates"] == 2.0
+    result = _update(model, batch, cfg)
+    assert [m["guard/skipped_update"] for m in result.steps] == [1.0, 1.0]
+    assert result.skipped == 2 and result.metrics()["guard/skipped_updates"] == 2.0
     for n, p in model.named_parameters():
         assert torch.equal(p.nan_to_num(), before[n].nan_to_num()), n  # NaN == NaN only after nan_to_num
         assert p.grad is None

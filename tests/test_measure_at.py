@@ -1,6 +1,6 @@
 """``dual.measure_at: updates``: D-hat from pi_theta as each mini-batch update saw it, vs mu.
 
-The learner fills ``trained_logp_BT`` with every row's log-probs at the moment its mini-batch was trained;
+The learner returns ``UpdateResult.trained_logp_BT``, every row's log-probs at the moment its mini-batch was trained;
 the reference recomputes them independently (a forward in float64 of the model's weights as they were
 right before each optimiser step, read in the optimiser's step pre-hook).
 """
@@ -27,7 +27,7 @@ def _batch(minibatches: int):
         PROMPTS, seed=0)
     cfg = AlgoConfig(samples_per_prompt=2, prompts_per_step=4, minibatches=minibatches, is_mode="tis")
     adv_B = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.25, -0.25])
-    batch = learner.score_old(model, rollout, adv_B, cfg, temperature=1.0, fp32_lm_head=True, moe=False)
+    batch = learner.score_old(model, rollout, adv_B, cfg, learner.ScoringSpec())
     return model, batch, cfg
 
 
@@ -46,10 +46,8 @@ def test_trained_logp_is_the_policy_each_minibatch_update_saw(minibatches):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     before_step: list[torch.Tensor] = []  # float64 log-probs of every row, at each optimiser step's weights
     opt.register_step_pre_hook(lambda *_: before_step.append(_logp64(model, batch.rollout)))
-    trained_BT = torch.full_like(batch.old_logp_BT, float("nan"))
-    learner.update(model, opt, None, batch, lambda_C=torch.zeros(0), constraints=[], penalty="hinge",
-                   dual_enabled=False, cfg=cfg, temperature=1.0, fp32_lm_head=True, grad_clip=0.0,
-                   generator=torch.Generator().manual_seed(0), trained_logp_BT=trained_BT)
+    trained_BT = learner.update(model, opt, None, batch, scoring=learner.ScoringSpec(), penalty=learner.PenaltySpec(),
+                                cfg=cfg, grad_clip=0.0, generator=torch.Generator().manual_seed(0)).trained_logp_BT
     mask_BT = batch.rollout.response_mask_BT.bool()
     parts = learner.minibatch_indices(len(batch.rollout), minibatches, torch.Generator().manual_seed(0))
     assert len(before_step) == minibatches

@@ -37,23 +37,23 @@ def _setup(preset: str, replay: str):
 
 
 def _step(model, rollout, cfg, adv_B, *, fused: bool):
-    """One scored update with SGD; returns (batch, metrics, gradients at the step, decoder forward count)."""
+    """One scored update with SGD; returns (batch, UpdateResult, gradients at the step, decoder forward count)."""
     calls = []
     hook = model.model.register_forward_hook(lambda *_: calls.append(1))
-    score = dict(temperature=1.0, fp32_lm_head=True, moe=routing.is_moe(model))
+    scoring = learner.ScoringSpec(moe=routing.is_moe(model))
     if fused:
-        batch, forward = learner.score_on_policy(model, rollout, adv_B, cfg, **score)
+        batch, forward = learner.score_on_policy(model, rollout, adv_B, cfg, scoring)
     else:
-        batch, forward = learner.score_old(model, rollout, adv_B, cfg, **score), None
+        batch, forward = learner.score_old(model, rollout, adv_B, cfg, scoring), None
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     grads = {}
     opt.register_step_pre_hook(lambda o, *_: grads.update(
         {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}))
-    metrics = learner.update(model, opt, None, batch, lambda_C=torch.tensor([0.5]), constraints=CONSTRAINTS,
-                             penalty="hinge", dual_enabled=True, cfg=cfg, temperature=1.0, fp32_lm_head=True,
-                             grad_clip=1.0, generator=torch.Generator().manual_seed(0), forward=forward)
+    result = learner.update(model, opt, None, batch, scoring=scoring,
+                            penalty=learner.PenaltySpec(torch.tensor([0.5]), tuple(CONSTRAINTS)), cfg=cfg,
+                            grad_clip=1.0, generator=torch.Generator().manual_seed(0), forward=forward)
     hook.remove()
-    return batch, metrics, grads, len(calls)
+    return batch, result, grads, len(calls)
 
 
 @pytest.mark.parametrize("preset,replay", [("tiny-dense", "none"), ("tiny-moe", "none"), ("tiny-moe", "r2"),
@@ -61,15 +61,16 @@ def _step(model, rollout, cfg, adv_B, *, fused: bool):
 def test_the_fused_step_is_the_two_pass_step_with_one_forward(preset, replay):
     model, rollout, cfg, adv_B = _setup(preset, replay)
     ref_model = copy.deepcopy(model)
-    batch, metrics, grads, calls = _step(model, rollout, cfg, adv_B, fused=True)
-    ref_batch, ref_metrics, ref_grads, ref_calls = _step(ref_model, rollout, cfg, adv_B, fused=False)
+    batch, result, grads, calls = _step(model, rollout, cfg, adv_B, fused=True)
+    ref_batch, ref_result, ref_grads, ref_calls = _step(ref_model, rollout, cfg, adv_B, fused=False)
     assert (calls, ref_calls) == (1, 2)
     mask_BT = rollout.response_mask_BT.bool()
     assert torch.allclose(batch.old_logp_BT[mask_BT], ref_batch.old_logp_BT[mask_BT], atol=1e-6, rtol=0)
-    assert len(metrics) == len(ref_metrics) == 1
-    for key, ref in ref_metrics[0].items():
-        assert metrics[0][key] == pytest.approx(ref, rel=1e-4, abs=1e-6), key
-    assert metrics[0]["penalty/loss"] > 0.0  # the DCMDP penalty acted on this step
+    assert len(result.steps) == len(ref_result.steps) == 1
+    metrics = result.metrics()
+    for key, ref in ref_result.metrics().items():
+        assert metrics[key] == pytest.approx(ref, rel=1e-4, abs=1e-6), key
+    assert metrics["penalty/loss"] > 0.0  # the DCMDP penalty acted on this step
     assert grads.keys() == ref_grads.keys() and grads
     for name, g in grads.items():
         assert torch.allclose(g, ref_grads[name], atol=1e-6, rtol=1e-4), (name, (g - ref_grads[name]).abs().max())
@@ -80,7 +81,7 @@ def test_the_fused_step_is_the_two_pass_step_with_one_forward(preset, replay):
 def test_pi_old_of_the_fused_pass_matches_a_float64_forward():
     model, rollout, cfg, adv_B = _setup("tiny-dense", "none")
     m64 = copy.deepcopy(model).double()
-    batch, _ = learner.score_on_policy(model, rollout, adv_B, cfg, temperature=1.0, fp32_lm_head=True, moe=False)
+    batch, _ = learner.score_on_policy(model, rollout, adv_B, cfg, learner.ScoringSpec())
     with torch.no_grad():
         ref_BT, _ = response_logprobs(m64, rollout.input_ids_BS, rollout.attention_mask_BS,
                                       rollout.num_prompt_positions, temperature=1.0, fp32_lm_head=False)
@@ -94,20 +95,17 @@ def test_a_fused_forward_needs_one_minibatch():
     model, rollout, cfg, adv_B = _setup("tiny-dense", "none")
     two = AlgoConfig(**{**cfg.__dict__, "minibatches": 2})
     with pytest.raises(ValueError, match="minibatches = 1"):
-        learner.score_on_policy(model, rollout, adv_B, two, temperature=1.0, fp32_lm_head=True, moe=False)
-    batch, forward = learner.score_on_policy(model, rollout, adv_B, cfg, temperature=1.0, fp32_lm_head=True,
-                                             moe=False)
+        learner.score_on_policy(model, rollout, adv_B, two, learner.ScoringSpec())
+    batch, forward = learner.score_on_policy(model, rollout, adv_B, cfg, learner.ScoringSpec())
     with pytest.raises(ValueError, match="minibatches = 1"):
-        learner.update(model, torch.optim.SGD(model.parameters(), lr=0.1), None, batch, lambda_C=torch.zeros(0),
-                       constraints=[], penalty="hinge", dual_enabled=False, cfg=two, temperature=1.0,
-                       fp32_lm_head=True, grad_clip=0.0, generator=torch.Generator().manual_seed(0),
-                       forward=forward)
+        learner.update(model, torch.optim.SGD(model.parameters(), lr=0.1), None, batch,
+                       scoring=learner.ScoringSpec(), penalty=learner.PenaltySpec(), cfg=two, grad_clip=0.0,
+                       generator=torch.Generator().manual_seed(0), forward=forward)
 
 
 def test_screening_keeps_the_fused_forward_unless_it_drops_a_sample():
     model, rollout, cfg, adv_B = _setup("tiny-dense", "none")
-    batch, forward = learner.score_on_policy(model, rollout, adv_B, cfg, temperature=1.0, fp32_lm_head=True,
-                                             moe=False)
+    batch, forward = learner.score_on_policy(model, rollout, adv_B, cfg, learner.ScoringSpec())
     keep_B = torch.ones(len(rollout), dtype=torch.bool)
     keep_B[3] = False  # dropped before scoring (a bad reward, say): the forward still serves the update
     _, kept, same, _ = learner.screen_old(batch, keep_B, forward)

@@ -18,6 +18,7 @@ from trainers.scoring import response_logprobs
 torch.set_num_threads(1)
 EOS, PAD, V = 1, 0, 101
 TEMP = 1.0
+SCORING = learner.ScoringSpec(temperature=TEMP, fp32_lm_head=True, moe=True)
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -50,7 +51,7 @@ def _rollout(model, *, precision: str = "fp32", perturb: float = 0.0, n: int = 1
 def _score(model, rollout, mode: str, minibatches: int = 1):
     cfg = AlgoConfig(routing_replay=mode, minibatches=minibatches, is_mode="none")
     adv_B = torch.tensor([1.0, -1.0]).repeat(len(rollout) // 2)
-    return learner.score_old(model, rollout, adv_B, cfg, temperature=TEMP, fp32_lm_head=True, moe=True), cfg
+    return learner.score_old(model, rollout, adv_B, cfg, SCORING), cfg
 
 
 def _update(model, batch, cfg, lr: float = 1e-2) -> tuple[list[dict], list[dict[str, torch.Tensor]]]:
@@ -64,10 +65,9 @@ def _update(model, batch, cfg, lr: float = 1e-2) -> tuple[list[dict], list[dict[
                       if p.grad is not None})
 
     opt.register_step_pre_hook(record)
-    metrics = learner.update(model, opt, None, batch, lambda_C=torch.zeros(0), constraints=[], penalty="hinge",
-                             dual_enabled=False, cfg=cfg, temperature=TEMP, fp32_lm_head=True, grad_clip=0.0,
-                             generator=torch.Generator().manual_seed(0))
-    return metrics, grads
+    result = learner.update(model, opt, None, batch, scoring=SCORING, penalty=learner.PenaltySpec(), cfg=cfg,
+                            grad_clip=0.0, generator=torch.Generator().manual_seed(0))
+    return result.steps, grads
 
 
 def _replayed_forward(model, rollout, experts_BSLK):
@@ -192,8 +192,7 @@ def test_routes_shifted_by_one_position_raise():
     batch, cfg = _score(model, rollout, "r3")
     shifted = batch.replay_experts_BSLK[:, 1:]  # position s gets the route of s + 1, one position short
     with pytest.raises(RuntimeError, match="misaligned"):
-        learner.score_old(model, rollout.with_(rollout_experts_BSLK=shifted), torch.ones(len(rollout)), cfg,
-                          temperature=TEMP, fp32_lm_head=True, moe=True)
+        learner.score_old(model, rollout.with_(rollout_experts_BSLK=shifted), torch.ones(len(rollout)), cfg, SCORING)
     with pytest.raises(RuntimeError, match="misaligned"):
         _update(model, learner.ScoredBatch(**{**batch.__dict__, "replay_experts_BSLK": shifted}), cfg)
 
@@ -205,8 +204,7 @@ def test_replay_that_does_nothing_raises(monkeypatch):
     # the router forward without dcmdp's patch: nothing is replayed, and the learner must notice
     monkeypatch.setattr(routing._ROUTER_CLS, "forward", routing._original_forward)
     with pytest.raises(learner.ReplayError, match="expected"):
-        learner.score_old(model, rollout, torch.ones(len(rollout)), cfg, temperature=TEMP, fp32_lm_head=True,
-                          moe=True)
+        learner.score_old(model, rollout, torch.ones(len(rollout)), cfg, SCORING)
     with pytest.raises(learner.ReplayError):
         _update(model, batch, cfg)
 
@@ -219,8 +217,7 @@ def test_same_shape_shift_is_detected():
     e = batch.replay_experts_BSLK
     shifted = torch.cat([torch.full_like(e[:, :1], -1), e[:, :-1]], dim=1)
     with pytest.raises(learner.ReplayError, match="line up"):
-        learner.score_old(model, rollout.with_(rollout_experts_BSLK=shifted), torch.ones(len(rollout)), cfg,
-                          temperature=TEMP, fp32_lm_head=True, moe=True)
+        learner.score_old(model, rollout.with_(rollout_experts_BSLK=shifted), torch.ones(len(rollout)), cfg, SCORING)
 
 
 @pytest.mark.parametrize("capture", [False, True])

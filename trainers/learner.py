@@ -16,9 +16,10 @@ count of the mini-batch, so the summed gradients equal the single-process gradie
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -66,6 +67,56 @@ class DataShard:
         return torch.cat(parts)
 
 
+@dataclass(frozen=True)
+class ScoringSpec:
+    """How the training engine scores a rollout: the tempered distribution the rollout engine sampled from, in
+    the LM-head precision of the run, on this rank's share of the rows."""
+
+    # Sampling temperature of the rollout engine (rollout.temperature): the scored distribution is tempered alike.
+    temperature: float = 1.0
+    # LM head and log-softmax in float32 (model.fp32_lm_head).
+    fp32_lm_head: bool = True
+    # The model is a mixture of experts: its routes are recorded (R2, routing_mismatch) or replayed (R3).
+    moe: bool = False
+    # This process's rows under data parallelism.
+    shard: DataShard = DataShard()
+
+
+@dataclass(frozen=True)
+class PenaltySpec:
+    """The penalty term of every mini-batch loss of one rollout batch (``constraints.penalties``); no constraints:
+    no penalty term and no penalty metrics."""
+
+    # (C,) multipliers lambda_i, fixed for the whole rollout batch.
+    lambda_C: Tensor = field(default_factory=lambda: torch.zeros(0))
+    # The constraints with the tolerances in force.
+    constraints: tuple[ConstraintConfig, ...] = ()
+    # Penalty form: a name of constraints.penalties.PENALTIES.
+    form: str = "hinge"
+
+
+@dataclass
+class UpdateResult:
+    """What ``update`` did to one scored rollout batch."""
+
+    # One dict per mini-batch optimiser step: loss terms ('loss/total', 'penalty/loss', the policy loss's own),
+    # 'policy/entropy', optim/ and guard/ values.
+    steps: list[dict[str, float]]
+    # IS weight metrics of the batch (``IS_MODES``), computed once before the mini-batches.
+    is_metrics: dict[str, float]
+    # (B, T) log pi_theta of every row as its mini-batch update saw it, before that update's optimiser step
+    # (detached): the policy the penalty acted on (``dual.measure_at: updates``). With N = 1 it is pi_old.
+    trained_logp_BT: Tensor
+    # Mini-batch updates skipped for a non-finite loss or gradient norm.
+    skipped: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        """The step metrics averaged over the mini-batches, the IS metrics, and 'guard/skipped_updates' (a count)."""
+        keys = dict.fromkeys(k for d in self.steps for k in d)
+        mean = {k: float(np.mean([d[k] for d in self.steps if k in d])) for k in keys}
+        return {**mean, **self.is_metrics, "guard/skipped_updates": float(self.skipped)}
+
+
 @dataclass
 class ScoredBatch:
     """A rollout batch with everything the updates need; rows are samples (B = prompts x G)."""
@@ -90,22 +141,22 @@ class ScoredBatch:
                     mask_BS=r.attention_mask_BS.bool())
 
 
-def _forward_logp(model, rollout: Rollout, *, temperature: float, fp32_lm_head: bool, with_entropy: bool,
+def _forward_logp(model, rollout: Rollout, spec: ScoringSpec, *, with_entropy: bool,
                   replay_experts_BSLK: Optional[Tensor], capture: bool):
     """One full forward; returns (logp_BT, entropy_BT, captured_experts_BSLK). Under float16 autocast for a
-    ``model.dtype=float16`` model (``trainers.models.compute_dtype``); the LM head keeps ``fp32_lm_head``."""
+    ``model.dtype=float16`` model (``trainers.models.compute_dtype``); the LM head keeps ``spec.fp32_lm_head``."""
     amp = compute_dtype(model)
     device = rollout.input_ids_BS.device.type
     with torch.autocast(device_type=device, dtype=amp or torch.float32, enabled=amp is not None):
-        return _forward_logp_in(model, rollout, temperature=temperature, fp32_lm_head=fp32_lm_head,
-                                with_entropy=with_entropy, replay_experts_BSLK=replay_experts_BSLK, capture=capture)
+        return _forward_logp_in(model, rollout, spec, with_entropy=with_entropy,
+                                replay_experts_BSLK=replay_experts_BSLK, capture=capture)
 
 
-def _forward_logp_in(model, rollout: Rollout, *, temperature: float, fp32_lm_head: bool, with_entropy: bool,
+def _forward_logp_in(model, rollout: Rollout, spec: ScoringSpec, *, with_entropy: bool,
                      replay_experts_BSLK: Optional[Tensor], capture: bool):
     ids_BS, mask_BS = rollout.input_ids_BS, rollout.attention_mask_BS
     B, S = ids_BS.shape
-    kwargs = dict(temperature=temperature, fp32_lm_head=fp32_lm_head, with_entropy=with_entropy)
+    kwargs = dict(temperature=spec.temperature, fp32_lm_head=spec.fp32_lm_head, with_entropy=with_entropy)
     P = rollout.num_prompt_positions
     if replay_experts_BSLK is not None:
         if replay_experts_BSLK.shape[:2] != (B, S):
@@ -147,19 +198,16 @@ def fuses_old_pass(cfg: AlgoConfig) -> bool:
 
 
 @torch.no_grad()
-def score_old(model, rollout: Rollout, advantages_B: Tensor, cfg: AlgoConfig, *, temperature: float,
-              fp32_lm_head: bool, moe: bool, shard: DataShard = DataShard()) -> ScoredBatch:
+def score_old(model, rollout: Rollout, advantages_B: Tensor, cfg: AlgoConfig, spec: ScoringSpec) -> ScoredBatch:
     """Recompute log pi_old with the training engine (replaying the rollout's routes under R3).
 
     Under data parallelism each rank scores its block of rows and the results are gathered: every rank
     returns the full batch.
     """
-    return _score(model, rollout, advantages_B, cfg, temperature=temperature, fp32_lm_head=fp32_lm_head,
-                  moe=moe, shard=shard, with_grad=False)[0]
+    return _score(model, rollout, advantages_B, cfg, spec, with_grad=False)[0]
 
 
-def score_on_policy(model, rollout: Rollout, advantages_B: Tensor, cfg: AlgoConfig, *, temperature: float,
-                    fp32_lm_head: bool, moe: bool, shard: DataShard = DataShard()
+def score_on_policy(model, rollout: Rollout, advantages_B: Tensor, cfg: AlgoConfig, spec: ScoringSpec
                     ) -> tuple[ScoredBatch, OnPolicyForward]:
     """``score_old`` for one mini-batch per rollout batch (``fuses_old_pass``): the forward keeps its graph and
     computes the entropy, so ``update(..., forward=...)`` back-propagates it instead of running the model a
@@ -168,13 +216,12 @@ def score_on_policy(model, rollout: Rollout, advantages_B: Tensor, cfg: AlgoConf
         raise ValueError(f"score_on_policy needs algo.minibatches = 1, got {cfg.minibatches}")
     model.train()
     with torch.enable_grad():
-        return _score(model, rollout, advantages_B, cfg, temperature=temperature, fp32_lm_head=fp32_lm_head,
-                      moe=moe, shard=shard, with_grad=True)
+        return _score(model, rollout, advantages_B, cfg, spec, with_grad=True)
 
 
-def _score(model, rollout: Rollout, advantages_B: Tensor, cfg: AlgoConfig, *, temperature: float,
-           fp32_lm_head: bool, moe: bool, shard: DataShard, with_grad: bool
+def _score(model, rollout: Rollout, advantages_B: Tensor, cfg: AlgoConfig, spec: ScoringSpec, *, with_grad: bool
            ) -> tuple[ScoredBatch, Optional[OnPolicyForward]]:
+    moe, shard = spec.moe, spec.shard
     if cfg.routing_replay != "none" and not moe:
         raise ValueError(f"routing_replay={cfg.routing_replay} needs an MoE model")
     r3 = cfg.routing_replay == "r3"
@@ -182,8 +229,8 @@ def _score(model, rollout: Rollout, advantages_B: Tensor, cfg: AlgoConfig, *, te
         raise ValueError("routing_replay=r3 needs the rollout engine's routes, and this engine reported none")
     local = rollout.select(shard.rows(len(rollout))) if shard.world > 1 else rollout
     logp_BT, ent_BT, train_experts = _forward_logp(
-        model, local, temperature=temperature, fp32_lm_head=fp32_lm_head, with_entropy=with_grad,
-        replay_experts_BSLK=local.rollout_experts_BSLK if r3 else None, capture=moe and not r3)
+        model, local, spec, with_entropy=with_grad, replay_experts_BSLK=local.rollout_experts_BSLK if r3 else None,
+        capture=moe and not r3)
     forward = OnPolicyForward(logp_BT, ent_BT) if with_grad else None
     old_logp_BT = shard.gather_rows(logp_BT.detach())
     if train_experts is not None:
@@ -261,10 +308,19 @@ def minibatch_indices(batch_size: int, num_minibatches: int, generator: torch.Ge
     return list(perm.chunk(num_minibatches))
 
 
-def _minibatch_terms(logp_BT: Tensor, ent_BT: Tensor, rows: Tensor, batch: ScoredBatch, weights_BT: Tensor,
-                     kept_BT: Tensor, routing_BT: Optional[Tensor], normalizer: int, *, lambda_C: Tensor,
-                     constraints: Sequence[ConstraintConfig], penalty: str, dual_enabled: bool,
-                     cfg: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
+@dataclass(frozen=True)
+class _BatchWeights:
+    """Per-token values of the whole rollout batch that every mini-batch loss reads."""
+
+    # (B, T) IS weights of rho = pi_old / mu (``IS_MODES``) and the tokens they keep.
+    weights_BT: Tensor
+    kept_BT: Tensor
+    # (B, T) share of MoE layers whose experts differ between the engines at each token (None: not known).
+    routing_BT: Optional[Tensor]
+
+
+def _minibatch_terms(logp_BT: Tensor, ent_BT: Tensor, rows: Tensor, normalizer: int, batch: ScoredBatch,
+                     weights: _BatchWeights, penalty: PenaltySpec, cfg: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
     """Loss of the batch rows ``rows`` (whose current log-probs and entropies are ``logp_BT``, ``ent_BT``):
     policy loss + penalty - entropy_coef * entropy, each a token sum over these rows / ``normalizer``."""
     rollout = batch.rollout
@@ -272,13 +328,14 @@ def _minibatch_terms(logp_BT: Tensor, ent_BT: Tensor, rows: Tensor, batch: Score
     adv_BT = batch.advantages_BT[rows]
     metrics: dict[str, float] = {}
     pen_loss = logp_BT.new_zeros(())
-    if dual_enabled and constraints:
-        pen_loss, adv_BT, pen_metrics = PENALTIES[penalty](
-            logp_BT, rollout.rollout_logp_BT[rows].float(), adv_BT, m_BT, lambda_C, constraints, normalizer,
-            routing_mismatch_BT=routing_BT[rows] if routing_BT is not None else None)
+    if penalty.constraints:
+        routing_BT = weights.routing_BT[rows] if weights.routing_BT is not None else None
+        pen_loss, adv_BT, pen_metrics = PENALTIES[penalty.form](
+            logp_BT, rollout.rollout_logp_BT[rows].float(), adv_BT, m_BT, penalty.lambda_C, penalty.constraints,
+            normalizer, routing_mismatch_BT=routing_BT)
         metrics.update(pen_metrics)
-    pg_loss, pg_metrics = POLICY_LOSSES[cfg.loss](logp_BT, batch.old_logp_BT[rows], adv_BT, weights_BT[rows],
-                                                  kept_BT[rows], cfg, normalizer)
+    pg_loss, pg_metrics = POLICY_LOSSES[cfg.loss](logp_BT, batch.old_logp_BT[rows], adv_BT, weights.weights_BT[rows],
+                                                  weights.kept_BT[rows], cfg, normalizer)
     metrics.update(pg_metrics)
     entropy = (ent_BT * m_BT).sum() / normalizer
     loss = pg_loss + pen_loss - cfg.entropy_coef * entropy
@@ -286,17 +343,28 @@ def _minibatch_terms(logp_BT: Tensor, ent_BT: Tensor, rows: Tensor, batch: Score
     return loss, metrics
 
 
+def _batch_weights(batch: ScoredBatch, cfg: AlgoConfig) -> tuple[_BatchWeights, dict[str, float]]:
+    rollout = batch.rollout
+    weights_BT, kept_BT, is_metrics = IS_MODES[cfg.is_mode](batch.old_logp_BT, rollout.rollout_logp_BT.float(),
+                                                            rollout.response_mask_BT.bool(), cfg)
+    routing_BT = None
+    if batch.train_experts_BSLK is not None and rollout.rollout_experts_BSLK is not None:
+        P = rollout.num_prompt_positions
+        routing_BS = routing_mismatch_per_token(batch.train_experts_BSLK, rollout.rollout_experts_BSLK)
+        # the route at position s shapes the logits that predict token s + 1
+        routing_BT = routing_BS[:, P - 1:-1]
+    return _BatchWeights(weights_BT, kept_BT, routing_BT), is_metrics
+
+
 def _global_norm(grad_norm: Tensor) -> Tensor:
     """The gradient norm as a plain tensor (FSDP2 returns the norm of sharded gradients as a DTensor)."""
     return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
 
 
-def update(model, optimizer, scheduler, batch: ScoredBatch, *, lambda_C: Tensor,
-           constraints: Sequence[ConstraintConfig], penalty: str, dual_enabled: bool, cfg: AlgoConfig,
-           temperature: float, fp32_lm_head: bool, grad_clip: float, generator: torch.Generator,
-           shard: DataShard = DataShard(), trained_logp_BT: Optional[Tensor] = None,
-           forward: Optional[OnPolicyForward] = None, scaler: Optional[torch.amp.GradScaler] = None) -> list[dict]:
-    """N mini-batch optimiser steps on one scored rollout batch; returns one metrics dict per step.
+def update(model, optimizer, scheduler, batch: ScoredBatch, *, scoring: ScoringSpec, penalty: PenaltySpec,
+           cfg: AlgoConfig, grad_clip: float, generator: torch.Generator, forward: Optional[OnPolicyForward] = None,
+           scaler: Optional[torch.amp.GradScaler] = None) -> UpdateResult:
+    """N mini-batch optimiser steps on one scored rollout batch.
 
     ``scaler`` (``model.dtype=float16``): dynamic loss scaling. The loss is scaled before the backward and the
     gradients unscaled before the clip; an overflow (non-finite gradients at a finite loss) is the scaler's
@@ -306,32 +374,22 @@ def update(model, optimizer, scheduler, batch: ScoredBatch, *, lambda_C: Tensor,
     ``forward`` (N = 1 only, from ``score_on_policy`` on this ``batch``): the single mini-batch is the whole
     batch in row order and back-propagates that forward instead of running the model again.
 
-    ``trained_logp_BT`` (optional, shaped like ``batch.old_logp_BT``) is filled in place with every row's
-    log pi_theta as its mini-batch saw it, before that mini-batch's optimiser step (detached): the policy
-    the penalty acted on (``dual.measure_at: updates``). With N = 1 it is pi_old.
-
     A mini-batch whose loss or gradient norm is non-finite gets no optimiser step (its gradients are
-    zeroed, a warning is logged); 'guard/skipped_update' says so per mini-batch, and the first dict carries
-    'guard/skipped_updates', the number skipped in this call.
+    zeroed, a warning is logged); 'guard/skipped_update' says so per mini-batch, ``UpdateResult.skipped``
+    counts them.
 
-    Under data parallelism (``shard.world > 1``) the mini-batches are the single-process ones (same seeded
-    permutation); each rank back-propagates its block of every mini-batch with the mini-batch's global token
-    count as normalizer (the FSDP gradient reduction sums), and the metrics, the loss included, are
+    Under data parallelism (``scoring.shard.world > 1``) the mini-batches are the single-process ones (same
+    seeded permutation); each rank back-propagates its block of every mini-batch with the mini-batch's global
+    token count as normalizer (the FSDP gradient reduction sums), and the metrics, the loss included, are
     recomputed from the gathered per-token log-probs and entropies, so they are the full mini-batch's on
     every rank and every rank takes the same skip decision.
     """
     rollout = batch.rollout
+    shard = scoring.shard
     mask_BT = rollout.response_mask_BT.bool()
-    weights_BT, kept_BT, is_metrics = IS_MODES[cfg.is_mode](batch.old_logp_BT, rollout.rollout_logp_BT.float(),
-                                                            mask_BT, cfg)
-    routing_BT = None
-    if batch.train_experts_BSLK is not None and rollout.rollout_experts_BSLK is not None:
-        P = rollout.num_prompt_positions
-        routing_BS = routing_mismatch_per_token(batch.train_experts_BSLK, rollout.rollout_experts_BSLK)
-        # the route at position s shapes the logits that predict token s + 1
-        routing_BT = routing_BS[:, P - 1:-1]
-    terms = dict(lambda_C=lambda_C, constraints=constraints, penalty=penalty, dual_enabled=dual_enabled, cfg=cfg)
-    out = []
+    weights, is_metrics = _batch_weights(batch, cfg)
+    trained_logp_BT = batch.old_logp_BT.clone()
+    steps = []
     skipped = 0
     model.train()
     if forward is not None and not fuses_old_pass(cfg):
@@ -344,22 +402,18 @@ def update(model, optimizer, scheduler, batch: ScoredBatch, *, lambda_C: Tensor,
             logp_BT, ent_BT = forward.logp_BT, forward.ent_BT
         else:
             replay = batch.replay_experts_BSLK[local] if batch.replay_experts_BSLK is not None else None
-            logp_BT, ent_BT, _ = _forward_logp(model, rollout.select(local), temperature=temperature,
-                                               fp32_lm_head=fp32_lm_head, with_entropy=True,
+            logp_BT, ent_BT, _ = _forward_logp(model, rollout.select(local), scoring, with_entropy=True,
                                                replay_experts_BSLK=replay, capture=False)
         normalizer = max(int(mask_BT[idx].sum()), 1)
-        loss, metrics = _minibatch_terms(logp_BT, ent_BT, local, batch, weights_BT, kept_BT, routing_BT,
-                                         normalizer, **terms)
+        loss, metrics = _minibatch_terms(logp_BT, ent_BT, local, normalizer, batch, weights, penalty, cfg)
         if shard.world > 1:
+            full_logp_BT = shard.gather_rows(logp_BT.detach())
             with torch.no_grad():
-                full_loss, metrics = _minibatch_terms(shard.gather_rows(logp_BT.detach()),
-                                                      shard.gather_rows(ent_BT.detach()), idx, batch, weights_BT,
-                                                      kept_BT, routing_BT, normalizer, **terms)
+                full_loss, metrics = _minibatch_terms(full_logp_BT, shard.gather_rows(ent_BT.detach()), idx,
+                                                      normalizer, batch, weights, penalty, cfg)
         else:
-            full_loss = loss.detach()
-        if trained_logp_BT is not None:
-            trained_logp_BT[idx] = (shard.gather_rows(logp_BT.detach()) if shard.world > 1
-                                    else logp_BT.detach()).to(trained_logp_BT.dtype)
+            full_logp_BT, full_loss = logp_BT.detach(), loss.detach()
+        trained_logp_BT[idx] = full_logp_BT.to(trained_logp_BT.dtype)
         optimizer.zero_grad(set_to_none=True)
         (loss if scaler is None else scaler.scale(loss)).backward()
         if scaler is not None:
@@ -388,8 +442,5 @@ def update(model, optimizer, scheduler, batch: ScoredBatch, *, lambda_C: Tensor,
             scheduler.step()
         metrics["guard/skipped_update"] = 0.0 if finite else 1.0
         metrics.update({"optim/grad_norm": float(grad_norm), "optim/lr": optimizer.param_groups[0]["lr"]})
-        out.append(metrics)
-    out[0].update(is_metrics)
-    # a count, carried by the first dict only so that averaging over the mini-batches keeps it a count
-    out[0]["guard/skipped_updates"] = float(skipped)
-    return out
+        steps.append(metrics)
+    return UpdateResult(steps, is_metrics, trained_logp_BT, skipped)
