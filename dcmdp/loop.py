@@ -72,7 +72,8 @@ class Setup:
     lock: Optional[RunFolderLock] = None
     # Held-out accuracy before the first RL step (kept in checkpoints, so a resumed run reports the same one).
     accuracy_before: Optional[float] = None
-    # The held-out examples that fit the context by length in characters (``dcmdp.policy.screen_prompt_chars``), once screened.
+    # The held-out examples that fit the context by length in characters (``dcmdp.policy.held_out_examples``), once
+    # screened.
     eval_examples: Optional[list[Example]] = None
     # Consecutive steps in which almost every group had zero reward variance (see ``_watch_signal``).
     no_signal_steps: int = 0
@@ -427,6 +428,7 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
 
 def checkpoint(s: Setup, step: int) -> Path:
     """Everything a bitwise-identical continuation needs; written atomically, last ``keep`` kept."""
+    s.tracker.flush()  # the metrics of the steps this checkpoint covers are stored or on disk before it exists
     if s.worker is not None:
         # the engine then holds version ``step``, and the rollout schedule restarts there, as on resume
         s.worker.drain(s.policy.model.state_dict(), step)
@@ -468,7 +470,8 @@ def _rollout_worker(s: Setup) -> Optional[RolloutWorker]:
     if not cfg.enabled:
         return None
     return RolloutWorker(s.policy.engine, lambda step: rollout_phase(s.policy, s.cfg, step), start=s.start_step,
-                         stop=s.cfg.steps, max_staleness=cfg.max_staleness, threads=cfg.threads, state_dict=s.policy.model.state_dict())
+                         stop=s.cfg.steps, max_staleness=cfg.max_staleness, threads=cfg.threads,
+                         state_dict=s.policy.model.state_dict())
 
 
 def reward_phase(s: Setup, examples: list[Example], rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:

@@ -239,7 +239,8 @@ def test_stability_probe_overrides():
     (c,) = cfg("dcmdp_r3_c1e-3_eta100").dual.constraints
     assert (c.tolerance, c.lambda_init, c.lr) == (1e-3, 0.1, 100.0)
     fixed = cfg("fixed_r3_lambda1")
-    assert fixed.dual.rule == "fixed" and fixed.dual.constraints[0].lambda_init == 1.0 and fixed.algo.routing_replay == "r3"
+    assert fixed.dual.rule == "fixed" and fixed.dual.constraints[0].lambda_init == 1.0
+    assert fixed.algo.routing_replay == "r3"
     for method in ("grpo_no_is_lr1e-3", "minirl_r3_lr1e-3", "dcmdp_r3_lr1e-3"):
         c = cfg(method)
         assert c.optim.lr == 1e-3 and c.dual.constraints[0].tolerance == stability.TOLERANCE
