@@ -127,6 +127,8 @@ class TrackingConfig:
     buffer_dir: Optional[str] = None
     # MLflow run id of a parent run (``dcmdp tune``): the run is created nested under it.
     parent_run_id: Optional[str] = None
+    # log_metrics hands the step's metrics to a sender thread and returns (dcmdp.tracking); off sends in the step.
+    async_log: bool = True
 
 
 @dataclass

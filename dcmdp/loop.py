@@ -428,6 +428,7 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
 
 def checkpoint(s: Setup, step: int) -> Path:
     """Everything a bitwise-identical continuation needs; written atomically, last ``keep`` kept."""
+    s.tracker.flush()  # the metrics of the steps this checkpoint covers are stored or on disk before it exists
     if s.worker is not None:
         # the engine then holds version ``step``, and the rollout schedule restarts there, as on resume
         s.worker.drain(s.policy.model.state_dict(), step)

@@ -32,6 +32,14 @@ server costs milliseconds (connection refused) and a hung one at most ~20 s, onc
 interval (``retry_interval`` doubling up to ``max_retry_interval``).
 
 Non-finite metric values are sent as they are: MLflow stores NaN as NaN and +-inf as +-1.797e308.
+
+Asynchronous metrics (``tracking.async_log``, default on): ``log_metrics`` stamps its records and hands them to
+one sender thread, which sends or buffers them exactly as above, in call order; the training step never waits
+on the store. Every other call (``start``, ``log_artifact``, ``set_tags``, ``skip_logged``, ``finish``), ``flush``
+and reading ``buffered`` first wait until the queue is empty, so the order of records and every guarantee above
+are those of the synchronous path. The training loop flushes before it writes a checkpoint, so a run killed
+after a checkpoint has every metric of the steps that checkpoint covers in the store or on disk; at most the
+queued steps after it are lost, and the resumed run logs those steps again.
 """
 
 from __future__ import annotations
@@ -41,10 +49,12 @@ import fcntl
 import json
 import logging
 import os
+import queue
 import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -596,7 +606,7 @@ class Tracker:
 
     ``start`` returns the MLflow run id, or a placeholder ``local-<hex>`` while the store cannot be
     reached; ``run_id`` becomes the MLflow id once the run is created. ``buffered`` counts metrics
-    waiting on local disk.
+    waiting on local disk (after the queued ones were handled).
     """
 
     def __init__(self, cfg: TrackingConfig, output_dir: str | Path, *, retry_interval: float = 10.0,
@@ -617,7 +627,10 @@ class Tracker:
         self._stray_dir = encoded if encoded is not None and encoded != db.parent and not encoded.exists() else None
         self._segment: Optional[_Segment] = None
         self._id: Optional[str] = None
-        self.buffered = 0
+        self._buffered = 0
+        # tracking.async_log: metric records queued for the sender thread (started by the first log_metrics)
+        self._queue: queue.Queue = queue.Queue()
+        self._sender_thread: Optional[threading.Thread] = None
         self._retry_interval = self._interval = retry_interval
         self._max_interval = max_retry_interval
         self._retry_at = 0.0
@@ -628,6 +641,17 @@ class Tracker:
         self._logged: set[tuple[str, int]] = set()
 
     @property
+    def buffered(self) -> int:
+        """Metrics waiting on local disk for the store, once every queued call was handled."""
+        self.flush()
+        return self._buffered
+
+    def flush(self) -> None:
+        """Wait until every queued ``log_metrics`` call is sent to the store or buffered on disk."""
+        if self._sender_thread is not None:
+            self._queue.join()
+
+    @property
     def run_id(self) -> Optional[str]:
         if self._id is not None and self._id.startswith(LOCAL_ID_PREFIX):
             return self._sender.run_map.get(self._id, self._id)
@@ -636,6 +660,7 @@ class Tracker:
     def start(self, params: dict[str, str], *, run_id: Optional[str] = None,
               tags: Optional[dict[str, str]] = None) -> str:
         """Create the run (or reopen ``run_id``), log params in batches of 100 and tags."""
+        self.flush()
         self._sync_leftovers()
         tags = dict(tags or {})
         if self.cfg.parent_run_id:  # the tag MLflow itself uses to nest runs (start_run(nested=True))
@@ -668,6 +693,7 @@ class Tracker:
         logged once. Call after ``start`` (which first sends what an earlier process left buffered). Returns the
         number of pairs found; when the store cannot be read, warns and returns 0 (the repeats are then logged).
         """
+        self.flush()
         if self._id is None or self.run_id is None or self.run_id.startswith(LOCAL_ID_PREFIX):
             return 0
         try:
@@ -701,11 +727,20 @@ class Tracker:
                     self._warned_values = True
                 continue
             records.append({"t": "metric", "run": run, "key": key, "value": value, "step": int(step), "ts": ts})
-        self._emit(records)
+        if not records:
+            return
+        if not self.cfg.async_log:
+            self._emit(records)
+            return
+        if self._sender_thread is None:
+            self._sender_thread = threading.Thread(target=self._send_queued, name="dcmdp-tracking", daemon=True)
+            self._sender_thread.start()
+        self._queue.put(records)
 
     def log_artifact(self, path: str | Path, artifact_path: Optional[str] = None) -> None:
         if self._id is None:
             raise RuntimeError("Tracker.log_artifact before Tracker.start")
+        self.flush()
         path = Path(path)
         if not path.exists():
             logger.warning("artifact %s does not exist; not logged", path)
@@ -715,6 +750,7 @@ class Tracker:
     def set_tags(self, tags: dict[str, str]) -> None:
         if self._id is None:
             raise RuntimeError("Tracker.set_tags before Tracker.start")
+        self.flush()
         tags = _clip("tag", tags, MAX_TAG_VAL_LENGTH)
         self._emit([{"t": "tags", "run": self.run_id, "tags": c} for c in _chunks(tags, MAX_PARAMS_TAGS_PER_BATCH)])
 
@@ -725,10 +761,14 @@ class Tracker:
         if self._id is None or self._finished:
             return
         self._finished = True
+        if self._sender_thread is not None:
+            self._queue.put(None)
+            self._sender_thread.join()
+            self._sender_thread = None
         self._emit([{"t": "end", "run": self.run_id, "status": status, "end_time": _now_ms()}], force=True)
         if self._segment is not None:
             logger.warning("MLflow at %s is unreachable: %d metrics of run %s stay buffered in %s; send them with "
-                           "`dcmdp sync` (dcmdp.tracking.sync_buffer)", self.tracking_uri, self.buffered,
+                           "`dcmdp sync` (dcmdp.tracking.sync_buffer)", self.tracking_uri, self._buffered,
                            self.run_id, self._segment.path)
             self._segment.close()
             self._segment = None
@@ -740,6 +780,19 @@ class Tracker:
         self.finish("FAILED" if exc_type is not None else "FINISHED")
 
     # -- internals ---------------------------------------------------------------------------------
+
+    def _send_queued(self) -> None:
+        """The sender thread: queued metric records through ``_emit``, in order, until ``finish`` queues None."""
+        while True:
+            records = self._queue.get()
+            try:
+                if records is None:
+                    return
+                self._emit(records)
+            except Exception as exc:  # _emit does not raise; should it, the thread must outlive it
+                logger.error("tracking sender thread: %s: %s; %d records lost", type(exc).__name__, exc, len(records))
+            finally:
+                self._queue.task_done()
 
     def _emit(self, records: list[dict], force: bool = False) -> None:
         """Send directly when nothing is buffered; otherwise append, then try to drain in order."""
@@ -771,7 +824,7 @@ class Tracker:
                     _write_run_map(self.buffer_dir, self._sender.run_map)
             for rec in records:
                 self._segment.append(rec)
-                self.buffered += rec["t"] == "metric"
+                self._buffered += rec["t"] == "metric"
         except OSError as exc:
             # The disk itself fails: nothing more can be done without stopping the run.
             logger.error("cannot write the tracking buffer in %s: %s; %d records lost", self.buffer_dir, exc,
@@ -785,13 +838,13 @@ class Tracker:
             for end, n in self._sender.send(seg.pending()):
                 seg.mark_sent(end)
                 sent += n
-                self.buffered -= n
+                self._buffered -= n
         except Exception as exc:
             self._failed(exc)
             return
         # Metrics the store rejected were dropped: recount from what is left (nothing, if drained).
         if seg.drained():
-            self.buffered = 0
+            self._buffered = 0
             seg.remove()
             self._segment = None
         self._recovered(sent)
@@ -830,6 +883,7 @@ class NoTracker:
 
     run_id = None
     tracking_uri = ""
+    buffered = 0
 
     def start(self, *args, **kwargs) -> None:
         pass
@@ -844,6 +898,9 @@ class NoTracker:
         pass
 
     def skip_logged(self, *args, **kwargs) -> None:
+        pass
+
+    def flush(self) -> None:
         pass
 
     def finish(self, *args, **kwargs) -> None:

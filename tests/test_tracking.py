@@ -67,6 +67,7 @@ def test_no_tracker_answers_every_tracker_call(tmp_path):
     t.log_metrics({"m": 1.0}, step=1)
     t.log_artifact(tmp_path / "x")
     t.skip_logged(after_step=3)
+    t.flush()
     t.finish("FAILED")
     assert t.run_id is None
 
@@ -180,13 +181,17 @@ def test_hung_server_costs_bounded_time_and_no_duplicates(mlflow_server, tmp_pat
     tracker = Tracker(cfg_for(mlflow_server.uri, tmp_path), tmp_path, retry_interval=60.0)
     run_id = tracker.start({"seed": "1"})
     log_steps(tracker, range(0, 3))
+    tracker.flush()  # steps 0-2 stored before the server freezes
     mlflow_server.pause()
     try:
         t0 = time.monotonic()
-        log_steps(tracker, range(3, 8))
+        per_call = log_steps(tracker, range(3, 8))
+        tracker.flush()  # the sender thread's time too (tracking.async_log)
         elapsed = time.monotonic() - t0
     finally:
         mlflow_server.resume()
+    # The step never waits on the store: log_metrics only queues.
+    assert max(per_call) < 0.5, per_call
     # One timed-out attempt (2 tries of 1 s), then the back-off window: no network at all.
     assert elapsed < 6.0, elapsed
     assert tracker.buffered == 5 * len(KEYS)
@@ -194,6 +199,20 @@ def test_hung_server_costs_bounded_time_and_no_duplicates(mlflow_server, tmp_pat
     assert tracker.buffered == 0
     client = MlflowClient(mlflow_server.uri)
     assert_every_step_once(client, run_id, range(8))
+
+
+def test_synchronous_logging_sends_within_the_call(tmp_path, monkeypatch):
+    """tracking.async_log=false: no sender thread; each log_metrics call has stored its metrics when it returns."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tracker = Tracker(TrackingConfig(async_log=False), tmp_path)
+    run_id = tracker.start({"seed": "5"})
+    client = MlflowClient(tracker.tracking_uri)
+    for step in range(3):
+        log_steps(tracker, range(step, step + 1))
+        assert [s for s, _, _ in history(client, run_id, KEYS[0])] == list(range(step + 1))
+    assert tracker._sender_thread is None
+    tracker.finish()
+    assert_every_step_once(client, run_id, range(3))
 
 
 def test_server_outage_mid_run_and_at_start_loses_nothing(mlflow_server, tmp_path, caplog):
