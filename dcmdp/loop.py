@@ -40,6 +40,7 @@ from dcmdp.policy import (Policy, build_policy, decode_responses, encode_prompts
 from trainers import guards, learner
 from trainers.advantages import ADVANTAGES
 from trainers.batch import Rollout
+from trainers.config import AlgoConfig
 from trainers.models import compute_dtype
 from trainers.tasks import Example, score_completions
 
@@ -159,8 +160,8 @@ def _train_step(s: Setup, step: int, bar) -> None:
     t0 = time.perf_counter()
     examples, rollout, fresh_B, async_metrics = _next_rollout(s, step)
     t1 = time.perf_counter()
-    rewards_B, reward_metrics = reward_phase(s, examples, rollout)
-    rollout, advantages_B, keep_B, guard_metrics = screen_phase(s, rollout, rewards_B, fresh_B)
+    rewards_B, reward_metrics = reward_phase(s.policy, examples, rollout)
+    rollout, advantages_B, keep_B, guard_metrics = screen_phase(cfg.algo, rollout, rewards_B, fresh_B)
     forward = None
     bypass = cfg.algo.old_logp == "rollout"
     if learner.fuses_old_pass(cfg.algo):
@@ -264,7 +265,7 @@ def _watch_signal(s: Setup, step: int, metrics: dict[str, float]) -> None:
                     100 * metrics.get("reward/accuracy", float("nan")))
 
 
-def screen_phase(s: Setup, rollout: Rollout, rewards_B: torch.Tensor, fresh_B: Optional[torch.Tensor] = None
+def screen_phase(algo: AlgoConfig, rollout: Rollout, rewards_B: torch.Tensor, fresh_B: Optional[torch.Tensor] = None
                  ) -> tuple[Rollout, torch.Tensor, torch.Tensor, dict[str, float]]:
     """Drop the samples with a non-finite rollout log-prob, reward or advantage (``trainers.guards``), and
     those outside ``fresh_B`` (too stale, ``dcmdp.async_rollout.screen_stale``).
@@ -272,12 +273,11 @@ def screen_phase(s: Setup, rollout: Rollout, rewards_B: torch.Tensor, fresh_B: O
     Advantages come from the kept samples of each group only; returns the masked rollout, advantages_B
     (0 at dropped samples), keep_B and the guard/ and advantage metrics.
     """
-    cfg = s.cfg
     keep_B, metrics = guards.screen_rows(rollout.rollout_logp_BT, rollout.response_mask_BT, rewards_B)
     if fresh_B is not None:
         keep_B = keep_B & fresh_B
-    advantages_B, adv_metrics = guards.screened_advantages(ADVANTAGES[cfg.algo.advantage], rewards_B, keep_B,
-                                                           cfg.algo.samples_per_prompt, cfg.algo)
+    advantages_B, adv_metrics = guards.screened_advantages(ADVANTAGES[algo.advantage], rewards_B, keep_B,
+                                                           algo.samples_per_prompt, algo)
     keep_B, adv_guard = guards.screen_advantages(advantages_B, keep_B)
     advantages_B = torch.where(keep_B, advantages_B, torch.zeros((), dtype=advantages_B.dtype))
     return guards.mask_rows(rollout, keep_B), advantages_B, keep_B, {**metrics, **adv_guard, **adv_metrics}
@@ -421,7 +421,7 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
         (out / "config.yaml").write_text(to_yaml(cfg))
     tracker.log_artifact(out / "config.yaml")
     scoring = learner.ScoringSpec(temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
-                                  moe=policy.moe, shard=d.shard)
+                                  moe=policy.moe, shard=d.shard, micro_batch_tokens=cfg.algo.micro_batch_tokens)
     return Setup(cfg, policy, scoring, optimizer, scheduler, dual, tracker, constraint_names(cfg.dual.constraints),
                  history, start_step, bad_steps, dist=d, lock=lock, accuracy_before=accuracy_before, scaler=scaler)
 
@@ -474,9 +474,9 @@ def _rollout_worker(s: Setup) -> Optional[RolloutWorker]:
                          state_dict=s.policy.model.state_dict())
 
 
-def reward_phase(s: Setup, examples: list[Example], rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
-    completions = decode_responses(s.policy.tokenizer, rollout)
-    rewards, errors = score_completions(s.policy.task, completions, examples)
+def reward_phase(policy: Policy, examples: list[Example], rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
+    completions = decode_responses(policy.tokenizer, rollout)
+    rewards, errors = score_completions(policy.task, completions, examples)
     rewards_B = torch.tensor(rewards, dtype=torch.float32)
     lengths = rollout.response_mask_BT.sum(dim=1).float()
     return rewards_B, {"reward/accuracy": float((rewards_B > 0.5).float().mean()), "reward/errors": float(errors),
