@@ -290,3 +290,19 @@ def test_exponential_race_is_multinomial():
     expected = torch.multinomial(probs_BV, 1, generator=torch.Generator().manual_seed(5)).squeeze(-1)
     race_BV = torch.empty_like(probs_BV).exponential_(1, generator=torch.Generator().manual_seed(5))
     assert torch.equal((probs_BV / race_BV).argmax(-1), expected)
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+def test_gqa_decode_attention_is_bitwise_the_copying_path(preset):
+    """rollout.gqa_decode reads the shared KV head in place (2 query heads per KV head in the tiny presets): the
+    same kernel on the same values, so tokens, log mu and routes are bitwise those of transformers' sdpa path."""
+    model = _model(preset)
+    _boost_eos(model, 2.5)
+    prompts = _prompts(24, seed=4)
+    runs = [TorchEngine(RolloutConfig(max_new_tokens=12, gqa_decode=gqa), model, eos_id=EOS, pad_id=PAD
+                        ).generate(prompts, seed=2) for gqa in (False, True)]
+    assert model.config.num_attention_heads > model.config.num_key_value_heads
+    assert torch.equal(runs[0].response_ids_BT, runs[1].response_ids_BT)
+    assert torch.equal(runs[0].rollout_logp_BT, runs[1].rollout_logp_BT)
+    if preset == "tiny-moe":
+        assert torch.equal(runs[0].rollout_experts_BSLK, runs[1].rollout_experts_BSLK)

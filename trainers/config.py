@@ -68,6 +68,8 @@ class RolloutConfig:
     max_new_tokens: int = 8
     # torch engine: finished rows leave the decode batch (no compute after EOS); off feeds them padding.
     drop_finished: bool = True
+    # torch engine: decode attention reads grouped KV heads in place (SDPA enable_gqa; bitwise the same values).
+    gqa_decode: bool = True
     # vLLM tensor-parallel size (ignored by the torch engine).
     tensor_parallel_size: int = 1
     # vLLM: disable CUDA graphs / torch.compile (faster start, used on CPU).

@@ -21,6 +21,13 @@ rows (the exponential race ``argmax p / q``, q ~ Exp(1), which is ``torch.multin
 path) and the live rows take theirs, so a seed gives the same tokens whichever rows are still decoding;
 log mu agrees to float rounding (matmuls over a smaller batch may round differently, tests/test_engine.py).
 
+Decode attention (``rollout.gqa_decode``, default on): a decode step's single query attends to the KV cache
+through ``scaled_dot_product_attention(..., enable_gqa=True)``, which reads each shared KV head in place, where
+transformers' ``sdpa`` path copies the whole cache once per query head sharing it (``repeat_kv``) whenever a mask
+is given. The same kernel on the same values: the output is bitwise that of the copying path
+(tests/test_torch_engine.py), so the trainer, which keeps ``sdpa``, still scores the engine's tokens to float
+rounding. The prefill goes through transformers' ``sdpa`` unchanged.
+
 Logit noise (``rollout.logit_noise = sigma > 0``): a stress knob, not a deployment format. Each decode
 step adds ``sigma * N(0, 1)`` noise, drawn from the engine's generator seeded by ``generate``'s ``seed``
 (so a rollout stays reproducible from its seed), to the float32 logits after the LM head, before
@@ -40,8 +47,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from trainers import routing
 from trainers.batch import Rollout, left_pad_prompts
@@ -52,6 +62,24 @@ from trainers.scoring import lm_head_logits, position_ids, tempered_logp
 # drop_finished: compact the decode batch once this share of its rows has stopped (a compaction copies the KV
 # cache once, as every decode step's cache append already does).
 COMPACT_FRACTION = 0.125
+
+GQA_DECODE_ATTENTION = "dcmdp_sdpa_gqa_decode"
+
+
+def sdpa_gqa_decode(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+                    **kwargs):
+    """transformers' ``sdpa`` attention, except that a one-query step with a mask and grouped KV heads passes
+    ``enable_gqa=True`` instead of materialising the repeated heads. query (B, H, 1, D), key/value (B, H_kv, S, D)."""
+    if query.shape[2] != 1 or attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+                                         enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GQA_DECODE_ATTENTION, sdpa_gqa_decode)
+ALL_MASK_ATTENTION_FUNCTIONS.register(GQA_DECODE_ATTENTION, sdpa_mask)
 
 
 def nucleus_logp(logp_BV: Tensor, top_p: float) -> Tensor:
@@ -81,6 +109,8 @@ class TorchEngine:
         # The engine's own frozen copy: the trainer's parameters are never touched or aliased.
         self.model = cast_for_precision(model, cfg.precision, int4_group_size=cfg.int4_group_size,
                                         quantize_lm_head=cfg.quantize_lm_head)
+        if cfg.gqa_decode:
+            self.model.set_attn_implementation(GQA_DECODE_ATTENTION)
         self.dtype = PRECISION_DTYPES[cfg.precision]
         self.is_moe = routing.is_moe(self.model)
         # Decoding runs where the model lives; the returned Rollout is always on the CPU.
