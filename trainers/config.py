@@ -265,6 +265,10 @@ class AlgoConfig:
     samples_per_prompt: int = 8
     # Mini-batches per rollout batch (N = off-policiness); one optimiser step each.
     minibatches: int = 1
+    # Token budget of one training forward: rows sorted by length into micro-batches of at most this many padded
+    # positions, each cut to its longest row (verl's dynamic batch size); 0: one forward per mini-batch. The loss
+    # and its normalisation are unchanged. One process only (ignored under torchrun).
+    micro_batch_tokens: int = 4096
     # MoE routing replay: none | r2 (training engine's routes) | r3 (rollout engine's routes).
     routing_replay: str = "none"
     # Entropy bonus coefficient (0 disables).
@@ -291,6 +295,7 @@ class AlgoConfig:
         _require(self.samples_per_prompt >= 2, f"{prefix}.samples_per_prompt",
                  f"group baselines need >= 2 samples per prompt, got {self.samples_per_prompt}")
         _require(self.minibatches >= 1, f"{prefix}.minibatches", "must be >= 1")
+        _require(self.micro_batch_tokens >= 0, f"{prefix}.micro_batch_tokens", "must be >= 0 (0: one forward)")
         total = self.prompts_per_step * self.samples_per_prompt
         _require(total % self.minibatches == 0, f"{prefix}.minibatches",
                  f"{self.minibatches} mini-batches do not divide the rollout batch of "

@@ -80,6 +80,9 @@ class ScoringSpec:
     moe: bool = False
     # This process's rows under data parallelism.
     shard: DataShard = DataShard()
+    # Token budget of one training forward (algo.micro_batch_tokens): rows sorted by length, cut into micro-batches
+    # of at most this many padded positions, each trimmed to its longest row. 0: one forward over the padded batch.
+    micro_batch_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,8 +144,72 @@ class ScoredBatch:
                     mask_BS=r.attention_mask_BS.bool())
 
 
+def length_buckets(lengths_B: Tensor, token_budget: int) -> list[Tensor]:
+    """Row indices sorted by length, longest first, cut into consecutive micro-batches whose padded size (rows x
+    the longest row) stays within ``token_budget``; a row longer than the budget is a micro-batch of its own.
+
+    verl's dynamic batch size (``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu``) packs by the same budget."""
+    order = torch.argsort(lengths_B, descending=True, stable=True).tolist()
+    groups: list[list[int]] = []
+    for i in order:
+        # sorted longest first: a group's first row is its longest
+        if groups and int(lengths_B[groups[-1][0]]) * (len(groups[-1]) + 1) <= token_budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [torch.tensor(g, dtype=torch.long) for g in groups]
+
+
+def _trim(rollout: Rollout, prompt_len: int, response_len: int) -> Rollout:
+    """The rollout's last ``prompt_len`` prompt and first ``response_len`` response columns (the rest padding)."""
+    P = rollout.num_prompt_positions
+    experts = rollout.rollout_experts_BSLK
+    return replace(rollout, prompt_ids_BP=rollout.prompt_ids_BP[:, P - prompt_len:],
+                   prompt_mask_BP=rollout.prompt_mask_BP[:, P - prompt_len:],
+                   response_ids_BT=rollout.response_ids_BT[:, :response_len],
+                   response_mask_BT=rollout.response_mask_BT[:, :response_len],
+                   rollout_logp_BT=rollout.rollout_logp_BT[:, :response_len],
+                   rollout_experts_BSLK=None if experts is None else experts[:, P - prompt_len:P + response_len])
+
+
 def _forward_logp(model, rollout: Rollout, spec: ScoringSpec, *, with_entropy: bool,
                   replay_experts_BSLK: Optional[Tensor], capture: bool):
+    """The forward of ``rollout``: (logp_BT, entropy_BT, captured_experts_BSLK) in the rollout's (B, T) / (B, S)
+    layout, values 0 (routes -1) at padding.
+
+    With ``spec.micro_batch_tokens`` (one process only: FSDP ranks must run the same number of forwards) the rows
+    go through ``length_buckets`` micro-batches, each cut to the prompt and response columns its rows use; the
+    log-probs are the same function of each row (position ids and masks follow the real tokens), so the loss
+    and its gradient equal the padded forward's to float rounding (tests/test_micro_batches.py)."""
+    budget = spec.micro_batch_tokens
+    if budget <= 0 or spec.shard.world > 1:
+        return _forward_logp_amp(model, rollout, spec, with_entropy=with_entropy,
+                                 replay_experts_BSLK=replay_experts_BSLK, capture=capture)
+    B, T = rollout.response_ids_BT.shape
+    P = rollout.num_prompt_positions
+    prompt_len_B = rollout.prompt_mask_BP.sum(-1)
+    response_len_B = rollout.response_mask_BT.sum(-1)
+    logp_parts, ent_parts, rows_parts, experts_BSLK = [], [], [], None
+    for rows in length_buckets(prompt_len_B + response_len_B, budget):
+        p, t = int(prompt_len_B[rows].max()), max(int(response_len_B[rows].max()), 1)
+        replay = None if replay_experts_BSLK is None else replay_experts_BSLK[rows][:, P - p:P + t]
+        logp, ent, experts = _forward_logp_amp(model, _trim(rollout.select(rows), p, t), spec,
+                                               with_entropy=with_entropy, replay_experts_BSLK=replay, capture=capture)
+        logp_parts.append(torch.nn.functional.pad(logp, (0, T - t)))
+        ent_parts.append(None if ent is None else torch.nn.functional.pad(ent, (0, T - t)))
+        rows_parts.append(rows)
+        if experts is not None:
+            if experts_BSLK is None:
+                experts_BSLK = experts.new_full((B, P + T, *experts.shape[2:]), -1)
+            experts_BSLK[rows, P - p:P + t] = experts
+    inverse_B = torch.argsort(torch.cat(rows_parts))
+    logp_BT = torch.cat(logp_parts)[inverse_B]
+    ent_BT = None if ent_parts[0] is None else torch.cat(ent_parts)[inverse_B]
+    return logp_BT, ent_BT, experts_BSLK
+
+
+def _forward_logp_amp(model, rollout: Rollout, spec: ScoringSpec, *, with_entropy: bool,
+                      replay_experts_BSLK: Optional[Tensor], capture: bool):
     """One full forward; returns (logp_BT, entropy_BT, captured_experts_BSLK). Under float16 autocast for a
     ``model.dtype=float16`` model (``trainers.models.compute_dtype``); the LM head keeps ``spec.fp32_lm_head``."""
     amp = compute_dtype(model)
