@@ -1,18 +1,23 @@
 """Training throughput: ``dcmdp train`` vs TRL's ``GRPOTrainer`` on the same model, task, batch and CPU.
 
-Both sides start from one tiny Qwen3-MoE directory (``tiny-moe`` preset, supervised cold start on 2-digit
-addition from ``trainers.coldstart``, saved with the project's character tokenizer by ``save_model_dir``),
-see the same prompts in the same order (each step's prompts are drawn exactly as ``dcmdp.loop.rollout_phase``
-draws them), sample ``samples_per_prompt`` completions per prompt at temperature 1 with at most
-``max_new_tokens`` tokens, score them with the same ``Task.reward`` and take one AdamW step per rollout batch
-(same lr, betas, weight decay, grad-norm clip, constant schedule).
+Workloads (``WORKLOADS``, one table row each): ``long-small-moe`` and ``long-tiny-moe``, responses of 29 to 91
+tokens of uneven length (``long_addition`` from ``configs/stress.yaml``: 3 to 8 digit sums written digit by
+digit with carries, the model cold-started by that config's supervised phase, cached), and ``short-tiny-moe``,
+the 8-token workload of ``configs/default.yaml`` (2-digit addition). In each, both sides start from one model
+directory (cold start from ``trainers.coldstart``, saved with the project's character tokenizer by
+``save_model_dir``), see the same prompts in the same order (each step's prompts are drawn exactly as
+``dcmdp.loop.rollout_phase`` draws them), sample ``samples`` completions per prompt at temperature 1 with at
+most ``max_new_tokens`` tokens, score them with the same ``Task.reward`` and take one AdamW step per rollout
+batch (same lr, betas, weight decay, grad-norm clip, constant schedule, same advantage normalisation).
 
-- dcmdp: ``python -m dcmdp.cli train configs/default.yaml`` with DCMDP on (hinge penalty, projected dual
+- dcmdp: ``python -m dcmdp.cli train CONFIG`` with the config's DCMDP constraint (hinge penalty, projected dual
   step on abs_prob_diff), off-policy N = 1 (``algo.minibatches=1``), the embedded torch rollout engine in
-  fp32, ``model.path`` = the shared directory. Per-step times come from the run's MLflow store
-  (``time/rollout``, ``time/old_logp``, ``time/measure``, ``time/update``, ``time/dual``, ``time/sync``, see
-  ``dcmdp.loop._timings``); the step period is the gap between consecutive steps' metric timestamps, so
-  logging, progress and everything else between steps is included.
+  fp32, ``model.path`` = the shared directory, every speed switch at its default. Per-step times come from the
+  run's MLflow store (``time/rollout``, ``time/old_logp``, ``time/measure``, ``time/update``, ``time/dual``,
+  ``time/sync``, see ``dcmdp.loop._timings``); the step period is the gap between consecutive steps' metric
+  timestamps, so logging, progress and everything else between steps is included.
+- ``--variant NAME=KEY=VALUE,KEY=VALUE``: a further dcmdp side with these overrides (a speed switch off, say),
+  alternated with the others, so that what a switch pays is measured side by side.
 - TRL: ``benchmarks/_trl_runner.py`` in ``.venv-trl`` (``bash benchmarks/setup_trl.sh``), GRPOConfig with
   num_generations = G, one generation batch of P x G completions per optimizer step
   (per_device_train_batch_size = P x G, gradient_accumulation_steps = steps_per_generation = num_iterations
@@ -24,7 +29,14 @@ draws them), sample ``samples_per_prompt`` completions per prompt at temperature
 Throughput of a run: response tokens (EOS included) of the timed steps / their summed step periods; the
 first ``--warmup`` steps of every run are not timed. The sides alternate (A B, then B A, ...) for
 ``--repeats`` repetitions; the table gives medians over repetitions and the median of the per-repetition
-ratios dcmdp / TRL.
+ratios dcmdp / TRL with their range.
+
+Limits (``measure_limits``, at the benchmark's thread count, in this process before the runs): the best fp32
+matmul rate (n x n x n, 2 n^3 FLOPs) and the memory bandwidth of a large copy (read + write bytes). Against
+them: the train step's achieved FLOP/s, 6 N_active (prompt + response tokens) per step (``mfu_gpu.py``'s
+formula without the attention term, small at these lengths) over the training phases' seconds, and the decode's
+achieved bytes/s, an upper bound: every decode forward reads every non-embedding weight (with a batch of
+rows every expert is hit) and each live row's KV cache, over the generation phase's seconds.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trl_throughput.py            # full, writes results/
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trl_throughput.py --smoke    # seconds, dcmdp side only
@@ -46,6 +58,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,30 +68,62 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from dcmdp.config import load_config  # noqa: E402
+from dcmdp.policy import encode_prompt  # noqa: E402
 from dcmdp.policy import step_seed  # noqa: E402
 from trainers.coldstart import cold_start  # noqa: E402
 from trainers.models import build_model, save_model_dir  # noqa: E402
 from trainers.tasks import TASKS  # noqa: E402
 from trainers.tokenizer import build_char_tokenizer  # noqa: E402
 
-CONFIG = ROOT / "configs" / "default.yaml"
 TRL_VENV = ROOT / ".venv-trl"
 DCMDP_PHASES = ("time/rollout", "time/old_logp", "time/measure", "time/update", "time/dual", "time/sync")
 TRL_PHASES = ("time/generate", "time/score", "time/loss_forward", "time/backward", "time/optimizer")
 
 
-def run_config(args, model_dir: str, output_dir: str) -> list[str]:
-    """dcmdp overrides of configs/default.yaml for this benchmark (also the TRL side's settings)."""
-    return [f"output_dir={output_dir}", f"steps={args.steps}", f"threads={args.threads}", "progress=false",
-            f"seed={args.seed}", f"model.path={model_dir}", "cold_start.steps=0", "rollout.engine=torch",
-            "rollout.precision=fp32", "rollout.temperature=1.0", f"rollout.max_new_tokens={args.max_new_tokens}",
-            "algo.minibatches=1", f"algo.prompts_per_step={args.prompts}", f"algo.samples_per_prompt={args.samples}",
-            "optim.warmup_steps=0", f"task.eval_size={args.eval_size}"]
+@dataclass(frozen=True)
+class Workload:
+    """One row of the comparison: a dcmdp config and the batch both sides run."""
+
+    # dcmdp config file the runs start from (its task, cold start and DCMDP constraint)
+    config: str
+    # model preset (the shared model's architecture)
+    preset: str
+    prompts: int
+    samples: int
+    max_new_tokens: int
+    # optimizer steps per run
+    steps: int
+    # held-out prompts of dcmdp's before/after eval (outside the timed steps)
+    eval_size: int
+    # overrides of the cold start that makes the shared model
+    coldstart: tuple[str, ...] = ()
+    # one line for the results
+    describe: str = ""
 
 
-def prepare_model(args, work: Path) -> tuple[str, dict]:
-    """The shared model directory: tiny-moe, cold-started (cached in .dcmdp_cache) unless --coldstart-steps 0."""
-    cfg = load_config(str(CONFIG), [f"cold_start.steps={args.coldstart_steps}", f"seed={args.seed}"])
+WORKLOADS = {
+    "long-small-moe": Workload("configs/stress.yaml", "small-moe", 16, 8, 96, 6, 32, (),
+                               "long_addition 3-8 digits (responses 29-91 tokens), small-moe"),
+    "long-tiny-moe": Workload("configs/stress.yaml", "tiny-moe", 16, 8, 96, 6, 32, ("model.preset=tiny-moe",),
+                              "long_addition 3-8 digits (responses 29-91 tokens), tiny-moe"),
+    "short-tiny-moe": Workload("configs/default.yaml", "tiny-moe", 32, 16, 8, 10, 256, ("cold_start.steps=1150",),
+                               "2-digit addition (responses <= 8 tokens), tiny-moe"),
+}
+SMOKE = Workload("configs/default.yaml", "tiny-moe", 4, 2, 4, 3, 8, ("cold_start.steps=0",), "smoke")
+
+
+def run_config(w: Workload, args, model_dir: str, output_dir: str) -> list[str]:
+    """dcmdp overrides of the workload's config for this benchmark (also the TRL side's settings)."""
+    return [f"output_dir={output_dir}", f"steps={w.steps}", f"threads={args.threads}", "progress=false",
+            f"seed={args.seed}", f"model.preset={w.preset}", f"model.path={model_dir}", "cold_start.steps=0",
+            "rollout.engine=torch", "rollout.precision=fp32", "rollout.temperature=1.0",
+            f"rollout.max_new_tokens={w.max_new_tokens}", "algo.minibatches=1", f"algo.prompts_per_step={w.prompts}",
+            f"algo.samples_per_prompt={w.samples}", "optim.warmup_steps=0", f"task.eval_size={w.eval_size}"]
+
+
+def prepare_model(w: Workload, args, work: Path) -> tuple[str, dict]:
+    """The shared model directory: the workload's cold start (cached in .dcmdp_cache), random init at 0 steps."""
+    cfg = load_config(str(ROOT / w.config), [*w.coldstart, f"seed={args.seed}", f"threads={args.threads}"])
     torch.set_num_threads(args.threads)
     tokenizer = build_char_tokenizer()
     task = TASKS[cfg.task.name](cfg.task, cfg.seed)
@@ -92,14 +137,14 @@ def prepare_model(args, work: Path) -> tuple[str, dict]:
     return model_dir, {}
 
 
-def step_prompts(args) -> list[list[str]]:
+def step_prompts(w: Workload, args) -> list[list[str]]:
     """[prompt, answer] rows in step order: step s's prompts drawn as dcmdp.loop.rollout_phase draws them."""
-    cfg = load_config(str(CONFIG), [f"seed={args.seed}", f"task.eval_size={args.eval_size}"])
+    cfg = load_config(str(ROOT / w.config), [f"seed={args.seed}", f"task.eval_size={w.eval_size}"])
     task = TASKS[cfg.task.name](cfg.task, cfg.seed)
     rows = []
-    for step in range(args.steps):
+    for step in range(w.steps):
         rng = random.Random(step_seed(args.seed, step, 0))
-        rows += [[ex.prompt, ex.answer] for ex in task.sample(rng, args.prompts)]
+        rows += [[ex.prompt, ex.answer] for ex in task.sample(rng, w.prompts)]
     return rows
 
 
@@ -110,17 +155,17 @@ def _env(threads: int) -> dict[str, str]:
     return env
 
 
-def run_dcmdp(args, model_dir: str, work: Path, rep: int) -> dict:
-    out = work / f"dcmdp-{rep}"
-    cmd = [sys.executable, "-m", "dcmdp.cli", "train", str(CONFIG.relative_to(ROOT)),
-           *run_config(args, model_dir, str(out))]
+def run_dcmdp(w: Workload, args, model_dir: str, work: Path, tag: str, overrides: tuple[str, ...] = ()) -> dict:
+    out = work / tag
+    cmd = [sys.executable, "-m", "dcmdp.cli", "train", w.config, *run_config(w, args, model_dir, str(out)),
+           *overrides]
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, env=_env(args.threads), check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
-    return {"steps": read_dcmdp_steps(out, args), "wall": wall, "command": cmd}
+    return {"steps": read_dcmdp_steps(out, w), "wall": wall, "command": cmd}
 
 
-def read_dcmdp_steps(out: Path, args) -> list[dict]:
+def read_dcmdp_steps(out: Path, w: Workload) -> list[dict]:
     """Per-step records from the run's local MLflow store: phases, tokens and the step's end time (s).
 
     Read with sqlite3 from MLflow's ``metrics`` table (run_uuid, key, value, timestamp in ms, step) rather
@@ -140,27 +185,28 @@ def read_dcmdp_steps(out: Path, args) -> list[dict]:
     steps = []
     for step in sorted(by_step):
         rec = by_step[step]
-        rec["tokens"] = rec.pop("response/length_mean") * args.prompts * args.samples
+        rec["tokens"] = rec.pop("response/length_mean") * w.prompts * w.samples
         steps.append(rec)
     return steps
 
 
-def run_trl(args, model_dir: str, work: Path, rep: int, prompts: list[list[str]]) -> dict:
-    cfg = load_config(str(CONFIG), run_config(args, model_dir, str(work)))
-    spec = {"model_dir": model_dir, "task": {k: getattr(cfg.task, k) for k in ("name", "digits", "items", "eval_size")},
-            "prompts": prompts, "prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
-            "max_new_tokens": args.max_new_tokens, "steps": args.steps, "lr": cfg.optim.lr,
+def run_trl(w: Workload, args, model_dir: str, work: Path, tag: str, prompts: list[list[str]]) -> dict:
+    cfg = load_config(str(ROOT / w.config), run_config(w, args, model_dir, str(work)))
+    task_fields = ("name", "digits", "min_digits", "items", "eval_size")
+    spec = {"model_dir": model_dir, "task": {k: getattr(cfg.task, k) for k in task_fields},
+            "prompts": prompts, "prompts_per_step": w.prompts, "samples_per_prompt": w.samples,
+            "max_new_tokens": w.max_new_tokens, "steps": w.steps, "lr": cfg.optim.lr,
             "betas": list(cfg.optim.betas), "weight_decay": cfg.optim.weight_decay, "grad_clip": cfg.optim.grad_clip,
             "clip_low": cfg.algo.clip_low, "clip_high": cfg.algo.clip_high, "std_normalize": cfg.algo.std_normalize,
             "temperature": cfg.rollout.temperature, "threads": args.threads, "seed": args.seed}
-    spec_path, out_path = work / f"trl-{rep}.spec.json", work / f"trl-{rep}.json"
+    spec_path, out_path = work / f"{tag}.spec.json", work / f"{tag}.json"
     spec_path.write_text(json.dumps(spec))
     cmd = [str(TRL_VENV / "bin" / "python"), "benchmarks/_trl_runner.py", "--spec", str(spec_path),
            "--out", str(out_path)]
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, env=_env(args.threads), check=True, stdout=subprocess.DEVNULL)
     result = json.loads(out_path.read_text())
-    expected = [sorted({p for p, _ in prompts[i * args.prompts:(i + 1) * args.prompts]}) for i in range(args.steps)]
+    expected = [sorted({p for p, _ in prompts[i * w.prompts:(i + 1) * w.prompts]}) for i in range(w.steps)]
     if result["prompts_seen"] != expected:
         raise RuntimeError("TRL did not see the dcmdp run's prompts in the dcmdp run's order")
     result["wall_outer"] = time.perf_counter() - t0
@@ -183,21 +229,84 @@ def summarize(steps: list[dict], phases: tuple[str, ...], warmup: int) -> dict:
     return out
 
 
+def measure_limits(threads: int, n: int = 1024, mib: int = 256, repeats: int = 10) -> dict:
+    """This CPU's fp32 matmul peak (best of ``repeats`` n^3 products, 2 n^3 FLOPs) and memory bandwidth (best
+    copy of a ``mib`` MiB float32 tensor, 2 x its bytes moved) at ``threads`` torch threads."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    src = torch.empty(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    src.uniform_()
+    a @ b
+    dst.copy_(src)
+    best_mm, best_copy = float("inf"), float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best_mm = min(best_mm, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best_copy = min(best_copy, time.perf_counter() - t0)
+    return {"threads": threads, "matmul_gflops": 2 * n**3 / best_mm / 1e9, "matmul_n": n,
+            "copy_gb_s": 2 * src.numel() * 4 / best_copy / 1e9, "copy_mib": mib}
+
+
+def model_costs(model_dir: str, w: Workload, prompts: list[list[str]]) -> dict:
+    """What the limit columns need of the shared model: active and non-embedding parameters, KV bytes per
+    position, and the mean prompt length in tokens."""
+    config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    embed = model.get_input_embeddings().weight.numel()
+    total = sum(p.numel() for p in model.parameters())
+    experts = getattr(config, "num_experts", 0) or 0
+    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    active = total - embed - expert_params + (expert_params * config.num_experts_per_tok // experts if experts else 0)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    tokenizer = build_char_tokenizer()
+    prompt_len = statistics.mean(len(encode_prompt(tokenizer, p)) for p, _ in prompts)
+    return {"params_total": total, "params_active": active, "params_body": total - embed,
+            "kv_bytes_per_position": 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4,
+            "prompt_tokens_mean": prompt_len}
+
+
+def limit_columns(costs: dict, limits: dict, w: Workload, summ: dict, train_s: float, decode_s: float) -> dict:
+    """Achieved train FLOP/s and decode bytes/s of one side's medians, and their shares of the measured limits."""
+    responses = w.prompts * w.samples
+    response_len = summ["tokens_per_step"] / responses
+    tokens = responses * (costs["prompt_tokens_mean"] + response_len)
+    train_flops = 6 * costs["params_active"] * tokens
+    # decode: max_new_tokens forwards read every non-embedding weight; each response token reads its row's cache
+    decode_bytes = (w.max_new_tokens * costs["params_body"] * 4 + summ["tokens_per_step"]
+                    * (costs["prompt_tokens_mean"] + response_len / 2) * costs["kv_bytes_per_position"])
+    out = {"train_gflops": train_flops / train_s / 1e9, "decode_gb_s": decode_bytes / decode_s / 1e9}
+    out["train_share_of_peak"] = out["train_gflops"] / limits["matmul_gflops"]
+    out["decode_share_of_bandwidth"] = out["decode_gb_s"] / limits["copy_gb_s"]
+    return out
+
+
+def parse_variants(specs: list[str]) -> dict[str, tuple[str, ...]]:
+    """``NAME=KEY=VALUE,KEY=VALUE`` -> {NAME: (KEY=VALUE, ...)}."""
+    variants = {}
+    for spec in specs:
+        name, _, overrides = spec.partition("=")
+        if not name or not overrides or name in ("dcmdp", "trl"):
+            raise SystemExit(f"--variant {spec!r}: expected NAME=KEY=VALUE[,KEY=VALUE...], NAME not dcmdp/trl")
+        variants[name] = tuple(o for o in overrides.split(",") if o)
+    return variants
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=8, help="optimizer steps per run (default 8)")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the workload's)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed first steps of every run (default 1)")
-    ap.add_argument("--repeats", type=int, default=3, help="alternated repetitions per side (default 3)")
-    ap.add_argument("--prompts", type=int, default=32, help="prompts per step P (default 32, configs/default.yaml)")
-    ap.add_argument("--samples", type=int, default=16, help="samples per prompt G (default 16)")
-    ap.add_argument("--max-new-tokens", type=int, default=8, help="max response tokens (default 8)")
+    ap.add_argument("--repeats", type=int, default=5, help="alternated repetitions per side (default 5)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of both sides (default 1)")
-    ap.add_argument("--coldstart-steps", type=int, default=1150, help="supervised steps of the shared model "
-                    "(default 1150, configs/default.yaml; cached)")
-    ap.add_argument("--eval-size", type=int, default=256, help="held-out prompts of dcmdp's before/after eval "
-                    "(outside the timed steps)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--skip-trl", action="store_true", help="run the dcmdp side only")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDES",
+                    help="an extra dcmdp side with comma-separated config overrides, e.g. "
+                         "no-drop=rollout.drop_finished=false (repeatable)")
+    ap.add_argument("--skip-trl", action="store_true", help="run the dcmdp side(s) only")
     ap.add_argument("--smoke", action="store_true", help="seconds: 3 steps, 4 x 2 samples, random-init model, "
                     "1 repetition, dcmdp side only, results to --out-dir (a temporary folder by default)")
     ap.add_argument("--out-dir", default=None, help="where trl_throughput.{md,json} go (default "
@@ -207,62 +316,97 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.render:
         result = json.loads(Path(args.render).read_text())
-        Path(args.render).with_suffix(".md").write_text(markdown(argparse.Namespace(**result["args"]), result))
+        Path(args.render).with_suffix(".md").write_text(markdown(result))
         return result
+    workloads = {"smoke": SMOKE} if args.smoke else {n: WORKLOADS[n] for n in args.workloads.split(",")}
+    if args.steps is not None:
+        workloads = {n: Workload(**{**asdict(w), "steps": args.steps}) for n, w in workloads.items()}
     if args.smoke:
-        args.steps, args.warmup, args.repeats, args.prompts, args.samples = 3, 1, 1, 4, 2
-        args.max_new_tokens, args.coldstart_steps, args.eval_size, args.skip_trl = 4, 0, 8, True
+        args.warmup, args.repeats, args.skip_trl = 1, 1, True
+    variants = parse_variants(args.variant)
     run_trl_side = not args.skip_trl and (TRL_VENV / "bin" / "python").exists()
     if not args.skip_trl and not run_trl_side:
         print(f"{TRL_VENV} not found (bash benchmarks/setup_trl.sh): dcmdp side only", file=sys.stderr)
+    sides = ["dcmdp", *(["trl"] if run_trl_side else []), *variants]
+    limits = measure_limits(args.threads)
 
     with tempfile.TemporaryDirectory(prefix="trl-throughput-") as tmp:
         work = Path(tmp)
         default_out = work / "results" if args.smoke else ROOT / "benchmarks" / "results"
         out_dir = Path(args.out_dir) if args.out_dir else default_out
-        model_dir, coldstart_info = prepare_model(args, work)
-        prompts = step_prompts(args)
-        runs: dict[str, list[dict]] = {"dcmdp": [], "trl": []}
-        for rep in range(args.repeats):
-            order = ["dcmdp", "trl"] if rep % 2 == 0 else ["trl", "dcmdp"]
-            for side in order:
-                if side == "dcmdp":
-                    runs["dcmdp"].append(run_dcmdp(args, model_dir, work, rep))
-                elif run_trl_side:
-                    runs["trl"].append(run_trl(args, model_dir, work, rep, prompts))
-                else:
-                    continue
-                print(f"repetition {rep + 1}/{args.repeats}: {side} done", file=sys.stderr, flush=True)
-        result = report(args, runs, coldstart_info, model_dir)
-        write_results(args, result, out_dir)
-        print(json.dumps(result["summary"], indent=2))
+        per_workload = {}
+        for name, w in workloads.items():
+            model_dir, coldstart_info = prepare_model(w, args, work / name)
+            prompts = step_prompts(w, args)
+            runs: dict[str, list[dict]] = {side: [] for side in sides}
+            for rep in range(args.repeats):
+                for side in (sides if rep % 2 == 0 else sides[::-1]):
+                    tag = f"{name}-{side}-{rep}"
+                    if side == "trl":
+                        runs[side].append(run_trl(w, args, model_dir, work, tag, prompts))
+                    else:
+                        runs[side].append(run_dcmdp(w, args, model_dir, work, tag, variants.get(side, ())))
+                    print(f"{name} repetition {rep + 1}/{args.repeats}: {side} done", file=sys.stderr, flush=True)
+            costs = model_costs(model_dir, w, prompts)
+            per_workload[name] = report(w, args, runs, coldstart_info, model_dir, costs, limits)
+        result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                  "machine": f"{_cpu_model()}, {platform.machine()}, {os.cpu_count()} logical CPUs "
+                             "(shared with other jobs)",
+                  "args": vars(args), "variants": {k: list(v) for k, v in variants.items()},
+                  "versions": {"dcmdp_env": {"python": platform.python_version(), "torch": torch.__version__,
+                                             "transformers": transformers.__version__},
+                               "trl_env": next((r["trl_versions"] for r in per_workload.values()
+                                                if r["trl_versions"]), None)},
+                  "git": _git_head(), "limits": limits, "workloads": per_workload}
+        write_results(result, out_dir)
+        print(json.dumps({n: r["summary"].get("ratio", r["summary"]["dcmdp"]) for n, r in per_workload.items()},
+                         indent=2))
     return result
 
 
-def report(args, runs: dict[str, list[dict]], coldstart_info: dict, model_dir: str) -> dict:
-    per_run = {"dcmdp": [summarize(r["steps"], DCMDP_PHASES, args.warmup) for r in runs["dcmdp"]],
-               "trl": [summarize(r["steps"], TRL_PHASES, args.warmup) for r in runs["trl"]]}
-    summary = {}
+def report(w: Workload, args, runs: dict[str, list[dict]], coldstart_info: dict, model_dir: str, costs: dict,
+           limits: dict) -> dict:
+    per_run = {side: [summarize(r["steps"], TRL_PHASES if side == "trl" else DCMDP_PHASES, args.warmup)
+                      for r in rs] for side, rs in runs.items()}
+    summary = {side: {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+               for side, rows in per_run.items() if rows}
     for side, rows in per_run.items():
-        if rows:
-            summary[side] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    if per_run["trl"]:
-        pairs = list(zip(per_run["dcmdp"], per_run["trl"]))
-        summary["ratio"] = {
+        if side == "trl" or "trl" not in per_run:
+            continue
+        pairs = list(zip(rows, per_run["trl"]))
+        key = "ratio" if side == "dcmdp" else f"ratio/{side}"
+        summary[key] = {
             "tokens_per_s": statistics.median(d["tokens_per_s"] / t["tokens_per_s"] for d, t in pairs),
             "steps_per_s": statistics.median(d["steps_per_s"] / t["steps_per_s"] for d, t in pairs),
             "per_repetition_tokens_per_s": [d["tokens_per_s"] / t["tokens_per_s"] for d, t in pairs]}
-    versions = {"python": platform.python_version(), "torch": torch.__version__,
-                "transformers": transformers.__version__}
-    trl_versions = runs["trl"][0]["versions"] if runs["trl"] else None
-    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": f"{_cpu_model()}, {platform.machine()}, {os.cpu_count()} logical CPUs (shared with other jobs)",
-            "args": vars(args), "versions": {"dcmdp_env": versions, "trl_env": trl_versions},
-            "coldstart": coldstart_info, "model_dir": model_dir,
-            "commands": {"dcmdp": " ".join(runs["dcmdp"][0]["command"]) if runs["dcmdp"] else None,
-                         "trl": " ".join(runs["trl"][0]["command"]) if runs["trl"] else None},
-            "summary": summary, "per_run": per_run,
+    for side, rows in per_run.items():
+        if side in ("dcmdp", "trl"):
+            continue
+        pairs = list(zip(per_run["dcmdp"], rows))
+        summary[f"speedup_over/{side}"] = {
+            "tokens_per_s": statistics.median(d["tokens_per_s"] / v["tokens_per_s"] for d, v in pairs),
+            "per_repetition_tokens_per_s": [d["tokens_per_s"] / v["tokens_per_s"] for d, v in pairs]}
+    limit_rows = {}
+    for side, summ in summary.items():
+        if side == "trl":
+            train_s = summ["time/loss_forward"] + summ["time/backward"] + summ["time/optimizer"]
+            limit_rows[side] = limit_columns(costs, limits, w, summ, train_s, summ["time/generate"])
+        elif "/" not in side and side != "ratio":
+            limit_rows[side] = limit_columns(costs, limits, w, summ, summ["time/old_logp"] + summ["time/update"],
+                                             summ["time/rollout"])
+    return {"workload": asdict(w), "coldstart": coldstart_info, "model_dir": model_dir, "costs": costs,
+            "commands": {side: " ".join(rs[0]["command"]) for side, rs in runs.items() if rs},
+            "trl_versions": runs["trl"][0]["versions"] if runs.get("trl") else None,
+            "summary": summary, "limits": limit_rows, "per_run": per_run,
             "steps": {side: [r["steps"] for r in rs] for side, rs in runs.items()}}
+
+
+def _git_head() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def _cpu_model() -> str:
@@ -281,47 +425,95 @@ def _fmt(x: float | None, digits: int = 3) -> str:
     return f"{x:.0f}" if abs(x) >= 10 ** digits else f"{x:.{digits}g}"
 
 
-def write_results(args, result: dict, out_dir: Path) -> None:
+def _range(ratio: dict) -> str:
+    reps = ratio["per_repetition_tokens_per_s"]
+    return f"{ratio['tokens_per_s']:.2f} ({min(reps):.2f} to {max(reps):.2f})"
+
+
+def write_results(result: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "trl_throughput.json").write_text(json.dumps(result, indent=1))
-    (out_dir / "trl_throughput.md").write_text(markdown(args, result))
+    (out_dir / "trl_throughput.md").write_text(markdown(result))
 
 
-def markdown(args, result: dict) -> str:
-    s, v = result["summary"], result["versions"]
-    d, t, r = s.get("dcmdp", {}), s.get("trl", {}), s.get("ratio", {})
+TARGETS = {"long-small-moe": 2.0, "short-tiny-moe": 1.5}
+
+
+def markdown(result: dict) -> str:
+    args, v, lim = result["args"], result["versions"], result["limits"]
     trl_v = v["trl_env"] or {}
+    variants = "".join(f" --variant {k}={','.join(o)}" for k, o in result["variants"].items())
     lines = [
-        "# Training throughput: dcmdp vs TRL GRPOTrainer (tiny-moe, CPU)", "",
-        f"- date: {result['date']}",
-        f"- machine: {result['machine']}; torch threads {args.threads} on both sides, one process each",
+        "# Training throughput: dcmdp vs TRL GRPOTrainer (CPU)", "",
+        f"- date: {result['date']}; code: {result['git']} (+ the working tree's uncommitted changes, if any)",
+        f"- machine: {result['machine']}; torch threads {args['threads']} on both sides, one process each",
         f"- dcmdp env: python {v['dcmdp_env']['python']}, torch {v['dcmdp_env']['torch']}, "
         f"transformers {v['dcmdp_env']['transformers']}",
         f"- TRL env (.venv-trl): python {trl_v.get('python', '-')}, torch {trl_v.get('torch', '-')}, "
         f"transformers {trl_v.get('transformers', '-')}, trl {trl_v.get('trl', '-')}",
-        f"- benchmark: `OMP_NUM_THREADS={args.threads} .venv/bin/python benchmarks/trl_throughput.py "
-        f"--steps {args.steps} --repeats {args.repeats} --threads {args.threads}`",
-        f"- dcmdp command: `{result['commands']['dcmdp']}`",
-        f"- TRL command: `{result['commands']['trl']}`",
-        f"- workload: {args.prompts} prompts x {args.samples} samples per step, max {args.max_new_tokens} new tokens, "
-        f"temperature 1, one AdamW step per rollout batch; {args.steps} steps per run, the first {args.warmup} "
-        f"untimed; {args.repeats} alternated repetitions per side",
-        f"- model: tiny-moe, {args.coldstart_steps} cold-start steps on 2-digit addition "
-        f"(sampled accuracy {result['coldstart'].get('coldstart/accuracy', float('nan')):.1%})", "",
-        "| | dcmdp | TRL | dcmdp / TRL |", "|---|---|---|---|",
-        f"| response tokens / s (median) | {_fmt(d.get('tokens_per_s'))} | {_fmt(t.get('tokens_per_s'))} | "
-        f"{_fmt(r.get('tokens_per_s'))} |",
-        f"| steps / s (median) | {_fmt(d.get('steps_per_s'))} | {_fmt(t.get('steps_per_s'))} | "
-        f"{_fmt(r.get('steps_per_s'))} |",
-        f"| response tokens / step | {_fmt(d.get('tokens_per_step'))} | {_fmt(t.get('tokens_per_step'))} | |",
-        f"| step period, s (median) | {_fmt(d.get('period_median'))} | {_fmt(t.get('period_median'))} | |", "",
-        target_line(r), "",
-        "| repetition (order) | dcmdp tokens/s | TRL tokens/s | dcmdp / TRL |", "|---|---|---|---|",
-        *repetition_rows(result), "",
-        "Where a step's time goes (median seconds per step over timed steps, then over repetitions; "
-        "rows side by side are the closest counterparts):", "",
-        "| dcmdp phase | s | TRL phase | s |", "|---|---|---|---|",
+        f"- benchmark: `OMP_NUM_THREADS={args['threads']} .venv/bin/python benchmarks/trl_throughput.py "
+        f"--workloads {args['workloads']} --repeats {args['repeats']} --threads {args['threads']}{variants}`",
+        f"- limits measured in the benchmark process at {lim['threads']} thread(s): fp32 matmul "
+        f"({lim['matmul_n']}^3) {lim['matmul_gflops']:.1f} GFLOP/s, copy of {lim['copy_mib']} MiB "
+        f"{lim['copy_gb_s']:.1f} GB/s (read + write)", "",
+        "| workload | dcmdp tokens/s | TRL tokens/s | dcmdp / TRL tokens/s, median (range) | "
+        "dcmdp / TRL steps/s | target |",
+        "|---|---|---|---|---|---|",
     ]
+    for name, r in result["workloads"].items():
+        s = r["summary"]
+        ratio = s.get("ratio")
+        target = TARGETS.get(name)
+        verdict = "-" if target is None or not ratio else \
+            f">= {target}: {'met' if ratio['tokens_per_s'] >= target else 'not met'}"
+        lines.append(f"| {name} | {_fmt(s['dcmdp']['tokens_per_s'])} | {_fmt(s.get('trl', {}).get('tokens_per_s'))} | "
+                     f"{_range(ratio) if ratio else '-'} | {_fmt(ratio and ratio['steps_per_s'])} | {verdict} |")
+    for name, r in result["workloads"].items():
+        lines += ["", *workload_section(name, r)]
+    lines += ["", NOTES]
+    return "\n".join(lines) + "\n"
+
+
+def workload_section(name: str, r: dict) -> list[str]:
+    w, s = r["workload"], r["summary"]
+    d, t = s["dcmdp"], s.get("trl", {})
+    sides = [k for k in s if "/" not in k and k != "ratio"]
+    lines = [f"## {name}: {w['describe']}", "",
+             f"- workload: `{w['config']}`, model.preset={w['preset']}, {w['prompts']} prompts x {w['samples']} "
+             f"samples per step, max {w['max_new_tokens']} new tokens, temperature 1, one AdamW step per rollout "
+             f"batch; {w['steps']} steps per run, the first untimed",
+             f"- shared model: {r['model_dir']} (cold start: "
+             f"{', '.join(f'{k} {v:.3g}' for k, v in r['coldstart'].items()) or 'none, random init'})",
+             f"- dcmdp command: `{r['commands']['dcmdp']}`"]
+    if "trl" in r["commands"]:
+        lines.append(f"- TRL command: `{r['commands']['trl']}`")
+    lines += ["", "| | " + " | ".join(sides) + " |", "|---|" + "---|" * len(sides),
+              "| response tokens / s (median) | " + " | ".join(_fmt(s[k]["tokens_per_s"]) for k in sides) + " |",
+              "| steps / s (median) | " + " | ".join(_fmt(s[k]["steps_per_s"]) for k in sides) + " |",
+              "| response tokens / step | " + " | ".join(_fmt(s[k]["tokens_per_step"]) for k in sides) + " |",
+              "| step period, s (median) | " + " | ".join(_fmt(s[k]["period_median"]) for k in sides) + " |",
+              "| train step GFLOP/s (share of matmul peak) | " + " | ".join(
+                  f"{r['limits'][k]['train_gflops']:.2f} ({r['limits'][k]['train_share_of_peak']:.1%})"
+                  for k in sides) + " |",
+              "| decode GB/s, upper bound (share of copy bandwidth) | " + " | ".join(
+                  f"{r['limits'][k]['decode_gb_s']:.2f} ({r['limits'][k]['decode_share_of_bandwidth']:.1%})"
+                  for k in sides) + " |", ""]
+    for k, ratio in s.items():
+        if k == "ratio":
+            lines.append(f"dcmdp / TRL tokens/s: median {_range(ratio)} over the repetitions.")
+        elif k.startswith("ratio/"):
+            lines.append(f"{k[6:]} / TRL tokens/s: median {_range(ratio)}.")
+        elif k.startswith("speedup_over/"):
+            lines.append(f"dcmdp / {k[13:]} tokens/s (what the switch pays): median {_range(ratio)}.")
+    lines += ["", "| repetition (order) | " + " | ".join(f"{k} tokens/s" for k in sides) + " |",
+              "|---|" + "---|" * len(sides)]
+    for i in range(len(r["per_run"]["dcmdp"])):
+        order = sides if i % 2 == 0 else sides[::-1]
+        lines.append(f"| {i + 1} ({', '.join(order)}) | " + " | ".join(
+            _fmt(r["per_run"][k][i]["tokens_per_s"]) if i < len(r["per_run"][k]) else "-" for k in sides) + " |")
+    lines += ["", "Where a step's time goes (median seconds per step over timed steps, then over repetitions; "
+              "rows side by side are the closest counterparts):", "",
+              "| dcmdp phase | s | TRL phase | s |", "|---|---|---|---|"]
     # at N = 1 dcmdp's training forward runs in time/old_logp (it gives pi_old and the update back-propagates it,
     # learner.score_on_policy), so its counterpart there is TRL's scoring plus its loss forward
     pairs = [("time/rollout (sample prompts, generate)", "time/rollout", "time/generate (_generate)", "time/generate"),
@@ -340,48 +532,12 @@ def markdown(args, result: dict) -> str:
         lines.append(f"| {dl} | {_fmt(d.get(dk))} | {tl} | {_fmt(tv)} |")
     if t:
         lines += ["", "TRL update split: " + ", ".join(f"{k} {_fmt(t[k])} s" for k in
-                                                        ("time/loss_forward", "time/backward", "time/optimizer")),
-                  "", reading(d, t)]
-    lines += ["", NOTES]
-    return "\n".join(lines) + "\n"
+                                                        ("time/loss_forward", "time/backward", "time/optimizer"))]
+    return lines
 
 
 def _trl_sum(t: Optional[dict], *keys: str) -> Optional[float]:
     return sum(t.get(k, 0.0) for k in keys) if t else None
-
-
-def reading(d: dict, t: dict) -> str:
-    """The per-phase differences in words (computed, so a rerun rewrites them)."""
-    extra = d["time/measure"] + d["time/dual"] + d["time/sync"]
-    train_d = d["time/old_logp"] + d["time/update"]
-    train_t = t["time/score"] + t["time/loss_forward"] + t["time/backward"] + t["time/optimizer"]
-    return (f"Reading: per step dcmdp gains {train_t - train_d:+.3f} s in scoring + training forward, backward and "
-            f"optimiser step ({train_d:.3f} vs {train_t:.3f} s) and {t['time/generate'] - d['time/rollout']:+.3f} s "
-            f"in generation, and loses {d['time/other'] - t['time/other']:.3f} s between steps (MLflow logging of "
-            f"every metric) and {extra:.3f} s to measure + dual + sync. A 2x lead needs a dcmdp step of "
-            f"{t['period_median'] / 2:.3f} s; its generation and training forward + backward alone take "
-            f"{d['time/rollout'] + train_d:.3f} s of the {d['period_median']:.3f} s it now needs, in the same "
-            f"transformers kernels TRL runs.")
-
-
-def target_line(ratio: dict) -> str:
-    if not ratio:
-        return "TRL side not run: no ratio."
-    x = ratio["tokens_per_s"]
-    verdict = "met" if x >= 2.0 else "not met"
-    return (f"Target dcmdp >= 2x TRL tokens/s: {verdict} (median ratio {x:.2f}, per repetition "
-            f"{min(ratio['per_repetition_tokens_per_s']):.2f} to {max(ratio['per_repetition_tokens_per_s']):.2f}).")
-
-
-def repetition_rows(result: dict) -> list[str]:
-    rows = []
-    d_runs, t_runs = result["per_run"]["dcmdp"], result["per_run"]["trl"]
-    for i, d in enumerate(d_runs):
-        t = t_runs[i] if i < len(t_runs) else None
-        order = "dcmdp, TRL" if i % 2 == 0 else "TRL, dcmdp"
-        rows.append(f"| {i + 1} ({order}) | {_fmt(d['tokens_per_s'])} | {_fmt(t and t['tokens_per_s'])} | "
-                    f"{_fmt(t and d['tokens_per_s'] / t['tokens_per_s'])} |")
-    return rows
 
 
 NOTES = """Settings matched, and where they differ:
@@ -391,17 +547,23 @@ NOTES = """Settings matched, and where they differ:
   grad-norm clip 1.0, constant lr), temperature 1, top-p 1, no top-k, no KL term (TRL beta 0).
 - Loss normalisation: dcmdp divides the token sum by the mini-batch's response tokens; TRL `loss_type="dapo"`
   divides by the active tokens of the global accumulated batch: with one mini-batch and no gradient
-  accumulation these are the same. Advantages: both group-centred and divided by the group std
-  (configs/default.yaml `std_normalize: true`, TRL `scale_rewards="group"`).
+  accumulation these are the same. Advantages: group-centred on both sides, divided by the group std where the
+  config says so (`algo.std_normalize`; TRL `scale_rewards="group"` or `"none"`).
 - log pi_old: at N = 1 both sides take it from the training forward (dcmdp `learner.score_on_policy`, TRL
   logp.detach() with num_iterations = 1), so neither runs the model a second time.
 - What dcmdp does that TRL does not: the truncated-IS weights pi_old / mu (`tis`), the
   discrepancy measures and the hinge penalty with its dual step (DCMDP on), a separate rollout engine whose
   weights are synced after every step, MLflow logging of ~60 metrics per step, and a held-out eval before and
   after the run (outside the timed steps).
-- Generation: dcmdp's embedded engine runs its own KV-cached decode loop (one forward per token, stops when
-  every row has emitted EOS); TRL calls `model.generate` (the same stopping rule). Both count response tokens
-  with the EOS token.
+- Generation: dcmdp's embedded engine runs its own KV-cached decode loop (one forward per token for the rows
+  still decoding: `rollout.drop_finished`, finished rows leave the batch); TRL calls `model.generate`, which
+  keeps feeding finished rows padding until every row has stopped. Both count response tokens with the EOS
+  token.
+- Limit columns: train GFLOP/s = 6 N_active (prompt + response tokens) per step / the training phases'
+  seconds (dcmdp: time/old_logp + time/update; TRL: loss_forward + backward + optimizer); decode GB/s = (one
+  read of every non-embedding weight per decode step, max_new_tokens steps, plus each response token's KV
+  reads) / the generation phase's seconds, an upper bound on the bytes a decode moves. These models'
+  weights (a few MB) sit in the CPU caches, so DRAM bandwidth is not what bounds their decode.
 - Threads: one torch thread per side (`OMP_NUM_THREADS=1`, `threads=1`): the machine's two cores are shared
   with other jobs, and a second thread per side would only add contention.
 - Timing: wall-clock periods between consecutive step ends, so everything a step costs is in; processes,

@@ -6,11 +6,13 @@ def test_trl_throughput_smoke(tmp_path):
     """
     import importlib.util
     import json
+    import sys
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "trl_throughput.py"
     spec = importlib.util.spec_from_file_location("trl_throughput", path)
     bench = importlib.util.module_from_spec(spec)
+    sys.modules["trl_throughput"] = bench  # its dataclass resolves annotations through the module
     spec.loader.exec_module(bench)
 
     # Steps end at 0, 1, 3, 4 s; warm-up 1 leaves steps 2 and 3 timed, with periods 3 - 1 = 2 s and 4 - 3 = 1 s:
@@ -22,11 +24,12 @@ def test_trl_throughput_smoke(tmp_path):
     assert s["tokens_per_step"] == 45.0 and s["period_median"] == 1.5 and s["time/other"] == 1.125
 
     result = bench.main(["--smoke", "--out-dir", str(tmp_path)])
-    d = result["summary"]["dcmdp"]
-    assert "trl" not in result["summary"]  # smoke runs the dcmdp side only
-    args = result["args"]
-    P, G, T = args["prompts"], args["samples"], args["max_new_tokens"]
-    assert len(result["steps"]["dcmdp"][0]) == args["steps"]
+    run = result["workloads"]["smoke"]
+    d = run["summary"]["dcmdp"]
+    assert "trl" not in run["summary"]  # smoke runs the dcmdp side only
+    w = run["workload"]
+    P, G, T = w["prompts"], w["samples"], w["max_new_tokens"]
+    assert len(run["steps"]["dcmdp"][0]) == w["steps"]
     # every response has between 1 token (an immediate EOS) and max_new_tokens tokens
     assert P * G <= d["tokens_per_step"] <= P * G * T
     # one repetition: tokens/s = (tokens / timed steps) x (timed steps / seconds)
@@ -36,8 +39,12 @@ def test_trl_throughput_smoke(tmp_path):
     # the phases lie inside the step period (MLflow's timestamp is taken after them); 1 ms timestamp resolution
     assert d["time/other"] >= -0.002
     assert sum(d[p] for p in bench.DCMDP_PHASES) <= d["period_median"] + 0.002
+    # the limit columns: a measured peak and bandwidth, and achieved rates below them
+    limits, achieved = result["limits"], run["limits"]["dcmdp"]
+    assert limits["matmul_gflops"] > 0 and limits["copy_gb_s"] > 0
+    assert 0 < achieved["train_share_of_peak"] < 1 and achieved["decode_gb_s"] > 0
     saved = json.loads((tmp_path / "trl_throughput.json").read_text())
-    assert saved["summary"]["dcmdp"] == d
+    assert saved["workloads"]["smoke"]["summary"]["dcmdp"] == d
     assert "| response tokens / s (median) |" in (tmp_path / "trl_throughput.md").read_text()
 
 
