@@ -268,10 +268,17 @@ def _set_list_element(cfg: DictConfig, key: str, value: str) -> None:
 _OFF_KEYS = ("dual.rule",)
 
 
+def yaml_value(key: str, value: Any) -> Any:
+    """``value`` as parsed from YAML for the config key ``key``, with a YAML false read back as "off" where that is
+    a name the key takes (``_OFF_KEYS``)."""
+    return "off" if key in _OFF_KEYS and value is False else value
+
+
 def _undo_yaml_false(layer: DictConfig) -> None:
     for key in _OFF_KEYS:
-        if OmegaConf.select(layer, key, default=None) is False:
-            OmegaConf.update(layer, key, "off", merge=False)
+        value = OmegaConf.select(layer, key, default=None)
+        if yaml_value(key, value) is not value:
+            OmegaConf.update(layer, key, yaml_value(key, value), merge=False)
 
 
 def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()) -> RunConfig:

@@ -68,7 +68,7 @@ from omegaconf.errors import OmegaConfBaseException
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
-from dcmdp.config import ConfigError, RunConfig, TrackingConfig, load_config, to_yaml, validate
+from dcmdp.config import ConfigError, RunConfig, TrackingConfig, load_config, to_yaml, validate, yaml_value
 from dcmdp.tracking import LOCAL_ID_PREFIX, Tracker, resolve_tracking_uri
 
 log = logging.getLogger("dcmdp.tune")
@@ -255,7 +255,7 @@ def _set_keys(node: Any, settings: dict[str, Any]) -> None:
         if OmegaConf.select(node, key, default=_MISSING) is _MISSING:
             raise ConfigError(f"tune: the run config has no key '{key}' (list elements: dual.constraints[0].tolerance)")
         try:
-            OmegaConf.update(node, key, value, merge=False)
+            OmegaConf.update(node, key, yaml_value(key, value), merge=False)
         except OmegaConfBaseException as exc:
             raise ConfigError(f"tune: cannot set '{key}' to {value!r}: {exc}") from exc
 

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from dcmdp.config import ConfigError, flatten, load_config, resume_conflicts
 
@@ -157,8 +158,15 @@ def test_inf_means_no_bound_in_the_is_sub_configs():
 
 
 @pytest.mark.parametrize("rule", ["projected", "pid", "fixed", "off"])
-def test_dual_rule_names_every_registered_rule(rule):
+def test_dual_rule_names_every_registered_rule(rule, tmp_path):
     assert load_config(None, [f"dual.rule={rule}"]).dual.rule == rule
+    # YAML reads a bare off as false, in a config file and in a tune file's space alike
+    (tmp_path / "c.yaml").write_text(f"dual:\n  rule: {rule}\n")
+    assert load_config(tmp_path / "c.yaml").dual.rule == rule
+    from dcmdp.tune import apply_settings
+
+    value = OmegaConf.create(f"v: {rule}").v
+    assert apply_settings(load_config(None, []), {"dual.rule": value}).dual.rule == rule
     with pytest.raises(ConfigError, match=r"'dual.rule': unknown 'of'.*did you mean 'off'"):
         load_config(None, ["dual.rule=of"])
 
