@@ -106,3 +106,13 @@ def test_math_packages_load_alone_without_vllm_mlflow_or_upper_layers(package):
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout[:500]
+
+
+def test_the_engine_registry_loads_without_torch():
+    """The config checks read engine capabilities from ``trainers.engines.ENGINES``: no torch or vllm behind them."""
+    code = ("import sys, trainers.engines as e\n"
+            "assert e.capabilities('vllm').tensor_parallel\n"
+            "print(sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'vllm')))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout[:500]
