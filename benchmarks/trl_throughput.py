@@ -197,7 +197,8 @@ def run_trl(w: Workload, args, model_dir: str, work: Path, tag: str, prompts: li
             "prompts": prompts, "prompts_per_step": w.prompts, "samples_per_prompt": w.samples,
             "max_new_tokens": w.max_new_tokens, "steps": w.steps, "lr": cfg.optim.lr,
             "betas": list(cfg.optim.betas), "weight_decay": cfg.optim.weight_decay, "grad_clip": cfg.optim.grad_clip,
-            "clip_low": cfg.algo.clip_low, "clip_high": cfg.algo.clip_high, "std_normalize": cfg.algo.std_normalize,
+            "clip_low": cfg.algo.ppo_clip.low, "clip_high": cfg.algo.ppo_clip.high,
+            "std_normalize": cfg.algo.std_normalize,
             "temperature": cfg.rollout.temperature, "threads": args.threads, "seed": args.seed}
     spec_path, out_path = work / f"{tag}.spec.json", work / f"{tag}.json"
     spec_path.write_text(json.dumps(spec))

@@ -104,6 +104,9 @@ def test_bad_list_element_overrides_name_the_key(override, needle):
     (["algo.is_mode=seq_mis"], r"algo.is_mode.*is_mode=none seq_mask.mode=geo"),
     (["dual.enabled=false"], r"'dual.enabled' was replaced: use dual.rule=off"),
     (["dual.fixed=true"], r"'dual.fixed' was replaced: use dual.rule=fixed"),
+    (["algo.clip_low=0.1"], r"'algo.clip_low' was replaced: use algo.ppo_clip.low .*algo.minirl.low .*algo.gspo.low"),
+    (["algo.clip_high=0.3"],
+     r"'algo.clip_high' was replaced: use algo.ppo_clip.high .*algo.minirl.high .*algo.gspo.high"),
 ])
 def test_replaced_is_keys_name_their_replacement(override, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -132,6 +135,17 @@ def test_is_sub_configs_defaults_and_overrides():
     assert cfg.algo.veto.threshold == 1e-4 and cfg.algo.reject.bound == 0.5 and cfg.algo.clip_ratio_c is None
 
 
+def test_loss_sub_configs_defaults_and_overrides():
+    """Each loss has its own clip range: gspo's acts on a length-normalised sequence ratio (the GSPO paper's
+    3e-4 / 4e-4), the token losses' on r = pi_theta / pi_old (0.2 / 0.28)."""
+    cfg = load_config(None, [])
+    assert (cfg.algo.ppo_clip.low, cfg.algo.ppo_clip.high) == (0.2, 0.28)
+    assert (cfg.algo.minirl.low, cfg.algo.minirl.high) == (0.2, 0.28)
+    assert (cfg.algo.gspo.low, cfg.algo.gspo.high) == (3e-4, 4e-4)
+    cfg = load_config(None, ["algo.loss=gspo", "algo.gspo.high=5e-4", "algo.ppo_clip.low=0.1"])
+    assert (cfg.algo.gspo.low, cfg.algo.gspo.high) == (3e-4, 5e-4) and cfg.algo.ppo_clip.low == 0.1
+
+
 @pytest.mark.parametrize("override, needle", [
     (["algo.reject.measure=kl_k3"], r"algo.reject.bound.*needs a bound"),
     (["algo.reject.measure=seq_log_ratio", "algo.reject.bound=1"], r"algo.reject.measure.*token measure: abs_prob_diff"),
@@ -141,6 +155,9 @@ def test_is_sub_configs_defaults_and_overrides():
     (["algo.tis.cap=0.5"], r"algo.tis.cap.*>= 1"),
     (["algo.veto.threshold=1"], r"algo.veto.threshold.*\(0, 1\)"),
     (["algo.clip_ratio_c=1.0"], r"algo.clip_ratio_c.*> 1"),
+    (["algo.gspo.low=1"], r"algo.gspo.low.*\[0, 1\)"),
+    (["algo.minirl.high=-0.1"], r"algo.minirl.high.*>= 0"),
+    (["algo.ppo_clip.hi=0.3"], r"algo.ppo_clip.hi.*did you mean 'high'"),
     (["algo.is_mode=seq_tiss"], r"algo.is_mode.*did you mean 'seq_tis'"),
     (["algo.seq_mask.geo.hgih=2"], r"algo.seq_mask.geo.hgih.*did you mean 'high'"),
 ])

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from trainers.config import AlgoConfig, Band, CapConfig, RejectConfig, SeqMaskConfig, VetoConfig
+from trainers.config import AlgoConfig, Band, CapConfig, ClipConfig, RejectConfig, SeqMaskConfig, VetoConfig
 from trainers.losses import IS_MODES, LOG_RATIO_MAX, POLICY_LOSSES
 
 torch.set_num_threads(1)
@@ -51,7 +51,7 @@ def _batch(dtype=torch.float64, garbage: bool = True):
 
 
 def _cfg(**kw) -> AlgoConfig:
-    return AlgoConfig(**{"clip_low": 0.2, "clip_high": 0.28, **kw})
+    return AlgoConfig(**{"ppo_clip": ClipConfig(low=0.2, high=0.28), "minirl": ClipConfig(low=0.2, high=0.28), **kw})
 
 
 def _valid():
@@ -66,9 +66,9 @@ def _ppo_reference(cfg: AlgoConfig, normalizer: float):
     value, grad = 0.0, {}
     for b, t in _valid():
         r, a, w = math.exp(LOG_R[b][t]), ADV[b], WEIGHTS[b][t]
-        clipped = min(max(r, 1 - cfg.clip_low), 1 + cfg.clip_high)
+        clipped = min(max(r, 1 - cfg.ppo_clip.low), 1 + cfg.ppo_clip.high)
         value += -w * min(r * a, clipped * a)
-        active = (a > 0 and r > 1 + cfg.clip_high) or (a < 0 and r < 1 - cfg.clip_low)
+        active = (a > 0 and r > 1 + cfg.ppo_clip.high) or (a < 0 and r < 1 - cfg.ppo_clip.low)
         grad[b, t] = 0.0 if active else -w * a * r / normalizer
     return value / normalizer, grad
 
@@ -185,7 +185,7 @@ def test_minirl_matches_loop_reference_value_and_gradient():
     value = 0.0
     for b, t in _valid():
         r, a = math.exp(LOG_R[b][t]), ADV[b]
-        masked = (a > 0 and r > 1 + cfg.clip_high) or (a < 0 and r < 1 - cfg.clip_low)
+        masked = (a > 0 and r > 1 + cfg.minirl.high) or (a < 0 and r < 1 - cfg.minirl.low)
         lp = OLD[b][t] + LOG_R[b][t]
         if not masked:
             value += -r * WEIGHTS[b][t] * a * lp
@@ -232,7 +232,7 @@ def test_minirl_gradient_is_reinforce_at_ratio_one():
 def test_gspo_matches_sequence_level_objective_with_constant_advantage_and_weight():
     """With A and w constant per sequence, GSPO-token's gradient equals that of the sequence objective
     -(1/N) sum_i n_i w_i min(s_i A_i, clip(s_i) A_i), s_i = exp(mean_t (logp - old)), written independently."""
-    cfg = AlgoConfig(clip_low=0.05, clip_high=0.06)
+    cfg = AlgoConfig(gspo=ClipConfig(low=0.05, high=0.06))
     logp, old, adv, _, mask = _batch()
     w_seq = torch.tensor([1.5, 0.7, 2.0], dtype=torch.float64)
     w = torch.where(mask, w_seq[:, None].expand(3, 4), NAN)
@@ -245,7 +245,7 @@ def test_gspo_matches_sequence_level_objective_with_constant_advantage_and_weigh
     for b, n in enumerate(LENGTHS):
         s = torch.exp((logp_ref[b, :n] - torch.tensor(OLD[b][:n], dtype=torch.float64)).mean())
         a = ADV[b]
-        total = total - n * w_seq[b] * torch.minimum(s * a, s.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * a)
+        total = total - n * w_seq[b] * torch.minimum(s * a, s.clamp(1 - cfg.gspo.low, 1 + cfg.gspo.high) * a)
     ref = total / 9.0
     ref.backward()
     assert loss.item() == pytest.approx(ref.item(), rel=1e-12)
@@ -260,7 +260,8 @@ def test_gspo_matches_sequence_level_objective_with_constant_advantage_and_weigh
 
 def test_gspo_token_gradient_with_per_token_advantages():
     """GSPO-token: d loss / d logp_u = -w_u A_u s_i / N where the sequence is not clipped for A_u's sign."""
-    cfg = AlgoConfig(clip_low=3e-4, clip_high=4e-4)
+    cfg = AlgoConfig()
+    assert (cfg.gspo.low, cfg.gspo.high) == (3e-4, 4e-4)  # gspo's defaults: the GSPO paper's range
     old = torch.zeros(2, 3, dtype=torch.float64)
     # seq 0: mean log r = 1e-3 -> s = 1.001 > 1.0004: clipped for A > 0 tokens, not for A < 0 tokens
     # seq 1: mean log r = -1e-3 -> s = 0.999 < 0.9997: clipped for A < 0 tokens, not for A > 0 tokens

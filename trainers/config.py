@@ -159,6 +159,10 @@ RENAMED_KEYS = {
     "algo.is_cap": "algo.tis.cap (is_mode=tis) or algo.seq_tis.cap (is_mode=seq_tis)",
     "algo.is_low": "algo.icepop.low (is_mode=icepop) or algo.seq_mask.geo.low (what is_mode=seq_mis was)",
     "algo.is_high": "algo.icepop.high (is_mode=icepop) or algo.seq_mask.geo.high (what is_mode=seq_mis was)",
+    "algo.clip_low": "algo.ppo_clip.low (loss=ppo_clip), algo.minirl.low (loss=minirl) or algo.gspo.low (loss=gspo; "
+                     "it clips a length-normalised sequence ratio, default 3e-4)",
+    "algo.clip_high": "algo.ppo_clip.high (loss=ppo_clip), algo.minirl.high (loss=minirl) or algo.gspo.high "
+                      "(loss=gspo; it clips a length-normalised sequence ratio, default 4e-4)",
 }
 
 
@@ -171,6 +175,18 @@ class Band:
 
     def check(self, prefix: str) -> None:
         _require(0 <= self.low <= 1 <= self.high, prefix, f"need 0 <= low <= 1 <= high, got [{self.low}, {self.high}]")
+
+
+@dataclass
+class ClipConfig:
+    # Lower clip range eps_low: the ratio is clipped to [1 - low, 1 + high].
+    low: float
+    # Upper clip range eps_high (DAPO-style asymmetric clip when above low).
+    high: float
+
+    def check(self, prefix: str) -> None:
+        _require(0 <= self.low < 1, f"{prefix}.low", f"must be in [0, 1), got {self.low}")
+        _require(self.high >= 0, f"{prefix}.high", f"must be >= 0, got {self.high}")
 
 
 @dataclass
@@ -234,10 +250,12 @@ class RejectConfig:
 class AlgoConfig:
     # Policy loss: ppo_clip | minirl | gspo (see trainers.losses.POLICY_LOSSES).
     loss: str = "ppo_clip"
-    # Lower clip range eps_low on r = pi_theta / pi_old (gspo acts on a sequence ratio: use ~3e-4).
-    clip_low: float = 0.2
-    # Upper clip range eps_high (DAPO-style asymmetric clip; gspo: ~4e-4).
-    clip_high: float = 0.28
+    # ppo_clip: clip range of the token ratio r = pi_theta / pi_old (DAPO's asymmetric 0.2 / 0.28).
+    ppo_clip: ClipConfig = field(default_factory=lambda: ClipConfig(low=0.2, high=0.28))
+    # minirl: a token whose ratio r leaves [1 - low, 1 + high] against its advantage is masked (the paper: 0.2 / 0.27).
+    minirl: ClipConfig = field(default_factory=lambda: ClipConfig(low=0.2, high=0.28))
+    # gspo: clip range of the length-normalised sequence ratio s_i (the GSPO paper, arXiv 2507.18071: 3e-4 / 4e-4).
+    gspo: ClipConfig = field(default_factory=lambda: ClipConfig(low=3e-4, high=4e-4))
     # Dual-clip c (Ye et al. 2020, arXiv 1912.09729; verl's clip_ratio_c): with A < 0 a ratio r > c gets no
     # gradient (ppo_clip: the surrogate is bounded by c A; minirl: the token is masked). null: off. gspo ignores it.
     clip_ratio_c: Optional[float] = 3.0
@@ -278,8 +296,9 @@ class AlgoConfig:
     old_logp: str = "recompute"
 
     def check(self, prefix: str = "algo") -> None:
-        _require(0 <= self.clip_low < 1, f"{prefix}.clip_low", f"must be in [0, 1), got {self.clip_low}")
-        _require(self.clip_high >= 0, f"{prefix}.clip_high", f"must be >= 0, got {self.clip_high}")
+        self.ppo_clip.check(f"{prefix}.ppo_clip")
+        self.minirl.check(f"{prefix}.minirl")
+        self.gspo.check(f"{prefix}.gspo")
         _require(self.clip_ratio_c is None or self.clip_ratio_c > 1, f"{prefix}.clip_ratio_c",
                  f"must be > 1 or null, got {self.clip_ratio_c}")
         _require(self.is_mode != "seq_mis", f"{prefix}.is_mode",

@@ -46,7 +46,7 @@ from torch import Tensor
 # log r and sequence-level log ratios are clamped to +-LOG_RATIO_MAX before exp (see the module docstring): the
 # measures' bound, where kl_k3 and chi2 turn linear
 from constraints.measures import LOG_RATIO_MAX, MEASURES
-from trainers.config import AlgoConfig
+from trainers.config import AlgoConfig, ClipConfig
 
 _METRIC_LOG_MAX = 700.0  # raw weights reported as metrics saturate at e^700 (float64 stays finite)
 
@@ -252,10 +252,11 @@ def _sanitize(logp_BT: Tensor, old_logp_BT: Tensor, advantages_BT: Tensor, weigh
     return logp_BT, old_logp_BT, advantages_BT, weights_BT, mask_BT
 
 
-def _clip_masks(ratio_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
-    """Tokens where the clip is active in the gradient sense: (A > 0, r > 1 + eps_high), (A < 0, r < 1 - eps_low)."""
-    high_BT = mask_BT & (advantages_BT > 0) & (ratio_BT > 1.0 + cfg.clip_high)
-    low_BT = mask_BT & (advantages_BT < 0) & (ratio_BT < 1.0 - cfg.clip_low)
+def _clip_masks(ratio_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor, clip: ClipConfig) -> tuple[Tensor, Tensor]:
+    """Tokens where the clip is active in the gradient sense: (A > 0, r > 1 + eps_high), (A < 0, r < 1 - eps_low),
+    with eps_low = clip.low, eps_high = clip.high (the loss's own sub-config)."""
+    high_BT = mask_BT & (advantages_BT > 0) & (ratio_BT > 1.0 + clip.high)
+    low_BT = mask_BT & (advantages_BT < 0) & (ratio_BT < 1.0 - clip.low)
     return low_BT, high_BT
 
 
@@ -301,21 +302,21 @@ def ppo_clip_loss(logp_BT: Tensor, old_logp_BT: Tensor, advantages_BT: Tensor, w
         s_t <- max(s_t, c A_t)  where A_t < 0 (dual-clip, c = cfg.clip_ratio_c; skipped when null)
         l_t = -w_t * s_t
 
-    w_t is the IS weight of rho_t = pi_old / mu (``IS_MODES``), eps_low = cfg.clip_low, eps_high =
-    cfg.clip_high. loss = sum_t mask_t l_t / normalizer. Gradient: -w_t A_t r_t grad log pi_t where no clip
+    w_t is the IS weight of rho_t = pi_old / mu (``IS_MODES``), eps_low = cfg.ppo_clip.low, eps_high =
+    cfg.ppo_clip.high. loss = sum_t mask_t l_t / normalizer. Gradient: -w_t A_t r_t grad log pi_t where no clip
     is active, 0 where one is (``clip/frac``; ``clip/frac_dual``: A < 0 and r > c, where without the
     dual-clip the term -w A r grows without bound in r).
     """
     logp_BT, old_logp_BT, adv_BT, w_BT, mask_BT = _sanitize(logp_BT, old_logp_BT, advantages_BT, weights_BT, mask_BT)
     log_r_BT = (logp_BT - old_logp_BT).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
     ratio_BT = torch.exp(log_r_BT)
-    clipped_BT = ratio_BT.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    clipped_BT = ratio_BT.clamp(1.0 - cfg.ppo_clip.low, 1.0 + cfg.ppo_clip.high)
     surrogate_BT = torch.minimum(ratio_BT * adv_BT, clipped_BT * adv_BT)
     if cfg.clip_ratio_c is not None:
         surrogate_BT = torch.where(adv_BT < 0, torch.maximum(surrogate_BT, cfg.clip_ratio_c * adv_BT), surrogate_BT)
     per_token_BT = -w_BT * surrogate_BT
     loss = torch.where(mask_BT, per_token_BT, 0.0).sum() / max(float(normalizer), 1.0)
-    low_BT, high_BT = _clip_masks(ratio_BT.detach(), adv_BT, mask_BT, cfg)
+    low_BT, high_BT = _clip_masks(ratio_BT.detach(), adv_BT, mask_BT, cfg.ppo_clip)
     dual_BT = _dual_clip_mask(ratio_BT.detach(), adv_BT, mask_BT, cfg)
     return loss, _loss_metrics(loss.detach(), log_r_BT.detach(), ratio_BT.detach(), low_BT, high_BT, dual_BT, mask_BT)
 
@@ -328,10 +329,10 @@ def minirl_loss(logp_BT: Tensor, old_logp_BT: Tensor, advantages_BT: Tensor, wei
 
     with pi_theta / mu = r_t * rho_t: r_t = pi_theta / pi_old is computed here, the training-inference factor
     rho_t enters as ``weights_BT`` (already truncated by the IS mode; the paper truncates at 5, TIS). The
-    mask M_t = 0 iff (A_t > 0 and r_t > 1 + eps_high) or (A_t < 0 and r_t < 1 - eps_low) (paper: eps_high
-    0.27, eps_low 0.2). The gradient is -M_t r_t w_t A_t grad log pi_t, the REINFORCE form -w_t A_t grad log
-    pi_t at r = 1. The loss VALUE is -sum M sg(r w) A log pi / N, not a PPO surrogate: compare its gradient,
-    not its value, with the other losses.
+    mask M_t = 0 iff (A_t > 0 and r_t > 1 + eps_high) or (A_t < 0 and r_t < 1 - eps_low), eps_low =
+    cfg.minirl.low, eps_high = cfg.minirl.high (paper: eps_high 0.27, eps_low 0.2). The gradient is
+    -M_t r_t w_t A_t grad log pi_t, the REINFORCE form -w_t A_t grad log pi_t at r = 1. The loss VALUE is
+    -sum M sg(r w) A log pi / N, not a PPO surrogate: compare its gradient, not its value, with the other losses.
 
     Dual-clip (Ye et al. 2020; not in the paper): also M_t = 0 where A_t < 0 and r_t > c = cfg.clip_ratio_c.
     Derivation: M_t is exactly the set where ppo_clip's surrogate has a non-zero gradient, and there both
@@ -344,7 +345,7 @@ def minirl_loss(logp_BT: Tensor, old_logp_BT: Tensor, advantages_BT: Tensor, wei
     logp_BT, old_logp_BT, adv_BT, w_BT, mask_BT = _sanitize(logp_BT, old_logp_BT, advantages_BT, weights_BT, mask_BT)
     log_r_BT = (logp_BT.detach() - old_logp_BT).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
     ratio_BT = torch.exp(log_r_BT)
-    low_BT, high_BT = _clip_masks(ratio_BT, adv_BT, mask_BT, cfg)
+    low_BT, high_BT = _clip_masks(ratio_BT, adv_BT, mask_BT, cfg.minirl)
     dual_BT = _dual_clip_mask(ratio_BT, adv_BT, mask_BT, cfg)
     active_BT = mask_BT & ~(low_BT | high_BT | dual_BT)
     coef_BT = ratio_BT * w_BT * adv_BT  # sg(pi_theta / mu) * A: no gradient through r
@@ -368,9 +369,9 @@ def gspo_loss(logp_BT: Tensor, old_logp_BT: Tensor, advantages_BT: Tensor, weigh
     multiplies each token's term, as in decoupled PPO. ``cfg.clip_ratio_c`` is not applied (as in verl's GSPO):
     the sequence ratio is a geometric mean, which a per-token dual-clip bound does not fit.
 
-    The clip range is cfg.clip_low / cfg.clip_high as for ppo_clip, but on a length-normalised ratio: the
-    GSPO paper uses eps_low = 3e-4, eps_high = 4e-4, and users must set those (the AlgoConfig defaults
-    0.2 / 0.28 would almost never clip).
+    The clip range is gspo's own, eps_low = cfg.gspo.low, eps_high = cfg.gspo.high: on a length-normalised
+    ratio it must be about three orders smaller than a token clip's (the GSPO paper's 3e-4 / 4e-4, the
+    defaults; 0.2 / 0.28 would almost never clip).
 
     Aggregation: sum_t mask_t l_t / normalizer like the other losses. Per sequence this is |y_i| times
     GSPO's (1/G) s_i A_i term up to the global constant, i.e. sequences are weighted by their length instead
@@ -384,11 +385,11 @@ def gspo_loss(logp_BT: Tensor, old_logp_BT: Tensor, advantages_BT: Tensor, weigh
     seq_log_ratio_B = (log_r_BT.sum(dim=1) / count_B).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
     s_B = torch.exp(seq_log_ratio_B.detach())
     s_BT = s_B[:, None] * torch.exp(logp_BT - logp_BT.detach())
-    clipped_BT = s_BT.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    clipped_BT = s_BT.clamp(1.0 - cfg.gspo.low, 1.0 + cfg.gspo.high)
     per_token_BT = -w_BT * torch.minimum(s_BT * adv_BT, clipped_BT * adv_BT)
     loss = torch.where(mask_BT, per_token_BT, 0.0).sum() / max(float(normalizer), 1.0)
     seq_ratio_BT = s_B[:, None].expand_as(mask_BT)
-    low_BT, high_BT = _clip_masks(seq_ratio_BT, adv_BT, mask_BT, cfg)
+    low_BT, high_BT = _clip_masks(seq_ratio_BT, adv_BT, mask_BT, cfg.gspo)
     token_log_r_BT = log_r_BT.detach().clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
     no_dual_BT = torch.zeros_like(mask_BT)
     return loss, _loss_metrics(loss.detach(), token_log_r_BT, seq_ratio_BT, low_BT, high_BT, no_dual_BT, mask_BT)
