@@ -270,6 +270,31 @@ def model_costs(model_dir: str, w: Workload, prompts: list[list[str]]) -> dict:
             "prompt_tokens_mean": prompt_len}
 
 
+def best_limits(*measured: dict) -> dict:
+    """The best of several ``measure_limits`` results (on a shared machine a single one can be far below the
+    hardware's rate), with how many were taken."""
+    best = dict(measured[0])
+    for m in measured[1:]:
+        best["matmul_gflops"] = max(best["matmul_gflops"], m["matmul_gflops"])
+        best["copy_gb_s"] = max(best["copy_gb_s"], m["copy_gb_s"])
+    best["measurements"] = sum(m.get("measurements", 1) for m in measured)
+    return best
+
+
+def relimit(result: dict, limits: dict) -> None:
+    """Recompute every workload's limit columns against ``limits`` (in place)."""
+    result["limits"] = limits
+    for r in result["workloads"].values():
+        w = Workload(**{**r["workload"], "coldstart": tuple(r["workload"]["coldstart"])})
+        for side, summ in r["summary"].items():
+            if side in r["limits"]:
+                row = r["limits"][side]
+                train_s = (summ["time/loss_forward"] + summ["time/backward"] + summ["time/optimizer"] if side == "trl"
+                           else summ["time/old_logp"] + summ["time/update"])
+                decode_s = summ["time/generate"] if side == "trl" else summ["time/rollout"]
+                row.update(limit_columns(r["costs"], limits, w, summ, train_s, decode_s))
+
+
 def limit_columns(costs: dict, limits: dict, w: Workload, summ: dict, train_s: float, decode_s: float) -> dict:
     """Achieved train FLOP/s and decode bytes/s of one side's medians, and their shares of the measured limits."""
     responses = w.prompts * w.samples
@@ -306,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDES",
                     help="an extra dcmdp side with comma-separated config overrides, e.g. "
-                         "no-drop=rollout.drop_finished=false (repeatable)")
+                         "no-drop=rollout.torch.drop_finished=false (repeatable)")
     ap.add_argument("--skip-trl", action="store_true", help="run the dcmdp side(s) only")
     ap.add_argument("--smoke", action="store_true", help="seconds: 3 steps, 4 x 2 samples, random-init model, "
                     "1 repetition, dcmdp side only, results to --out-dir (a temporary folder by default)")
@@ -314,9 +339,19 @@ def main(argv: list[str] | None = None) -> dict:
                     "benchmarks/results, or a temporary folder with --smoke)")
     ap.add_argument("--render", default=None, metavar="JSON", help="only rewrite the markdown next to a saved "
                     "trl_throughput.json from it (no runs)")
+    ap.add_argument("--remeasure-limits", type=int, default=0, metavar="K", help="with --render: measure the limits K "
+                    "more times (one a minute) at the saved thread count and keep the best, then recompute the columns")
     args = ap.parse_args(argv)
     if args.render:
         result = json.loads(Path(args.render).read_text())
+        if args.remeasure_limits:
+            extra = []
+            for i in range(args.remeasure_limits):
+                if i:
+                    time.sleep(60)
+                extra.append(measure_limits(result["limits"]["threads"]))
+            relimit(result, best_limits(result["limits"], *extra))
+            Path(args.render).write_text(json.dumps(result, indent=1))
         Path(args.render).with_suffix(".md").write_text(markdown(result))
         return result
     workloads = {"smoke": SMOKE} if args.smoke else {n: WORKLOADS[n] for n in args.workloads.split(",")}
@@ -349,17 +384,21 @@ def main(argv: list[str] | None = None) -> dict:
                         runs[side].append(run_dcmdp(w, args, model_dir, work, tag, variants.get(side, ())))
                     print(f"{name} repetition {rep + 1}/{args.repeats}: {side} done", file=sys.stderr, flush=True)
             costs = model_costs(model_dir, w, prompts)
+            limits = best_limits(limits, measure_limits(args.threads))
             per_workload[name] = report(w, args, runs, coldstart_info, model_dir, costs, limits)
-        result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                  "machine": f"{_cpu_model()}, {platform.machine()}, {os.cpu_count()} logical CPUs "
-                             "(shared with other jobs)",
-                  "args": vars(args), "variants": {k: list(v) for k, v in variants.items()},
-                  "versions": {"dcmdp_env": {"python": platform.python_version(), "torch": torch.__version__,
-                                             "transformers": transformers.__version__},
-                               "trl_env": next((r["trl_versions"] for r in per_workload.values()
-                                                if r["trl_versions"]), None)},
-                  "git": _git_head(), "limits": limits, "workloads": per_workload}
-        write_results(result, out_dir)
+            for done in per_workload.values():
+                relimit({"limits": limits, "workloads": {"w": done}}, limits)
+            # written after every workload, so that an interrupted invocation keeps the finished rows
+            result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                      "machine": f"{_cpu_model()}, {platform.machine()}, {os.cpu_count()} logical CPUs "
+                                 "(shared with other jobs)",
+                      "args": vars(args), "variants": {k: list(v) for k, v in variants.items()},
+                      "versions": {"dcmdp_env": {"python": platform.python_version(), "torch": torch.__version__,
+                                                 "transformers": transformers.__version__},
+                                   "trl_env": next((r["trl_versions"] for r in per_workload.values()
+                                                    if r["trl_versions"]), None)},
+                      "git": _git_head(), "limits": limits, "workloads": per_workload}
+            write_results(result, out_dir)
         print(json.dumps({n: r["summary"].get("ratio", r["summary"]["dcmdp"]) for n, r in per_workload.items()},
                          indent=2))
     return result
@@ -454,8 +493,8 @@ def markdown(result: dict) -> str:
         f"transformers {trl_v.get('transformers', '-')}, trl {trl_v.get('trl', '-')}",
         f"- benchmark: `OMP_NUM_THREADS={args['threads']} .venv/bin/python benchmarks/trl_throughput.py "
         f"--workloads {args['workloads']} --repeats {args['repeats']} --threads {args['threads']}{variants}`",
-        f"- limits measured in the benchmark process at {lim['threads']} thread(s): fp32 matmul "
-        f"({lim['matmul_n']}^3) {lim['matmul_gflops']:.1f} GFLOP/s, copy of {lim['copy_mib']} MiB "
+        f"- limits measured at {lim['threads']} thread(s), best of {lim.get('measurements', 1)} measurements: fp32 "
+        f"matmul ({lim['matmul_n']}^3) {lim['matmul_gflops']:.1f} GFLOP/s, copy of {lim['copy_mib']} MiB "
         f"{lim['copy_gb_s']:.1f} GB/s (read + write)", "",
         "| workload | dcmdp tokens/s | TRL tokens/s | dcmdp / TRL tokens/s, median (range) | "
         "dcmdp / TRL steps/s | target |",
@@ -557,7 +596,7 @@ NOTES = """Settings matched, and where they differ:
   weights are synced after every step, MLflow logging of ~60 metrics per step, and a held-out eval before and
   after the run (outside the timed steps).
 - Generation: dcmdp's embedded engine runs its own KV-cached decode loop (one forward per token for the rows
-  still decoding: `rollout.drop_finished`, finished rows leave the batch); TRL calls `model.generate`, which
+  still decoding: `rollout.torch.drop_finished`, finished rows leave the batch); TRL calls `model.generate`, which
   keeps feeding finished rows padding until every row has stopped. Both count response tokens with the EOS
   token.
 - Limit columns: train GFLOP/s = 6 N_active (prompt + response tokens) per step / the training phases'
