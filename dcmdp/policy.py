@@ -19,6 +19,7 @@ import torch
 
 from dcmdp import distributed
 from dcmdp.config import RunConfig
+from trainers.attention import GQA_ATTENTION
 from trainers.batch import Rollout
 from trainers.coldstart import cold_start
 from trainers.engines import RolloutEngine
@@ -84,6 +85,9 @@ def build_policy(cfg: RunConfig, out: Path, *, d: distributed.Dist = distributed
         if d.main:
             save_model_dir(model, tokenizer, model_dir)
     engine = distributed.rollout_engine(cfg, model, model_dir, eos_id=eos_id, pad_id=pad_id, d=d)
+    if cfg.model.gqa_attention:
+        # after the cold start (whose cached weights stay those of sdpa) and after the engine copied the model
+        model.set_attn_implementation(GQA_ATTENTION)
     return Policy(tokenizer, task, model, model_dir, engine)
 
 

@@ -93,7 +93,9 @@ def cache_key(model: PreTrainedModel, tokenizer, task: _Task, cfg: ColdStartConf
         "arch": arch,
         # fp32_router=False (the default) leaves every weight as it was before the field existed: left out of the
         # key so that the caches written then stay valid
-        "model": {k: v for k, v in dataclasses.asdict(model_cfg).items() if not (k == "fp32_router" and not v)},
+        # gqa_attention applies after the cold start (dcmdp.policy.build_policy)
+        "model": {k: v for k, v in dataclasses.asdict(model_cfg).items()
+                  if not (k == "fp32_router" and not v) and k != "gqa_attention"},
         "vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]),
         "task": {"name": getattr(task, "name", type(task).__qualname__),
                  "cfg": _jsonable(getattr(task, "cfg", None)),
