@@ -249,7 +249,7 @@ def overrides(recipe: str, model_dir: Path, out: Path, engine: str, *, threads: 
               extra: tuple[str, ...] = ()) -> list[str]:
     """The dotlist that turns the recipe into two small real-shape steps (module docstring)."""
     return [f"model.path={model_dir}", f"task.path={DATA}", "task.eval_path=null", "task.eval_size=2",
-            f"rollout.engine={engine}", "rollout.max_new_tokens=16", "rollout.tensor_parallel_size=1",
+            f"rollout.engine={engine}", "rollout.max_new_tokens=16", "rollout.vllm.tensor_parallel_size=1",
             "algo.prompts_per_step=2", "algo.samples_per_prompt=2", *SYNC_PROBE, "steps=2", "eval_every=0",
             "checkpoint.every=0", "checkpoint.keep=1", "progress=false", f"threads={threads}",
             f"output_dir={out}", "overwrite=true", *extra]

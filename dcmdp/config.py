@@ -441,9 +441,10 @@ def _validate_registries(cfg: RunConfig) -> None:
             raise ConfigError(f"config error at 'dual.constraints': {exc}") from exc
     engine = ENGINES[cfg.rollout.engine].capabilities
     _validate_rollout_quantization(cfg, PRESETS, engine)
-    if engine.routes == "eager" and cfg.algo.routing_replay == "r3" and not cfg.rollout.enforce_eager:
-        raise ConfigError(f"config error at 'rollout.enforce_eager': R3 with the {cfg.rollout.engine} engine records "
-                          f"routes through router hooks that only run in eager mode; set rollout.enforce_eager=true")
+    name = cfg.rollout.engine
+    if engine.routes == "eager" and cfg.algo.routing_replay == "r3" and not getattr(cfg.rollout, name).enforce_eager:
+        raise ConfigError(f"config error at 'rollout.{name}.enforce_eager': R3 with the {name} engine records routes "
+                          f"through router hooks that only run in eager mode; set rollout.{name}.enforce_eager=true")
     if cfg.async_rollout.enabled and not engine.async_worker:
         able = " | ".join(n for n, e in ENGINES.items() if e.capabilities.async_worker)
         raise ConfigError(f"config error at 'async_rollout.enabled': the rollout worker thread drives an engine in "
@@ -480,9 +481,9 @@ def _validate_rollout_quantization(cfg: RunConfig, presets: dict, engine: Engine
         # the preset's architecture on the meta device: shapes only, no memory, no weights
         with torch.device("meta"):
             shapes = model_from_config(presets[cfg.model.preset].make_config(128), seed=0)
-        problem = int4_group_error(shapes, r.int4_group_size, lm_head=r.quantize_lm_head)
+        problem = int4_group_error(shapes, r.torch.int4_group_size, lm_head=r.torch.quantize_lm_head)
         if problem:
-            raise ConfigError(f"config error at 'rollout.int4_group_size': model.preset={cfg.model.preset!r}: "
+            raise ConfigError(f"config error at 'rollout.torch.int4_group_size': model.preset={cfg.model.preset!r}: "
                               f"{problem}")
 
 

@@ -9,7 +9,7 @@ Launched by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) the run becomes
 - rank 0 alone holds the MLflow run (the other ranks log nothing, ``dcmdp.tracking.NoTracker``) and the torch rollout
   engine: ``RankZeroEngine`` broadcasts every Rollout it samples. A vLLM engine is instead hosted by every
   rank (``SpmdEngine``): vLLM's ``external_launcher`` executor makes rank r tensor-parallel part r of one
-  colocated engine (``rollout.tensor_parallel_size`` = world size), and all ranks generate from the same
+  colocated engine (``rollout.vllm.tensor_parallel_size`` = world size), and all ranks generate from the same
   prompts and seed. Either way each rank computes the rewards and the group advantages over the same FULL
   batch (so group statistics never depend on the world size);
 - each rank scores and back-propagates its own block of rows (``trainers.learner.DataShard``); per-token
@@ -117,11 +117,13 @@ def check_world(cfg, world: int) -> None:
         return
     algo = cfg.algo
     batch = algo.prompts_per_step * algo.samples_per_prompt
-    if capabilities(cfg.rollout.engine).tensor_parallel and cfg.rollout.tensor_parallel_size != world:
+    name = cfg.rollout.engine
+    if capabilities(name).tensor_parallel and getattr(cfg.rollout, name).tensor_parallel_size != world:
         raise DistributedSetupError(
-            f"config error at 'rollout.tensor_parallel_size': under torchrun every rank hosts its tensor-parallel "
-            f"part of one colocated {cfg.rollout.engine} engine, so the tensor-parallel size must be the world size; "
-            f"set rollout.tensor_parallel_size={world} (got {cfg.rollout.tensor_parallel_size})")
+            f"config error at 'rollout.{name}.tensor_parallel_size': under torchrun every rank hosts its "
+            f"tensor-parallel part of one colocated {name} engine, so the tensor-parallel size must be the world "
+            f"size; set rollout.{name}.tensor_parallel_size={world} "
+            f"(got {getattr(cfg.rollout, name).tensor_parallel_size})")
     if getattr(getattr(cfg, "async_rollout", None), "enabled", False):
         raise DistributedSetupError(
             f"config error at 'async_rollout.enabled': asynchronous rollouts run in a single process; under "

@@ -104,6 +104,10 @@ def test_bad_list_element_overrides_name_the_key(override, needle):
     (["algo.is_mode=seq_mis"], r"algo.is_mode.*is_mode=none seq_mask.mode=geo"),
     (["dual.enabled=false"], r"'dual.enabled' was replaced: use dual.rule=off"),
     (["dual.fixed=true"], r"'dual.fixed' was replaced: use dual.rule=fixed"),
+    (["rollout.enforce_eager=false"], r"'rollout.enforce_eager' was replaced: use rollout.vllm.enforce_eager"),
+    (["rollout.tensor_parallel_size=2"], r"'rollout.tensor_parallel_size' was replaced: use rollout.vllm.tensor_par"),
+    (["rollout.drop_finished=false"], r"'rollout.drop_finished' was replaced: use rollout.torch.drop_finished"),
+    (["rollout.int4_group_size=16"], r"'rollout.int4_group_size' was replaced: use rollout.torch.int4_group_size"),
     (["algo.clip_low=0.1"], r"'algo.clip_low' was replaced: use algo.ppo_clip.low .*algo.minirl.low .*algo.gspo.low"),
     (["algo.clip_high=0.3"],
      r"'algo.clip_high' was replaced: use algo.ppo_clip.high .*algo.minirl.high .*algo.gspo.high"),
@@ -133,6 +137,17 @@ def test_is_sub_configs_defaults_and_overrides():
                              "algo.reject.bound=0.5", "algo.clip_ratio_c=null"])
     assert cfg.algo.icepop.high == 4.0 and cfg.algo.seq_mask.geo.low == 0.99 and cfg.algo.seq_mask.geo.high == 1.001
     assert cfg.algo.veto.threshold == 1e-4 and cfg.algo.reject.bound == 0.5 and cfg.algo.clip_ratio_c is None
+
+
+def test_engine_sub_configs_defaults_and_overrides():
+    cfg = load_config(None, [])
+    t, v = cfg.rollout.torch, cfg.rollout.vllm
+    assert (t.int4_group_size, t.quantize_lm_head, t.drop_finished, t.gqa_decode) == (32, False, True, True)
+    assert (v.tensor_parallel_size, v.enforce_eager, v.gpu_memory_utilization) == (1, True, 0.5)
+    cfg = load_config(None, ["rollout.vllm.enforce_eager=false", "rollout.torch.drop_finished=false"])
+    assert cfg.rollout.vllm.enforce_eager is False and cfg.rollout.torch.drop_finished is False
+    with pytest.raises(ConfigError, match=r"rollout.vllm.gpu_memory_utilization.*\(0, 1\]"):
+        load_config(None, ["rollout.vllm.gpu_memory_utilization=1.5"])
 
 
 def test_loss_sub_configs_defaults_and_overrides():

@@ -149,7 +149,7 @@ def test_two_ranks_host_one_tensor_parallel_vllm_engine_and_every_shard_gets_the
     pytest.importorskip("vllm")
     out = workdir / "vllm2"
     _torchrun(2, workdir / "config.yaml", [
-        "model.preset=tiny-moe", "rollout.engine=vllm", "rollout.tensor_parallel_size=2", "rollout.precision=fp32",
+        "model.preset=tiny-moe", "rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2", "rollout.precision=fp32",
         "algo.routing_replay=r3", "cold_start.steps=40", f"cold_start.cache_dir={workdir / 'cache'}",
         "algo.prompts_per_step=2", "algo.samples_per_prompt=2", "algo.minibatches=2", "algo.entropy_coef=0.01",
         "optim.lr=1e-3", "task.eval_size=4", "steps=3", "checkpoint.every=0", "threads=1", "progress=false",
@@ -165,7 +165,7 @@ def test_two_ranks_host_one_tensor_parallel_vllm_engine_and_every_shard_gets_the
 
 
 @pytest.mark.parametrize("override, message", [
-    ("rollout.engine=vllm", "set rollout.tensor_parallel_size=2"),
+    ("rollout.engine=vllm", "set rollout.vllm.tensor_parallel_size=2"),
     ("algo.minibatches=8", "do not split evenly over 2 ranks"),
     ("model.dtype=bfloat16", "master weights stay float32"),
     ("dist.backend=nccl", "use dist.backend=gloo"),
@@ -192,9 +192,9 @@ def test_a_worker_that_fails_ends_torchrun_with_its_error_and_the_run_exits_nonz
 
 def test_vllm_with_the_world_as_tensor_parallel_size_passes_the_world_check():
     cfg = load_config(None, ["algo.prompts_per_step=4", "algo.samples_per_prompt=2", "rollout.engine=vllm",
-                             "rollout.tensor_parallel_size=2"])
+                             "rollout.vllm.tensor_parallel_size=2"])
     check_world(cfg, 2)
-    with pytest.raises(DistributedSetupError, match="set rollout.tensor_parallel_size=4"):
+    with pytest.raises(DistributedSetupError, match="set rollout.vllm.tensor_parallel_size=4"):
         check_world(cfg, 4)
 
 

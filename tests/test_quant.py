@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from dcmdp.config import ConfigError, load_config
 from trainers import routing
-from trainers.config import ROLLOUT_PRECISIONS, ModelConfig, RolloutConfig
+from trainers.config import ROLLOUT_PRECISIONS, ModelConfig, RolloutConfig, TorchEngineConfig
 from trainers.engines.torch_engine import TorchEngine, nucleus_logp
 from trainers.models import build_model
 from trainers.quant import (FP8_E4M3_MAX, PRECISION_DTYPES, cast_for_precision, fake_quantize_fp8,
@@ -191,12 +191,14 @@ def test_int4_group_size_must_divide_the_input_dim():
     with pytest.raises(ValueError, match="does not divide the input dimension 64"):
         fake_quantize_int4(torch.randn(4, 64), 24)
     with pytest.raises(ValueError, match=r"int4 group size 24 does not divide .*q_proj"):
-        TorchEngine(RolloutConfig(precision="int4", int4_group_size=24), _model("tiny-dense"), eos_id=EOS, pad_id=PAD)
-    with pytest.raises(ConfigError, match=r"'rollout.int4_group_size'.*does not divide the input dimension 64"):
-        load_config(None, ["rollout.precision=int4", "rollout.int4_group_size=24"])
-    with pytest.raises(ValueError, match="rollout.int4_group_size"):
-        RolloutConfig(int4_group_size=0).check()
-    load_config(None, ["rollout.precision=int4", "rollout.int4_group_size=16"])  # 16 divides 64
+        TorchEngine(RolloutConfig(precision="int4", torch=TorchEngineConfig(int4_group_size=24)), _model("tiny-dense"),
+                    eos_id=EOS, pad_id=PAD)
+    with pytest.raises(ConfigError,
+                       match=r"'rollout.torch.int4_group_size'.*does not divide the input dimension 64"):
+        load_config(None, ["rollout.precision=int4", "rollout.torch.int4_group_size=24"])
+    with pytest.raises(ValueError, match="rollout.torch.int4_group_size"):
+        RolloutConfig(torch=TorchEngineConfig(int4_group_size=0)).check()
+    load_config(None, ["rollout.precision=int4", "rollout.torch.int4_group_size=16"])  # 16 divides 64
 
 
 # --- which weights, which activations ---------------------------------------------------------------------------
@@ -336,7 +338,7 @@ def test_engine_log_mu_is_the_quantised_models(preset, precision):
 @pytest.mark.parametrize("precision", ["fp8", "fp8_weight", "int4"])
 def test_load_weights_requantizes(precision):
     model = _model("tiny-moe")
-    cfg = RolloutConfig(max_new_tokens=6, precision=precision, int4_group_size=16)
+    cfg = RolloutConfig(max_new_tokens=6, precision=precision, torch=TorchEngineConfig(int4_group_size=16))
     engine = TorchEngine(cfg, model, eos_id=EOS, pad_id=PAD)
     with torch.no_grad():
         for p in model.parameters():
@@ -380,7 +382,8 @@ def test_logit_noise_log_mu_is_the_noised_distribution(preset, precision, temper
     sigma, seed = 0.7, 5
     model = _model(preset)
     engine = TorchEngine(RolloutConfig(max_new_tokens=6, precision=precision, temperature=temperature, top_p=top_p,
-                                       logit_noise=sigma, int4_group_size=16), model, eos_id=EOS, pad_id=PAD)
+                                       logit_noise=sigma, torch=TorchEngineConfig(int4_group_size=16)),
+                         model, eos_id=EOS, pad_id=PAD)
     rollout = engine.generate(_prompts(24), seed=seed)
     logits_BTV = _logits64(_float64_copy(engine.model), rollout)
     B, T, _ = logits_BTV.shape

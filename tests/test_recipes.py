@@ -36,7 +36,7 @@ def model_dirs(tmp_path_factory):
 def _recipe(name: str, model_dir: str, tmp_path: Path, engine: str):
     overrides = [f"model.preset={RECIPES[name]}", f"model.path={model_dir}", "model.dtype=float32",
                  f"task.path={DATA}", "task.eval_path=null", "task.eval_size=2",
-                 "rollout.max_new_tokens=6", "rollout.tensor_parallel_size=1", f"rollout.engine={engine}",
+                 "rollout.max_new_tokens=6", "rollout.vllm.tensor_parallel_size=1", f"rollout.engine={engine}",
                  "algo.prompts_per_step=2", "algo.samples_per_prompt=2", "algo.minibatches=2", "steps=2",
                  "eval_every=0", "progress=false", "checkpoint.every=0", f"output_dir={tmp_path / 'out'}"]
     if engine == "torch":

@@ -9,7 +9,7 @@ import torch
 from scipy import stats
 
 from trainers import routing
-from trainers.config import ModelConfig, RolloutConfig
+from trainers.config import ModelConfig, RolloutConfig, TorchEngineConfig
 from trainers.engines import build_engine
 from trainers.engines.torch_engine import TorchEngine, nucleus_logp
 from trainers.models import build_model
@@ -265,14 +265,15 @@ def test_int8_engine_routes_replay_in_the_trainer():
 @pytest.mark.parametrize("preset,precision,noise", [("tiny-dense", "fp32", 0.0), ("tiny-moe", "fp32", 0.0),
                                                     ("tiny-moe", "bf16", 0.5)])
 def test_dropping_finished_rows_changes_no_token(preset, precision, noise):
-    """rollout.drop_finished compacts the decode batch; tokens, masks and routes are those of the path that
+    """rollout.torch.drop_finished compacts the decode batch; tokens, masks and routes are those of the path that
     feeds finished rows padding, and log mu agrees to float rounding of matmuls over a smaller batch."""
     model = _model(preset)
     _boost_eos(model, 2.5)  # rows finish after 1 to 16 tokens
     prompts = _prompts(48, seed=3)
     runs = {}
     for drop in (False, True):
-        cfg = RolloutConfig(max_new_tokens=16, precision=precision, logit_noise=noise, drop_finished=drop)
+        cfg = RolloutConfig(max_new_tokens=16, precision=precision, logit_noise=noise,
+                            torch=TorchEngineConfig(drop_finished=drop))
         runs[drop] = TorchEngine(cfg, model, eos_id=EOS, pad_id=PAD).generate(prompts, seed=7)
     kept, dropped = runs[False], runs[True]
     lengths = kept.response_mask_BT.sum(-1)
@@ -294,13 +295,13 @@ def test_exponential_race_is_multinomial():
 
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
 def test_gqa_decode_attention_is_bitwise_the_copying_path(preset):
-    """rollout.gqa_decode reads the shared KV head in place (2 query heads per KV head in the tiny presets): the
+    """rollout.torch.gqa_decode reads the shared KV head in place (2 query heads per KV head in the tiny presets): the
     same kernel on the same values, so tokens, log mu and routes are bitwise those of transformers' sdpa path."""
     model = _model(preset)
     _boost_eos(model, 2.5)
     prompts = _prompts(24, seed=4)
-    runs = [TorchEngine(RolloutConfig(max_new_tokens=12, gqa_decode=gqa), model, eos_id=EOS, pad_id=PAD
-                        ).generate(prompts, seed=2) for gqa in (False, True)]
+    runs = [TorchEngine(RolloutConfig(max_new_tokens=12, torch=TorchEngineConfig(gqa_decode=gqa)), model, eos_id=EOS,
+                        pad_id=PAD).generate(prompts, seed=2) for gqa in (False, True)]
     assert model.config.num_attention_heads > model.config.num_key_value_heads
     assert torch.equal(runs[0].response_ids_BT, runs[1].response_ids_BT)
     assert torch.equal(runs[0].rollout_logp_BT, runs[1].rollout_logp_BT)

@@ -48,17 +48,43 @@ ROLLOUT_PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp8", "fp8_weight", "int4
 
 
 @dataclass
+class TorchEngineConfig:
+    # int4: input columns per weight scale; must divide the input dimension of every quantised matmul.
+    int4_group_size: int = 32
+    # Quantised precisions: also quantise the LM head (its weight; for fp8 its input too). Off, as in serving.
+    quantize_lm_head: bool = False
+    # Finished rows leave the decode batch (no compute after EOS); off feeds them padding.
+    drop_finished: bool = True
+    # Decode attention reads grouped KV heads in place (SDPA enable_gqa; bitwise the same values).
+    gqa_decode: bool = True
+
+    def check(self, prefix: str = "rollout.torch") -> None:
+        _require(self.int4_group_size >= 1, f"{prefix}.int4_group_size", f"must be >= 1, got {self.int4_group_size}")
+
+
+@dataclass
+class VllmEngineConfig:
+    # Tensor-parallel size (under torchrun: the world size).
+    tensor_parallel_size: int = 1
+    # Disable CUDA graphs / torch.compile (faster start, used on CPU; R3 on vLLM's router hooks needs it).
+    enforce_eager: bool = True
+    # Fraction of accelerator memory the engine may take.
+    gpu_memory_utilization: float = 0.5
+
+    def check(self, prefix: str = "rollout.vllm") -> None:
+        _require(self.tensor_parallel_size >= 1, f"{prefix}.tensor_parallel_size", "must be >= 1")
+        _require(0 < self.gpu_memory_utilization <= 1, f"{prefix}.gpu_memory_utilization",
+                 f"must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass
 class RolloutConfig:
     # Rollout engine: torch (embedded, default) | vllm.
     engine: str = "torch"
     # Inference precision of the rollout engine: fp32 | bf16 | fp16 | int8 (W8A16, per channel) | fp8 (W8A8 e4m3:
     # per-channel weights, dynamic per-token activations) | fp8_weight (W8A16 e4m3, per channel) | int4 (W4A16,
-    # symmetric, per group of int4_group_size inputs). See trainers.quant.
+    # symmetric, per group of torch.int4_group_size inputs). See trainers.quant.
     precision: str = "fp32"
-    # int4: input columns per weight scale; must divide the input dimension of every quantised matmul.
-    int4_group_size: int = 32
-    # Quantised precisions: also quantise the LM head (its weight; for fp8 its input too). Off, as in serving.
-    quantize_lm_head: bool = False
     # Stress knob, not a deployment format: std of seeded Gaussian noise added to the rollout engine's logits
     # (after the LM head, before temperature and top-p); log mu is that of the noised distribution sampled
     # from. 0 disables. torch engine only.
@@ -69,27 +95,21 @@ class RolloutConfig:
     top_p: float = 1.0
     # Maximum number of generated tokens per response.
     max_new_tokens: int = 8
-    # torch engine: finished rows leave the decode batch (no compute after EOS); off feeds them padding.
-    drop_finished: bool = True
-    # torch engine: decode attention reads grouped KV heads in place (SDPA enable_gqa; bitwise the same values).
-    gqa_decode: bool = True
-    # vLLM tensor-parallel size (ignored by the torch engine).
-    tensor_parallel_size: int = 1
-    # vLLM: disable CUDA graphs / torch.compile (faster start, used on CPU).
-    enforce_eager: bool = True
-    # vLLM: fraction of accelerator memory the engine may take.
-    gpu_memory_utilization: float = 0.5
+    # Knobs of the torch engine (read when engine=torch).
+    torch: TorchEngineConfig = field(default_factory=TorchEngineConfig)
+    # Knobs of the vLLM engine (read when engine=vllm).
+    vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
 
     def check(self, prefix: str = "rollout") -> None:
         _require(self.precision in ROLLOUT_PRECISIONS, f"{prefix}.precision",
                  f"got {self.precision!r}, expected one of {', '.join(ROLLOUT_PRECISIONS)}")
-        _require(self.int4_group_size >= 1, f"{prefix}.int4_group_size", f"must be >= 1, got {self.int4_group_size}")
         _require(0 <= self.logit_noise < float("inf"), f"{prefix}.logit_noise",
                  f"must be a finite std >= 0, got {self.logit_noise}")
         _require(self.temperature > 0, f"{prefix}.temperature", f"must be > 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, f"{prefix}.top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.max_new_tokens >= 1, f"{prefix}.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
-        _require(self.tensor_parallel_size >= 1, f"{prefix}.tensor_parallel_size", "must be >= 1")
+        self.torch.check(f"{prefix}.torch")
+        self.vllm.check(f"{prefix}.vllm")
 
 
 @dataclass
@@ -159,6 +179,13 @@ SEQ_MASK_MODES = ("none", "prod", "geo")
 
 # Keys that were replaced, with what replaces them: dcmdp.config names the replacement when an old key is used.
 RENAMED_KEYS = {
+    "rollout.int4_group_size": "rollout.torch.int4_group_size",
+    "rollout.quantize_lm_head": "rollout.torch.quantize_lm_head",
+    "rollout.drop_finished": "rollout.torch.drop_finished",
+    "rollout.gqa_decode": "rollout.torch.gqa_decode",
+    "rollout.tensor_parallel_size": "rollout.vllm.tensor_parallel_size",
+    "rollout.enforce_eager": "rollout.vllm.enforce_eager",
+    "rollout.gpu_memory_utilization": "rollout.vllm.gpu_memory_utilization",
     "algo.is_cap": "algo.tis.cap (is_mode=tis) or algo.seq_tis.cap (is_mode=seq_tis)",
     "algo.is_low": "algo.icepop.low (is_mode=icepop) or algo.seq_mask.geo.low (what is_mode=seq_mis was)",
     "algo.is_high": "algo.icepop.high (is_mode=icepop) or algo.seq_mask.geo.high (what is_mode=seq_mis was)",

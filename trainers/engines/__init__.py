@@ -34,13 +34,15 @@ class EngineCapabilities:
     # Why rollout.logit_noise > 0 cannot run; None: supported.
     no_logit_noise: Optional[str] = None
     # When it reports the experts each position was routed to (MoE; R3 and routing_mismatch need them): always |
-    # eager (through router hooks that run in eager mode only, rollout.enforce_eager=true).
+    # eager (through router hooks that run in eager mode only: the engine's sub-config has enforce_eager=true, e.g.
+    # rollout.vllm.enforce_eager).
     routes: str = "always"
     # How the trainer's weights reach it under torchrun: rank0 (rank 0 hosts the engine, gets the gathered full
     # weights and broadcasts each Rollout) | every_rank (every rank hosts its tensor-parallel part of one engine
     # and loads the full weights, keeping its shard).
     weight_sync: str = "rank0"
-    # One engine split over ranks (rollout.tensor_parallel_size; under torchrun it must be the world size).
+    # One engine split over ranks (its sub-config's tensor_parallel_size, e.g. rollout.vllm.tensor_parallel_size;
+    # under torchrun it must be the world size).
     tensor_parallel: bool = False
     # Can sample in the rollout worker thread of async_rollout (it shares the trainer's process and device).
     async_worker: bool = True

@@ -11,7 +11,7 @@ softmax, as serving engines do). In fp32 every log-prob it reports equals
 Decoding: one prefill over the left-padded prompts, then one token per step for the rows still
 decoding. Each row stops at EOS (kept in the response and its mask); the loop stops when every row has
 stopped or after ``max_new_tokens``. The returned T is the longest response of the batch, not
-necessarily ``max_new_tokens``. With ``rollout.drop_finished`` (default) finished rows leave the decode
+necessarily ``max_new_tokens``. With ``rollout.torch.drop_finished`` (default) finished rows leave the decode
 batch: once at least ``COMPACT_FRACTION`` of the rows in it have stopped (a row stops the step after
 its EOS, which is fed and routed as before), the batch, its attention mask
 and every layer's KV cache are cut down to the live rows, so long responses of uneven length cost no
@@ -21,7 +21,7 @@ rows (the exponential race ``argmax p / q``, q ~ Exp(1), which is ``torch.multin
 path) and the live rows take theirs, so a seed gives the same tokens whichever rows are still decoding;
 log mu agrees to float rounding (matmuls over a smaller batch may round differently, tests/test_engine.py).
 
-Decode attention (``rollout.gqa_decode``, default on): a decode step's single query attends to the KV cache
+Decode attention (``rollout.torch.gqa_decode``, default on): a decode step's single query attends to the KV cache
 through ``scaled_dot_product_attention(..., enable_gqa=True)``, which reads each shared KV head in place, where
 transformers' ``sdpa`` path copies the whole cache once per query head sharing it (``repeat_kv``) whenever a mask
 is given. The same kernel on the same values: the output is bitwise that of the copying path
@@ -107,9 +107,9 @@ class TorchEngine:
         self.eos_id = int(eos_id)
         self.pad_id = int(pad_id)
         # The engine's own frozen copy: the trainer's parameters are never touched or aliased.
-        self.model = cast_for_precision(model, cfg.precision, int4_group_size=cfg.int4_group_size,
-                                        quantize_lm_head=cfg.quantize_lm_head)
-        if cfg.gqa_decode:
+        self.model = cast_for_precision(model, cfg.precision, int4_group_size=cfg.torch.int4_group_size,
+                                        quantize_lm_head=cfg.torch.quantize_lm_head)
+        if cfg.torch.gqa_decode:
             self.model.set_attn_implementation(GQA_DECODE_ATTENTION)
         self.dtype = PRECISION_DTYPES[cfg.precision]
         self.is_moe = routing.is_moe(self.model)
@@ -158,7 +158,7 @@ class TorchEngine:
                     break
                 # A row leaves the decode batch the step after its EOS, which is still fed so that its routes
                 # are recorded as without compaction.
-                if self.cfg.drop_finished and int((~fed_A).sum()) >= COMPACT_FRACTION * len(fed_A):
+                if self.cfg.torch.drop_finished and int((~fed_A).sum()) >= COMPACT_FRACTION * len(fed_A):
                     keep_A = fed_A.nonzero().squeeze(-1)
                     for layer in cache.layers:
                         layer.batch_select_indices(keep_A)
@@ -236,8 +236,8 @@ class TorchEngine:
                                  f"{tuple(tensor.shape)}")
             tensor.copy_(src.detach().to(device=tensor.device, dtype=tensor.dtype))
         if self.cfg.precision in QUANTIZED_PRECISIONS:
-            quantize_weights_(self.model, self.cfg.precision, int4_group_size=self.cfg.int4_group_size,
-                              lm_head=self.cfg.quantize_lm_head)
+            quantize_weights_(self.model, self.cfg.precision, int4_group_size=self.cfg.torch.int4_group_size,
+                              lm_head=self.cfg.torch.quantize_lm_head)
         self.version = int(version)
 
     def close(self) -> None:

@@ -43,7 +43,7 @@ torch engine, and why:
   sequence position; a check that the token fed there is the token of the returned sequence guards
   the mapping. Positions never fed stay -1 (padding, the last response token). Prefix caching is
   off for MoE models, since a cached prefix is never routed again. Compiled or graph-captured
-  forwards skip Python callbacks, so routes are recorded only with ``enforce_eager=True``
+  forwards skip Python callbacks, so routes are recorded only with ``rollout.vllm.enforce_eager=true``
   (otherwise ``rollout_experts_BSLK`` is None, as for dense models).
 - **Precision:** fp32 / bf16 / fp16 set vLLM's ``dtype`` (the LM head runs in that dtype; the
   sampler upcasts logits to float32). ``int8`` raises: vLLM 0.32 has no weight-only int8 path for
@@ -222,7 +222,7 @@ class VllmEngine:
         self.native_routes = bool(self.num_moe_layers) and not current_platform.is_cpu()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         dtype = VLLM_DTYPES[cfg.precision]
-        memory = {"gpu_memory_utilization": cfg.gpu_memory_utilization}
+        memory = {"gpu_memory_utilization": cfg.vllm.gpu_memory_utilization}
         if current_platform.is_cpu():
             # On CPU vLLM reads gpu_memory_utilization as a share of host RAM and fills the KV cache up to it;
             # size the cache for vLLM's full concurrency at the model's length instead.
@@ -235,9 +235,9 @@ class VllmEngine:
         shm_before = _cpu_shm_segments() if track_shm else set()
         try:
             # generation_config="vllm": the model directory's sampling defaults (top_k, ...) must not apply.
-            self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=cfg.enforce_eager,
+            self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=cfg.vllm.enforce_eager,
                            **VLLM_QUANTIZATION.get(cfg.precision, {}),
-                           tensor_parallel_size=cfg.tensor_parallel_size, seed=int(seed),
+                           tensor_parallel_size=cfg.vllm.tensor_parallel_size, seed=int(seed),
                            logprobs_mode="processed_logprobs", skip_tokenizer_init=True, generation_config="vllm",
                            enable_prefix_caching=self.num_moe_layers == 0,
                            enable_return_routed_experts=self.native_routes,
@@ -251,7 +251,7 @@ class VllmEngine:
         self._recorder: Optional[_RouteRecorder] = None
         self._hooks = []
         # Routes are recorded by Python callbacks inside the forward, which torch.compile / CUDA graphs skip.
-        if self.num_moe_layers and not self.native_routes and self.in_process and cfg.enforce_eager:
+        if self.num_moe_layers and not self.native_routes and self.in_process and cfg.vllm.enforce_eager:
             self._install_route_capture()
 
     # -- set-up helpers -------------------------------------------------------------------------------
@@ -376,7 +376,7 @@ class VllmEngine:
             if sorted(step.experts_NK) != sorted(self._moe_index):
                 raise RuntimeError(f"route capture: a forward reported MoE layers {sorted(step.experts_NK)}, "
                                    f"expected {sorted(self._moe_index)} (compiled or graph-captured forwards skip "
-                                   "Python callbacks: build the engine with rollout.enforce_eager=true)")
+                                   "Python callbacks: build the engine with rollout.vllm.enforce_eager=true)")
             for i, rid in enumerate(step.req_ids):
                 b = order.get(_external_request_id(rid))
                 if b is None:
@@ -399,7 +399,7 @@ class VllmEngine:
         if missing:
             raise RuntimeError(f"route capture: {missing} (position, MoE layer) pairs that vLLM computed were never "
                                "seen by the capture hooks (compiled or graph-captured forwards skip Python "
-                               "callbacks); build the engine with rollout.enforce_eager=true")
+                               "callbacks); build the engine with rollout.vllm.enforce_eager=true")
         return experts_BSLK
 
     @torch.no_grad()
