@@ -106,7 +106,7 @@ WORKLOADS = {
                                "long_addition 3-8 digits (responses 29-91 tokens), small-moe"),
     "long-tiny-moe": Workload("configs/stress.yaml", "tiny-moe", 16, 8, 96, 6, 32, ("model.preset=tiny-moe",),
                               "long_addition 3-8 digits (responses 29-91 tokens), tiny-moe"),
-    "short-tiny-moe": Workload("configs/default.yaml", "tiny-moe", 32, 16, 8, 10, 256, ("cold_start.steps=1150",),
+    "short-tiny-moe": Workload("configs/default.yaml", "tiny-moe", 32, 16, 8, 10, 64, ("cold_start.steps=1150",),
                                "2-digit addition (responses <= 8 tokens), tiny-moe"),
 }
 SMOKE = Workload("configs/default.yaml", "tiny-moe", 4, 2, 4, 3, 8, ("cold_start.steps=0",), "smoke")
@@ -339,11 +339,19 @@ def main(argv: list[str] | None = None) -> dict:
                     "benchmarks/results, or a temporary folder with --smoke)")
     ap.add_argument("--render", default=None, metavar="JSON", help="only rewrite the markdown next to a saved "
                     "trl_throughput.json from it (no runs)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="with --render: take these saved results' "
+                    "workloads into it (a later file's row replaces an earlier one's), each row keeping its own "
+                    "invocation (date, code, command)")
     ap.add_argument("--remeasure-limits", type=int, default=0, metavar="K", help="with --render: measure the limits K "
                     "more times (one a minute) at the saved thread count and keep the best, then recompute the columns")
     args = ap.parse_args(argv)
     if args.render:
         result = json.loads(Path(args.render).read_text())
+        for other in map(json.loads, (Path(f).read_text() for f in args.merge or ())):
+            result["workloads"].update(other["workloads"])
+            result["limits"] = best_limits(result["limits"], other["limits"])
+            relimit(result, result["limits"])
+            Path(args.render).write_text(json.dumps(result, indent=1))
         if args.remeasure_limits:
             extra = []
             for i in range(args.remeasure_limits):
@@ -386,6 +394,9 @@ def main(argv: list[str] | None = None) -> dict:
             costs = model_costs(model_dir, w, prompts)
             limits = best_limits(limits, measure_limits(args.threads))
             per_workload[name] = report(w, args, runs, coldstart_info, model_dir, costs, limits)
+            per_workload[name]["invocation"] = {
+                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                "git": _git_head(), "command": benchmark_command(args, variants)}
             for done in per_workload.values():
                 relimit({"limits": limits, "workloads": {"w": done}}, limits)
             # written after every workload, so that an interrupted invocation keeps the finished rows
@@ -439,6 +450,12 @@ def report(w: Workload, args, runs: dict[str, list[dict]], coldstart_info: dict,
             "trl_versions": runs["trl"][0]["versions"] if runs.get("trl") else None,
             "summary": summary, "limits": limit_rows, "per_run": per_run,
             "steps": {side: [r["steps"] for r in rs] for side, rs in runs.items()}}
+
+
+def benchmark_command(args, variants: dict[str, tuple[str, ...]]) -> str:
+    extra = "".join(f" --variant {k}={','.join(o)}" for k, o in variants.items())
+    return (f"OMP_NUM_THREADS={args.threads} .venv/bin/python benchmarks/trl_throughput.py --workloads "
+            f"{args.workloads} --repeats {args.repeats} --threads {args.threads}{extra}")
 
 
 def _git_head() -> str:
@@ -522,6 +539,8 @@ def workload_section(name: str, r: dict) -> list[str]:
              f"- workload: `{w['config']}`, model.preset={w['preset']}, {w['prompts']} prompts x {w['samples']} "
              f"samples per step, max {w['max_new_tokens']} new tokens, temperature 1, one AdamW step per rollout "
              f"batch; {w['steps']} steps per run, the first untimed",
+             *([f"- measured {r['invocation']['date']} at code {r['invocation']['git']} (+ uncommitted changes, if "
+                f"any): `{r['invocation']['command']}`"] if "invocation" in r else []),
              f"- shared model: {r['model_dir']} (cold start: "
              f"{', '.join(f'{k} {v:.3g}' for k, v in r['coldstart'].items()) or 'none, random init'})",
              f"- dcmdp command: `{r['commands']['dcmdp']}`"]

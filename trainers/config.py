@@ -36,7 +36,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     # Training forwards attend to grouped KV heads in place (SDPA enable_gqa, trainers.attention) instead of copying
     # them per query head: the same values, K/V gradients at float rounding. Not during the cold start.
-    gqa_attention: bool = False
+    gqa_attention: bool = True
 
     def check(self, prefix: str = "model") -> None:
         _require(self.dtype in ("float32", "bfloat16", "float16"), f"{prefix}.dtype",
