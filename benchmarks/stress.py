@@ -142,6 +142,12 @@ PROFILES: dict[str, Profile] = {
                    "rollout.max_new_tokens=24", "optim.warmup_steps=0"),
         about="plumbing check: 2 levels x 2 methods, N = 2, 1 seed, 3 steps of 2 prompts x 4 samples, 20-step cold "
               "start"),
+    "probe": Profile(
+        blocks=((("noise2",), ("grpo_no_is", "tis", "minirl_r3", "dcmdp_r3"), (4,), (0,)),
+                (("int4",), ("grpo_no_is", "tis"), (4,), (0,))),
+        overrides=(),
+        about="where does the uncorrected method break: the four key methods at the harshest level and GRPO without "
+              "IS against token TIS at int4, N = 4, one seed"),
     "quick": Profile(
         blocks=((HARSHEST, KEY_METHODS, (4,), (0, 1, 2)),),
         overrides=(),

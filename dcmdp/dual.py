@@ -20,7 +20,8 @@ Scale of the step: with ``cfg.relative`` the rules see the violation in units of
 (abs_prob_diff ~1e-3, kl_k3 ~1e-4); in absolute units lambda moves by ~1e-3 per step and is nearly constant
 over a run (DESIGN.md §9).
 
-Automatic tolerance (``constraints[i].floor_slack = s``): c_k = F_{k-1} (1 + s), F an EMA of the measure
+Automatic tolerance (``constraints[i].floor_slack = s``): c_k = F_{k-1} (1 + s) (c_1 = F_1 (1 + s): the first
+batch's floor sets its own tolerance, never the configured one), F an EMA of the measure
 between pi_old and mu before the updates, which in a synchronous run is taken on identical weights (the
 numerical floor of the two engines at the current policy); it is re-measured every batch at no cost, so the
 tolerance tracks the floor as it drifts with the policy. Under asynchronous rollouts that measurement also
@@ -144,6 +145,14 @@ def penalty_spec(state: DualState, cfg: DualConfig) -> PenaltySpec:
     if not get_rule(cfg).penalizes:
         return PenaltySpec()
     return PenaltySpec(state.lambda_C.float(), tuple(constraints_in_force(state, cfg)), cfg.penalty)
+
+
+def _seed_floor(state: DualState, floor_measured_C: Tensor, cfg: DualConfig) -> DualState:
+    """F_i <- D_floor_i for the automatic tolerances that have no floor yet (NaN) and a finite measurement."""
+    if state.floor_C is None or not torch.isnan(state.floor_C).any():
+        return state
+    seeded_C = update_floor(state, floor_measured_C, cfg).floor_C
+    return replace(state, floor_C=torch.where(torch.isnan(state.floor_C), seeded_C, state.floor_C))
 
 
 def update_floor(state: DualState, floor_measured_C: Tensor, cfg: DualConfig) -> DualState:
@@ -345,6 +354,10 @@ def dual_step(state: DualState, measured_C: Tensor, cfg: DualConfig,
     if measured_C.numel() != n or state.lambda_C.numel() != n:
         raise ValueError(f"dual_step: {n} constraints, but {measured_C.numel()} measurements and "
                          f"{state.lambda_C.numel()} multipliers")
+    floor_now_C = measured_C if floor_C is None else torch.as_tensor(floor_C, dtype=_F64).detach().cpu().reshape(-1)
+    # an automatic tolerance without a floor yet takes this batch's: with the configured tolerance far below the
+    # floor (e.g. 0.005 against 0.047 under noisy rollouts) one relative step would throw lambda to ~4
+    state = _seed_floor(state, floor_now_C, cfg)
     tolerance_C = tolerances(state, cfg)
     n_skipped = int((~torch.isfinite(measured_C)).sum())
     if cfg.relative:
@@ -354,7 +367,7 @@ def dual_step(state: DualState, measured_C: Tensor, cfg: DualConfig,
     else:
         lambda_C, rule_state = rule.step(state.lambda_C, state.rule, measured_C, tolerance_C, cfg)
     new = replace(state, lambda_C=lambda_C, rule=rule_state, steps=state.steps + 1, skipped=state.skipped + n_skipped)
-    new = update_floor(new, measured_C if floor_C is None else floor_C, cfg)
+    new = update_floor(new, floor_now_C, cfg)
 
     metrics: dict[str, float] = {"dual/skipped": float(n_skipped)}
     for name, lam, d, c in zip(constraint_names(cfg.constraints), new.lambda_C.tolist(), measured_C.tolist(),

@@ -291,23 +291,28 @@ def test_relative_step_needs_a_positive_tolerance(tmp_path):
 
 
 def test_automatic_tolerance_tracks_the_floor_by_hand():
-    # slack 0.5, EMA 0.9; c = 0.01 until the first floor measurement
+    # slack 0.5, EMA 0.9; the configured c = 0.01 is never used once a floor is measured: the first batch's
+    # floor sets its own tolerance (c_1 = 0.002 * 1.5 = 0.003)
     cfg = _cfg(constraints=[_one(tolerance=0.01, floor_slack=0.5, floor_ema=0.9)])
     state = init_state(cfg)
-    state, m = dual_step(state, torch.tensor([0.002], dtype=torch.float64), cfg, floor_C=torch.tensor([0.002], dtype=torch.float64))
-    assert m["dual/tolerance/abs_prob_diff"] == pytest.approx(0.01)
-    assert state.lambda_C.item() == pytest.approx(0.1 + 0.002 - 0.01, abs=1e-12)  # 0.092
+    state, m = dual_step(state, torch.tensor([0.005], dtype=torch.float64), cfg, floor_C=torch.tensor([0.002], dtype=torch.float64))
+    assert m["dual/tolerance/abs_prob_diff"] == pytest.approx(0.003, abs=1e-15)
+    assert state.lambda_C.item() == pytest.approx(0.1 + 0.005 - 0.003, abs=1e-12)  # 0.102
     assert state.floor_C.item() == pytest.approx(0.002, abs=1e-15)  # F_1 = the first floor
-    # c_2 = F_1 (1 + 0.5) = 0.003; D = 0.005 -> lambda 0.092 + 0.002; F_2 = 0.9 * 0.002 + 0.1 * 0.004 = 0.0022
+    # c_2 = F_1 (1 + 0.5) = 0.003; D = 0.005 -> lambda 0.102 + 0.002; F_2 = 0.9 * 0.002 + 0.1 * 0.004 = 0.0022
     state, m = dual_step(state, torch.tensor([0.005], dtype=torch.float64), cfg, floor_C=torch.tensor([0.004], dtype=torch.float64))
     assert m["dual/tolerance/abs_prob_diff"] == pytest.approx(0.003, abs=1e-15)
-    assert state.lambda_C.item() == pytest.approx(0.094, abs=1e-12)
+    assert state.lambda_C.item() == pytest.approx(0.104, abs=1e-12)
     assert state.floor_C.item() == pytest.approx(0.0022, abs=1e-15)
     # a non-finite floor leaves F (and c_3 = 0.0022 * 1.5 = 0.0033) as they were
     state, m = dual_step(state, torch.tensor([0.0033], dtype=torch.float64), cfg, floor_C=torch.tensor([float("nan")], dtype=torch.float64))
     assert m["dual/tolerance/abs_prob_diff"] == pytest.approx(0.0033, abs=1e-15)
-    assert state.lambda_C.item() == pytest.approx(0.094, abs=1e-12)
+    assert state.lambda_C.item() == pytest.approx(0.104, abs=1e-12)
     assert state.floor_C.item() == pytest.approx(0.0022, abs=1e-15)
+    # no finite floor yet (a NaN first measurement): the configured tolerance holds until one arrives
+    state = init_state(cfg)
+    state, m = dual_step(state, torch.tensor([0.005], dtype=torch.float64), cfg, floor_C=torch.tensor([float("nan")], dtype=torch.float64))
+    assert m["dual/tolerance/abs_prob_diff"] == pytest.approx(0.01) and math.isnan(state.floor_C.item())
 
 
 def test_fixed_tolerances_stay_fixed_and_the_penalty_gets_the_tolerance_in_force():
