@@ -67,6 +67,10 @@ LEVELS: dict[str, list[str]] = {
     "fp8": ["rollout.precision=fp8"],
     "int8": ["rollout.precision=int8"],
     "int4": ["rollout.precision=int4"],
+    # int4 with groups of 64 inputs (a whole expert down-projection row of small-moe) and the LM head quantised
+    # too: a coarser weight-dependent error, which a policy can learn to be robust to (unlike logit noise)
+    "int4_g64_head": ["rollout.precision=int4", "rollout.torch.int4_group_size=64",
+                      "rollout.torch.quantize_lm_head=true"],
     "noise0.5": ["rollout.precision=fp32", "rollout.logit_noise=0.5"],
     "noise1": ["rollout.precision=fp32", "rollout.logit_noise=1.0"],
     "noise2": ["rollout.precision=fp32", "rollout.logit_noise=2.0"],
@@ -148,6 +152,11 @@ PROFILES: dict[str, Profile] = {
         overrides=(),
         about="where does the uncorrected method break: the four key methods at the harshest level and GRPO without "
               "IS against token TIS at int4, N = 4, one seed"),
+    "probe_int4": Profile(
+        blocks=((("int4_g64_head",), ("grpo_no_is", "tis", "dcmdp_r3"), (4,), (0,)),),
+        overrides=(),
+        about="a weight-dependent error past int4 (groups of 64, the LM head quantised too): GRPO without IS, token "
+              "TIS and DCMDP + R3, N = 4, one seed"),
     "quick": Profile(
         blocks=((HARSHEST, KEY_METHODS, (4,), (0, 1, 2)),),
         overrides=(),
