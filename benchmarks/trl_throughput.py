@@ -360,7 +360,8 @@ def main(argv: list[str] | None = None) -> dict:
                 extra.append(measure_limits(result["limits"]["threads"]))
             relimit(result, best_limits(result["limits"], *extra))
             Path(args.render).write_text(json.dumps(result, indent=1))
-        Path(args.render).with_suffix(".md").write_text(markdown(result))
+        Path(args.render).with_suffix(".md").write_text(
+            markdown(result, Path(args.render).with_name("trl_throughput_reading.md")))
         return result
     workloads = {"smoke": SMOKE} if args.smoke else {n: WORKLOADS[n] for n in args.workloads.split(",")}
     if args.steps is not None:
@@ -459,11 +460,15 @@ def benchmark_command(args, variants: dict[str, tuple[str, ...]]) -> str:
 
 
 def _git_head() -> str:
+    """The commit the benchmark runs, with a note when tracked files differ from it."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return "unknown (not a git checkout)"
+    return f"{head} + uncommitted changes" if dirty else head
 
 
 def _cpu_model() -> str:
@@ -490,19 +495,21 @@ def _range(ratio: dict) -> str:
 def write_results(result: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "trl_throughput.json").write_text(json.dumps(result, indent=1))
-    (out_dir / "trl_throughput.md").write_text(markdown(result))
+    (out_dir / "trl_throughput.md").write_text(markdown(result, out_dir / "trl_throughput_reading.md"))
 
 
 TARGETS = {"long-small-moe": 2.0, "short-tiny-moe": 1.5}
 
 
-def markdown(result: dict) -> str:
+def markdown(result: dict, reading: Optional[Path] = None) -> str:
+    """The results page; a hand-written ``trl_throughput_reading.md`` next to it, when present, goes after the
+    tables."""
     args, v, lim = result["args"], result["versions"], result["limits"]
     trl_v = v["trl_env"] or {}
     variants = "".join(f" --variant {k}={','.join(o)}" for k, o in result["variants"].items())
     lines = [
         "# Training throughput: dcmdp vs TRL GRPOTrainer (CPU)", "",
-        f"- date: {result['date']}; code: {result['git']} (+ the working tree's uncommitted changes, if any)",
+        f"- date: {result['date']}; code: {result['git']}",
         f"- machine: {result['machine']}; torch threads {args['threads']} on both sides, one process each",
         f"- dcmdp env: python {v['dcmdp_env']['python']}, torch {v['dcmdp_env']['torch']}, "
         f"transformers {v['dcmdp_env']['transformers']}",
@@ -525,6 +532,8 @@ def markdown(result: dict) -> str:
             f">= {target}: {'met' if ratio['tokens_per_s'] >= target else 'not met'}"
         lines.append(f"| {name} | {_fmt(s['dcmdp']['tokens_per_s'])} | {_fmt(s.get('trl', {}).get('tokens_per_s'))} | "
                      f"{_range(ratio) if ratio else '-'} | {_fmt(ratio and ratio['steps_per_s'])} | {verdict} |")
+    if reading is not None and reading.exists():
+        lines += ["", reading.read_text().rstrip()]
     for name, r in result["workloads"].items():
         lines += ["", *workload_section(name, r)]
     lines += ["", NOTES]
@@ -539,8 +548,8 @@ def workload_section(name: str, r: dict) -> list[str]:
              f"- workload: `{w['config']}`, model.preset={w['preset']}, {w['prompts']} prompts x {w['samples']} "
              f"samples per step, max {w['max_new_tokens']} new tokens, temperature 1, one AdamW step per rollout "
              f"batch; {w['steps']} steps per run, the first untimed",
-             *([f"- measured {r['invocation']['date']} at code {r['invocation']['git']} (+ uncommitted changes, if "
-                f"any): `{r['invocation']['command']}`"] if "invocation" in r else []),
+             *([f"- measured {r['invocation']['date']} at code {r['invocation']['git']}: "
+                f"`{r['invocation']['command']}`"] if "invocation" in r else []),
              f"- shared model: {r['model_dir']} (cold start: "
              f"{', '.join(f'{k} {v:.3g}' for k, v in r['coldstart'].items()) or 'none, random init'})",
              f"- dcmdp command: `{r['commands']['dcmdp']}`"]
@@ -601,7 +610,9 @@ def _trl_sum(t: Optional[dict], *keys: str) -> Optional[float]:
 
 NOTES = """Settings matched, and where they differ:
 
-- Same model directory and tokenizer, same kernels (sdpa attention, grouped_mm MoE experts), fp32 everywhere,
+- Same model directory and tokenizer, same kernels (sdpa attention, grouped_mm MoE experts; dcmdp calls SDPA with
+  `enable_gqa` instead of copying the KV heads, `model.gqa_attention` / `rollout.torch.gqa_decode`, bitwise the
+  same forward values), fp32 everywhere,
   same prompts in the same order, same reward function (`Task.reward`), same AdamW (lr, betas, weight decay 0,
   grad-norm clip 1.0, constant lr), temperature 1, top-p 1, no top-k, no KL term (TRL beta 0).
 - Loss normalisation: dcmdp divides the token sum by the mini-batch's response tokens; TRL `loss_type="dapo"`
@@ -615,7 +626,8 @@ NOTES = """Settings matched, and where they differ:
   weights are synced after every step, MLflow logging of ~60 metrics per step, and a held-out eval before and
   after the run (outside the timed steps).
 - Generation: dcmdp's embedded engine runs its own KV-cached decode loop (one forward per token for the rows
-  still decoding: `rollout.torch.drop_finished`, finished rows leave the batch); TRL calls `model.generate`, which
+  still decoding: `rollout.torch.drop_finished`, finished rows leave the batch; grouped KV heads read in place,
+  `rollout.torch.gqa_decode`); TRL calls `model.generate`, which
   keeps feeding finished rows padding until every row has stopped. Both count response tokens with the EOS
   token.
 - Limit columns: train GFLOP/s = 6 N_active (prompt + response tokens) per step / the training phases'
