@@ -47,13 +47,13 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from trainers import routing
+from trainers.attention import sdpa_gqa
 from trainers.batch import Rollout, left_pad_prompts
 from trainers.config import RolloutConfig
 from trainers.quant import PRECISION_DTYPES, QUANTIZED_PRECISIONS, cast_for_precision, quantize_weights_
@@ -70,12 +70,9 @@ def sdpa_gqa_decode(module, query, key, value, attention_mask, dropout: float = 
                     **kwargs):
     """transformers' ``sdpa`` attention, except that a one-query step with a mask and grouped KV heads passes
     ``enable_gqa=True`` instead of materialising the repeated heads. query (B, H, 1, D), key/value (B, H_kv, S, D)."""
-    if query.shape[2] != 1 or attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-                                         enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
+    attend = sdpa_gqa if query.shape[2] == 1 else sdpa_attention_forward  # trainers.attention: the in-place path
+    return attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                  **kwargs)
 
 
 AttentionInterface.register(GQA_DECODE_ATTENTION, sdpa_gqa_decode)
