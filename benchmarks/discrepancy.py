@@ -213,6 +213,15 @@ def _key(r: dict) -> tuple:
     return r["model"], r["engine"], r["precision"], r["trainer"], bool(r.get("fp32_router")), r["replay"]
 
 
+def _paired_cells(row: dict, base: dict, keys: tuple[str, ...], seed: int) -> list[str]:
+    """Per key: base, row and row - base per batch (same prompts and seeds) with its bootstrap interval."""
+    cells = []
+    for k in keys:
+        diff = [a - b for a, b in zip(row["values"][k], base["values"][k])]
+        cells += [_fmt(base["stats"][k]), _fmt(row["stats"][k]), _fmt(_stats(k, diff, seed))]
+    return cells
+
+
 def tables(rows: list[dict], seed: int = 0) -> list[str]:
     """The full table, then MoE / dense and R3 ratios, the fp32_router and the fp16-trainer comparisons."""
     lines = ["| model | engine | precision | trainer | fp32_router | replay | " + " | ".join(KEYS.values()) + " |",
@@ -245,10 +254,7 @@ def tables(rows: list[dict], seed: int = 0) -> list[str]:
         off = get.get((model, engine, precision, trainer, False, replay))
         if not flag or replay != "none" or off is None:
             continue
-        cells = []
-        for k in ("routing/mismatch", "discrepancy/kl_k3"):
-            diff = [a - b for a, b in zip(on["values"][k], off["values"][k])]
-            cells += [_fmt(off["stats"][k]), _fmt(on["stats"][k]), _fmt(_stats(k, diff, seed))]
+        cells = _paired_cells(on, off, ("routing/mismatch", "discrepancy/kl_k3"), seed)
         lines.append(f"| {precision} | {trainer} | " + " | ".join(cells) + " |")
     lines += ["", "Trainer fp16 vs fp32 on the same rollouts (fp16 - fp32 per batch; fp32_router off):", "",
               "| model | engine | precision | replay | kl_k3 trainer fp32 | kl_k3 trainer fp16 | fp16 - fp32 | "
@@ -258,10 +264,7 @@ def tables(rows: list[dict], seed: int = 0) -> list[str]:
         fp32 = get.get((model, engine, precision, "fp32", flag, replay))
         if trainer != "fp16" or flag or fp32 is None:
             continue
-        cells = []
-        for k in ("discrepancy/kl_k3", "discrepancy/abs_prob_diff"):
-            diff = [a - b for a, b in zip(fp16["values"][k], fp32["values"][k])]
-            cells += [_fmt(fp32["stats"][k]), _fmt(fp16["stats"][k]), _fmt(_stats(k, diff, seed))]
+        cells = _paired_cells(fp16, fp32, ("discrepancy/kl_k3", "discrepancy/abs_prob_diff"), seed)
         lines.append(f"| {model} | {engine} | {precision} | {replay} | " + " | ".join(cells) + " |")
     return lines
 
