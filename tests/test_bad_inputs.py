@@ -333,7 +333,10 @@ def test_sigint_during_the_cold_start_is_one_line(tmp_path):
            "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "dcmdp.cli", "train", *_overrides(out, "cold_start.steps=100000",
                              f"cold_start.cache_dir={cache}")], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            # as from a terminal: a SIGINT disposition of "ignore" inherited from the test process
+                            # (seen in full suites) would keep the child from ever seeing the Ctrl-C
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     for line in proc.stderr:  # wait until the cold start trains
         lines.append(line)
