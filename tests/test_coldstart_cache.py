@@ -73,6 +73,28 @@ def test_a_bad_cache_entry_is_trained_again_with_a_warning(tmp_path, caplog, dam
     assert info3["coldstart/cached"] == 1.0
 
 
+def _run_in_a_process(cache: Path) -> tuple[str, float]:
+    model, info = _run(cache)
+    return info["model_dir"], sum(float(p.double().sum()) for p in model.state_dict().values())
+
+
+def test_runs_that_cold_start_the_same_entry_at_once_all_get_a_verified_entry(tmp_path):
+    # tune workers without a primed cache train the same entry side by side; an entry appears with its
+    # manifest in one rename, so no run sees (or breaks) another's half-written entry
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    cache = tmp_path / "cache"
+    with ProcessPoolExecutor(3, mp_context=multiprocessing.get_context("spawn")) as pool:
+        results = list(pool.map(_run_in_a_process, [cache] * 3))
+    dirs, sums = {d for d, _ in results}, {s for _, s in results}
+    assert len(dirs) == 1 and len(sums) == 1  # one entry, the same weights in every run
+    assert verify_cache_entry(next(iter(dirs))) == (True, "checksums ok")
+    assert [p.name for p in cache.iterdir()] == [Path(next(iter(dirs))).name]  # no temporary left
+    model, info = _run(cache)
+    assert info["coldstart/cached"] == 1.0
+
+
 def test_an_unwritable_cache_directory_trains_without_caching(caplog):
     base = Path(tempfile.mkdtemp(prefix="dcmdp_ro_cache_"))  # outside pytest's root-only tmp tree
     try:

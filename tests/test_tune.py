@@ -253,8 +253,10 @@ def test_sweep_prunes_selects_nests_runs_and_resumes(tmp_path, mlflow_server, mo
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    tune_file = _tune_file(tmp_path, mlflow_server.uri, cold_start_cache, TOLERANCES, steps=8, workers=2)
-    trials, best = run_tune_file(tune_file, ["eval_every=2"])  # an override of the base config, as on the CLI
+    # 200 steps: a tiny trial's step takes ~0.03 s, so the pruned one (outside on every step, pruned at step 21)
+    # must run long enough for the parent's 0.5 s poll and its SIGTERM to stop it early
+    tune_file = _tune_file(tmp_path, mlflow_server.uri, cold_start_cache, TOLERANCES, steps=200, workers=2)
+    trials, best = run_tune_file(tune_file, ["eval_every=50"])  # an override of the base config, as on the CLI
     out = tmp_path / "sweep"
     printed = capsys.readouterr().out
 
@@ -265,7 +267,7 @@ def test_sweep_prunes_selects_nests_runs_and_resumes(tmp_path, mlflow_server, mo
     pruned, done, failed = by_c[1e-9], by_c[1e-2], by_c[-1.0]
     assert (pruned.state, done.state, failed.state) == (optuna.trial.TrialState.PRUNED,
                                                         optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
-    assert sorted(done.intermediate_values) == [2, 4, 6]  # eval_every=2 reached the trial; the final eval is the value
+    assert sorted(done.intermediate_values) == [50, 100, 150]  # eval_every reached the trial; the final eval is the value
     assert done.value == trials[[t.number for t in trials].index(done.number)].accuracy_after
     assert "must be >= 0" in failed.user_attrs["record"]["error"]
     assert (done.constraints, pruned.constraints) == ({"eligible": 0.0}, {"eligible": 1.0})  # what tpe and gp model
@@ -277,7 +279,7 @@ def test_sweep_prunes_selects_nests_runs_and_resumes(tmp_path, mlflow_server, mo
     assert rows[1e-9]["status"] == "pruned" and rows[1e-9]["reason"].startswith("pruned: outside tolerance on ")
     assert rows[-1.0]["status"] == "failed" and "tolerance" in rows[-1.0]["reason"]
     assert rows[1e-2]["status"] == "ok" and rows[1e-2]["selected"] == "1" and rows[1e-2]["reason"] == ""
-    assert float(rows[1e-2]["inside_frac"]) == 1.0 and rows[1e-2]["steps"] == "8"
+    assert float(rows[1e-2]["inside_frac"]) == 1.0 and rows[1e-2]["steps"] == "200"
     assert best is not None and best.trial == rows[1e-2]["trial"]
     import matplotlib.image
 
@@ -288,10 +290,10 @@ def test_sweep_prunes_selects_nests_runs_and_resumes(tmp_path, mlflow_server, mo
     # the pruned trial stopped early and left its checkpoint; its run config carries the override
     pruned_dir = out / "trials" / rows[1e-9]["trial"]
     pruned_steps = int(rows[1e-9]["steps"])
-    assert 2 <= pruned_steps < 8
+    assert 21 <= pruned_steps < 200
     assert sorted(p.name for p in (pruned_dir / "checkpoints").iterdir() if p.name.startswith("step_")) == [
         f"step_{pruned_steps:08d}"]
-    assert yaml.safe_load((pruned_dir / "run.yaml").read_text())["eval_every"] == 2
+    assert yaml.safe_load((pruned_dir / "run.yaml").read_text())["eval_every"] == 50
 
     # MLflow: one parent run; the two trials that ran are its children, the pruned one KILLED and tagged PRUNED
     client = MlflowClient(tracking_uri=mlflow_server.uri)
@@ -305,12 +307,12 @@ def test_sweep_prunes_selects_nests_runs_and_resumes(tmp_path, mlflow_server, mo
     assert {"table.txt", "results.csv", "tune.png", "best.yaml"} <= {a.path for a in client.list_artifacts(parent_id)}
     # λ per step of a child equals the trial's recorded trajectory
     lam = sorted(client.get_metric_history(rows[1e-2]["run_id"], "dual/lambda/abs_prob_diff"), key=lambda m: m.step)
-    assert [m.step for m in lam] == list(range(1, 9))
+    assert [m.step for m in lam] == list(range(1, 201))
     assert [m.value for m in lam] == done.user_attrs["record"]["lambda_history"]["abs_prob_diff"]
 
     # resume: finished and pruned trials stay, the failed one is retried (and fails again), the parent is reused
     mtime = os.path.getmtime(out / "trials" / rows[1e-2]["trial"] / "summary.json")
-    trials2, best2 = run_tune_file(tune_file, ["eval_every=2"])
+    trials2, best2 = run_tune_file(tune_file, ["eval_every=50"])
     assert "(0 run now, 1 pruned, 1 failed)" in capsys.readouterr().out
     study = _study(out)
     assert len(study.trials) == 4 and study.user_attrs["mlflow_parent"] == parent_id

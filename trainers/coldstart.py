@@ -308,9 +308,13 @@ def cold_start(model: PreTrainedModel, tokenizer, task: _Task, cfg: ColdStartCon
             log.info("cold start: training %d steps x %d sequences, caching in %s", cfg.steps, cfg.batch_size,
                      model_dir)
         losses = supervised_finetune(model, tokenizer, task, cfg, seed=seed, eos_id=eos_id, progress=progress)
-        save_model_dir(model, tokenizer, model_dir)
-        if not unwritable:
-            write_cache_manifest(model_dir)
+        if unwritable:
+            save_model_dir(model, tokenizer, model_dir)
+        elif _load_cached(model_dir, param_dtype(model_cfg.dtype))[0] is not None:  # a concurrent run (a tune
+            # worker) cached the same entry while this one trained
+            log.info("cold start: %s was cached by another run meanwhile; keeping it", model_dir)
+        else:
+            save_model_dir(model, tokenizer, model_dir, finalize=write_cache_manifest)
     model.eval()
     nan = float("nan")
     examples = list(task.eval_set())[:_EVAL_EXAMPLES]

@@ -225,12 +225,14 @@ def load_model_dir(path: str | os.PathLike, dtype: str | torch.dtype) -> PreTrai
     return _set_kernels(model)
 
 
-def save_model_dir(model: PreTrainedModel, tokenizer, path: str | os.PathLike) -> None:
+def save_model_dir(model: PreTrainedModel, tokenizer, path: str | os.PathLike,
+                   finalize: Callable[[str], None] | None = None) -> None:
     """Save weights (safetensors), config and tokenizer to ``path`` atomically.
 
     Everything is written to a temporary sibling directory first and renamed into place, so a reader
-    (the cold-start cache, a vLLM engine) never sees a half-written model. An existing ``path`` is
-    replaced.
+    (the cold-start cache, a vLLM engine) never sees a half-written model. ``finalize(tmp_dir)`` runs on
+    the complete temporary directory before the rename (the cold-start cache writes its checksum manifest
+    there, so an entry appears with its manifest or not at all). An existing ``path`` is replaced.
     """
     path = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(path)
@@ -239,6 +241,8 @@ def save_model_dir(model: PreTrainedModel, tokenizer, path: str | os.PathLike) -
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if finalize is not None:
+            finalize(tmp)
         old = None
         if os.path.exists(path):
             old = os.path.join(parent, f".{os.path.basename(path)}.old-{uuid.uuid4().hex[:8]}")
