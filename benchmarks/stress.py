@@ -102,6 +102,14 @@ METHODS: dict[str, list[str]] = {
 }
 # the methods the quick profile runs
 KEY_METHODS = ("grpo_no_is", "tis", "minirl_r3", "dcmdp_r3")
+# the methods of the benchmark proper (the full profile); the variants below only serve the probes
+MAIN_METHODS = tuple(METHODS)
+# variants: MiniRL + R3 without the dual-clip (a token with A < 0 and a ratio above clip_ratio_c = 3 keeps its
+# gradient), and token TIS in bypass mode (log mu stands in for log pi_old: no pi_old forward)
+METHODS.update({
+    "minirl_r3_no_dual_clip": METHODS["minirl_r3"] + ["algo.clip_ratio_c=null"],
+    "tis_bypass": METHODS["tis"] + ["algo.old_logp=rollout"],
+})
 
 
 @dataclass(frozen=True)
@@ -157,12 +165,21 @@ PROFILES: dict[str, Profile] = {
         overrides=(),
         about="a weight-dependent error past int4 (groups of 64, the LM head quantised too): GRPO without IS, token "
               "TIS and DCMDP + R3, N = 4, one seed"),
+    "probe_ppo": Profile(
+        blocks=((HARSHEST, ("minirl_r3", "minirl_r3_no_dual_clip", "tis", "tis_bypass"), (4,), (0,)),),
+        overrides=(),
+        about="the dual-clip (MiniRL + R3 with and without clip_ratio_c = 3) and bypass mode (token TIS with pi_old "
+              "recomputed or taken from the rollout) at the harshest level, N = 4, one seed"),
+    "probe_lr": Profile(
+        blocks=((("int4_g64_head",), ("grpo_no_is", "tis"), (4,), (0,)),),
+        overrides=("optim.lr=1e-3",),
+        about="a ten times larger learning rate (1e-3) past int4: GRPO without IS against token TIS, N = 4, one seed"),
     "quick": Profile(
         blocks=((HARSHEST, KEY_METHODS, (4,), (0, 1, 2)),),
         overrides=(),
         about="the four key methods at the harshest level, N = 4, 3 seeds"),
     "full": Profile(
-        blocks=((HARSH_TWO, tuple(METHODS), (1, 4), (0, 1, 2, 3, 4)),
+        blocks=((HARSH_TWO, MAIN_METHODS, (1, 4), (0, 1, 2, 3, 4)),
                 (("fp32", "bf16", "fp8", "int8", "int4", "noise0.5"), KEY_METHODS, (4,), (0, 1, 2))),
         overrides=(),
         about="every method at the two harshest levels with N in {1, 4} and 5 seeds; the four key methods at the "
