@@ -174,6 +174,10 @@ PROFILES: dict[str, Profile] = {
         blocks=((("int4_g64_head",), ("grpo_no_is", "tis"), (4,), (0,)),),
         overrides=("optim.lr=1e-3",),
         about="a ten times larger learning rate (1e-3) past int4: GRPO without IS against token TIS, N = 4, one seed"),
+    "probe_lr3": Profile(
+        blocks=((("int4_g64_head",), KEY_METHODS, (4,), (0,)),),
+        overrides=("optim.lr=3e-4",),
+        about="a three times larger learning rate (3e-4) past int4: the four key methods, N = 4, one seed"),
     "quick": Profile(
         blocks=((HARSHEST, KEY_METHODS, (4,), (0, 1, 2)),),
         overrides=(),
