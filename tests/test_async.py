@@ -151,18 +151,19 @@ def test_sigterm_stops_an_async_run_with_a_checkpoint_and_it_resumes(tmp_path):
 
 @pytest.mark.slow
 def test_async_run_with_staleness_two_trains_on_the_default_task(tmp_path):
-    """The default config (tiny-moe, int8 rollouts, 2-digit addition) with a cold start in its sharp transition
-    (950 steps: ~13% held-out with one thread) and max_staleness=2 trains: the batches' accuracy rises.
+    """The default config (tiny-moe, int8 rollouts, 2-digit addition, its cold start to 30% sampled accuracy)
+    with max_staleness=2 trains: the batches' accuracy rises. (A fixed 950-step cold start, in the task's sharp
+    transition, stopped giving RL signal when the kernels changed: 10.8% -> 11.1%.)
 
     The dual controller is off: its measure pi_old / mu includes two versions of policy drift here (mean
     abs_prob_diff ~0.03 against ~0.002 synchronously), so with the default tolerance 0.005 lambda climbs
     to ~6 in 200 steps and the penalty holds the policy at the stale behaviour policy (measured: held-out
-    12.9% -> 9.4%, against 12.9% -> 14.8% for the synchronous run). Measured with the dual off: batch
-    accuracy 11.2% over the first 20 steps -> 14.1% over the last 50 (5,120 samples per 10 steps).
+    12.9% -> 9.4%, against 12.9% -> 14.8% for the synchronous run, with the former fixed tolerance). Measured
+    with the dual off: batch accuracy 38.7% over the first 20 steps -> 54.5% over the last 50.
     """
     torch.set_num_threads(1)
     cfg = load_config(REPO / "configs" / "default.yaml", [
-        "cold_start.steps=950", f"cold_start.cache_dir={tmp_path / 'cache'}", "steps=200", "threads=1",
+        f"cold_start.cache_dir={tmp_path / 'cache'}", "steps=200", "threads=1",
         "progress=false", f"output_dir={tmp_path / 'run'}", "async_rollout.enabled=true",
         "async_rollout.max_staleness=2", "dual.rule=off"])
     train(cfg)
@@ -170,4 +171,4 @@ def test_async_run_with_staleness_two_trains_on_the_default_task(tmp_path):
     assert max(h["async/staleness_max"] for h in history) == 2
     first = sum(h["reward/accuracy"] for h in history[:20]) / 20
     last = sum(h["reward/accuracy"] for h in history[-50:]) / 50
-    assert last > first + 0.015, (first, last)
+    assert last > first + 0.05, (first, last)
