@@ -109,6 +109,8 @@ MAIN_METHODS = tuple(METHODS)
 METHODS.update({
     "minirl_r3_no_dual_clip": METHODS["minirl_r3"] + ["algo.clip_ratio_c=null"],
     "tis_bypass": METHODS["tis"] + ["algo.old_logp=rollout"],
+    # DCMDP + R3 with the floor behind its automatic tolerance measured on the first 5 batches, then held
+    "dcmdp_r3_held_floor": METHODS["dcmdp_r3"] + ["dual.constraints[0].floor_steps=5"],
 })
 
 
@@ -178,6 +180,16 @@ PROFILES: dict[str, Profile] = {
         blocks=((("int4_g64_head",), KEY_METHODS, (4,), (0,)),),
         overrides=("optim.lr=3e-4",),
         about="a three times larger learning rate (3e-4) past int4: the four key methods, N = 4, one seed"),
+    "probe_floor": Profile(
+        blocks=((("int4_g64_head",), ("dcmdp_r3_held_floor",), (4,), (0,)),),
+        overrides=("optim.lr=3e-4",),
+        about="DCMDP + R3 with its floor held after 5 batches, at lr 3e-4 past int4 (where every method broke and "
+              "the floor-following tolerance kept lambda at 0), N = 4, one seed"),
+    "probe_floor_lr1e-4": Profile(
+        blocks=((("int4_g64_head",), ("dcmdp_r3_held_floor",), (4,), (0,)),),
+        overrides=(),
+        about="DCMDP + R3 with its floor held after 5 batches at the stress config's lr 1e-4 past int4 (where every "
+              "method trains), N = 4, one seed"),
     "quick": Profile(
         blocks=((HARSHEST, KEY_METHODS, (4,), (0, 1, 2)),),
         overrides=(),

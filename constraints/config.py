@@ -28,6 +28,10 @@ class ConstraintConfig:
     floor_slack: Optional[float] = None
     # EMA factor of the floor F_k behind the automatic tolerance (F_k = a F_{k-1} + (1 - a) D_floor_k).
     floor_ema: float = 0.9
+    # Measure the floor on the first floor_steps batches only, then hold it (null: re-measured every batch). A
+    # floor that keeps following the measurement rises with it when the policy drifts to where the deployment
+    # deviates most, and so does c; a held floor keeps c where the run started.
+    floor_steps: Optional[int] = None
 
     def check(self, prefix: str = "constraint") -> None:
         if not self.tolerance >= 0:
@@ -47,3 +51,9 @@ class ConstraintConfig:
                              f"got {self.floor_slack}")
         if not 0 <= self.floor_ema < 1:
             raise ValueError(f"config error at '{prefix}.floor_ema': must be in [0, 1), got {self.floor_ema}")
+        if self.floor_steps is not None:
+            if self.floor_slack is None:
+                raise ValueError(f"config error at '{prefix}.floor_steps': holds the floor of an automatic tolerance; "
+                                 f"set '{prefix}.floor_slack' too, or floor_steps: null")
+            if not self.floor_steps >= 1:
+                raise ValueError(f"config error at '{prefix}.floor_steps': must be >= 1 or null, got {self.floor_steps}")

@@ -157,14 +157,18 @@ def _seed_floor(state: DualState, floor_measured_C: Tensor, cfg: DualConfig) -> 
 
 def update_floor(state: DualState, floor_measured_C: Tensor, cfg: DualConfig) -> DualState:
     """F_i <- a_i F_i + (1 - a_i) D_floor_i for the constraints with an automatic tolerance (F_i <- D_floor_i at
-    the first finite measurement; a non-finite one leaves F_i as it was), a_i = constraints[i].floor_ema."""
+    the first finite measurement; a non-finite one leaves F_i as it was), a_i = constraints[i].floor_ema. A
+    constraint with ``floor_steps`` K holds a finite F_i once ``state.steps`` (dual steps taken, this one
+    included) exceeds K: only the measurements of steps 1..K enter it."""
     n = len(cfg.constraints)
     old_C = state.floor_C if state.floor_C is not None else torch.full((n,), float("nan"), dtype=_F64)
     x_C = torch.as_tensor(floor_measured_C, dtype=_F64).detach().cpu().reshape(-1)
     auto_C = torch.tensor([c.floor_slack is not None for c in cfg.constraints], dtype=torch.bool)
+    held_C = torch.tensor([c.floor_steps is not None and state.steps > c.floor_steps for c in cfg.constraints],
+                          dtype=torch.bool) & torch.isfinite(old_C)
     a_C = _per_constraint(cfg, "floor_ema")
     ema_C = torch.where(torch.isfinite(old_C), a_C * old_C + (1 - a_C) * x_C, x_C)
-    new_C = torch.where(auto_C & torch.isfinite(x_C), ema_C, old_C)
+    new_C = torch.where(auto_C & ~held_C & torch.isfinite(x_C), ema_C, old_C)
     return replace(state, floor_C=new_C)
 
 

@@ -315,6 +315,34 @@ def test_automatic_tolerance_tracks_the_floor_by_hand():
     assert m["dual/tolerance/abs_prob_diff"] == pytest.approx(0.01) and math.isnan(state.floor_C.item())
 
 
+def test_a_held_floor_keeps_the_tolerance_of_the_first_batches_by_hand():
+    # floor_steps 2, slack 1, EMA 0.5: F_1 = 0.002, F_2 = 0.5 * 0.002 + 0.5 * 0.004 = 0.003, then held whatever
+    # the floor measures (a drifting policy's 0.02); c = 2 F from the batch after each update
+    cfg = _cfg(constraints=[_one(tolerance=0.01, floor_slack=1.0, floor_ema=0.5, floor_steps=2),
+                            _one(measure="kl_k3", tolerance=0.01, floor_slack=1.0, floor_ema=0.5)])
+    state = init_state(cfg)
+    tol = []
+    for floor in (0.002, 0.004, 0.02, 0.02):
+        state, m = dual_step(state, torch.tensor([0.005, 0.005], dtype=torch.float64), cfg,
+                             floor_C=torch.tensor([floor, floor], dtype=torch.float64))
+        tol.append((m["dual/tolerance/abs_prob_diff"], m["dual/tolerance/kl_k3"]))
+    held, followed = zip(*tol)
+    assert held == pytest.approx([0.004, 0.004, 0.006, 0.006], abs=1e-15)
+    # without floor_steps the same measurements move c on: F = 0.002, 0.003, 0.0115, 0.01575
+    assert followed == pytest.approx([0.004, 0.004, 0.006, 0.023], abs=1e-15)
+    assert state.floor_C.tolist() == pytest.approx([0.003, 0.01575], abs=1e-15)
+    # it survives a checkpoint: the held floor stays held after a round trip
+    state = DualState.from_state_dict(state.state_dict())
+    state, m = dual_step(state, torch.tensor([0.005, 0.005], dtype=torch.float64), cfg,
+                         floor_C=torch.tensor([0.05, 0.05], dtype=torch.float64))
+    assert m["dual/tolerance/abs_prob_diff"] == pytest.approx(0.006, abs=1e-15)
+    assert state.floor_C[0].item() == pytest.approx(0.003, abs=1e-15)
+    with pytest.raises(ValueError, match=r"floor_steps.*set '.*floor_slack' too"):
+        _one(floor_steps=3).check("dual.constraints[0]")
+    with pytest.raises(ValueError, match=r"floor_steps': must be >= 1"):
+        _one(floor_slack=1.0, floor_steps=0).check("dual.constraints[0]")
+
+
 def test_fixed_tolerances_stay_fixed_and_the_penalty_gets_the_tolerance_in_force():
     from dcmdp.dual import constraints_in_force
 
