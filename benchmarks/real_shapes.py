@@ -132,10 +132,11 @@ def build_model_dir(recipe: str, path: Path, *, context: int = 1024, seed: int =
 def memory_estimate(recipe: str, engine: str, context: int = 1024) -> dict[str, float]:
     """GB the ``dcmdp train`` process needs at its peak, term by term (decimal GB, 1e9 bytes).
 
-    Parameters bfloat16 (2 B); AdamW keeps exp_avg and exp_avg_sq in the parameter dtype, and its foreach
-    step holds one more parameter-sized temporary (sqrt(exp_avg_sq)); the fp32 LM head upcasts the head weight
-    (V x H x 4 B) and back-propagates a float32 gradient of it before the cast; the torch engine is a
-    deep copy of the model at bf16; vLLM holds its own bf16 weights and its KV cache
+    ``model.dtype: bfloat16`` trains float32 master weights under bfloat16 autocast (``trainers.models.param_dtype``):
+    parameters and gradients float32 (4 B each); AdamW keeps exp_avg and exp_avg_sq in the parameter dtype, and its
+    foreach step holds one more parameter-sized temporary (sqrt(exp_avg_sq)); autocast caches a bfloat16 copy of
+    every weight it casts in a forward (2 B); the fp32 LM head's float32 weight and gradient are the master ones;
+    the torch engine is a copy of the model at bf16; vLLM holds its own bf16 weights and its KV cache
     (2 x layers x kv_heads x head_dim x 2 B per token, for 256 sequences of ``context``, capped at 4 GiB).
     ``base`` is the interpreter with torch, transformers, MLflow (and vLLM) imported, measured order of magnitude.
     """
@@ -145,13 +146,12 @@ def memory_estimate(recipe: str, engine: str, context: int = 1024) -> dict[str, 
 
         cls = Qwen3MoeForCausalLM if isinstance(config, Qwen3MoeConfig) else Qwen3ForCausalLM
         total, _ = param_counts(cls(config))
-    w = total * 2 / 1e9
-    head32 = config.vocab_size * config.hidden_size * 4 / 1e9
+    w16, w32 = total * 2 / 1e9, total * 4 / 1e9
     kv_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
     kv = min(max(kv_token * context, kv_token * context * 256), 4 * GIB) / 1e9
-    terms = {"weights": w, "grads": w, "adamw_state": 2 * w,
-             "transient": max(w, 2 * head32),  # optimizer foreach temporary vs fp32 head weight + its grad
-             "engine_weights": w, "kv_cache": kv if engine == "vllm" else 0.0,
+    terms = {"weights": w32, "grads": w32, "adamw_state": 2 * w32,
+             "transient": w32 + w16,  # AdamW's foreach temporary + autocast's bfloat16 weight copies
+             "engine_weights": w16, "kv_cache": kv if engine == "vllm" else 0.0,
              "base": 2.5 if engine == "vllm" else 1.0}
     terms["total"] = sum(terms.values())
     return terms

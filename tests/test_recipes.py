@@ -93,7 +93,8 @@ def test_recipe_at_real_shape_one_layer_two_steps(name, engine, real_shape_dirs,
 
     Step 1 moves the policy far (policy/approx_kl ~0.9 measured on the 8B at lr 1e-3 with the entropy bonus), so
     step 2, sampled after the weight sync, would show a k3 of that order had the engine kept the old weights; synced,
-    it stays at the engines' bf16 floor (2.4e-5 measured). Peak RSS 14-20 GB: skipped when the machine has less free.
+    it stays at the engines' bf16 floor (2.4e-5 measured). Peak RSS ~31-38 GB estimated (float32 master weights and
+    AdamW states under bf16 autocast, `real_shapes.memory_estimate`): skipped when the machine has less free.
     About 8-10 minutes per case on 2 cores."""
     if engine == "vllm":
         pytest.importorskip("vllm")
