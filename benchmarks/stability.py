@@ -230,9 +230,14 @@ def constraint_override(profile: Profile) -> str:
     return _constraint(profile.tolerance, LAMBDA_INIT, DUAL_LR)
 
 
+# The matrix's dual, pinned against later changes of configs/default.yaml's dual block (which since measures D-hat
+# at the updates with a relative step): D-hat of pi_old vs mu, absolute step; profiles and methods may override it.
+MATRIX_DUAL = ("dual.measure_at=rollout", "dual.relative=false")
+
+
 def cell_overrides(profile: Profile, method: str, n: int, seed: int, output_dir: Path) -> list[str]:
     """The full dotlist of one run, on top of configs/default.yaml."""
-    return [*profile.overrides, constraint_override(profile), *ALL_METHODS[method], f"algo.minibatches={n}",
+    return [*MATRIX_DUAL, *profile.overrides, constraint_override(profile), *ALL_METHODS[method], f"algo.minibatches={n}",
             f"seed={seed}", f"output_dir={output_dir}", "threads=1", "progress=false", "checkpoint.every=25", "checkpoint.keep=1",
             "checkpoint.resume=auto"]
 
