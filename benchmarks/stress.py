@@ -191,10 +191,10 @@ PROFILES: dict[str, Profile] = {
         about="DCMDP + R3 with its floor held after 5 batches at the stress config's lr 1e-4 past int4 (where every "
               "method trains), N = 4, one seed"),
     "probe_async": Profile(
-        blocks=((("int4",), ("grpo_no_is", "tis"), (4,), (0,)),),
+        blocks=((("int4",), ("grpo_no_is", "tis"), (4,), (0, 1, 2)),),
         overrides=("async_rollout.enabled=true", "async_rollout.max_staleness=4", "async_rollout.threads=1"),
         about="asynchronous rollouts up to 4 policy versions stale at int4: GRPO without IS (stale samples taken as "
-              "on-policy) against token TIS (pi_old / mu corrects staleness and precision together), N = 4, one seed"),
+              "on-policy) against token TIS (pi_old / mu corrects staleness and precision together), N = 4, 3 seeds"),
     "quick": Profile(
         blocks=((HARSHEST, KEY_METHODS, (4,), (0, 1, 2)),),
         overrides=(),
