@@ -24,8 +24,10 @@ Automatic tolerance (``constraints[i].floor_slack = s``): c_k = F_{k-1} (1 + s) 
 batch's floor sets its own tolerance, never the configured one), F an EMA of the measure
 between pi_old and mu before the updates, which in a synchronous run is taken on identical weights (the
 numerical floor of the two engines at the current policy); it is re-measured every batch at no cost, so the
-tolerance tracks the floor as it drifts with the policy. Under asynchronous rollouts that measurement also
-holds the staleness of the batch.
+tolerance tracks the floor as it drifts with the policy. Under asynchronous rollouts only the batches sampled
+by the trainer's current weights measure the floor (the first, and the first after each drain, e.g. at a
+checkpoint): a stale batch's pi_old vs mu also holds the policy's drift since its weights, which is part of
+what the constraint bounds, not of the floor; the loop passes NaN for it and F stays as it was.
 
 Pi is the Euclidean projection onto the box [lambda_min_i, lambda_max_i], intersected with the coupled
 limits A lambda <= b when ``cfg.coupling`` has rows (a small QP solved with cvxpy). A non-finite

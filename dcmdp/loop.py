@@ -193,7 +193,9 @@ def _train_step(s: Setup, step: int, bar) -> None:
     t4 = time.perf_counter()
     if result is not None and train_logp_BT is None:
         measured_C, disc_metrics = measure_phase(cfg.dual.constraints, batch, result.trained_logp_BT)
-    floor_C = measured_C  # pi_old vs mu on the weights that sampled the batch: an automatic tolerance's floor
+    # an automatic tolerance's floor: pi_old vs mu on identical weights. A batch that older weights sampled
+    # (asynchronous rollouts) also holds the policy's drift since then, so it leaves the floor as it is (NaN)
+    floor_C = measured_C if _sampled_by_current_weights(s, rollout, step) else torch.full_like(measured_C, float("nan"))
     if result is not None and cfg.dual.measure_at == "updates":
         measured_C = constraint_values(cfg.dual.constraints, batch, result.trained_logp_BT)
     s.dual, dual_metrics = dual_step(s.dual, measured_C, cfg.dual, floor_C=floor_C)
@@ -454,6 +456,12 @@ def rollout_phase(policy: Policy, cfg: RunConfig, step: int) -> tuple[list[Examp
     ids = encode_prompts(policy.tokenizer, policy.model, examples, cfg.rollout.max_new_tokens)
     rollout = policy.engine.generate(ids, seed=step_seed(cfg.seed, step, 1))
     return examples, rollout
+
+
+def _sampled_by_current_weights(s: Setup, rollout: Rollout, step: int) -> bool:
+    """True when every sample of the batch of ``step`` comes from the trainer's current weights (version
+    ``step``): always in a synchronous run; under asynchronous rollouts at the start and after each drain."""
+    return s.worker is None or rollout.version_B is None or bool((rollout.version_B == step).all())
 
 
 def _next_rollout(s: Setup, step: int) -> tuple[list[Example], Rollout, Optional[torch.Tensor], dict[str, float]]:

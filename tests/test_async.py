@@ -5,6 +5,7 @@ Runs are tiny-moe with int8 rollouts (a real training-inference discrepancy), on
 everything but wall-clock timings is then deterministic, so comparisons are exact (==), no tolerance.
 """
 
+import math
 import os
 import signal
 import subprocess
@@ -111,6 +112,31 @@ def test_staleness_two_is_bounded_resumes_exactly_and_evaluation_does_not_pertur
     evaluated = _run(tmp_path / "eval", cache, 10, *on, "eval_every=1", "async_rollout.threads=1")
     assert sum("eval/accuracy" in h for h in evaluated) == 9
     assert _drop(evaluated, "eval/") == _drop(full, "eval/")
+
+
+def test_automatic_tolerance_takes_its_floor_only_from_batches_of_the_current_weights(tmp_path):
+    """A stale batch's pi_old vs mu holds the policy's drift since its weights: only the fresh batches (staleness
+    0: the first, and the first after each checkpoint's drain) move the floor F behind c = F (1 + s)."""
+    slack, ema = 1.0, 0.5
+    constraint = (f"dual.constraints=[{{measure: abs_prob_diff, tolerance: 0.005, floor_slack: {slack}, "
+                  f"floor_ema: {ema}}}]")
+    h = _run(tmp_path / "run", tmp_path / "cache", 10, "async_rollout.enabled=true", "async_rollout.max_staleness=2",
+             "checkpoint.every=4", constraint, "dual.measure_at=rollout")
+    staleness = [x["async/staleness_max"] for x in h]
+    assert staleness == [0, 1, 2, 2, 0, 1, 2, 2, 0, 1]
+    c = [x["dual/tolerance/abs_prob_diff"] for x in h]
+    d = [x["dual/measured/abs_prob_diff"] for x in h]  # pi_old vs mu (measure_at=rollout): the floor measurement
+    assert all(math.isfinite(v) and v > 0 for v in d)
+    # reference in float64: F follows only the fresh batches; c of batch k is the floor after batch k-1
+    floor, expected = None, []
+    for k in range(len(h)):
+        expected.append((1 + slack) * (d[0] if floor is None else floor))
+        if staleness[k] == 0:
+            floor = d[k] if floor is None else ema * floor + (1 - ema) * d[k]
+    assert c == pytest.approx(expected, rel=1e-9)
+    # the stale batches measured more than the floor (the drift), and left c where it was
+    assert c[2] == c[3] == c[4] and c[6] == c[7] == c[8]
+    assert c[5] != c[4] and c[9] != c[8]
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
