@@ -45,6 +45,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import Qwen3MoeConfig  # noqa: E402
 
+from benchmarks._reading import reading_lines  # noqa: E402
 from benchmarks.routing_replay import overhead  # noqa: E402
 from dcmdp.config import load_config  # noqa: E402
 from dcmdp.loop import Setup, _train_step, rollout_phase, setup  # noqa: E402
@@ -168,9 +169,10 @@ def env_lines(cmd: str) -> list[str]:
 
 
 def write_results(out: Path, header: list[str], lines: list[str], payload: dict, plot_fn) -> None:
-    """``out`` (.md: header + table), its .json (payload) and .png (``plot_fn(rows, path)``); prints the table."""
+    """``out`` (.md: header + table + the hand-written reading ``<name>_reading.md`` when present), its .json
+    (payload) and .png (``plot_fn(rows, path)``); prints the table."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(header + lines) + "\n")
+    out.write_text("\n".join(header + lines + reading_lines(out)) + "\n")
     out.with_suffix(".json").write_text(json.dumps(payload, indent=2))
     plot_fn(payload["rows"], out.with_suffix(".png"))
     print()

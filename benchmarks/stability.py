@@ -67,6 +67,8 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
+from benchmarks._reading import reading_lines  # noqa: E402
+
 BASE_CONFIG = ROOT / "configs" / "default.yaml"
 TOLERANCE = 2.7e-3
 LAMBDA_INIT = 0.1
@@ -637,10 +639,8 @@ def write_results(runs: list[RunResult], cells: list[dict], profile_name: str, p
     diag = ["", "Diagnostics (means over steps and seeds; penalty loss and tokens outside c are logged only where "
             "the penalty is on; approx KL and clip frac measure how far the N mini-batch updates move π_θ from "
             "π_old):", "", *diagnostics_table(cells)]
-    # the hand-written reading of the numbers, kept next to the results so a re-run keeps it
-    reading_path = prefix.with_name(prefix.name + "_reading.md")
-    reading = ["", reading_path.read_text().rstrip()] if reading_path.exists() else []
-    prefix.with_suffix(".md").write_text("\n".join(header + lines + diag + [""] + plots + reading) + "\n")
+    page = prefix.with_suffix(".md")
+    page.write_text("\n".join(header + lines + diag + [""] + plots + reading_lines(page)) + "\n")
     return lines
 
 

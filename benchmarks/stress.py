@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import numpy as np  # noqa: E402
 
 import stability  # noqa: E402  (the run machinery: worker processes, cell folders, collapse rule)
+from benchmarks._reading import reading_lines  # noqa: E402
 
 BASE_CONFIG = ROOT / "configs" / "stress.yaml"
 
@@ -466,9 +467,8 @@ def write_results(runs: list[Run], cells: list[dict], profile_name: str, profile
     test = ["", "DCMDP + R3 against the best other method of each cell (Welch's t-test on final accuracy):", "",
             *welch_table(rows)]
     plots = [f"![{p.stem}]({p.name})" for p in pngs]
-    reading_path = prefix.with_name(prefix.name + "_reading.md")
-    reading = ["", reading_path.read_text().rstrip()] if reading_path.exists() else []
-    prefix.with_suffix(".md").write_text("\n".join(header + lines + test + diag + [""] + plots + reading) + "\n")
+    page = prefix.with_suffix(".md")
+    page.write_text("\n".join(header + lines + test + diag + [""] + plots + reading_lines(page)) + "\n")
     return lines + [""] + welch_table(rows)
 
 

@@ -67,6 +67,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from benchmarks._reading import reading_lines  # noqa: E402
 from dcmdp.config import load_config  # noqa: E402
 from dcmdp.policy import encode_prompt  # noqa: E402
 from dcmdp.policy import step_seed  # noqa: E402
@@ -361,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
             relimit(result, best_limits(result["limits"], *extra))
             Path(args.render).write_text(json.dumps(result, indent=1))
         Path(args.render).with_suffix(".md").write_text(
-            markdown(result, Path(args.render).with_name("trl_throughput_reading.md")))
+            markdown(result, Path(args.render).with_name("trl_throughput.md")))
         return result
     workloads = {"smoke": SMOKE} if args.smoke else {n: WORKLOADS[n] for n in args.workloads.split(",")}
     if args.steps is not None:
@@ -495,15 +496,15 @@ def _range(ratio: dict) -> str:
 def write_results(result: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "trl_throughput.json").write_text(json.dumps(result, indent=1))
-    (out_dir / "trl_throughput.md").write_text(markdown(result, out_dir / "trl_throughput_reading.md"))
+    (out_dir / "trl_throughput.md").write_text(markdown(result, out_dir / "trl_throughput.md"))
 
 
 TARGETS = {"long-small-moe": 2.0, "short-tiny-moe": 1.5}
 
 
-def markdown(result: dict, reading: Optional[Path] = None) -> str:
-    """The results page; a hand-written ``trl_throughput_reading.md`` next to it, when present, goes after the
-    tables."""
+def markdown(result: dict, page: Optional[Path] = None) -> str:
+    """The results page; the hand-written reading next to ``page`` (``trl_throughput_reading.md``), when present,
+    goes after the summary table."""
     args, v, lim = result["args"], result["versions"], result["limits"]
     trl_v = v["trl_env"] or {}
     variants = "".join(f" --variant {k}={','.join(o)}" for k, o in result["variants"].items())
@@ -532,8 +533,8 @@ def markdown(result: dict, reading: Optional[Path] = None) -> str:
             f">= {target}: {'met' if ratio['tokens_per_s'] >= target else 'not met'}"
         lines.append(f"| {name} | {_fmt(s['dcmdp']['tokens_per_s'])} | {_fmt(s.get('trl', {}).get('tokens_per_s'))} | "
                      f"{_range(ratio) if ratio else '-'} | {_fmt(ratio and ratio['steps_per_s'])} | {verdict} |")
-    if reading is not None and reading.exists():
-        lines += ["", reading.read_text().rstrip()]
+    if page is not None:
+        lines += reading_lines(page)
     for name, r in result["workloads"].items():
         lines += ["", *workload_section(name, r)]
     lines += ["", NOTES]

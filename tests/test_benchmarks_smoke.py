@@ -306,6 +306,9 @@ def test_stress_smoke(tmp_path):
     stress = _load_benchmark("stress")
     prefix = tmp_path / "results" / "stress_smoke"
     bench = tmp_path / "runs"
+    prefix.parent.mkdir(parents=True)
+    reading = "## Reading\n\nA hand-written reading survives the re-run."
+    prefix.with_name("stress_smoke_reading.md").write_text(reading + "\n")
     stress.main(["--profile", "smoke", "--workers", "1", "--bench-dir", str(bench), "--results", str(prefix)])
 
     profile = stress.PROFILES["smoke"]
@@ -341,5 +344,6 @@ def test_stress_smoke(tmp_path):
     assert min(h["discrepancy/kl_k3"] for h in noisy) > 100 * max(h["discrepancy/kl_k3"] for h in clean)
     md = prefix.with_suffix(".md").read_text()
     assert "| 2 | noise1 |" in md and "Welch" in md
+    assert md.endswith("\n\n" + reading + "\n")  # the reading comes last, once
     assert prefix.with_name("stress_smoke_accuracy.png").stat().st_size > 0
     assert prefix.with_name("stress_smoke_dual.png").stat().st_size > 0
