@@ -225,7 +225,7 @@ PROFILES: dict[str, Profile] = {
 
 # per-step metrics kept in history.json (the checkpoint's history has every metric)
 _KEEP_PREFIXES = ("reward/", "eval/", "discrepancy/", "dual/", "penalty/", "policy/", "guard/", "loss/", "routing/",
-                  "is/", "clip/", "time/step")
+                  "async/", "is/", "clip/", "time/step")
 
 
 def constraint_override(profile: Profile) -> str:
