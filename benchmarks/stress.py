@@ -118,6 +118,8 @@ METHODS.update({
     "tis_bypass": METHODS["tis"] + ["algo.old_logp=rollout"],
     # DCMDP + R3 with the floor behind its automatic tolerance measured on the first 5 batches, then held
     "dcmdp_r3_held_floor": METHODS["dcmdp_r3"] + ["dual.constraints[0].floor_steps=5"],
+    # the fixed penalty at a tenth of FIXED_LAMBDA (near DCMDP + R3's mean lambda at int4_async4)
+    "fixed_penalty_0.1": METHODS["fixed_penalty"] + ["dual.constraints[0].lambda_init=0.1"],
 })
 
 
@@ -207,6 +209,11 @@ PROFILES: dict[str, Profile] = {
         overrides=("async_rollout.enabled=true", "async_rollout.max_staleness=4", "async_rollout.threads=1"),
         about="asynchronous rollouts up to 4 policy versions stale at int4: GRPO without IS (stale samples taken as "
               "on-policy) against token TIS (pi_old / mu corrects staleness and precision together), N = 4, 3 seeds"),
+    "probe_fixed": Profile(
+        blocks=((HARSH_TWO, ("fixed_penalty_0.1",), (4,), (0, 1)),),
+        overrides=(),
+        about="the fixed penalty with lambda = 0.1 (lambda = 1 collapsed every run) at int4 and int4_async4, N = 4, "
+              "2 seeds"),
     "quick": Profile(
         blocks=((HARSHEST, KEY_METHODS, (4,), (0, 1, 2)),),
         overrides=("steps=150",),
