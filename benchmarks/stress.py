@@ -7,7 +7,9 @@ sequence ratio prod_t rho_t compounds), a larger MoE with sharper routing (``sma
 16 experts, top-2, where near-tied routers flip under another precision), and a ladder of rollout
 deployments (the x axis, ``LEVELS``): fp32 (no mismatch, the control), bf16, fp8 (W8A8 e4m3), int8 and
 int4 weight-only, and, past what quantisation reaches, seeded Gaussian noise on the rollout logits
-(``rollout.logit_noise``, a documented stress knob reported as the kl_k3 it produces).
+(``rollout.logit_noise``, a documented stress knob reported as the kl_k3 it produces). None of those separated
+the methods; the harshest level is int4 rollouts from weights up to 4 policy versions old (``int4_async4``),
+where the uncorrected method falls behind (``benchmarks/results/stress_full.md``).
 
 Every run is ``configs/stress.yaml`` + the level's overrides + the method's + ``algo.minibatches=N seed=S``,
 from one shared cold start (``cold_start.seed: 0`` in the base config): the seeds differ in RL sampling only.
@@ -456,7 +458,8 @@ def write_results(runs: list[Run], cells: list[dict], profile_name: str, profile
         f"- command: `{cmd}` ({wall_s / 60:.0f} min wall over the invocations that trained the runs; "
         f"{sum(r.seconds for r in runs) / 60:.0f} run-minutes in all)",
         f"- profile: {profile.about}",
-        f"- base: `configs/stress.yaml` + `{' '.join(profile.overrides)}` + the level + `{CONSTRAINT}` + the method "
+        f"- base: `configs/stress.yaml`{''.join(f' + `{o}`' for o in [' '.join(profile.overrides)] if o)} + the level + "
+        f"`{CONSTRAINT}` + the method "
         "+ `algo.minibatches=N seed=S`",
         "- collapse (fixed before the runs, any of): a non-finite update; final held-out accuracy of the deployed "
         "policy < half the run's peak held-out accuracy (step 0 included); mean reward accuracy over the last "
