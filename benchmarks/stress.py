@@ -122,6 +122,8 @@ METHODS.update({
     "dcmdp_r3_held_floor": METHODS["dcmdp_r3"] + ["dual.constraints[0].floor_steps=5"],
     # the fixed penalty at a tenth of FIXED_LAMBDA (near DCMDP + R3's mean lambda at int4_async4)
     "fixed_penalty_0.1": METHODS["fixed_penalty"] + ["dual.constraints[0].lambda_init=0.1"],
+    # DCMDP + R3 with lambda capped at 0.3 (its bursts reach ~1, where a constant lambda collapses every run)
+    "dcmdp_r3_cap0.3": METHODS["dcmdp_r3"] + ["dual.constraints[0].lambda_max=0.3"],
 })
 
 
@@ -216,6 +218,10 @@ PROFILES: dict[str, Profile] = {
         overrides=(),
         about="the fixed penalty with lambda = 0.1 (lambda = 1 collapsed every run) at int4 and int4_async4, N = 4, "
               "2 seeds"),
+    "probe_cap": Profile(
+        blocks=((HARSHEST, ("dcmdp_r3_cap0.3",), (4,), (0, 1)),),
+        overrides=(),
+        about="DCMDP + R3 with lambda capped at 0.3 at the harshest level, N = 4, 2 seeds"),
     "quick": Profile(
         blocks=((HARSHEST, KEY_METHODS, (4,), (0, 1, 2)),),
         overrides=("steps=150",),
