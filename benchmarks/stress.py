@@ -222,6 +222,11 @@ PROFILES: dict[str, Profile] = {
         blocks=((HARSHEST, ("dcmdp_r3_cap0.3",), (4,), (0, 1)),),
         overrides=(),
         about="DCMDP + R3 with lambda capped at 0.3 at the harshest level, N = 4, 2 seeds"),
+    "probe_levers": Profile(
+        blocks=((HARSHEST, ("dcmdp_r3_cap0.3", "fixed_penalty_0.1"), (4,), (2, 3)),),
+        overrides=(),
+        about="seeds 2 and 3 of probe_cap and of probe_fixed's harshest level: DCMDP + R3 with lambda capped at 0.3 "
+              "and the fixed penalty at lambda = 0.1, N = 4"),
     "quick": Profile(
         blocks=((HARSHEST, KEY_METHODS, (4,), (0, 1, 2)),),
         overrides=("steps=150",),
