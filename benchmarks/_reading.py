@@ -10,10 +10,8 @@ from pathlib import Path
 
 
 def reading_path(page: Path) -> Path:
-    """``<name>_reading.md`` for the page ``<name>.md`` (or for a results prefix ``<name>``)."""
-    page = Path(page)
-    stem = page.stem if page.suffix == ".md" else page.name
-    return page.with_name(stem + "_reading.md")
+    """``<name>_reading.md`` for the page ``<name>.md``."""
+    return Path(page).with_name(Path(page).stem + "_reading.md")
 
 
 def reading_lines(page: Path) -> list[str]:
