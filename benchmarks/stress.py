@@ -124,6 +124,13 @@ METHODS.update({
     "fixed_penalty_0.1": METHODS["fixed_penalty"] + ["dual.constraints[0].lambda_init=0.1"],
     # DCMDP + R3 with lambda capped at 0.3 (its bursts reach ~1, where a constant lambda collapses every run)
     "dcmdp_r3_cap0.3": METHODS["dcmdp_r3"] + ["dual.constraints[0].lambda_max=0.3"],
+    # DCMDP + R3 with a tighter automatic tolerance (c = 1.5 x the floor, where the stale batches' drift exceeds it
+    # on about half the steps and the synchronous ones stay inside), lambda capped at 0.3 or at 0.1 (the constant
+    # that trained best)
+    "dcmdp_r3_slack0.5_cap0.3": METHODS["dcmdp_r3"] + ["dual.constraints[0].floor_slack=0.5",
+                                                       "dual.constraints[0].lambda_max=0.3"],
+    "dcmdp_r3_slack0.5_cap0.1": METHODS["dcmdp_r3"] + ["dual.constraints[0].floor_slack=0.5",
+                                                       "dual.constraints[0].lambda_max=0.1"],
 })
 
 
@@ -227,6 +234,13 @@ PROFILES: dict[str, Profile] = {
         overrides=(),
         about="seeds 2 and 3 of probe_cap and of probe_fixed's harshest level: DCMDP + R3 with lambda capped at 0.3 "
               "and the fixed penalty at lambda = 0.1, N = 4"),
+    "levers": Profile(
+        blocks=((HARSHEST, ("minirl_r3", "fixed_penalty_0.1", "dcmdp_r3", "dcmdp_r3_slack0.5_cap0.3",
+                            "dcmdp_r3_slack0.5_cap0.1"), (4,), (0, 1, 2, 3, 4)),),
+        overrides=(),
+        about="DCMDP + R3 with a tighter tolerance (slack 0.5) and lambda capped at 0.3 or 0.1, against the fixed "
+              "penalty at lambda = 0.1, DCMDP + R3 and MiniRL + R3 at the harshest level, N = 4, 5 seeds (the "
+              "full profile's and the probes' finished run folders copied in are reused)"),
     "quick": Profile(
         blocks=((HARSHEST, KEY_METHODS, (4,), (0, 1, 2)),),
         overrides=("steps=150",),
@@ -345,23 +359,28 @@ def aggregate(runs: list[Run], profile: Profile) -> list[dict]:
     return cells
 
 
+def is_dcmdp(method: str) -> bool:
+    return method.startswith("dcmdp")
+
+
 def welch(cells: list[dict]) -> list[dict]:
-    """Per (level, N): DCMDP + R3 against the best other method by mean final accuracy (Welch's t-test)."""
+    """Per (level, N) and DCMDP config: against the best method without the dual by mean final accuracy (Welch's
+    t-test)."""
     from scipy.stats import ttest_ind
 
     out = []
     for key in sorted({(c["level"], c["N"]) for c in cells}, key=lambda k: (k[1], list(LEVELS).index(k[0]))):
         here = [c for c in cells if (c["level"], c["N"]) == key]
-        mine = [c for c in here if c["method"] == "dcmdp_r3"]
-        others = [c for c in here if c["method"] != "dcmdp_r3"]
-        if not mine or not others:
+        others = [c for c in here if not is_dcmdp(c["method"])]
+        if not others:
             continue
         best = max(others, key=lambda c: c["final"])
-        a, b = mine[0]["finals"], best["finals"]
-        p = float(ttest_ind(a, b, equal_var=False).pvalue) if len(a) > 1 and len(b) > 1 else math.nan
-        out.append({"level": key[0], "N": key[1], "best_baseline": best["method"], "dcmdp": mine[0]["final"],
-                    "baseline": best["final"], "diff": mine[0]["final"] - best["final"], "p": p,
-                    "seeds": f"{len(a)} vs {len(b)}"})
+        for mine in (c for c in here if is_dcmdp(c["method"])):
+            a, b = mine["finals"], best["finals"]
+            p = float(ttest_ind(a, b, equal_var=False).pvalue) if len(a) > 1 and len(b) > 1 else math.nan
+            out.append({"level": key[0], "N": key[1], "method": mine["method"], "best_baseline": best["method"],
+                        "dcmdp": mine["final"], "baseline": best["final"], "diff": mine["final"] - best["final"],
+                        "p": p, "seeds": f"{len(a)} vs {len(b)}"})
     return out
 
 
@@ -378,11 +397,11 @@ def table(cells: list[dict]) -> list[str]:
 
 
 def welch_table(rows: list[dict]) -> list[str]:
-    lines = ["| N | level | best baseline | its final acc | DCMDP + R3 final acc | difference | Welch p | seeds |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| N | level | DCMDP config | its final acc | best baseline | its final acc | difference | Welch p | "
+             "seeds |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['N']} | {r['level']} | {r['best_baseline']} | {r['baseline']:.3f} | {r['dcmdp']:.3f} | "
-                     f"{r['diff']:+.3f} | {r['p']:.3g} | {r['seeds']} |")
+        lines.append(f"| {r['N']} | {r['level']} | {r['method']} | {r['dcmdp']:.3f} | {r['best_baseline']} | "
+                     f"{r['baseline']:.3f} | {r['diff']:+.3f} | {r['p']:.3g} | {r['seeds']} |")
     return lines
 
 
@@ -404,7 +423,7 @@ def plot(runs: list[Run], cells: list[dict], profile: Profile, prefix: Path) -> 
                 continue
             x, y, e = map(np.asarray, zip(*sorted(pts)))
             ax.errorbar(x + (k - len(profile.methods) / 2) * 0.03, y, yerr=e, marker="o", ms=4, capsize=2,
-                        label=method, lw=2.2 if method == "dcmdp_r3" else 1.0)
+                        label=method, lw=2.2 if is_dcmdp(method) else 1.0)
         ax.set_xticks(range(len(levels)), levels)
         ax.set_xlabel("rollout deployment (mismatch grows to the right)")
         ax.set_ylabel("final held-out accuracy of the deployed policy")
@@ -414,9 +433,11 @@ def plot(runs: list[Run], cells: list[dict], profile: Profile, prefix: Path) -> 
     paths.append(prefix.with_name(prefix.name + "_accuracy.png"))
     fig.savefig(paths[-1], dpi=120), plt.close(fig)
 
-    # the dual at the harshest level and largest N: D-hat (5-step mean) against c, and lambda, per seed
+    # the dual at the harshest level and largest N: D-hat (5-step mean) against c, and lambda, per seed, for the
+    # profile's last DCMDP config (the benchmark's own, dcmdp_r3, where it is the only one)
     harsh, n = levels[-1], max(ns)
-    rs = [r for r in runs if (r.level, r.method, r.n) == (harsh, "dcmdp_r3", n)]
+    dual_method = ([m for m in profile.methods if is_dcmdp(m)] or ["dcmdp_r3"])[-1]
+    rs = [r for r in runs if (r.level, r.method, r.n) == (harsh, dual_method, n)]
     if rs:
         fig, (ax_d, ax_l) = plt.subplots(1, 2, figsize=(11, 4.2))
         for k, r in enumerate(rs):
@@ -429,7 +450,7 @@ def plot(runs: list[Run], cells: list[dict], profile: Profile, prefix: Path) -> 
         ax_d.set_yscale("log"), ax_d.set_xlabel("RL step"), ax_d.grid(alpha=0.3), ax_d.legend(fontsize=7)
         ax_d.set_ylabel("D̂ fed to the dual (5-step mean); dashed: c in force")
         ax_l.set_xlabel("RL step"), ax_l.set_ylabel("λ"), ax_l.grid(alpha=0.3), ax_l.legend(fontsize=7)
-        fig.suptitle(f"DCMDP + R3 at {harsh}, N = {n}"), fig.tight_layout()
+        fig.suptitle(f"{dual_method} at {harsh}, N = {n}"), fig.tight_layout()
         paths.append(prefix.with_name(prefix.name + "_dual.png"))
         fig.savefig(paths[-1], dpi=120), plt.close(fig)
     return paths
@@ -487,7 +508,8 @@ def write_results(runs: list[Run], cells: list[dict], profile_name: str, profile
     for c in cells:
         diag.append(f"| {c['N']} | {c['level']} | {c['method']} | " + " | ".join(
             "-" if not np.isfinite(c["extra"].get(k, math.nan)) else f"{c['extra'][k]:.3g}" for k in extra_keys) + " |")
-    test = ["", "DCMDP + R3 against the best other method of each cell (Welch's t-test on final accuracy):", "",
+    test = ["", "Each DCMDP config against the best method without the dual in its cell (Welch's t-test on final "
+            "accuracy):", "",
             *welch_table(rows)]
     plots = [f"![{p.stem}]({p.name})" for p in pngs]
     page = prefix.with_suffix(".md")
