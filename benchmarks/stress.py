@@ -131,6 +131,10 @@ METHODS.update({
                                                        "dual.constraints[0].lambda_max=0.3"],
     "dcmdp_r3_slack0.5_cap0.1": METHODS["dcmdp_r3"] + ["dual.constraints[0].floor_slack=0.5",
                                                        "dual.constraints[0].lambda_max=0.1"],
+    # ... and a slow dual: a tenth of the step (eta 0.05 per tolerance exceeded), so lambda drifts from
+    # lambda_0 = 0.1 over tens of steps instead of jumping with each batch
+    "dcmdp_r3_slow": METHODS["dcmdp_r3"] + ["dual.constraints[0].floor_slack=0.5", "dual.constraints[0].lr=0.05",
+                                            "dual.constraints[0].lambda_max=0.3"],
 })
 
 
@@ -236,11 +240,17 @@ PROFILES: dict[str, Profile] = {
               "and the fixed penalty at lambda = 0.1, N = 4"),
     "levers": Profile(
         blocks=((HARSHEST, ("minirl_r3", "fixed_penalty_0.1", "dcmdp_r3", "dcmdp_r3_slack0.5_cap0.3",
-                            "dcmdp_r3_slack0.5_cap0.1"), (4,), (0, 1, 2, 3, 4)),),
+                            "dcmdp_r3_slack0.5_cap0.1", "dcmdp_r3_slow"), (4,), (0, 1, 2, 3, 4)),),
         overrides=(),
-        about="DCMDP + R3 with a tighter tolerance (slack 0.5) and lambda capped at 0.3 or 0.1, against the fixed "
+        about="DCMDP + R3 with a tighter tolerance (slack 0.5) and lambda capped at 0.3 or 0.1, or a ten times "
+              "slower dual step capped at 0.3, against the fixed "
               "penalty at lambda = 0.1, DCMDP + R3 and MiniRL + R3 at the harshest level, N = 4, 5 seeds (the "
               "full profile's and the probes' finished run folders copied in are reused)"),
+    "sync_int4": Profile(
+        blocks=((("int4",), KEY_METHODS, (4,), (0, 1, 2)),),
+        overrides=(),
+        about="the four key methods at synchronous int4 (the second harshest level), N = 4, 3 seeds (DCMDP + R3's "
+              "seeds 0-1 are the full profile's run folders, copied in)"),
     "quick": Profile(
         blocks=((HARSHEST, KEY_METHODS, (4,), (0, 1, 2)),),
         overrides=("steps=150",),
