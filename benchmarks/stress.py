@@ -135,6 +135,10 @@ METHODS.update({
     # lambda_0 = 0.1 over tens of steps instead of jumping with each batch
     "dcmdp_r3_slow": METHODS["dcmdp_r3"] + ["dual.constraints[0].floor_slack=0.5", "dual.constraints[0].lr=0.05",
                                             "dual.constraints[0].lambda_max=0.3"],
+    # the benchmark's DCMDP + R3 with lambda kept in [0.1, 0.3]: the constant that trained best as a floor, raised
+    # by the dual when D-hat exceeds c
+    "dcmdp_r3_floor0.1": METHODS["dcmdp_r3"] + ["dual.constraints[0].lambda_min=0.1",
+                                                "dual.constraints[0].lambda_max=0.3"],
 })
 
 
@@ -240,10 +244,10 @@ PROFILES: dict[str, Profile] = {
               "and the fixed penalty at lambda = 0.1, N = 4"),
     "levers": Profile(
         blocks=((HARSHEST, ("minirl_r3", "fixed_penalty_0.1", "dcmdp_r3", "dcmdp_r3_slack0.5_cap0.3",
-                            "dcmdp_r3_slack0.5_cap0.1", "dcmdp_r3_slow"), (4,), (0, 1, 2, 3, 4)),),
+                            "dcmdp_r3_slack0.5_cap0.1", "dcmdp_r3_slow", "dcmdp_r3_floor0.1"), (4,), (0, 1, 2, 3, 4)),),
         overrides=(),
         about="DCMDP + R3 with a tighter tolerance (slack 0.5) and lambda capped at 0.3 or 0.1, or a ten times "
-              "slower dual step capped at 0.3, against the fixed "
+              "slower dual step capped at 0.3, or lambda kept in [0.1, 0.3], against the fixed "
               "penalty at lambda = 0.1, DCMDP + R3 and MiniRL + R3 at the harshest level, N = 4, 5 seeds (the "
               "full profile's and the probes' finished run folders copied in are reused)"),
     "sync_int4": Profile(
