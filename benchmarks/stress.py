@@ -139,6 +139,10 @@ METHODS.update({
     # by the dual when D-hat exceeds c
     "dcmdp_r3_floor0.1": METHODS["dcmdp_r3"] + ["dual.constraints[0].lambda_min=0.1",
                                                 "dual.constraints[0].lambda_max=0.3"],
+    # the DCMDP paper's dual step: eta = 1 on the absolute violation D-hat - c with a fixed c = 0.005 and
+    # lambda_0 = 0.1, so lambda drifts by ~1e-3 per step (nearly constant over a run)
+    "dcmdp_r3_paper_step": METHODS["dcmdp_r3"] + ["dual.relative=false", "dual.constraints[0].floor_slack=null",
+                                                  "dual.constraints[0].lr=1.0"],
 })
 
 
@@ -250,6 +254,13 @@ PROFILES: dict[str, Profile] = {
               "slower dual step capped at 0.3, or lambda kept in [0.1, 0.3], against the fixed "
               "penalty at lambda = 0.1, DCMDP + R3 and MiniRL + R3 at the harshest level, N = 4, 5 seeds (the "
               "full profile's and the probes' finished run folders copied in are reused)"),
+    "paper_step": Profile(
+        blocks=((HARSHEST, ("minirl_r3", "fixed_penalty_0.1", "dcmdp_r3", "dcmdp_r3_paper_step"), (4,),
+                 (0, 1, 2, 3, 4)),),
+        overrides=(),
+        about="DCMDP + R3 with the paper's dual step (eta = 1 on the absolute violation, fixed c = 0.005, lambda_0 = "
+              "0.1) against the fixed penalty at lambda = 0.1, DCMDP + R3 and MiniRL + R3 at the harshest level, N = "
+              "4, 5 seeds (the other methods' run folders are the levers profile's, copied in)"),
     "sync_int4": Profile(
         blocks=((("int4",), KEY_METHODS, (4,), (0, 1, 2)),),
         overrides=(),
