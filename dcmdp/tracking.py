@@ -338,6 +338,13 @@ class _Sender:
         self.run_map.update(_read_run_map(self.buffer_dir))
         self._sqlite_file = sqlite_store_file(self.tracking_uri)
         self._sqlite_seen = False
+        if self._sqlite_file is not None:
+            # a request already under way when the file goes makes MLflow log SQLAlchemy's traceback before it
+            # raises; the failure is reported once, as a deleted store (see _check_store)
+            logging.getLogger("mlflow.store.db.utils").addFilter(self._store_still_there)
+
+    def _store_still_there(self, record: logging.LogRecord) -> bool:
+        return not (self._sqlite_seen and self._sqlite_file is not None and not self._sqlite_file.exists())
 
     def _check_store(self) -> None:
         """A sqlite store file deleted under a live run fails like an unreachable server (so the records are
@@ -398,10 +405,12 @@ class _Sender:
         run_id = self.resolve(recs[0]["run"])
         metrics = [Metric(r["key"], float(r["value"]), int(r["ts"]), int(r["step"])) for r in recs]
         client = self._client()
+        self._check_store()  # before every request: the file can go while a send is under way
         try:
             client.log_batch(run_id, metrics=metrics)
             return len(metrics)
         except Exception as exc:
+            self._check_store()  # deleted during the request: report it as such
             if not _is_rejection(exc):
                 raise
         sent = 0  # one bad metric must not drop the batch: send them one by one
@@ -417,6 +426,7 @@ class _Sender:
         return sent
 
     def _one(self, rec: dict) -> None:
+        self._check_store()
         kind = rec["t"]
         if kind == "header":
             return
