@@ -375,8 +375,8 @@ class _Sender:
     def send(self, records: Iterable[tuple[int, dict]]) -> Iterator[tuple[int, int]]:
         """Send in order; after each stored request yield (end offset of the last record it held,
         metrics in it). Consecutive metrics of one run share a log_batch request. Raises on
-        failures worth retrying; drops (with a warning) only what the store rejects as invalid."""
-        self._check_store()
+        failures worth retrying; drops (with a warning) only what the store rejects as invalid. Each request
+        first checks that a sqlite store is still there (``_metrics``, ``_one``)."""
         group: list[dict] = []
         group_end = 0
         for end, rec in records:
