@@ -143,6 +143,12 @@ METHODS.update({
     # lambda_0 = 0.1, so lambda drifts by ~1e-3 per step (nearly constant over a run)
     "dcmdp_r3_paper_step": METHODS["dcmdp_r3"] + ["dual.relative=false", "dual.constraints[0].floor_slack=null",
                                                   "dual.constraints[0].lr=1.0"],
+    # the PID Lagrangian on the tighter tolerance: a slow integral (K_I = 0.05 per tolerance exceeded, from
+    # lambda_0 = 0.1) plus a proportional term (K_P = 0.1 on the violation smoothed over ~2 steps) that answers a
+    # stale batch's drift at once and lets go when it passes, lambda capped at 0.3
+    "dcmdp_r3_pid": METHODS["dcmdp_r3"] + ["dual.rule=pid", "dual.pid.kp=0.1", "dual.pid.alpha_p=0.5",
+                                           "dual.constraints[0].floor_slack=0.5", "dual.constraints[0].lr=0.05",
+                                           "dual.constraints[0].lambda_max=0.3"],
 })
 
 
@@ -261,6 +267,13 @@ PROFILES: dict[str, Profile] = {
         about="DCMDP + R3 with the paper's dual step (eta = 1 on the absolute violation, fixed c = 0.005, lambda_0 = "
               "0.1) against the fixed penalty at lambda = 0.1, DCMDP + R3 and MiniRL + R3 at the harshest level, N = "
               "4, 5 seeds (the other methods' run folders are the levers profile's, copied in)"),
+    "pid": Profile(
+        blocks=((HARSHEST, ("minirl_r3", "fixed_penalty_0.1", "dcmdp_r3_slack0.5_cap0.3", "dcmdp_r3_pid"), (4,),
+                 (0, 1, 2, 3, 4)),),
+        overrides=(),
+        about="DCMDP + R3 with the PID rule (slow integral plus a proportional term, lambda capped at 0.3) against "
+              "the projected rule on the same tolerance, the fixed penalty at lambda = 0.1 and MiniRL + R3 at the "
+              "harshest level, N = 4, 5 seeds (the other methods' run folders are the levers profile's, copied in)"),
     "sync_int4": Profile(
         blocks=((("int4",), KEY_METHODS, (4,), (0, 1, 2)),),
         overrides=(),
