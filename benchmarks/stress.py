@@ -150,6 +150,10 @@ METHODS.update({
                                            "dual.constraints[0].floor_slack=0.5", "dual.constraints[0].lr=0.05",
                                            "dual.constraints[0].lambda_max=0.3"],
 })
+# a tail constraint: D-hat is the 90th percentile of |pi_theta - mu| over the tokens instead of its mean, so the dual
+# holds the share of tokens outside c (the ones the hinge acts on) at 10% at most; otherwise as
+# dcmdp_r3_slack0.5_cap0.3 (its floor, and so c, is the 90th percentile's too)
+METHODS["dcmdp_r3_p90"] = METHODS["dcmdp_r3_slack0.5_cap0.3"] + ["dual.constraints[0].quantile=0.9"]
 
 
 @dataclass(frozen=True)
@@ -274,6 +278,14 @@ PROFILES: dict[str, Profile] = {
         about="DCMDP + R3 with the PID rule (slow integral plus a proportional term, lambda capped at 0.3) against "
               "the projected rule on the same tolerance, the fixed penalty at lambda = 0.1 and MiniRL + R3 at the "
               "harshest level, N = 4, 5 seeds (the other methods' run folders are the levers profile's, copied in)"),
+    "tail": Profile(
+        blocks=((HARSHEST, ("minirl_r3", "fixed_penalty_0.1", "dcmdp_r3_slack0.5_cap0.3", "dcmdp_r3_p90"), (4,),
+                 (0, 1, 2, 3, 4)),),
+        overrides=(),
+        about="DCMDP + R3 with a tail constraint (D-hat the 90th percentile of |pi_theta - mu| over the tokens, not "
+              "their mean) against the same config on the mean, the fixed penalty at lambda = 0.1 and MiniRL + R3 "
+              "at the harshest level, N = 4, 5 seeds (the other methods' run folders are the levers profile's, "
+              "copied in)"),
     "sync_int4": Profile(
         blocks=((("int4",), KEY_METHODS, (4,), (0, 1, 2)),),
         overrides=(),

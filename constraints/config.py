@@ -22,6 +22,10 @@ class ConstraintConfig:
     lr: float = 1.0
     # Threshold tau of extreme_rate (share of tokens with max(rho, 1/rho) > tau).
     tau: float = 2.0
+    # Tail constraint: D is the q-quantile of the per-token measure over the batch's valid tokens instead of its
+    # mean (D <= c: at most a share 1 - q of the tokens outside the tolerance region, the tokens the hinge penalty
+    # acts on); null: the mean. Needs a measure with a per-token form.
+    quantile: Optional[float] = None
     # Automatic tolerance: slack s of c_k = F_k (1 + s), F_k an EMA of this measure between pi_old and mu before
     # the updates (identical weights: the numerical floor), re-measured every step; null keeps `tolerance` fixed
     # (which then also serves as c until the first measurement).
@@ -46,6 +50,8 @@ class ConstraintConfig:
             raise ValueError(f"config error at '{prefix}.lr': must be >= 0, got {self.lr}")
         if not self.tau > 1:
             raise ValueError(f"config error at '{prefix}.tau': must be > 1, got {self.tau}")
+        if self.quantile is not None and not 0 < self.quantile < 1:
+            raise ValueError(f"config error at '{prefix}.quantile': must be in (0, 1) or null, got {self.quantile}")
         if self.floor_slack is not None and not 0 <= self.floor_slack < float("inf"):
             raise ValueError(f"config error at '{prefix}.floor_slack': must be a finite value >= 0 or null, "
                              f"got {self.floor_slack}")

@@ -371,13 +371,19 @@ def measure_constraint(cfg: ConstraintConfig, logp_train_BT: Tensor, logp_rollou
                        mask_BS: Optional[Tensor] = None) -> Tensor:
     """D_i: the batch value of constraint ``cfg``'s measure (0-dim float64), the dual controller's input.
 
-    ``cfg.tau`` goes to extreme_rate; routing_mismatch needs both engines' routes (ValueError without).
+    ``cfg.tau`` goes to extreme_rate; routing_mismatch needs both engines' routes (ValueError without). With
+    ``cfg.quantile = q`` the value is the q-quantile of the per-token measure (``token_quantiles``), not its mean.
     """
     if cfg.measure not in MEASURES:
         raise ValueError(f"unknown measure {cfg.measure!r}; known: {', '.join(MEASURES)}")
     if cfg.measure in _NOT_A_CONSTRAINT:
         raise ValueError(f"measure {cfg.measure!r} cannot be a constraint: {_NOT_A_CONSTRAINT[cfg.measure]}")
     measure = MEASURES[cfg.measure]
+    if cfg.quantile is not None:
+        if measure.token is None:
+            raise ValueError(f"a quantile constraint needs a measure with a per-token form; {cfg.measure!r} is "
+                             f"{measure.kind}-level")
+        return token_quantiles(cfg.measure, logp_train_BT, logp_rollout_BT, mask_BT, qs=(cfg.quantile,))[0]
     available = {"tau": cfg.tau, "experts_train_BSLK": experts_train_BSLK,
                  "experts_rollout_BSLK": experts_rollout_BSLK, "mask_BS": mask_BS}
     return measure.batch(logp_train_BT, logp_rollout_BT, mask_BT, **{p: available[p] for p in measure.params})

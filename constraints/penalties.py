@@ -53,16 +53,18 @@ from constraints.measures import MEASURES
 
 
 def constraint_names(constraints: Sequence[ConstraintConfig]) -> list[str]:
-    """Metric names of the constraints: the measure name, suffixed _1, _2, ... only if the measure repeats."""
-    counts = Counter(c.measure for c in constraints)
+    """Metric names of the constraints: the measure name (with _p90 etc. for a quantile constraint), suffixed
+    _1, _2, ... only if that name repeats."""
+    base = [c.measure if c.quantile is None else f"{c.measure}_p{100 * c.quantile:g}" for c in constraints]
+    counts = Counter(base)
     seen: Counter[str] = Counter()
     names = []
-    for c in constraints:
-        if counts[c.measure] > 1:
-            seen[c.measure] += 1
-            names.append(f"{c.measure}_{seen[c.measure]}")
+    for name in base:
+        if counts[name] > 1:
+            seen[name] += 1
+            names.append(f"{name}_{seen[name]}")
         else:
-            names.append(c.measure)
+            names.append(name)
     return names
 
 
@@ -73,6 +75,9 @@ def check_penalty_constraints(constraints: Sequence[ConstraintConfig]) -> None:
         if c.measure not in MEASURES:
             raise ValueError(f"constraint {i}: unknown measure {c.measure!r}; known: {', '.join(MEASURES)}")
         m = MEASURES[c.measure]
+        if c.quantile is not None and m.token is None:
+            raise ValueError(f"constraint {i}: a quantile constraint needs a measure with a per-token form; "
+                             f"{c.measure!r} is {m.kind}-level")
         if m.token is None and m.kind != "routing":
             raise ValueError(
                 f"constraint {i}: measure {c.measure!r} has no per-token form a penalty can act on (it is "

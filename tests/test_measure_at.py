@@ -98,3 +98,27 @@ def test_loop_feeds_the_dual_the_updates_measure(tmp_path, minibatches):
     prev = [lam0] + lam[:-1]
     for p, m, got in zip(prev, measured, lam):
         assert got == pytest.approx(min(max(p + eta * (m - tolerance), 0.0), 10.0), rel=1e-9, abs=1e-12)
+
+
+def test_a_quantile_constraint_feeds_the_dual_the_tail_of_the_token_measure(tmp_path):
+    """quantile: 0.9 makes D-hat the 90th percentile of |pi_old - mu| over the batch's tokens (logged by the panel as
+    discrepancy/abs_prob_diff_p90), under its own metric name, and the projected rule steps on it."""
+    torch.set_num_threads(1)
+    tolerance, eta, lam0 = 1e-3, 50.0, 0.1
+    cfg = load_config(None, [
+        "model.preset=tiny-dense", "rollout.precision=int8", "cold_start.steps=0", "algo.prompts_per_step=4",
+        "algo.samples_per_prompt=4", "algo.minibatches=1", "task.eval_size=8", "steps=3", "threads=1",
+        "progress=false", "dual.measure_at=rollout", f"output_dir={tmp_path / 'run'}",
+        f"dual.constraints=[{{measure: abs_prob_diff, quantile: 0.9, tolerance: {tolerance}, lambda_init: {lam0}, "
+        f"lr: {eta}}}]"])
+    summary = train(cfg)
+    measured = _history(summary, "dual/measured/abs_prob_diff_p90")
+    tail = _history(summary, "discrepancy/abs_prob_diff_p90")
+    mean = _history(summary, "discrepancy/abs_prob_diff")
+    lam = _history(summary, "dual/lambda/abs_prob_diff_p90")
+    assert len(measured) == len(tail) == len(lam) == 3
+    assert measured == pytest.approx(tail, rel=1e-9)
+    assert all(t > m for t, m in zip(tail, mean)), (tail, mean)  # int8's |pi - mu| is heavy-tailed
+    prev = [lam0] + lam[:-1]
+    for p, m, got in zip(prev, measured, lam):
+        assert got == pytest.approx(min(max(p + eta * (m - tolerance), 0.0), 10.0), rel=1e-9, abs=1e-12)

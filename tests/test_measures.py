@@ -401,6 +401,32 @@ def test_token_quantiles_match_numpy_and_hand_values():
                                   "discrepancy/kl_k3_p99": ref[2]}, rel=1e-12)
 
 
+def test_quantile_constraint_is_the_numpy_percentile_of_the_token_measure():
+    """A tail constraint's D is the q-quantile of the per-token measure over the valid tokens (float64 numpy
+    reference, linear interpolation), not the mean; it needs a per-token form and a q in (0, 1)."""
+    from constraints.penalties import check_penalty_constraints
+
+    train_t, rollout_t, mask_t, train, rollout, mask = _batch(11, torch.float64)
+    for name, q in (("abs_prob_diff", 0.9), ("kl_k3", 0.5), ("abs_log_ratio", 0.99)):
+        values = MEASURES[name].token(torch.tensor(train), torch.tensor(rollout)).numpy()[mask]
+        got = measure_constraint(ConstraintConfig(measure=name, quantile=q), train_t, rollout_t, mask_t)
+        assert got.dtype == torch.float64
+        assert got.item() == pytest.approx(np.percentile(values, 100 * q), rel=1e-12), name
+        assert got.item() != pytest.approx(values.mean(), rel=1e-3), name
+    assert measure_constraint(ConstraintConfig(quantile=0.9), train_t, rollout_t, torch.zeros_like(mask_t)).item() == 0
+    for cfg in (ConstraintConfig(measure="chi2_seq", quantile=0.9),):
+        with pytest.raises(ValueError, match="per-token form"):
+            measure_constraint(cfg, train_t, rollout_t, mask_t)
+        with pytest.raises(ValueError, match="per-token form"):
+            check_penalty_constraints([cfg])
+    with pytest.raises(ValueError, match="per-token form"):
+        check_penalty_constraints([ConstraintConfig(measure="routing_mismatch", quantile=0.9)])
+    for bad in (0.0, 1.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="quantile"):
+            ConstraintConfig(quantile=bad).check()
+    ConstraintConfig(quantile=0.9).check()
+
+
 def test_every_measure_is_a_constraint_and_a_calibration_row():
     """The registry is the one list: the panel, the constraint configs and dcmdp calibrate's rows follow it."""
     from constraints.measures import panel_constraints

@@ -138,6 +138,9 @@ def test_two_constraints_add_up_and_names_get_suffixes():
     assert metrics["dual/outside_frac/abs_prob_diff_2"] == pytest.approx(0.75)
     assert constraint_names([ConstraintConfig(measure="kl_k3"), ConstraintConfig(measure="abs_prob_diff"),
                              ConstraintConfig(measure="kl_k3")]) == ["kl_k3_1", "abs_prob_diff", "kl_k3_2"]
+    assert constraint_names([ConstraintConfig(measure="abs_prob_diff"), ConstraintConfig(quantile=0.9),
+                             ConstraintConfig(quantile=0.99)]) == ["abs_prob_diff", "abs_prob_diff_p90",
+                                                                   "abs_prob_diff_p99"]
     with pytest.raises(ValueError, match="multipliers"):
         PENALTIES["hinge"](logp, rollout_logp, adv, MASK, [LAM], cons, N)
 
