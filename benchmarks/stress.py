@@ -154,6 +154,9 @@ METHODS.update({
 # holds the share of tokens outside c (the ones the hinge acts on) at 10% at most; otherwise as
 # dcmdp_r3_slack0.5_cap0.3 (its floor, and so c, is the 90th percentile's too)
 METHODS["dcmdp_r3_p90"] = METHODS["dcmdp_r3_slack0.5_cap0.3"] + ["dual.constraints[0].quantile=0.9"]
+# the mean penalty form: lambda pulls every token's pi_theta towards mu (d_t), not only those outside c (relu(d_t - c));
+# otherwise as dcmdp_r3_slack0.5_cap0.3
+METHODS["dcmdp_r3_mean_form"] = METHODS["dcmdp_r3_slack0.5_cap0.3"] + ["dual.penalty=mean"]
 
 
 @dataclass(frozen=True)
@@ -286,6 +289,13 @@ PROFILES: dict[str, Profile] = {
               "their mean) against the same config on the mean, the fixed penalty at lambda = 0.1 and MiniRL + R3 "
               "at the harshest level, N = 4, 5 seeds (the other methods' run folders are the levers profile's, "
               "copied in)"),
+    "mean_form": Profile(
+        blocks=((HARSHEST, ("minirl_r3", "fixed_penalty_0.1", "dcmdp_r3_slack0.5_cap0.3", "dcmdp_r3_mean_form"), (4,),
+                 (0, 1, 2, 3, 4)),),
+        overrides=(),
+        about="DCMDP + R3 with the mean penalty form (every token pulled towards mu, not only those outside c) against "
+              "the hinge on the same config, the fixed penalty at lambda = 0.1 and MiniRL + R3 at the harshest "
+              "level, N = 4, 5 seeds (the other methods' run folders are the levers profile's, copied in)"),
     "sync_int4": Profile(
         blocks=((("int4",), KEY_METHODS, (4,), (0, 1, 2)),),
         overrides=(),
