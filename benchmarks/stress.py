@@ -195,6 +195,20 @@ class Profile:
 # sigma = 2 and int4 with groups of 64 included, see the probes' readings); staleness on int4 rollouts does
 HARSHEST = ("int4_async4",)
 HARSH_TWO = ("int4", "int4_async4")
+
+# what every lever profile measures a DCMDP variant against: the learner without the dual, the constant that trains
+# best and the best-scoring DCMDP config so far (their run folders are the levers profile's, copied in)
+LEVER_BASELINES = ("minirl_r3", "fixed_penalty_0.1", "dcmdp_r3_slack0.5_cap0.3")
+
+
+def _lever(method: str, what: str) -> Profile:
+    """A profile for one DCMDP lever: ``method`` beside LEVER_BASELINES at the harshest level, N = 4, 5 seeds."""
+    return Profile(blocks=((HARSHEST, (*LEVER_BASELINES, method), (4,), tuple(range(5))),), overrides=(),
+                   about=f"DCMDP + R3 with {what} against the projected rule on the same tighter tolerance (slack 0.5, "
+                         "lambda capped at 0.3), the fixed penalty at lambda = 0.1 and MiniRL + R3 at the harshest "
+                         "level, N = 4, 5 seeds (the other methods' run folders are the levers profile's, copied in)")
+
+
 # the methods of the full profile at the harshest level: the regime's two ends (no correction, token TIS), the
 # learner DCMDP builds on (MiniRL + R3), and the penalty with a constant lambda against the controller
 FULL_METHODS = ("grpo_no_is", "tis", "minirl_r3", "fixed_penalty", "dcmdp_r3")
@@ -274,28 +288,17 @@ PROFILES: dict[str, Profile] = {
         about="DCMDP + R3 with the paper's dual step (eta = 1 on the absolute violation, fixed c = 0.005, lambda_0 = "
               "0.1) against the fixed penalty at lambda = 0.1, DCMDP + R3 and MiniRL + R3 at the harshest level, N = "
               "4, 5 seeds (the other methods' run folders are the levers profile's, copied in)"),
-    "pid": Profile(
-        blocks=((HARSHEST, ("minirl_r3", "fixed_penalty_0.1", "dcmdp_r3_slack0.5_cap0.3", "dcmdp_r3_pid"), (4,),
-                 (0, 1, 2, 3, 4)),),
+    "pid": _lever("dcmdp_r3_pid", "the PID rule (a slow integral plus a proportional term, lambda capped at 0.3)"),
+    "tail": _lever("dcmdp_r3_p90", "a tail constraint (D-hat the 90th percentile of |pi_theta - mu| over the tokens, "
+                   "not their mean)"),
+    "mean_form": _lever("dcmdp_r3_mean_form", "the mean penalty form (every token pulled towards mu, not only those "
+                        "outside c)"),
+    "seeds10": Profile(
+        blocks=((HARSHEST, LEVER_BASELINES, (4,), tuple(range(10))),),
         overrides=(),
-        about="DCMDP + R3 with the PID rule (slow integral plus a proportional term, lambda capped at 0.3) against "
-              "the projected rule on the same tolerance, the fixed penalty at lambda = 0.1 and MiniRL + R3 at the "
-              "harshest level, N = 4, 5 seeds (the other methods' run folders are the levers profile's, copied in)"),
-    "tail": Profile(
-        blocks=((HARSHEST, ("minirl_r3", "fixed_penalty_0.1", "dcmdp_r3_slack0.5_cap0.3", "dcmdp_r3_p90"), (4,),
-                 (0, 1, 2, 3, 4)),),
-        overrides=(),
-        about="DCMDP + R3 with a tail constraint (D-hat the 90th percentile of |pi_theta - mu| over the tokens, not "
-              "their mean) against the same config on the mean, the fixed penalty at lambda = 0.1 and MiniRL + R3 "
-              "at the harshest level, N = 4, 5 seeds (the other methods' run folders are the levers profile's, "
-              "copied in)"),
-    "mean_form": Profile(
-        blocks=((HARSHEST, ("minirl_r3", "fixed_penalty_0.1", "dcmdp_r3_slack0.5_cap0.3", "dcmdp_r3_mean_form"), (4,),
-                 (0, 1, 2, 3, 4)),),
-        overrides=(),
-        about="DCMDP + R3 with the mean penalty form (every token pulled towards mu, not only those outside c) against "
-              "the hinge on the same config, the fixed penalty at lambda = 0.1 and MiniRL + R3 at the harshest "
-              "level, N = 4, 5 seeds (the other methods' run folders are the levers profile's, copied in)"),
+        about="ten seeds of the three methods the five-seed profiles rank closest: MiniRL + R3, the fixed penalty at "
+              "lambda = 0.1 and the best-scoring DCMDP config (tighter tolerance, lambda capped at 0.3) at the "
+              "harshest level, N = 4 (seeds 0-4 are the levers profile's run folders, copied in)"),
     "sync_int4": Profile(
         blocks=((("int4",), KEY_METHODS, (4,), (0, 1, 2)),),
         overrides=(),
