@@ -333,6 +333,10 @@ def cell_overrides(profile: Profile, level: str, method: str, n: int, seed: int,
 # ------------------------------------------------------------------------------------------- analysis
 
 
+# where the late-accuracy window starts, as a share of the run's steps (250 steps, eval_every 50: steps 150-250)
+LATE_FROM = 0.6
+
+
 @dataclass
 class Run:
     level: str
@@ -360,6 +364,13 @@ class Run:
     @property
     def peak(self) -> float:
         return max(self.eval_acc)
+
+    @property
+    def late(self) -> float:
+        """Mean held-out accuracy over the evaluations from LATE_FROM of the steps on (the final one included): the
+        end of the run with less of one evaluation's sampling noise than ``final``."""
+        return float(np.mean([a for s, a in zip(self.eval_steps, self.eval_acc)
+                              if s >= LATE_FROM * self.eval_steps[-1]]))
 
 
 def load(out: Path, level: str, method: str, n: int, seed: int, warmup: int) -> Run:
@@ -401,12 +412,13 @@ def aggregate(runs: list[Run], profile: Profile) -> list[dict]:
                     continue
                 final, final_sd = _mean_sd([r.final for r in rs])
                 peak, peak_sd = _mean_sd([r.peak for r in rs])
+                late, late_sd = _mean_sd([r.late for r in rs])
                 inside = [np.mean(np.asarray(r.measured) <= np.asarray(r.tolerance)) for r in rs]
                 cells.append({
                     "level": level, "method": method, "N": n, "seeds": len(rs),
                     "acc_before": float(np.mean([r.acc_before for r in rs])),
                     "final": final, "final_sd": final_sd, "peak": peak, "peak_sd": peak_sd,
-                    "finals": [r.final for r in rs],
+                    "finals": [r.final for r in rs], "late": late, "late_sd": late_sd, "lates": [r.late for r in rs],
                     "collapses": int(sum(r.collapsed for r in rs)),
                     "abs_prob_diff": float(np.nanmean([np.nanmean(r.abs_prob_diff) for r in rs])),
                     "kl_k3": float(np.nanmean([np.nanmean(r.kl_k3) for r in rs])),
@@ -438,22 +450,28 @@ def welch(cells: list[dict]) -> list[dict]:
         if not others:
             continue
         best = max(others, key=lambda c: c["final"])
+        best_late = max(others, key=lambda c: c["late"])
         for mine in (c for c in here if is_dcmdp(c["method"])):
-            a, b = mine["finals"], best["finals"]
-            p = float(ttest_ind(a, b, equal_var=False).pvalue) if len(a) > 1 and len(b) > 1 else math.nan
+            def p_of(field: str, base: dict) -> float:
+                a, b = mine[field], base[field]
+                return float(ttest_ind(a, b, equal_var=False).pvalue) if len(a) > 1 and len(b) > 1 else math.nan
+
             out.append({"level": key[0], "N": key[1], "method": mine["method"], "best_baseline": best["method"],
                         "dcmdp": mine["final"], "baseline": best["final"], "diff": mine["final"] - best["final"],
-                        "p": p, "seeds": f"{len(a)} vs {len(b)}"})
+                        "p": p_of("finals", best), "best_late_baseline": best_late["method"],
+                        "late_diff": mine["late"] - best_late["late"], "p_late": p_of("lates", best_late),
+                        "seeds": f"{len(mine['finals'])} vs {len(best['finals'])}"})
     return out
 
 
 def table(cells: list[dict]) -> list[str]:
-    lines = ["| N | level | kl_k3 at start | method | final held-out acc | peak held-out acc | collapses | "
-             "mean abs_prob_diff | steps inside c | mean λ | final λ |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| N | level | kl_k3 at start | method | final held-out acc | late held-out acc | peak held-out acc | "
+             "collapses | mean abs_prob_diff | steps inside c | mean λ | final λ |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         lines.append(f"| {c['N']} | {c['level']} | {c['kl_k3_start']:.2e} | {c['method']} | "
-                     f"{c['final']:.3f} ± {c['final_sd']:.3f} | {c['peak']:.3f} ± {c['peak_sd']:.3f} | "
+                     f"{c['final']:.3f} ± {c['final_sd']:.3f} | {c['late']:.3f} ± {c['late_sd']:.3f} | "
+                     f"{c['peak']:.3f} ± {c['peak_sd']:.3f} | "
                      f"{c['collapses']}/{c['seeds']} | {c['abs_prob_diff']:.2e} | {c['inside_share']:.0%} | "
                      f"{c['mean_lambda']:.3g} | {c['final_lambda']:.3g} |")
     return lines
@@ -461,10 +479,11 @@ def table(cells: list[dict]) -> list[str]:
 
 def welch_table(rows: list[dict]) -> list[str]:
     lines = ["| N | level | DCMDP config | its final acc | best baseline | its final acc | difference | Welch p | "
-             "seeds |", "|---|---|---|---|---|---|---|---|---|"]
+             "best by late acc | late difference | late Welch p | seeds |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['N']} | {r['level']} | {r['method']} | {r['dcmdp']:.3f} | {r['best_baseline']} | "
-                     f"{r['baseline']:.3f} | {r['diff']:+.3f} | {r['p']:.3g} | {r['seeds']} |")
+                     f"{r['baseline']:.3f} | {r['diff']:+.3f} | {r['p']:.3g} | {r['best_late_baseline']} | "
+                     f"{r['late_diff']:+.3f} | {r['p_late']:.3g} | {r['seeds']} |")
     return lines
 
 
@@ -560,8 +579,9 @@ def write_results(runs: list[Run], cells: list[dict], profile_name: str, profile
         "policy < half the run's peak held-out accuracy (step 0 included); mean reward accuracy over the last "
         "W = max(5, steps/20) steps < half the best W-step running mean after the LR warm-up",
         "- columns: held-out accuracy on the task's fixed eval set, sampled at temperature 1 by the rollout engine "
-        "(the deployed policy, at the level's precision), final and peak over the eval points, mean ± sd over "
-        "seeds; kl_k3 at start = the level's kl_k3 (pi_old vs mu) over the first 5 steps; mean abs_prob_diff over "
+        "(the deployed policy, at the level's precision), final and peak over the eval points, late = the mean of "
+        f"the evaluations from {LATE_FROM:.0%} of the steps on (less of one evaluation's sampling noise; added after "
+        "the full profile), mean ± sd over seeds; kl_k3 at start = the level's kl_k3 (pi_old vs mu) over the first 5 steps; mean abs_prob_diff over "
         "all steps; steps inside c = share of steps with the D̂ fed to the dual <= the tolerance in force", "",
         "| level | overrides |", "|---|---|", *[f"| {lv} | `{' '.join(LEVELS[lv])}` |" for lv in profile.levels], "",
         "| method | overrides |", "|---|---|", *[f"| {m} | `{' '.join(METHODS[m])}` |" for m in profile.methods], ""]
@@ -572,7 +592,7 @@ def write_results(runs: list[Run], cells: list[dict], profile_name: str, profile
         diag.append(f"| {c['N']} | {c['level']} | {c['method']} | " + " | ".join(
             "-" if not np.isfinite(c["extra"].get(k, math.nan)) else f"{c['extra'][k]:.3g}" for k in extra_keys) + " |")
     test = ["", "Each DCMDP config against the best method without the dual in its cell (Welch's t-test on final "
-            "accuracy):", "",
+            "accuracy; and on late accuracy against the best method by late accuracy):", "",
             *welch_table(rows)]
     plots = [f"![{p.stem}]({p.name})" for p in pngs]
     page = prefix.with_suffix(".md")
