@@ -367,6 +367,7 @@ class Run:
     kl_k3: list[float]
     seconds: float
     extra: dict[str, float] = field(default_factory=dict)
+    finished: float = math.nan  # when the run finished (its summary's mtime, seconds since the epoch)
 
     @property
     def final(self) -> float:
@@ -408,7 +409,7 @@ def load(out: Path, level: str, method: str, n: int, seed: int, warmup: int) -> 
     return Run(level, method, n, seed, summary["accuracy_before"], eval_steps, eval_acc, collapsed, reason,
                series(f"dual/measured/{name}"), series(f"dual/tolerance/{name}"),
                series(f"dual/lambda/{name}"), series("discrepancy/abs_prob_diff"),
-               series("discrepancy/kl_k3"), float(summary["seconds"]), extra)
+               series("discrepancy/kl_k3"), float(summary["seconds"]), extra, (out / "summary.json").stat().st_mtime)
 
 
 def _mean_sd(x: Sequence[float]) -> tuple[float, float]:
@@ -572,6 +573,10 @@ def plot(runs: list[Run], cells: list[dict], profile: Profile, prefix: Path) -> 
     return paths
 
 
+def _utc(t: float) -> str:
+    return f"{datetime.datetime.fromtimestamp(t, datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+
+
 def write_results(runs: list[Run], cells: list[dict], profile_name: str, profile: Profile, prefix: Path, cmd: str,
                   wall_s: float) -> list[str]:
     import torch
@@ -598,7 +603,8 @@ def write_results(runs: list[Run], cells: list[dict], profile_name: str, profile
     lines = table(cells)
     header = [
         f"# Mismatch stress testbed ({profile_name} profile)", "",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+        f"- date: runs finished {_utc(min(r.finished for r in runs))} to {_utc(max(r.finished for r in runs))}, "
+        f"written {_utc(datetime.datetime.now(datetime.timezone.utc).timestamp())}",
         f"- machine: {platform.node()} {platform.machine()} ({torch.backends.cpu.get_cpu_capability()} kernels), "
         f"{os.cpu_count()} logical CPUs; every run one process with one torch thread",
         f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
