@@ -603,8 +603,9 @@ def write_results(runs: list[Run], cells: list[dict], profile_name: str, profile
     lines = table(cells)
     header = [
         f"# Mismatch stress testbed ({profile_name} profile)", "",
-        f"- date: runs finished {_utc(min(r.finished for r in runs))} to {_utc(max(r.finished for r in runs))}, "
-        f"written {_utc(datetime.datetime.now(datetime.timezone.utc).timestamp())}",
+        f"- date: written {_utc(datetime.datetime.now(datetime.timezone.utc).timestamp())}; run summaries dated "
+        f"{_utc(min(r.finished for r in runs))} to {_utc(max(r.finished for r in runs))} (a run folder copied "
+        "without its dates carries the copy's)",
         f"- machine: {platform.node()} {platform.machine()} ({torch.backends.cpu.get_cpu_capability()} kernels), "
         f"{os.cpu_count()} logical CPUs; every run one process with one torch thread",
         f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
