@@ -545,8 +545,8 @@ def plot(runs: list[Run], cells: list[dict], profile: Profile, prefix: Path) -> 
         ax.fill_between(rs[0].eval_steps, mean - sd, mean + sd, color=f"C{k}", alpha=0.12)
     ax.axvspan(LATE_FROM * max(r.eval_steps[-1] for r in runs), max(r.eval_steps[-1] for r in runs), color="0.9",
                zorder=0, label="late window")
-    ax.set_xlabel("RL step"), ax.set_ylabel("held-out accuracy of the deployed policy (mean ± sd over seeds)")
-    ax.set_title(f"{harsh}, N = {n}"), ax.grid(alpha=0.3), ax.legend(fontsize=7)
+    ax.set_xlabel("RL step"), ax.set_ylabel("held-out accuracy of the deployed policy")
+    ax.set_title(f"{harsh}, N = {n}: mean ± sd over seeds"), ax.grid(alpha=0.3), ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(prefix.with_name(prefix.name + "_curves.png"))
     fig.savefig(paths[-1], dpi=120), plt.close(fig)
