@@ -324,6 +324,19 @@ class _Blocked(Exception):
     """A record refers to a placeholder run that no earlier record creates yet."""
 
 
+# sqlite store files a sender has seen; MLflow's db logger goes quiet about a store once its file is gone: a request
+# already under way when the file goes makes MLflow log SQLAlchemy's traceback before it raises, and the failure
+# is reported once, as a deleted store (``_Sender._check_store``). One filter for the process, however many senders.
+_SEEN_STORES: set[Path] = set()
+
+
+def _no_deleted_store(record: logging.LogRecord) -> bool:
+    return all(path.exists() for path in list(_SEEN_STORES))
+
+
+logging.getLogger("mlflow.store.db.utils").addFilter(_no_deleted_store)
+
+
 @dataclass
 class _Sender:
     """Sends records in order through one MlflowClient; remembers placeholder -> MLflow run ids."""
@@ -338,13 +351,6 @@ class _Sender:
         self.run_map.update(_read_run_map(self.buffer_dir))
         self._sqlite_file = sqlite_store_file(self.tracking_uri)
         self._sqlite_seen = False
-        if self._sqlite_file is not None:
-            # a request already under way when the file goes makes MLflow log SQLAlchemy's traceback before it
-            # raises; the failure is reported once, as a deleted store (see _check_store)
-            logging.getLogger("mlflow.store.db.utils").addFilter(self._store_still_there)
-
-    def _store_still_there(self, record: logging.LogRecord) -> bool:
-        return not (self._sqlite_seen and self._sqlite_file is not None and not self._sqlite_file.exists())
 
     def _check_store(self) -> None:
         """A sqlite store file deleted under a live run fails like an unreachable server (so the records are
@@ -352,7 +358,9 @@ class _Sender:
         if self._sqlite_file is None:
             return
         if self._sqlite_file.exists():
-            self._sqlite_seen = True
+            if not self._sqlite_seen:
+                self._sqlite_seen = True
+                _SEEN_STORES.add(self._sqlite_file)
         elif self._sqlite_seen:
             raise FileNotFoundError(errno.ENOENT, "the sqlite tracking store was deleted", str(self._sqlite_file))
 
