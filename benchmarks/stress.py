@@ -453,11 +453,16 @@ def is_dcmdp(method: str) -> bool:
     return method.startswith("dcmdp")
 
 
-def welch(cells: list[dict]) -> list[dict]:
-    """Per (level, N) and DCMDP config: against the best method without the dual by mean final accuracy (Welch's
-    t-test)."""
+def _welch_p(a: Sequence[float], b: Sequence[float]) -> float:
+    """Welch's t-test p-value of two samples; NaN with fewer than two values on a side."""
     from scipy.stats import ttest_ind
 
+    return float(ttest_ind(a, b, equal_var=False).pvalue) if len(a) > 1 and len(b) > 1 else math.nan
+
+
+def welch(cells: list[dict]) -> list[dict]:
+    """Per (level, N) and DCMDP config: against the best method without the dual by mean final accuracy (Welch's
+    t-test), and by late accuracy against the best by late accuracy."""
     out = []
     for key in sorted({(c["level"], c["N"]) for c in cells}, key=lambda k: (k[1], list(LEVELS).index(k[0]))):
         here = [c for c in cells if (c["level"], c["N"]) == key]
@@ -467,14 +472,11 @@ def welch(cells: list[dict]) -> list[dict]:
         best = max(others, key=lambda c: c["final"])
         best_late = max(others, key=lambda c: c["late"])
         for mine in (c for c in here if is_dcmdp(c["method"])):
-            def p_of(field: str, base: dict) -> float:
-                a, b = mine[field], base[field]
-                return float(ttest_ind(a, b, equal_var=False).pvalue) if len(a) > 1 and len(b) > 1 else math.nan
-
             out.append({"level": key[0], "N": key[1], "method": mine["method"], "best_baseline": best["method"],
                         "dcmdp": mine["final"], "baseline": best["final"], "diff": mine["final"] - best["final"],
-                        "p": p_of("finals", best), "best_late_baseline": best_late["method"],
-                        "late_diff": mine["late"] - best_late["late"], "p_late": p_of("lates", best_late),
+                        "p": _welch_p(mine["finals"], best["finals"]), "best_late_baseline": best_late["method"],
+                        "late_diff": mine["late"] - best_late["late"],
+                        "p_late": _welch_p(mine["lates"], best_late["lates"]),
                         "seeds": f"{len(mine['finals'])} vs {len(best['finals'])}"})
     return out
 
