@@ -83,6 +83,10 @@ LEVELS: dict[str, list[str]] = {
     # controls (DESIGN.md §9), unlike logit noise; the automatic tolerance's floor comes from the fresh batches.
     "int4_async4": ["rollout.precision=int4", "async_rollout.enabled=true", "async_rollout.max_staleness=4",
                     "async_rollout.threads=1"],
+    # ... and up to 8 versions old: twice the drift per stale batch, where the constant that trains best at
+    # int4_async4 (lambda = 0.1) may no longer be the right one (``--profile async8``)
+    "int4_async8": ["rollout.precision=int4", "async_rollout.enabled=true", "async_rollout.max_staleness=8",
+                    "async_rollout.threads=1"],
 }
 
 # The constraint every method carries (only logged where the dual is off). The tolerance is automatic: c tracks
@@ -310,6 +314,12 @@ PROFILES: dict[str, Profile] = {
         about="ten seeds of the three methods the five-seed profiles rank closest: MiniRL + R3, the fixed penalty at "
               "lambda = 0.1 and the best-scoring DCMDP config (tighter tolerance, lambda capped at 0.3) at the "
               "harshest level, N = 4 (seeds 0-4 are the levers profile's run folders, copied in)"),
+    "async8": Profile(
+        blocks=((("int4_async8",), LEVER_BASELINES, (4,), tuple(range(5))),),
+        overrides=(),
+        about="the three methods of seeds10 at int4 rollouts up to 8 policy versions old (twice the harshest "
+              "level's staleness), N = 4, 5 seeds: is the constant chosen at int4_async4 (lambda = 0.1) still the "
+              "right one when the drift doubles?"),
     "sync_int4": Profile(
         blocks=((("int4",), KEY_METHODS, (4,), (0, 1, 2)),),
         overrides=(),
