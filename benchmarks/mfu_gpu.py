@@ -117,17 +117,15 @@ def train_step(model, optimizer, ids_BS: torch.Tensor, mask_BS: torch.Tensor, fp
 
 def counted_flops(model, optimizer, ids_BS, mask_BS, fp32_lm_head: bool) -> int:
     """FLOPs of one step as FlopCounterMode counts them."""
-    # FlopCounterMode has formulas for the CUDA SDPA kernels but none for the CPU one, whose attention it
-    # would miss: on the CPU the counted step runs eager attention (plain matmuls) instead.
-    cpu = ids_BS.device.type == "cpu"
-    if cpu:
-        model.set_attn_implementation("eager")
+    # The counted step runs eager attention (plain matmuls): FlopCounterMode has no formula for the CPU SDPA
+    # kernel, whose attention it would miss, and its CUDA SDPA formula refuses grouped-query shapes (torch 2.11:
+    # "query/key/value shapes are incompatible" for 16 query / 8 KV heads). The timed steps keep SDPA.
+    model.set_attn_implementation("eager")
     try:
         with FlopCounterMode(display=False) as counter:
             train_step(model, optimizer, ids_BS, mask_BS, fp32_lm_head)
     finally:
-        if cpu:
-            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
     return counter.get_total_flops()
 
 
@@ -224,7 +222,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         card = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-        cmd = ".venv/bin/python benchmarks/mfu_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        exe = Path(sys.executable)
+        python = str(exe.relative_to(ROOT)) if exe.is_relative_to(ROOT) else exe.name
+        cmd = f"{python} benchmarks/mfu_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
         header = [
             "# Training-step MFU, Qwen3 shapes, random weights", "",
             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
