@@ -167,6 +167,11 @@ METHODS["dcmdp_r3_p95"] = METHODS["dcmdp_r3"] + ["dual.constraints[0].quantile=0
 # the mean penalty form: lambda pulls every token's pi_theta towards mu (d_t), not only those outside c (relu(d_t - c));
 # otherwise as dcmdp_r3_slack0.5_cap0.3
 METHODS["dcmdp_r3_mean_form"] = METHODS["dcmdp_r3_slack0.5_cap0.3"] + ["dual.penalty=mean"]
+# two levers the design names, on dcmdp_r3_slack0.5_cap0.3: D-hat measured at the rollout (pi_old vs mu, before the
+# updates: under asynchronous rollouts a stale batch's D-hat holds the drift since the weights that sampled it, a
+# fresh one only the engines' floor) instead of at the updates; and the paper's other lambda_0 (0.05)
+METHODS["dcmdp_r3_at_rollout"] = METHODS["dcmdp_r3_slack0.5_cap0.3"] + ["dual.measure_at=rollout"]
+METHODS["dcmdp_r3_lambda0.05"] = METHODS["dcmdp_r3_slack0.5_cap0.3"] + ["dual.constraints[0].lambda_init=0.05"]
 
 
 @dataclass(frozen=True)
@@ -308,6 +313,13 @@ PROFILES: dict[str, Profile] = {
                    "not their mean, against a fixed c = 0.005: at most 5% of the tokens outside c)"),
     "mean_form": _lever("dcmdp_r3_mean_form", "the mean penalty form (every token pulled towards mu, not only those "
                         "outside c)"),
+    "named_levers": Profile(
+        blocks=((HARSHEST, (*LEVER_BASELINES, "dcmdp_r3_at_rollout", "dcmdp_r3_lambda0.05"), (4,), tuple(range(5))),),
+        overrides=(),
+        about="DCMDP + R3 (tighter tolerance, lambda capped at 0.3) with D-hat measured at the rollout (pi_old vs mu) "
+              "instead of at the updates, or with lambda_0 = 0.05, beside MiniRL + R3, the fixed penalty at lambda = "
+              "0.1 and the same DCMDP config at the harshest level, N = 4, 5 seeds (the other methods' run folders "
+              "are the seeds10 profile's, copied in)"),
     "seeds10": Profile(
         blocks=((HARSHEST, LEVER_BASELINES, (4,), tuple(range(10))),),
         overrides=(),
