@@ -332,6 +332,13 @@ PROFILES: dict[str, Profile] = {
         about="the three methods of seeds10 at int4 rollouts up to 8 policy versions old (twice the harshest "
               "level's staleness), N = 4, 5 seeds: is the constant chosen at int4_async4 (lambda = 0.1) still the "
               "right one when the drift doubles?"),
+    "probe_fp32": Profile(
+        blocks=((("fp32",), ("minirl_r3", "fixed_penalty", "fixed_penalty_0.1", "dcmdp_r3_slack0.5_cap0.3"), (4,),
+                 (0, 1)),),
+        overrides=(),
+        about="the no-mismatch control (fp32 rollouts, synchronous): which constant would a user pick where the "
+              "engines agree? The fixed penalty at lambda = 1 and 0.1 beside MiniRL + R3 and the tuned DCMDP "
+              "config, N = 4, 2 seeds"),
     "sync_int4": Profile(
         blocks=((("int4",), KEY_METHODS, (4,), (0, 1, 2)),),
         overrides=(),
