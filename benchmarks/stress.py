@@ -126,6 +126,8 @@ METHODS.update({
     "dcmdp_r3_held_floor": METHODS["dcmdp_r3"] + ["dual.constraints[0].floor_steps=5"],
     # the fixed penalty at a tenth of FIXED_LAMBDA (near DCMDP + R3's mean lambda at int4_async4)
     "fixed_penalty_0.1": METHODS["fixed_penalty"] + ["dual.constraints[0].lambda_init=0.1"],
+    # ... and at 0.2 (above DCMDP + R3's mean lambda at int4_async8, 0.17)
+    "fixed_penalty_0.2": METHODS["fixed_penalty"] + ["dual.constraints[0].lambda_init=0.2"],
     # DCMDP + R3 with lambda capped at 0.3 (its bursts reach ~1, where a constant lambda collapses every run)
     "dcmdp_r3_cap0.3": METHODS["dcmdp_r3"] + ["dual.constraints[0].lambda_max=0.3"],
     # DCMDP + R3 with a tighter automatic tolerance (c = 1.5 x the floor, where the stale batches' drift exceeds it
@@ -327,11 +329,12 @@ PROFILES: dict[str, Profile] = {
               "lambda = 0.1 and the best-scoring DCMDP config (tighter tolerance, lambda capped at 0.3) at the "
               "harshest level, N = 4 (seeds 0-4 are the levers profile's run folders, copied in)"),
     "async8": Profile(
-        blocks=((("int4_async8",), LEVER_BASELINES, (4,), tuple(range(5))),),
+        blocks=((("int4_async8",), (*LEVER_BASELINES, "fixed_penalty_0.2"), (4,), tuple(range(5))),),
         overrides=(),
         about="the three methods of seeds10 at int4 rollouts up to 8 policy versions old (twice the harshest "
               "level's staleness), N = 4, 5 seeds: is the constant chosen at int4_async4 (lambda = 0.1) still the "
-              "right one when the drift doubles?"),
+              "right one when the drift doubles? And the constant at lambda = 0.2, near the dual's mean lambda "
+              "there (run after the first three)"),
     "probe_fp32": Profile(
         blocks=((("fp32",), ("minirl_r3", "fixed_penalty", "fixed_penalty_0.1", "dcmdp_r3_slack0.5_cap0.3"), (4,),
                  (0, 1)),),
