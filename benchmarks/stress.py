@@ -335,6 +335,12 @@ PROFILES: dict[str, Profile] = {
               "level's staleness), N = 4, 5 seeds: is the constant chosen at int4_async4 (lambda = 0.1) still the "
               "right one when the drift doubles? And the constant at lambda = 0.2, near the dual's mean lambda "
               "there (run after the first three)"),
+    "constant_0.2": Profile(
+        blocks=((HARSHEST, (*LEVER_BASELINES, "fixed_penalty_0.2"), (4,), tuple(range(5))),),
+        overrides=(),
+        about="the constant that matched DCMDP + R3 at int4_async8 (lambda = 0.2) at the harshest level, beside the "
+              "seeds10 methods' seeds 0-4 (run folders copied in), N = 4, 5 seeds: the better constant everywhere, "
+              "or only at the staler level?"),
     "probe_fp32": Profile(
         blocks=((("fp32",), ("minirl_r3", "fixed_penalty", "fixed_penalty_0.1", "dcmdp_r3_slack0.5_cap0.3"), (4,),
                  (0, 1)),),
