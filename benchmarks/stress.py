@@ -335,7 +335,7 @@ PROFILES: dict[str, Profile] = {
               "level's staleness), N = 4, 5 seeds: is the constant chosen at int4_async4 (lambda = 0.1) still the "
               "right one when the drift doubles? And the constant at lambda = 0.2, near the dual's mean lambda "
               "there (run after the first three)"),
-    "constant_0.2": Profile(
+    "constant02": Profile(
         blocks=((HARSHEST, (*LEVER_BASELINES, "fixed_penalty_0.2"), (4,), tuple(range(5))),),
         overrides=(),
         about="the constant that matched DCMDP + R3 at int4_async8 (lambda = 0.2) at the harshest level, beside the "
