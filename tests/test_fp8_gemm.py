@@ -27,8 +27,8 @@ from torch import nn
 
 from trainers.config import ModelConfig
 from trainers.models import build_model
-from trainers.quant import (FP8_E4M3_MAX, _finite_amax, _safe_scale, cast_for_precision, fake_quantize_fp8,
-                            fp8_gemm_available, quantized_weights)
+from trainers.quant import (cast_for_precision, fake_quantize_fp8, fp8_codes, fp8_gemm_available,
+                            quantized_weights)
 from trainers.scoring import response_logprobs
 
 pytestmark = [pytest.mark.gpu,
@@ -38,10 +38,7 @@ _ALIGN = 16  # cuBLAS fp8 GEMMs want every dimension a multiple of 16
 
 
 def _codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 codes and float32 row scales of ``x`` (..., K), the rounding ``fake_quantize_fp8`` applies."""
-    x = x.float()
-    scale = _safe_scale(_finite_amax(x) / FP8_E4M3_MAX)
-    return (x / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale
+    return fp8_codes(x.float())
 
 
 def _pad(t: torch.Tensor, dim: int) -> torch.Tensor:

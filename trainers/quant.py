@@ -101,10 +101,15 @@ def fake_quantize_fp8(x: Tensor) -> Tensor:
     for float64 inputs) and returned in the input dtype. Error bound: ``|x - q| <= 2^-4 |x|`` where
     ``|x / scale| >= 2^-6`` (3 mantissa bits), else ``<= 2^-10 scale`` (half the subnormal step).
     """
+    codes, scale = fp8_codes(x)
+    return (codes.to(scale.dtype) * scale).to(x.dtype)
+
+
+def fp8_codes(x: Tensor) -> tuple[Tensor, Tensor]:
+    """The e4m3 codes and row scales ``fake_quantize_fp8`` rounds ``x`` to (what an fp8 GEMM takes)."""
     w = x.to(_work_dtype(x))
     scale = _safe_scale(_finite_amax(w) / FP8_E4M3_MAX)
-    q = (w / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(w.dtype)
-    return (q * scale).to(x.dtype)
+    return (w / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
 def fake_quantize_int4(weight_OI: Tensor, group_size: int) -> Tensor:
