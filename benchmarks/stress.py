@@ -335,6 +335,15 @@ PROFILES: dict[str, Profile] = {
               "level's staleness), N = 4, 5 seeds: is the constant chosen at int4_async4 (lambda = 0.1) still the "
               "right one when the drift doubles? And the constant at lambda = 0.2, near the dual's mean lambda "
               "there (run after the first three)"),
+    "async8_methods": Profile(
+        blocks=((("int4_async8",), ("grpo_no_is", "tis"), (4,), tuple(range(5))),
+                (("int4_async8",), ("icepop", "seq_mis", "minirl"), (4,), tuple(range(5))),
+                (("int4_async8",), (*LEVER_BASELINES, "fixed_penalty_0.2"), (4,), tuple(range(5)))),
+        overrides=(),
+        about="every method of the benchmark at int4_async8 (int4 rollouts up to 8 policy versions old, the harshest "
+              "level), N = 4, 5 seeds: the five methods without a penalty that async8 did not run (GRPO without IS "
+              "and token TIS first, then IcePop, seq-MIS and MiniRL without R3) beside async8's four (run folders "
+              "copied in)"),
     "constant02": Profile(
         blocks=((HARSHEST, (*LEVER_BASELINES, "fixed_penalty_0.2"), (4,), tuple(range(5))),),
         overrides=(),
