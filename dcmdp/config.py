@@ -113,6 +113,10 @@ class DualConfig:
     # (D_hat - c) / c instead of D_hat - c, so one eta means "lambda moves by eta per tolerance exceeded" for
     # every measure (abs_prob_diff ~1e-3 and kl_k3 ~1e-4 alike). Needs c > 0.
     relative: bool = False
+    # The penalty carries the running mean of the multipliers over the run, lambda_bar_k = mean(lambda_0..lambda_k),
+    # instead of the last one (the averaged dual iterate): lambda still moves by the rule; the penalty settles at the
+    # level the run's drift asked for and does not let go when D-hat falls inside c late. Logged as dual/lambda_avg/*.
+    average: bool = False
 
 
 @dataclass

@@ -29,6 +29,11 @@ by the trainer's current weights measure the floor (the first, and the first aft
 checkpoint): a stale batch's pi_old vs mu also holds the policy's drift since its weights, which is part of
 what the constraint bounds, not of the floor; the loop passes NaN for it and F stays as it was.
 
+Averaged multiplier (``cfg.average``): the rule moves lambda_k as always, and the penalty carries the running mean
+lambda_bar_k = (lambda_0 + ... + lambda_k) / (k + 1), the averaged dual iterate of primal-dual methods, instead of
+lambda_k. lambda_bar settles at the level of penalty the run's drift has asked for on average, and does not let go
+when D_hat falls inside c late in a run (DESIGN.md §9; stress benchmark, profile ``average``).
+
 Pi is the Euclidean projection onto the box [lambda_min_i, lambda_max_i], intersected with the coupled
 limits A lambda <= b when ``cfg.coupling`` has rows (a small QP solved with cvxpy). A non-finite
 measurement never moves its multiplier: that lambda and its PID state stay as they were (also under
@@ -71,13 +76,20 @@ class DualState:
     # (C,) EMA F of the floor measurement (pi_old vs mu before the updates) behind an automatic tolerance
     # (constraints[i].floor_slack); NaN until the first finite measurement, and for fixed tolerances.
     floor_C: Optional[Tensor] = None
+    # (C,) running mean of the multipliers over the run, lambda_bar_k = mean(lambda_0, ..., lambda_k) (k = steps);
+    # the penalty carries it under ``cfg.average``. None in states written before it existed: lambda_C stands in.
+    lambda_avg_C: Optional[Tensor] = None
+
+    def lambda_avg(self) -> Tensor:
+        """(C,) lambda_bar_k, the running mean of lambda_0..lambda_k (lambda_C for a state without one)."""
+        return self.lambda_C if self.lambda_avg_C is None else self.lambda_avg_C
 
     def state_dict(self) -> dict[str, Any]:
         """Plain python (JSON-safe) copy of the state."""
         # NaN (no floor yet) as None: JSON-safe, and equal to itself when two states are compared
         floor = [] if self.floor_C is None else [x if math.isfinite(x) else None for x in self.floor_C.tolist()]
         return {"lambda_C": self.lambda_C.tolist(), "rule": copy.deepcopy(self.rule), "steps": int(self.steps),
-                "skipped": int(self.skipped), "floor_C": floor}
+                "skipped": int(self.skipped), "floor_C": floor, "lambda_avg_C": self.lambda_avg().tolist()}
 
     @classmethod
     def from_state_dict(cls, d: dict[str, Any]) -> "DualState":
@@ -87,8 +99,10 @@ class DualState:
                  else torch.full_like(lam, float("nan")))
         # checkpoints written before rules owned their state kept the PID terms at the top level
         rule = d["rule"] if "rule" in d else {k: d[k] for k in _PID_KEYS if k in d}
+        # states written before the running mean existed: it restarts from the current lambda
+        avg = _vec(d["lambda_avg_C"]) if d.get("lambda_avg_C") else lam.clone()
         return cls(lambda_C=lam, rule=copy.deepcopy(rule), steps=int(d["steps"]), skipped=int(d["skipped"]),
-                   floor_C=floor)
+                   floor_C=floor, lambda_avg_C=avg)
 
 
 def _vec(v: Any) -> Tensor:
@@ -121,7 +135,8 @@ def init_state(cfg: DualConfig) -> DualState:
         if np.any(A @ lam.numpy() > b + _FEASIBILITY_TOL):
             raise ValueError(f"dual: lambda_init {lam.tolist()} violates the coupled limits A lambda <= b "
                              f"(A lambda = {(A @ lam.numpy()).tolist()}, b = {b.tolist()})")
-    return DualState(lambda_C=lam, rule=rule.init(cfg), floor_C=torch.full((n,), float("nan"), dtype=_F64))
+    return DualState(lambda_C=lam, rule=rule.init(cfg), floor_C=torch.full((n,), float("nan"), dtype=_F64),
+                     lambda_avg_C=lam.clone())
 
 
 def tolerances(state: DualState, cfg: DualConfig) -> Tensor:
@@ -141,12 +156,18 @@ def constraints_in_force(state: DualState, cfg: DualConfig) -> list:
     return [replace(c, tolerance=float(t)) for c, t in zip(cfg.constraints, tolerances(state, cfg).tolist())]
 
 
+def applied_lambda(state: DualState, cfg: DualConfig) -> Tensor:
+    """(C,) float64, the multipliers the penalty carries: lambda_C, or its running mean lambda_bar under
+    ``cfg.average``."""
+    return state.lambda_avg() if cfg.average else state.lambda_C
+
+
 def penalty_spec(state: DualState, cfg: DualConfig) -> PenaltySpec:
-    """The penalty the updates of the next rollout batch carry: lambda_C (float32), the constraints with the
-    tolerances in force and the penalty form; none under a rule that does not penalise (``off``)."""
+    """The penalty the updates of the next rollout batch carry: ``applied_lambda`` (float32), the constraints with
+    the tolerances in force and the penalty form; none under a rule that does not penalise (``off``)."""
     if not get_rule(cfg).penalizes:
         return PenaltySpec()
-    return PenaltySpec(state.lambda_C.float(), tuple(constraints_in_force(state, cfg)), cfg.penalty)
+    return PenaltySpec(applied_lambda(state, cfg).float(), tuple(constraints_in_force(state, cfg)), cfg.penalty)
 
 
 def _seed_floor(state: DualState, floor_measured_C: Tensor, cfg: DualConfig) -> DualState:
@@ -352,7 +373,7 @@ def dual_step(state: DualState, measured_C: Tensor, cfg: DualConfig,
     vs mu before the updates, default measured_C) then updates the floor of the automatic tolerances, which
     applies from the next batch, like lambda. Metrics per constraint name n: 'dual/lambda/n' (after the step),
     'dual/measured/n', 'dual/tolerance/n', 'dual/violation/n' (D_hat - c); 'dual/skipped' (entries skipped
-    in this step).
+    in this step); under ``cfg.average`` also 'dual/lambda_avg/n' (lambda_bar, the multiplier the penalty carries).
     """
     rule = get_rule(cfg)
     measured_C = torch.as_tensor(measured_C, dtype=_F64).detach().cpu().reshape(-1)
@@ -372,13 +393,20 @@ def dual_step(state: DualState, measured_C: Tensor, cfg: DualConfig,
         lambda_C, rule_state = rule.step(state.lambda_C, state.rule, measured_C / scale_C, tolerance_C / scale_C, cfg)
     else:
         lambda_C, rule_state = rule.step(state.lambda_C, state.rule, measured_C, tolerance_C, cfg)
-    new = replace(state, lambda_C=lambda_C, rule=rule_state, steps=state.steps + 1, skipped=state.skipped + n_skipped)
+    steps = state.steps + 1
+    avg_prev_C = state.lambda_avg()
+    # lambda_bar_k = lambda_bar_{k-1} + (lambda_k - lambda_bar_{k-1}) / (k + 1): the mean of lambda_0..lambda_k
+    lambda_avg_C = avg_prev_C + (lambda_C - avg_prev_C) / (steps + 1)
+    new = replace(state, lambda_C=lambda_C, rule=rule_state, steps=steps, skipped=state.skipped + n_skipped,
+                  lambda_avg_C=lambda_avg_C)
     new = update_floor(new, floor_now_C, cfg)
 
     metrics: dict[str, float] = {"dual/skipped": float(n_skipped)}
-    for name, lam, d, c in zip(constraint_names(cfg.constraints), new.lambda_C.tolist(), measured_C.tolist(),
-                               tolerance_C.tolist()):
+    for name, lam, avg, d, c in zip(constraint_names(cfg.constraints), new.lambda_C.tolist(), new.lambda_avg().tolist(),
+                                    measured_C.tolist(), tolerance_C.tolist()):
         metrics[f"dual/lambda/{name}"] = lam
+        if cfg.average:
+            metrics[f"dual/lambda_avg/{name}"] = avg
         metrics[f"dual/measured/{name}"] = d
         metrics[f"dual/tolerance/{name}"] = c
         metrics[f"dual/violation/{name}"] = d - c

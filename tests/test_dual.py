@@ -400,3 +400,53 @@ def test_a_new_rule_is_one_registry_line(monkeypatch):
         state, m = dual_step(state, torch.tensor([0.0, 0.0], dtype=torch.float64), cfg)
     assert state.lambda_C.tolist() == pytest.approx([0.8, 4.0]) and state.rule == {"calls": 3}
     assert DualState.from_state_dict(json.loads(json.dumps(state.state_dict()))).rule == {"calls": 3}
+
+
+# ------------------------------------------------------------------------- averaged multiplier
+
+
+def test_averaged_multiplier_is_the_running_mean_the_penalty_carries():
+    """dual.average: lambda_bar_k = mean(lambda_0..lambda_k) against numpy's mean of the iterates (float64), the
+    iterates themselves unchanged by it; the penalty carries lambda_bar with average on, lambda_k with it off."""
+    from dcmdp.dual import penalty_spec
+
+    cons = [ConstraintConfig(tolerance=0.02, lambda_init=0.3, lambda_max=1.0, lr=20.0),
+            ConstraintConfig(measure="kl_k3", tolerance=0.02, lambda_init=0.0, lr=5.0)]
+    averaged, plain = _cfg(constraints=cons, average=True), _cfg(constraints=cons)
+    sa, sp = init_state(averaged), init_state(plain)
+    rng = np.random.default_rng(4)
+    iterates = [sa.lambda_C.numpy().copy()]
+    for k in range(1, 41):
+        x = torch.tensor(rng.uniform(0, 0.04, size=2), dtype=torch.float64)
+        if k <= 15:  # a high phase drives lambda to its cap, a low one to 0 (the mean then lies between)
+            x[0] = 0.04 if k <= 5 else 0.0
+        if k == 7:
+            x[0] = float("nan")  # a skipped measurement keeps lambda, which still counts in the mean
+        sa, m = dual_step(sa, x, averaged)
+        sp, mp = dual_step(sp, x, plain)
+        assert sa.lambda_C.tolist() == sp.lambda_C.tolist()  # the rule's iterates do not depend on the average
+        iterates.append(sa.lambda_C.numpy().copy())
+        mean = np.mean(iterates, axis=0)
+        assert sa.lambda_avg().numpy() == pytest.approx(mean, rel=1e-12, abs=1e-15)
+        assert m["dual/lambda_avg/abs_prob_diff"] == pytest.approx(mean[0], rel=1e-12, abs=1e-15)
+        assert "dual/lambda_avg/abs_prob_diff" not in mp
+        assert penalty_spec(sa, averaged).lambda_C.tolist() == pytest.approx(mean.tolist(), rel=1e-6)
+        assert penalty_spec(sp, plain).lambda_C.tolist() == pytest.approx(sp.lambda_C.tolist(), rel=1e-6)
+    # the iterates visited both bounds, so the mean is not one of them
+    assert np.asarray(iterates)[:, 0].max() == 1.0 and np.asarray(iterates)[:, 0].min() == 0.0
+
+
+def test_averaged_multiplier_round_trips_and_an_older_state_restarts_it_at_lambda():
+    cfg = _cfg(average=True)
+    state = init_state(cfg)
+    for x in ([0.02, 0.0], [0.0, 0.03], [0.01, 0.02]):
+        state, _ = dual_step(state, torch.tensor(x, dtype=torch.float64), cfg)
+    restored = DualState.from_state_dict(json.loads(json.dumps(state.state_dict())))
+    assert restored.lambda_avg().tolist() == state.lambda_avg().tolist()
+    older = DualState.from_state_dict({k: v for k, v in state.state_dict().items() if k != "lambda_avg_C"})
+    assert older.lambda_avg().tolist() == state.lambda_C.tolist()
+    x = torch.tensor([0.02, 0.02], dtype=torch.float64)
+    older, _ = dual_step(older, x, cfg)
+    # lambda_bar_4 = lambda_bar_3 + (lambda_4 - lambda_bar_3) / 5, lambda_bar_3 taken as lambda_3
+    expected = state.lambda_C + (older.lambda_C - state.lambda_C) / 5
+    assert older.lambda_avg().tolist() == pytest.approx(expected.tolist(), rel=1e-12)

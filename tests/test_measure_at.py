@@ -122,3 +122,21 @@ def test_a_quantile_constraint_feeds_the_dual_the_tail_of_the_token_measure(tmp_
     prev = [lam0] + lam[:-1]
     for p, m, got in zip(prev, measured, lam):
         assert got == pytest.approx(min(max(p + eta * (m - tolerance), 0.0), 10.0), rel=1e-9, abs=1e-12)
+
+
+def test_loop_logs_the_averaged_multiplier_it_penalises_with(tmp_path):
+    """dual.average=true in a run: dual/lambda_avg is the mean of lambda_0 and the logged iterates."""
+    torch.set_num_threads(1)
+    tolerance, eta, lam0 = 1e-3, 50.0, 0.1
+    cfg = load_config(None, [
+        "model.preset=tiny-dense", "rollout.precision=int8", "cold_start.steps=0", "algo.prompts_per_step=4",
+        "algo.samples_per_prompt=4", "algo.minibatches=2", "task.eval_size=8", "steps=4", "threads=1",
+        "progress=false", "dual.average=true", f"output_dir={tmp_path / 'run'}",
+        f"dual.constraints=[{{measure: abs_prob_diff, tolerance: {tolerance}, lambda_init: {lam0}, lr: {eta}}}]"])
+    summary = train(cfg)
+    lam = _history(summary, "dual/lambda/abs_prob_diff")
+    avg = _history(summary, "dual/lambda_avg/abs_prob_diff")
+    assert len(lam) == len(avg) == 4
+    assert len(set(lam)) > 1  # the iterates moved, so the mean differs from the last one
+    for k in range(4):
+        assert avg[k] == pytest.approx(sum([lam0] + lam[:k + 1]) / (k + 2), rel=1e-9)
