@@ -72,18 +72,27 @@ def _history(summary, key: str) -> list[float]:
     return [m.value for m in sorted(hist, key=lambda m: m.step)]
 
 
+TOLERANCE, ETA, LAM0 = 1e-3, 50.0, 0.1
+
+
+def _run(tmp_path, *overrides: str, constraint: str = ""):
+    """A short untrained tiny-dense run (int8 rollouts, 4 x 4 samples) with one abs_prob_diff constraint
+    (c = TOLERANCE, eta = ETA, lambda_0 = LAM0, plus ``constraint``'s fields) and ``overrides``; its summary."""
+    torch.set_num_threads(1)
+    return train(load_config(None, [
+        "model.preset=tiny-dense", "rollout.precision=int8", "cold_start.steps=0", "algo.prompts_per_step=4",
+        "algo.samples_per_prompt=4", "task.eval_size=8", "threads=1", "progress=false",
+        f"output_dir={tmp_path / 'run'}",
+        f"dual.constraints=[{{measure: abs_prob_diff, {constraint}tolerance: {TOLERANCE}, lambda_init: {LAM0}, "
+        f"lr: {ETA}}}]", *overrides]))
+
+
 @pytest.mark.parametrize("minibatches", [1, 4])
 def test_loop_feeds_the_dual_the_updates_measure(tmp_path, minibatches):
-    torch.set_num_threads(1)
-    tolerance, eta, lam0 = 1e-3, 50.0, 0.1
-    cfg = load_config(None, [
-        "model.preset=tiny-dense", "rollout.precision=int8", "cold_start.steps=0", "algo.prompts_per_step=4",
-        "algo.samples_per_prompt=4", f"algo.minibatches={minibatches}", "optim.lr=5e-3", "optim.warmup_steps=0",
-        "algo.entropy_coef=0.1",  # untrained model, zero rewards: the entropy term makes the updates move it
-        "task.eval_size=8", "steps=3", "threads=1", "progress=false", "dual.measure_at=updates",
-        f"output_dir={tmp_path / 'run'}",
-        f"dual.constraints=[{{measure: abs_prob_diff, tolerance: {tolerance}, lambda_init: {lam0}, lr: {eta}}}]"])
-    summary = train(cfg)
+    tolerance, eta, lam0 = TOLERANCE, ETA, LAM0
+    summary = _run(tmp_path, f"algo.minibatches={minibatches}", "optim.lr=5e-3", "optim.warmup_steps=0",
+                   "algo.entropy_coef=0.1",  # untrained model, zero rewards: the entropy term makes the updates move it
+                   "steps=3", "dual.measure_at=updates")
     measured = _history(summary, "dual/measured/abs_prob_diff")
     before = _history(summary, "discrepancy/abs_prob_diff")  # pi_old vs mu, logged as always
     lam = _history(summary, "dual/lambda/abs_prob_diff")
@@ -103,15 +112,8 @@ def test_loop_feeds_the_dual_the_updates_measure(tmp_path, minibatches):
 def test_a_quantile_constraint_feeds_the_dual_the_tail_of_the_token_measure(tmp_path):
     """quantile: 0.9 makes D-hat the 90th percentile of |pi_old - mu| over the batch's tokens (logged by the panel as
     discrepancy/abs_prob_diff_p90), under its own metric name, and the projected rule steps on it."""
-    torch.set_num_threads(1)
-    tolerance, eta, lam0 = 1e-3, 50.0, 0.1
-    cfg = load_config(None, [
-        "model.preset=tiny-dense", "rollout.precision=int8", "cold_start.steps=0", "algo.prompts_per_step=4",
-        "algo.samples_per_prompt=4", "algo.minibatches=1", "task.eval_size=8", "steps=3", "threads=1",
-        "progress=false", "dual.measure_at=rollout", f"output_dir={tmp_path / 'run'}",
-        f"dual.constraints=[{{measure: abs_prob_diff, quantile: 0.9, tolerance: {tolerance}, lambda_init: {lam0}, "
-        f"lr: {eta}}}]"])
-    summary = train(cfg)
+    tolerance, eta, lam0 = TOLERANCE, ETA, LAM0
+    summary = _run(tmp_path, "algo.minibatches=1", "steps=3", "dual.measure_at=rollout", constraint="quantile: 0.9, ")
     measured = _history(summary, "dual/measured/abs_prob_diff_p90")
     tail = _history(summary, "discrepancy/abs_prob_diff_p90")
     mean = _history(summary, "discrepancy/abs_prob_diff")
@@ -126,17 +128,10 @@ def test_a_quantile_constraint_feeds_the_dual_the_tail_of_the_token_measure(tmp_
 
 def test_loop_logs_the_averaged_multiplier_it_penalises_with(tmp_path):
     """dual.average=true in a run: dual/lambda_avg is the mean of lambda_0 and the logged iterates."""
-    torch.set_num_threads(1)
-    tolerance, eta, lam0 = 1e-3, 50.0, 0.1
-    cfg = load_config(None, [
-        "model.preset=tiny-dense", "rollout.precision=int8", "cold_start.steps=0", "algo.prompts_per_step=4",
-        "algo.samples_per_prompt=4", "algo.minibatches=2", "task.eval_size=8", "steps=4", "threads=1",
-        "progress=false", "dual.average=true", f"output_dir={tmp_path / 'run'}",
-        f"dual.constraints=[{{measure: abs_prob_diff, tolerance: {tolerance}, lambda_init: {lam0}, lr: {eta}}}]"])
-    summary = train(cfg)
+    summary = _run(tmp_path, "algo.minibatches=2", "steps=4", "dual.average=true")
     lam = _history(summary, "dual/lambda/abs_prob_diff")
     avg = _history(summary, "dual/lambda_avg/abs_prob_diff")
     assert len(lam) == len(avg) == 4
     assert len(set(lam)) > 1  # the iterates moved, so the mean differs from the last one
     for k in range(4):
-        assert avg[k] == pytest.approx(sum([lam0] + lam[:k + 1]) / (k + 2), rel=1e-9)
+        assert avg[k] == pytest.approx(sum([LAM0] + lam[:k + 1]) / (k + 2), rel=1e-9)
