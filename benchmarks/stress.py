@@ -342,12 +342,13 @@ PROFILES: dict[str, Profile] = {
     "async8_methods": Profile(
         blocks=((("int4_async8",), ("grpo_no_is", "tis"), (4,), tuple(range(5))),
                 (("int4_async8",), ("icepop", "seq_mis"), (4,), tuple(range(5))),
+                (("int4_async8",), ("minirl",), (4,), tuple(range(5))),
                 (("int4_async8",), (*LEVER_BASELINES, "fixed_penalty_0.2"), (4,), tuple(range(5)))),
         overrides=(),
         about="every method of the benchmark at int4_async8 (int4 rollouts up to 8 policy versions old, the harshest "
-              "level), N = 4, 5 seeds: four methods without a penalty that async8 did not run (GRPO without IS and "
-              "token TIS first, then IcePop and seq-MIS) beside async8's four (run folders copied in); MiniRL without "
-              "R3 left out (the session's time went to the average profile)"),
+              "level), N = 4, 5 seeds: the five methods without a penalty that async8 did not run (GRPO without IS and "
+              "token TIS first, then IcePop and seq-MIS, then MiniRL without R3) beside async8's four (run folders "
+              "copied in)"),
     "average": Profile(
         blocks=((HARSHEST, (*LEVER_BASELINES, "fixed_penalty_0.2", "dcmdp_r3_avg"), (4,), tuple(range(5))),
                 (("int4_async8",), (*LEVER_BASELINES, "fixed_penalty_0.2", "dcmdp_r3_avg"), (4,), tuple(range(5)))),
