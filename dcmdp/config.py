@@ -116,6 +116,7 @@ class DualConfig:
     # The penalty carries the running mean of the multipliers over the run, lambda_bar_k = mean(lambda_0..lambda_k),
     # instead of the last one (the averaged dual iterate): lambda still moves by the rule; the penalty settles at the
     # level the run's drift asked for and does not let go when D-hat falls inside c late. Logged as dual/lambda_avg/*.
+    # Off by default: under very stale rollouts it cost accuracy against lambda itself (stress benchmark, average).
     average: bool = False
 
 
