@@ -178,6 +178,9 @@ METHODS["dcmdp_r3_lambda0.05"] = METHODS["dcmdp_r3_slack0.5_cap0.3"] + ["dual.co
 # mean over the run (the dual releases the penalty late, when D-hat falls inside c, while the constant that keeps
 # lambda on every step trains better; the mean keeps what the drift asked for on average, level by level)
 METHODS["dcmdp_r3_avg"] = METHODS["dcmdp_r3_slack0.5_cap0.3"] + ["dual.average=true"]
+# seq-MIS with its geometric band widened ten-fold, [0.99, 1.01]: the published [0.999, 1.001] masks 75-97% of the int4
+# sequences of this task and collapses every int4_async8 run
+METHODS["seq_mis_band0.01"] = METHODS["seq_mis"] + ["algo.seq_mask.geo.low=0.99", "algo.seq_mask.geo.high=1.01"]
 
 
 @dataclass(frozen=True)
@@ -349,6 +352,11 @@ PROFILES: dict[str, Profile] = {
               "level), N = 4, 5 seeds: the five methods without a penalty that async8 did not run (GRPO without IS and "
               "token TIS first, then IcePop and seq-MIS, then MiniRL without R3) beside async8's four (run folders "
               "copied in)"),
+    "probe_seq_mis": Profile(
+        blocks=((("int4_async8",), ("seq_mis", "seq_mis_band0.01"), (4,), (0, 1)),),
+        overrides=(),
+        about="seq-MIS at int4_async8 with its geometric band widened ten-fold ([0.99, 1.01]) beside the published "
+              "band (async8_methods' run folders, copied in), N = 4, 2 seeds: the preset, or sequence masking?"),
     "average": Profile(
         blocks=((HARSHEST, (*LEVER_BASELINES, "fixed_penalty_0.2", "dcmdp_r3_avg"), (4,), tuple(range(5))),
                 (("int4_async8",), (*LEVER_BASELINES, "fixed_penalty_0.2", "dcmdp_r3_avg"), (4,), tuple(range(5)))),
