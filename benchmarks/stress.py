@@ -474,7 +474,8 @@ def load(out: Path, level: str, method: str, n: int, seed: int, warmup: int) -> 
     name = next((k.removeprefix("dual/lambda/") for h in history for k in h if k.startswith("dual/lambda/")),
                 "abs_prob_diff")
     # lambda as the penalty carried it: the running mean under dual.average, else the iterate
-    lam_key = next((k for h in history for k in h if k == f"dual/lambda_avg/{name}"), f"dual/lambda/{name}")
+    avg_key = f"dual/lambda_avg/{name}"
+    lam_key = avg_key if any(avg_key in h for h in history) else f"dual/lambda/{name}"
     return Run(level, method, n, seed, summary["accuracy_before"], eval_steps, eval_acc, collapsed, reason,
                series(f"dual/measured/{name}"), series(f"dual/tolerance/{name}"),
                series(lam_key), series("discrepancy/abs_prob_diff"),
