@@ -352,6 +352,23 @@ PROFILES: dict[str, Profile] = {
               "level), N = 4, 5 seeds: the five methods without a penalty that async8 did not run (GRPO without IS and "
               "token TIS first, then IcePop and seq-MIS, then MiniRL without R3) beside async8's four (run folders "
               "copied in)"),
+    "async4_methods": Profile(
+        blocks=((HARSHEST, ("icepop", "seq_mis"), (4,), tuple(range(5))),
+                (HARSHEST, ("minirl",), (4,), tuple(range(5))),
+                (HARSHEST, ("grpo_no_is", "tis", *LEVER_BASELINES, "fixed_penalty_0.2"), (4,), tuple(range(5)))),
+        overrides=(),
+        about="every method of the benchmark at int4_async4 (int4 rollouts up to 4 policy versions old), N = 4, 5 "
+              "seeds: IcePop, seq-MIS and MiniRL without R3 (15 new runs) beside the full, seeds10 and constant02 "
+              "profiles' run folders (copied in)"),
+    "async8_n1": Profile(
+        blocks=((("int4_async8",), ("grpo_no_is", "tis", "minirl_r3", "fixed_penalty_0.2", "dcmdp_r3_slack0.5_cap0.3"),
+                 (1,), tuple(range(5))),
+                (("int4_async8",), ("grpo_no_is", "tis", "minirl_r3", "fixed_penalty_0.2", "dcmdp_r3_slack0.5_cap0.3"),
+                 (4,), tuple(range(5)))),
+        overrides=(),
+        about="one update per rollout batch (N = 1: staleness is the only off-policiness) at int4_async8, 5 seeds: "
+              "GRPO without IS, token TIS, MiniRL + R3, the constant lambda = 0.2 and the tuned DCMDP + R3 config "
+              "(25 new runs), beside the same methods at N = 4 (async8_methods' run folders, copied in)"),
     "probe_seq_mis": Profile(
         blocks=((("int4_async8",), ("seq_mis", "seq_mis_band0.01"), (4,), (0, 1)),),
         overrides=(),
