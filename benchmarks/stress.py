@@ -236,6 +236,9 @@ def _lever(method: str, what: str) -> Profile:
 # the methods of the full profile at the harshest level: the regime's two ends (no correction, token TIS), the
 # learner DCMDP builds on (MiniRL + R3), and the penalty with a constant lambda against the controller
 FULL_METHODS = ("grpo_no_is", "tis", "minirl_r3", "fixed_penalty", "dcmdp_r3")
+# every method of the benchmark, with the constants and the one DCMDP config the stress profiles compare
+HARSH_MATRIX_METHODS = ("grpo_no_is", "tis", "icepop", "seq_mis", "minirl", "minirl_r3", "fixed_penalty_0.1",
+                        "fixed_penalty_0.2", "dcmdp_r3_slack0.5_cap0.3")
 PROFILES: dict[str, Profile] = {
     "smoke": Profile(
         blocks=((("fp32", "noise1"), ("grpo_no_is", "dcmdp_r3"), (2,), (0,)),),
@@ -369,6 +372,18 @@ PROFILES: dict[str, Profile] = {
         about="one update per rollout batch (N = 1: staleness is the only off-policiness) at int4_async8, 5 seeds: "
               "GRPO without IS, token TIS, MiniRL + R3, the constant lambda = 0.2 and the tuned DCMDP + R3 config "
               "(25 new runs), beside the same methods at N = 4 (async8_methods' run folders, copied in)"),
+    # the benchmark's matrix at the two harshest levels, assembled: nothing here trains when the run folders of
+    # the profiles it names are copied in (from scratch it is 120 runs, ~8 hours with 2 workers)
+    "harsh_matrix": Profile(
+        blocks=((("int4_async4", "int4_async8"), HARSH_MATRIX_METHODS, (4,), tuple(range(5))),
+                (HARSHEST, ("fixed_penalty",), (4,), tuple(range(5))),
+                (("int4_async8",), ("grpo_no_is", "tis", "minirl_r3", "fixed_penalty_0.2", "dcmdp_r3_slack0.5_cap0.3"),
+                 (1,), tuple(range(5)))),
+        overrides=(),
+        about="every method at the two harshest levels (int4 rollouts up to 4 and 8 policy versions old), N = 4, 5 "
+              "seeds, and five methods at N = 1 at int4_async8, 5 seeds: the run folders of the full, seeds10, "
+              "constant02, async8_methods, async4_methods and async8_n1 profiles, copied in (nothing trains; from "
+              "scratch this is 120 runs, ~8 hours with 2 workers)"),
     "probe_seq_mis": Profile(
         blocks=((("int4_async8",), ("seq_mis", "seq_mis_band0.01"), (4,), (0, 1)),),
         overrides=(),
@@ -667,7 +682,7 @@ def _utc(t: float) -> str:
 
 
 def write_results(runs: list[Run], cells: list[dict], profile_name: str, profile: Profile, prefix: Path, cmd: str,
-                  wall_s: float) -> list[str]:
+                  wall_s: Optional[float]) -> list[str]:
     import torch
     import transformers
 
@@ -699,7 +714,9 @@ def write_results(runs: list[Run], cells: list[dict], profile_name: str, profile
         f"{os.cpu_count()} logical CPUs; every run one process with one torch thread",
         f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
         f"transformers {transformers.__version__}",
-        f"- command: `{cmd}` ({wall_s / 60:.0f} min wall over the invocations that trained the runs; "
+        f"- command: `{cmd}` (" + (f"{wall_s / 60:.0f} min wall over the invocations that trained the runs; "
+                                   if wall_s is not None else "no run trained here: every run folder was copied in "
+                                   "from the profiles named below; ") +
         f"{sum(r.seconds for r in runs) / 60:.0f} run-minutes in all)",
         f"- profile: {profile.about}",
         f"- base: `configs/stress.yaml`{''.join(f' + `{o}`' for o in [' '.join(profile.overrides)] if o)} + the level + "
@@ -777,8 +794,10 @@ def run(profile_name: str, bench_dir: Path, results_prefix: Path, workers: int,
     while not pool_workers.empty():
         pool_workers.get().close()
     wall_file = bench_dir / "wall_seconds.txt"
-    wall = time.perf_counter() - t0 + (float(wall_file.read_text()) if wall_file.exists() else 0.0)
-    wall_file.write_text(f"{wall:.1f}\n")
+    wall: Optional[float] = None  # None: nothing ever trained in this folder (an assembled profile)
+    if todo or wall_file.exists():
+        wall = time.perf_counter() - t0 + (float(wall_file.read_text()) if wall_file.exists() else 0.0)
+        wall_file.write_text(f"{wall:.1f}\n")
     warmup = load_config(BASE_CONFIG, list(profile.overrides)).optim.warmup_steps
     runs = [load(out, *key, warmup=warmup) for key, out, _ in jobs
             if (out / "summary.json").exists() and (out / "history.json").exists()]

@@ -302,6 +302,7 @@ def test_stress_smoke(tmp_path):
     dual's trajectory is re-derived from the logged measurements (relative step, automatic tolerance)."""
     import csv
     import json
+    import shutil
 
     stress = _load_benchmark("stress")
     prefix = tmp_path / "results" / "stress_smoke"
@@ -347,3 +348,17 @@ def test_stress_smoke(tmp_path):
     assert md.endswith("\n\n" + reading + "\n")  # the reading comes last, once
     assert prefix.with_name("stress_smoke_accuracy.png").stat().st_size > 0
     assert prefix.with_name("stress_smoke_dual.png").stat().st_size > 0
+    assert "min wall over the invocations that trained the runs" in md
+
+    # an assembled page: the finished run folders copied into a fresh folder render without training anything,
+    # and the page says that no run trained there instead of quoting a wall time
+    assembled = tmp_path / "assembled"
+    assembled.mkdir()
+    for level, method, n, seed in profile.cells():
+        shutil.copytree(stress.cell_dir(bench, level, method, n, seed),
+                        stress.cell_dir(assembled, level, method, n, seed))
+    stress.main(["--profile", "smoke", "--workers", "1", "--bench-dir", str(assembled), "--results", str(prefix)])
+    assert not (assembled / "wall_seconds.txt").exists()
+    md2 = prefix.with_suffix(".md").read_text()
+    assert "no run trained here" in md2 and "min wall" not in md2
+    assert md2.split("Welch")[0].split("| N | level")[1] == md.split("Welch")[0].split("| N | level")[1]
