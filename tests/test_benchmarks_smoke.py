@@ -362,3 +362,24 @@ def test_stress_smoke(tmp_path):
     md2 = prefix.with_suffix(".md").read_text()
     assert "no run trained here" in md2 and "min wall" not in md2
     assert md2.split("Welch")[0].split("| N | level")[1] == md.split("Welch")[0].split("| N | level")[1]
+
+
+def test_seq_mask_probe_smoke(tmp_path):
+    """benchmarks/seq_mask_probe.py on a 20-step cold start, 2 batches of 2 prompts x 4 samples, rollouts with
+    logit noise of std 1: a band that holds every ratio keeps every sequence, the published band fewer, and the
+    kept and dropped sides partition the sequences and their (group-centred) GRPO advantages."""
+    import json
+
+    probe = _load_benchmark("seq_mask_probe")
+    out = tmp_path / "seq_mask_probe"
+    probe.main(["--level", "noise1", "--batches", "2", "--bands", "0.999,1.001", "0,1e9", "--out", str(out),
+                "cold_start.steps=20", "cold_start.target_accuracy=null", "algo.prompts_per_step=2",
+                "algo.samples_per_prompt=4", "rollout.max_new_tokens=24"])
+    result = json.loads(out.with_suffix(".json").read_text())
+    narrow, wide = result["bands"]
+    assert result["sequences"] == 16
+    assert wide["kept"]["n"] == 16 and wide["kept_share"] == 1.0
+    assert narrow["kept"]["n"] + narrow["dropped"]["n"] == 16 and narrow["kept"]["n"] < 16
+    for band in (narrow, wide):  # GRPO advantages are centred per group: kept + dropped sum to ~0
+        assert abs(band["kept"]["adv_sum"] + band["dropped"]["adv_sum"]) < 1e-4
+    assert "| [0.999, 1.001] |" in out.with_suffix(".md").read_text()
