@@ -624,7 +624,7 @@ def plot(runs: list[Run], cells: list[dict], profile: Profile, prefix: Path) -> 
                 continue
             x, y, e = map(np.asarray, zip(*sorted(pts)))
             ax.errorbar(x + (k - len(profile.methods) / 2) * 0.03, y, yerr=e, marker="o", ms=4, capsize=2,
-                        label=method, lw=2.2 if is_dcmdp(method) else 1.0)
+                        label=method, lw=2.2 if is_dcmdp(method) else 1.0, color=f"C{k % 10}")  # one colour per method
         ax.set_xticks(range(len(levels)), levels)
         ax.set_xlabel("rollout deployment (mismatch grows to the right)")
         ax.set_ylabel("final held-out accuracy of the deployed policy")
