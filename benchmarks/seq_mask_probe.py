@@ -61,8 +61,8 @@ def probe(level: str, bands: Sequence[tuple[float, float]], batches: int, overri
                     mask_BT = rollout.response_mask_BT.bool()
                     kept = []
                     for low, high in bands:
-                        algo = replace(cfg.algo, seq_mask=replace(cfg.algo.seq_mask,
-                                                                  geo=replace(cfg.algo.seq_mask.geo, low=low, high=high)))
+                        geo = replace(cfg.algo.seq_mask.geo, low=low, high=high)
+                        algo = replace(cfg.algo, seq_mask=replace(cfg.algo.seq_mask, geo=geo))
                         _, kept_BT, _ = IS_MODES[algo.is_mode](batch.old_logp_BT, rollout.rollout_logp_BT.float(),
                                                                mask_BT, algo)
                         kept.append(kept_BT.any(dim=1))

@@ -239,6 +239,8 @@ FULL_METHODS = ("grpo_no_is", "tis", "minirl_r3", "fixed_penalty", "dcmdp_r3")
 # every method of the benchmark, with the constants and the one DCMDP config the stress profiles compare
 HARSH_MATRIX_METHODS = ("grpo_no_is", "tis", "icepop", "seq_mis", "minirl", "minirl_r3", "fixed_penalty_0.1",
                         "fixed_penalty_0.2", "dcmdp_r3_slack0.5_cap0.3")
+# the methods measured at N = 1 (int4_async8): the regime's two ends, DCMDP's learner, the constant and the tuned dual
+N1_METHODS = ("grpo_no_is", "tis", "minirl_r3", "fixed_penalty_0.2", "dcmdp_r3_slack0.5_cap0.3")
 PROFILES: dict[str, Profile] = {
     "smoke": Profile(
         blocks=((("fp32", "noise1"), ("grpo_no_is", "dcmdp_r3"), (2,), (0,)),),
@@ -364,10 +366,8 @@ PROFILES: dict[str, Profile] = {
               "seeds: IcePop, seq-MIS and MiniRL without R3 (15 new runs) beside the full, seeds10 and constant02 "
               "profiles' run folders (copied in)"),
     "async8_n1": Profile(
-        blocks=((("int4_async8",), ("grpo_no_is", "tis", "minirl_r3", "fixed_penalty_0.2", "dcmdp_r3_slack0.5_cap0.3"),
-                 (1,), tuple(range(5))),
-                (("int4_async8",), ("grpo_no_is", "tis", "minirl_r3", "fixed_penalty_0.2", "dcmdp_r3_slack0.5_cap0.3"),
-                 (4,), tuple(range(5)))),
+        blocks=((("int4_async8",), N1_METHODS, (1,), tuple(range(5))),
+                (("int4_async8",), N1_METHODS, (4,), tuple(range(5)))),
         overrides=(),
         about="one update per rollout batch (N = 1: staleness is the only off-policiness) at int4_async8, 5 seeds: "
               "GRPO without IS, token TIS, MiniRL + R3, the constant lambda = 0.2 and the tuned DCMDP + R3 config "
@@ -377,8 +377,7 @@ PROFILES: dict[str, Profile] = {
     "harsh_matrix": Profile(
         blocks=((("int4_async4", "int4_async8"), HARSH_MATRIX_METHODS, (4,), tuple(range(5))),
                 (HARSHEST, ("fixed_penalty",), (4,), tuple(range(5))),
-                (("int4_async8",), ("grpo_no_is", "tis", "minirl_r3", "fixed_penalty_0.2", "dcmdp_r3_slack0.5_cap0.3"),
-                 (1,), tuple(range(5)))),
+                (("int4_async8",), N1_METHODS, (1,), tuple(range(5)))),
         overrides=(),
         about="every method at the two harshest levels (int4 rollouts up to 4 and 8 policy versions old), N = 4, 5 "
               "seeds, and five methods at N = 1 at int4_async8, 5 seeds: the run folders of the full, seeds10, "
