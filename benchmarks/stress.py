@@ -384,10 +384,10 @@ PROFILES: dict[str, Profile] = {
               "constant02, async8_methods, async4_methods and async8_n1 profiles, copied in (nothing trains; from "
               "scratch this is 120 runs, ~8 hours with 2 workers)"),
     "probe_seq_mis": Profile(
-        blocks=((("int4_async8",), ("seq_mis", "seq_mis_band0.01"), (4,), (0, 1)),),
+        blocks=((("int4_async8",), ("seq_mis", "seq_mis_band0.01"), (4,), tuple(range(5))),),
         overrides=(),
         about="seq-MIS at int4_async8 with its geometric band widened ten-fold ([0.99, 1.01]) beside the published "
-              "band (async8_methods' run folders, copied in), N = 4, 2 seeds: the preset, or sequence masking?"),
+              "band (async8_methods' run folders, copied in), N = 4, 5 seeds: the preset, or sequence masking?"),
     "average": Profile(
         blocks=((HARSHEST, (*LEVER_BASELINES, "fixed_penalty_0.2", "dcmdp_r3_avg"), (4,), tuple(range(5))),
                 (("int4_async8",), (*LEVER_BASELINES, "fixed_penalty_0.2", "dcmdp_r3_avg"), (4,), tuple(range(5)))),
