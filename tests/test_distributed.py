@@ -1,13 +1,23 @@
 """FSDP2 data parallelism under torchrun (CPU, gloo, 2 ranks) against the single-process run.
 
-Tolerance of the 2-rank vs 1-rank comparison: |a - b| <= 1e-6 + 1e-3 |a| on the loss, every lambda and
-every discrepancy measure, per step. The two runs compute the same float32 quantities in a different order:
-each rank runs the model on half the rows of every batch (other GEMM blockings), the gradient is the sum of
-two half-batch gradients instead of one full-batch gradient, and the gradient norm is summed over shards.
-That moves the weights by float32 rounding (~1e-7 relative) per update, which AdamW's normalisation and the
-next rollouts carry on. The discrepancy measures are means of differences of nearly equal probabilities
-(~1e-4 here), so their relative error is the largest (observed up to ~1.3e-3 relative, ~2e-8 absolute, on
-chi2 at step 4). Resuming a 2-rank sharded checkpoint at 2 ranks is exact: bitwise-equal metrics.
+What the two runs may differ by. They compute the same float32 quantities in a different order: each rank runs
+the model on half the rows of every batch (other GEMM blockings), the gradient is the sum of two half-batch
+gradients, and the gradient norm is summed over shards. Before the first update the weights are equal and so are
+the step-1 metrics (bitwise on the machines measured). From the first update on, AdamW's normalisation carries
+float32 rounding of the gradient into O(lr) moves of coordinates whose gradient is near zero, so every later
+log-prob differs by a small share of its distance to the other engine: measured on an AMD EPYC, the log-ratio
+terms log rho_t of steps 2-4 differ by up to ~1e-3 of their mean magnitude, quadratic measures (kl_k3, chi2) and
+order statistics (quantiles, maxima) by up to ~3.5e-3 of their value.
+
+Hence the tolerance |a - b| <= ATOL + RTOL * scale, per step and quantity (loss, every lambda, every measure):
+- ATOL = 1e-6, the float32 spacing of a log-prob of magnitude 8-16 (2^-20): no log-prob-derived quantity is
+  resolved more finely than that.
+- RTOL = 1e-2: about 3x the largest relative difference measured, and far under what a sharding bug moves (a rank
+  that scores, gathers or reduces the wrong rows changes the measures by tens of percent).
+- scale = |a|, except for the signed means of log rho (kl_k1, log_ppl_diff), whose terms nearly cancel (their value
+  can be 10x smaller than the terms): their rounding is bounded by the mean magnitude of the terms, abs_log_ratio
+  (a sum's error is bounded by eps * sum |x_i|, not eps * |sum x_i|).
+Resuming a 2-rank sharded checkpoint at 2 ranks is exact: bitwise-equal metrics.
 """
 
 import os
@@ -61,6 +71,12 @@ def _single_process(preset: str, config: Path, out: Path, cache: Path, *extra: s
     return _history(out)
 
 
+ATOL = 1e-6
+RTOL = 1e-2
+# signed means of log rho -> the measure of their terms' magnitude (see the module docstring)
+TERM_SCALE = {"discrepancy/kl_k1": "discrepancy/abs_log_ratio", "discrepancy/log_ppl_diff": "discrepancy/abs_log_ratio"}
+
+
 def _assert_close(one: list[dict], two: list[dict]) -> None:
     assert len(one) == len(two) == STEPS
     for step, (a, b) in enumerate(zip(one, two), start=1):
@@ -68,7 +84,8 @@ def _assert_close(one: list[dict], two: list[dict]) -> None:
         keys = [k for k in a if k == "loss/total" or k.startswith(("dual/lambda/", "dual/measured/", "discrepancy/"))]
         assert "loss/total" in keys and any(k.startswith("dual/lambda/") for k in keys)
         for k in keys:
-            assert abs(a[k] - b[k]) <= 1e-6 + 1e-3 * abs(a[k]), (step, k, a[k], b[k])
+            scale = a[TERM_SCALE[k]] if k in TERM_SCALE else abs(a[k])
+            assert abs(a[k] - b[k]) <= ATOL + RTOL * scale, (step, k, a[k], b[k], scale)
 
 
 @pytest.fixture(scope="module")
