@@ -229,6 +229,15 @@ class CapConfig:
 
 
 @dataclass
+class M2Config:
+    # Threshold tau on the mean (log rho)^2 of the kept tokens (the M2PO paper's 0.04, read second-hand).
+    threshold: float = 0.04
+
+    def check(self, prefix: str) -> None:
+        _require(self.threshold > 0, f"{prefix}.threshold", f"must be > 0, got {self.threshold}")
+
+
+@dataclass
 class SeqMaskConfig:
     # Sequence mask on top of any is_mode: none | prod (drop a sequence whose prod_t rho_t leaves prod's band) |
     # geo (drop a sequence whose geometric mean exp(mean_t log rho_t) leaves geo's band).
@@ -289,7 +298,8 @@ class AlgoConfig:
     # Dual-clip c (Ye et al. 2020, arXiv 1912.09729; verl's clip_ratio_c): with A < 0 a ratio r > c gets no
     # gradient (ppo_clip: the surrogate is bounded by c A; minirl: the token is masked). null: off. gspo ignores it.
     clip_ratio_c: Optional[float] = 3.0
-    # Training-inference IS weight of rho = pi_old / mu: none | tis | icepop | seq_tis (trainers.losses.IS_MODES).
+    # Training-inference IS weight of rho = pi_old / mu: none | tis | icepop | seq_tis | m2po
+    # (trainers.losses.IS_MODES).
     is_mode: str = "tis"
     # tis: w_t = min(rho_t, cap) (Yao et al. 2025; MiniRL truncates at 5).
     tis: CapConfig = field(default_factory=lambda: CapConfig(cap=5.0))
@@ -297,6 +307,11 @@ class AlgoConfig:
     seq_tis: CapConfig = field(default_factory=lambda: CapConfig(cap=5.0))
     # icepop: w_t = rho_t inside [low, high], the token dropped outside (Ring-1T: [0.5, 5]).
     icepop: Band = field(default_factory=lambda: Band(low=0.5, high=5.0))
+    # m2po: drop the tokens with the largest (log rho)^2 until the rest's mean is below this (M2PO, arXiv 2510.01161).
+    m2po: M2Config = field(default_factory=M2Config)
+    # Scale each mini-batch step's learning rate by sqrt(min(1, ESS/n)) of its sequence IS weights (VCPO, arXiv
+    # 2602.17616; trainers.losses.ess_lr_scale).
+    ess_lr_scale: bool = False
     # Sequence mask, composable with every is_mode.
     seq_mask: SeqMaskConfig = field(default_factory=SeqMaskConfig)
     # Outlier veto, composable with every is_mode.
@@ -337,6 +352,7 @@ class AlgoConfig:
         self.tis.check(f"{prefix}.tis")
         self.seq_tis.check(f"{prefix}.seq_tis")
         self.icepop.check(f"{prefix}.icepop")
+        self.m2po.check(f"{prefix}.m2po")
         self.seq_mask.check(f"{prefix}.seq_mask")
         self.veto.check(f"{prefix}.veto")
         self.reject.check(f"{prefix}.reject")
