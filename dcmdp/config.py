@@ -476,13 +476,19 @@ def _validate_rollout_quantization(cfg: RunConfig, presets: dict, engine: Engine
     from trainers.quant import fp8_gemm_available, int4_group_error
 
     r = cfg.rollout
-    if r.precision in engine.unsupported_precisions:
-        raise ConfigError(f"config error at 'rollout.precision': {engine.unsupported_precisions[r.precision]}")
-    if r.precision == "fp8" and engine.fp8_needs_tensor_cores and not fp8_gemm_available():
-        raise ConfigError(f"config error at 'rollout.precision': {engine.fp8_needs_tensor_cores}")
+    if r.precision_schedule and engine.no_precision_switch:
+        raise ConfigError(f"config error at 'rollout.precision_schedule': {engine.no_precision_switch}")
+    used = {p.precision: f"rollout.precision_schedule[{i}].precision" for i, p in reversed(list(enumerate(
+        r.precision_schedule)))}
+    used[r.precision] = "rollout.precision"
+    for precision, key in used.items():
+        if precision in engine.unsupported_precisions:
+            raise ConfigError(f"config error at '{key}': {engine.unsupported_precisions[precision]}")
+        if precision == "fp8" and engine.fp8_needs_tensor_cores and not fp8_gemm_available():
+            raise ConfigError(f"config error at '{key}': {engine.fp8_needs_tensor_cores}")
     if r.logit_noise > 0 and engine.no_logit_noise:
         raise ConfigError(f"config error at 'rollout.logit_noise': {engine.no_logit_noise}")
-    if r.precision == "int4":
+    if "int4" in used:
         # the preset's architecture on the meta device: shapes only, no memory, no weights
         with torch.device("meta"):
             shapes = model_from_config(presets[cfg.model.preset].make_config(128), seed=0)

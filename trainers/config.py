@@ -47,6 +47,18 @@ class ModelConfig:
 ROLLOUT_PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp8", "fp8_weight", "int4")
 
 
+# Bits of a weight in each rollout precision (logged as rollout/precision_bits).
+PRECISION_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "fp8": 8, "fp8_weight": 8, "int4": 4}
+
+
+@dataclass
+class PrecisionPhase:
+    # This phase's rollouts run for the steps before this one (0-based loop step); null: to the end of the run.
+    until_step: Optional[int] = None
+    # Inference precision of the rollout engine in this phase (one of ROLLOUT_PRECISIONS).
+    precision: str = "fp32"
+
+
 @dataclass
 class TorchEngineConfig:
     # int4: input columns per weight scale; must divide the input dimension of every quantised matmul.
@@ -85,6 +97,10 @@ class RolloutConfig:
     # per-channel weights, dynamic per-token activations) | fp8_weight (W8A16 e4m3, per channel) | int4 (W4A16,
     # symmetric, per group of torch.int4_group_size inputs). See trainers.quant.
     precision: str = "fp32"
+    # Precision by training step, e.g. [{until_step: 20, precision: fp32}, {until_step: 60, precision: int4},
+    # {precision: fp8}]: the engine re-quantises from its full-precision weights at each switch. The first phase's
+    # precision must equal `precision` (the engine starts in it); the last has no until_step. Empty: `precision`.
+    precision_schedule: list[PrecisionPhase] = field(default_factory=list)
     # Stress knob, not a deployment format: std of seeded Gaussian noise added to the rollout engine's logits
     # (after the LM head, before temperature and top-p); log mu is that of the noised distribution sampled
     # from. 0 disables. torch engine only.
@@ -110,6 +126,27 @@ class RolloutConfig:
         _require(self.max_new_tokens >= 1, f"{prefix}.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         self.torch.check(f"{prefix}.torch")
         self.vllm.check(f"{prefix}.vllm")
+        sched = self.precision_schedule
+        for i, phase in enumerate(sched):
+            key = f"{prefix}.precision_schedule[{i}]"
+            _require(phase.precision in ROLLOUT_PRECISIONS, f"{key}.precision",
+                     f"got {phase.precision!r}, expected one of {', '.join(ROLLOUT_PRECISIONS)}")
+            last = i == len(sched) - 1
+            _require((phase.until_step is None) == last, f"{key}.until_step",
+                     "the last phase runs to the end (no until_step); every other phase needs one")
+            _require(phase.until_step is None or phase.until_step > (sched[i - 1].until_step if i else 0),
+                     f"{key}.until_step", f"must be above the previous phase's (and above 0), got {phase.until_step}")
+        _require(not sched or sched[0].precision == self.precision, f"{prefix}.precision",
+                 f"the engine starts in precision_schedule[0].precision={sched[0].precision if sched else ''!r}; "
+                 f"set {prefix}.precision to it (got {self.precision!r})")
+
+    def precision_at(self, step: int) -> str:
+        """The rollout precision of loop step ``step`` (0-based): the first schedule phase whose until_step is above
+        it, ``precision`` without a schedule."""
+        for phase in self.precision_schedule:
+            if phase.until_step is None or step < phase.until_step:
+                return phase.precision
+        return self.precision
 
 
 @dataclass
