@@ -415,7 +415,7 @@ def _validate_registries(cfg: RunConfig) -> None:
     from trainers.engines import ENGINES
     from trainers.losses import IS_MODES, POLICY_LOSSES
     from trainers.models import PRESETS
-    from trainers.tasks import TASKS, check_task_config
+    from trainers.tasks import TASKS, check_task_config, generated_task_names
 
     from dcmdp.dual import DUAL_RULES
 
@@ -430,6 +430,9 @@ def _validate_registries(cfg: RunConfig) -> None:
         check_task_config(cfg.task)  # task jsonl: its files exist and its reward function imports
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    if cfg.task.curriculum and cfg.task.name not in generated_task_names():
+        raise ConfigError(f"config error at 'task.curriculum': task {cfg.task.name!r} has no digits to grow; a "
+                          f"curriculum needs a generated task ({', '.join(generated_task_names())})")
     one_of(cfg.algo.loss, POLICY_LOSSES, "algo.loss")
     one_of(cfg.algo.is_mode, IS_MODES, "algo.is_mode")
     one_of(cfg.algo.advantage, ADVANTAGES, "algo.advantage")

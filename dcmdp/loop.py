@@ -452,7 +452,8 @@ def checkpoint(s: Setup, step: int) -> Path:
 def rollout_phase(policy: Policy, cfg: RunConfig, step: int) -> tuple[list[Example], Rollout]:
     """Sample B prompts, G responses each; row p*G + g is sample g of prompt p."""
     rng = random.Random(step_seed(cfg.seed, step, 0))
-    prompts = policy.task.sample(rng, cfg.algo.prompts_per_step)
+    source = policy.curriculum.task_at(step) if policy.curriculum is not None else policy.task
+    prompts = source.sample(rng, cfg.algo.prompts_per_step)
     examples = [ex for ex in prompts for _ in range(cfg.algo.samples_per_prompt)]
     ids = encode_prompts(policy.tokenizer, policy.model, examples, cfg.rollout.max_new_tokens)
     if cfg.rollout.precision_schedule:

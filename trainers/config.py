@@ -150,6 +150,16 @@ class RolloutConfig:
 
 
 @dataclass
+class CurriculumPhase:
+    # This phase's training prompts are drawn for the steps before this one (0-based loop step); null: to the end.
+    until_step: Optional[int] = None
+    # task.digits of this phase's prompts.
+    digits: int = 2
+    # task.min_digits of this phase's prompts (long_addition); null: task.min_digits.
+    min_digits: Optional[int] = None
+
+
+@dataclass
 class TaskConfig:
     # Task name: addition | sorting | long_addition | math | jsonl (your data and reward; docs/custom_tasks.md). See
     # trainers.tasks.TASKS.
@@ -171,6 +181,9 @@ class TaskConfig:
     # Reward function of task `jsonl`: `module:function` (importable, the working directory included) or
     # `path/to/file.py:function`, called as function(prompt, completion, example) -> float.
     reward: Optional[str] = None
+    # Training prompts by step, e.g. [{until_step: 50, digits: 3}, {until_step: 100, digits: 5}, {digits: 8}]: each
+    # phase draws with its digits (generated tasks); evaluation and the cold start keep `digits` / `min_digits`.
+    curriculum: list[CurriculumPhase] = field(default_factory=list)
 
     def check(self, prefix: str = "task") -> None:
         _require(self.digits >= 1, f"{prefix}.digits", f"must be >= 1, got {self.digits}")
@@ -180,6 +193,26 @@ class TaskConfig:
         _require(self.eval_size >= 1, f"{prefix}.eval_size", f"must be >= 1, got {self.eval_size}")
         _require(self.reward is None or self.name == "jsonl", f"{prefix}.reward",
                  f"only task 'jsonl' takes a reward function; task {self.name!r} scores with its own")
+        for i, phase in enumerate(self.curriculum):
+            key = f"{prefix}.curriculum[{i}]"
+            last = i == len(self.curriculum) - 1
+            _require((phase.until_step is None) == last, f"{key}.until_step",
+                     "the last phase runs to the end (no until_step); every other phase needs one")
+            prev = self.curriculum[i - 1].until_step if i else 0
+            _require(phase.until_step is None or phase.until_step > prev, f"{key}.until_step",
+                     f"must be above the previous phase's (and above 0), got {phase.until_step}")
+            _require(phase.digits >= 1, f"{key}.digits", f"must be >= 1, got {phase.digits}")
+            low = self.min_digits if phase.min_digits is None else phase.min_digits
+            _require(1 <= low <= phase.digits, f"{key}.min_digits",
+                     f"must be in [1, digits={phase.digits}], got {low}"
+                     f"{' (task.min_digits; set the phase its own)' if phase.min_digits is None else ''}")
+
+    def phase_at(self, step: int) -> Optional[CurriculumPhase]:
+        """The curriculum phase of loop step ``step`` (0-based); None without a curriculum."""
+        for phase in self.curriculum:
+            if phase.until_step is None or step < phase.until_step:
+                return phase
+        return None
 
 
 @dataclass

@@ -63,7 +63,7 @@ import os
 import random
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol
 
 from trainers.config import TaskConfig
@@ -689,3 +689,49 @@ TASKS: dict[str, Callable[[TaskConfig, int], Task]] = {
     "math": MathTask,
     "jsonl": JsonlTask,
 }
+
+
+# ------------------------------------------------------------------------------------------------- curriculum
+
+
+class CurriculumTask:
+    """Training prompts of one ``task.curriculum`` phase: the task rebuilt with the phase's ``digits`` /
+    ``min_digits``, rejecting the run's held-out prompts (``base``'s evaluation set), so that training never sees
+    them whatever the phase. Reward and demonstrations are the task's own (they read ``Example.answer``)."""
+
+    def __init__(self, base: "_GeneratedTask", cfg: TaskConfig):
+        self.name = base.name
+        self.cfg = cfg
+        self._task = type(base)(cfg, 0)
+        self._held_out = base._eval_prompts
+
+    def sample(self, rng: random.Random, n: int) -> list[Example]:
+        out: list[Example] = []
+        while len(out) < n:
+            out.extend(ex for ex in self._task.sample(rng, n - len(out)) if ex.prompt not in self._held_out)
+        return out
+
+
+class Curriculum:
+    """``task.curriculum``: the training task of each loop step; built once, one task per phase."""
+
+    def __init__(self, base: Task, cfg: TaskConfig):
+        if not isinstance(base, _GeneratedTask):
+            raise ValueError(f"config error at 'task.curriculum': task {cfg.name!r} has no digits to grow; a "
+                             f"curriculum needs a generated task ({', '.join(generated_task_names())})")
+        self._cfg = cfg
+        self._tasks = {}
+        for phase in cfg.curriculum:
+            min_digits = cfg.min_digits if phase.min_digits is None else phase.min_digits
+            # eval_size 1: the phase's own held-out prompt is a formality, the run's held-out set is base's
+            phase_cfg = replace(cfg, digits=phase.digits, min_digits=min_digits, eval_size=1, curriculum=[])
+            self._tasks[id(phase)] = CurriculumTask(base, phase_cfg)
+
+    def task_at(self, step: int) -> CurriculumTask:
+        """The training task of loop step ``step`` (0-based)."""
+        return self._tasks[id(self._cfg.phase_at(step))]
+
+
+def generated_task_names() -> list[str]:
+    """The registered tasks that generate their prompts from ``task.digits`` (those a curriculum can grow)."""
+    return [name for name, builder in TASKS.items() if isinstance(builder, type) and issubclass(builder, _GeneratedTask)]
