@@ -161,8 +161,8 @@ class CurriculumPhase:
 
 @dataclass
 class TaskConfig:
-    # Task name: addition | sorting | long_addition | math | jsonl (your data and reward; docs/custom_tasks.md). See
-    # trainers.tasks.TASKS.
+    # Task name: addition | sorting | long_addition | program_trace | math | jsonl (your data and reward;
+    # docs/custom_tasks.md). See trainers.tasks.TASKS and docs/tasks.md.
     name: str = "addition"
     # Largest operand / list element has this many digits (generated tasks).
     digits: int = 2
