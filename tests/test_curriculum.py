@@ -13,8 +13,8 @@ from dcmdp.policy import build_policy
 from trainers.config import CurriculumPhase, TaskConfig
 from trainers.tasks import TASKS, Curriculum
 
-SCHEDULE = [CurriculumPhase(until_step=3, digits=2, min_digits=1), CurriculumPhase(until_step=6, digits=4, min_digits=3),
-            CurriculumPhase(digits=8, min_digits=7)]
+SCHEDULE = [CurriculumPhase(until_step=3, digits=2, min_digits=1),
+            CurriculumPhase(until_step=6, digits=4, min_digits=3), CurriculumPhase(digits=8, min_digits=7)]
 
 
 def _lengths(examples) -> set[int]:

@@ -798,4 +798,5 @@ class Curriculum:
 
 def generated_task_names() -> list[str]:
     """The registered tasks that generate their prompts from ``task.digits`` (those a curriculum can grow)."""
-    return [name for name, builder in TASKS.items() if isinstance(builder, type) and issubclass(builder, _GeneratedTask)]
+    return [name for name, builder in TASKS.items()
+            if isinstance(builder, type) and issubclass(builder, _GeneratedTask)]
