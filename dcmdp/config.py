@@ -415,7 +415,7 @@ def _validate_registries(cfg: RunConfig) -> None:
     from trainers.engines import ENGINES
     from trainers.losses import IS_MODES, POLICY_LOSSES
     from trainers.models import PRESETS
-    from trainers.tasks import TASKS, check_task_config
+    from trainers.tasks import TASKS, check_task_config, generated_task_names
 
     from dcmdp.dual import DUAL_RULES
 
@@ -430,6 +430,9 @@ def _validate_registries(cfg: RunConfig) -> None:
         check_task_config(cfg.task)  # task jsonl: its files exist and its reward function imports
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    if cfg.task.curriculum and cfg.task.name not in generated_task_names():
+        raise ConfigError(f"config error at 'task.curriculum': task {cfg.task.name!r} has no digits to grow; a "
+                          f"curriculum needs a generated task ({', '.join(generated_task_names())})")
     one_of(cfg.algo.loss, POLICY_LOSSES, "algo.loss")
     one_of(cfg.algo.is_mode, IS_MODES, "algo.is_mode")
     one_of(cfg.algo.advantage, ADVANTAGES, "algo.advantage")
@@ -476,13 +479,19 @@ def _validate_rollout_quantization(cfg: RunConfig, presets: dict, engine: Engine
     from trainers.quant import fp8_gemm_available, int4_group_error
 
     r = cfg.rollout
-    if r.precision in engine.unsupported_precisions:
-        raise ConfigError(f"config error at 'rollout.precision': {engine.unsupported_precisions[r.precision]}")
-    if r.precision == "fp8" and engine.fp8_needs_tensor_cores and not fp8_gemm_available():
-        raise ConfigError(f"config error at 'rollout.precision': {engine.fp8_needs_tensor_cores}")
+    if r.precision_schedule and engine.no_precision_switch:
+        raise ConfigError(f"config error at 'rollout.precision_schedule': {engine.no_precision_switch}")
+    used = {p.precision: f"rollout.precision_schedule[{i}].precision" for i, p in reversed(list(enumerate(
+        r.precision_schedule)))}
+    used[r.precision] = "rollout.precision"
+    for precision, key in used.items():
+        if precision in engine.unsupported_precisions:
+            raise ConfigError(f"config error at '{key}': {engine.unsupported_precisions[precision]}")
+        if precision == "fp8" and engine.fp8_needs_tensor_cores and not fp8_gemm_available():
+            raise ConfigError(f"config error at '{key}': {engine.fp8_needs_tensor_cores}")
     if r.logit_noise > 0 and engine.no_logit_noise:
         raise ConfigError(f"config error at 'rollout.logit_noise': {engine.no_logit_noise}")
-    if r.precision == "int4":
+    if "int4" in used:
         # the preset's architecture on the meta device: shapes only, no memory, no weights
         with torch.device("meta"):
             shapes = model_from_config(presets[cfg.model.preset].make_config(128), seed=0)

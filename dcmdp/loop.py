@@ -40,7 +40,7 @@ from dcmdp.policy import (Policy, build_policy, decode_responses, encode_prompts
 from trainers import guards, learner
 from trainers.advantages import ADVANTAGES
 from trainers.batch import Rollout
-from trainers.config import AlgoConfig
+from trainers.config import PRECISION_BITS, AlgoConfig
 from trainers.models import compute_dtype
 from trainers.tasks import Example, score_completions
 
@@ -211,6 +211,7 @@ def _train_step(s: Setup, step: int, bar) -> None:
     metrics.update(_guard_step(s, step, metrics, kept))
     metrics.update(_timings(rollout, t0, t1, t2, t3, t4, t5, t6))
     metrics.update(async_metrics)
+    metrics["rollout/precision_bits"] = PRECISION_BITS[cfg.rollout.precision_at(step)]
     if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
         metrics["eval/accuracy"] = evaluate(s, seed=cfg.seed)
     metrics = {k: float(v) for k, v in metrics.items()}
@@ -451,9 +452,12 @@ def checkpoint(s: Setup, step: int) -> Path:
 def rollout_phase(policy: Policy, cfg: RunConfig, step: int) -> tuple[list[Example], Rollout]:
     """Sample B prompts, G responses each; row p*G + g is sample g of prompt p."""
     rng = random.Random(step_seed(cfg.seed, step, 0))
-    prompts = policy.task.sample(rng, cfg.algo.prompts_per_step)
+    source = policy.curriculum.task_at(step) if policy.curriculum is not None else policy.task
+    prompts = source.sample(rng, cfg.algo.prompts_per_step)
     examples = [ex for ex in prompts for _ in range(cfg.algo.samples_per_prompt)]
     ids = encode_prompts(policy.tokenizer, policy.model, examples, cfg.rollout.max_new_tokens)
+    if cfg.rollout.precision_schedule:
+        policy.engine.set_precision(cfg.rollout.precision_at(step))
     rollout = policy.engine.generate(ids, seed=step_seed(cfg.seed, step, 1))
     return examples, rollout
 

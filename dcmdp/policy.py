@@ -25,7 +25,7 @@ from trainers.coldstart import cold_start
 from trainers.engines import RolloutEngine
 from trainers.models import PRESETS, build_model, check_context, save_model_dir
 from trainers.routing import is_moe
-from trainers.tasks import TASKS, Example, Task, score_completions
+from trainers.tasks import TASKS, Curriculum, Example, Task, score_completions
 from trainers.tokenizer import build_char_tokenizer, load_tokenizer
 
 log = logging.getLogger("dcmdp")
@@ -43,6 +43,8 @@ class Policy:
     model_dir: str
     # The rollout engine mu, holding the model's starting weights.
     engine: RolloutEngine
+    # The training prompts of each step under ``task.curriculum`` (None: ``task`` draws them).
+    curriculum: Optional[Curriculum] = None
 
     @property
     def moe(self) -> bool:
@@ -88,7 +90,8 @@ def build_policy(cfg: RunConfig, out: Path, *, d: distributed.Dist = distributed
     if cfg.model.gqa_attention:
         # after the cold start (whose cached weights stay those of sdpa) and after the engine copied the model
         model.set_attn_implementation(GQA_ATTENTION)
-    return Policy(tokenizer, task, model, model_dir, engine)
+    return Policy(tokenizer, task, model, model_dir, engine,
+                  Curriculum(task, cfg.task) if cfg.task.curriculum else None)
 
 
 def seed_everything(seed: int) -> None:

@@ -403,7 +403,7 @@ def test_is_weights_feed_the_loss_end_to_end():
 
 
 def test_registries_match_config_names():
-    assert set(IS_MODES) == {"none", "tis", "icepop", "seq_tis"}
+    assert set(IS_MODES) == {"none", "tis", "icepop", "seq_tis", "m2po"}
     assert set(POLICY_LOSSES) == {"ppo_clip", "minirl", "gspo"}
 
 

@@ -74,6 +74,10 @@ def _jsonable(x: Any) -> Any:
     return repr(x)
 
 
+def _without(x: Any, key: str) -> Any:
+    return {k: v for k, v in x.items() if k != key} if isinstance(x, dict) else x
+
+
 def cache_key(model: PreTrainedModel, tokenizer, task: _Task, cfg: ColdStartConfig, model_cfg: ModelConfig,
               *, seed: int) -> str:
     """Hex digest over everything that determines the cold-started weights.
@@ -98,7 +102,8 @@ def cache_key(model: PreTrainedModel, tokenizer, task: _Task, cfg: ColdStartConf
                   if not (k == "fp32_router" and not v) and k != "gqa_attention"},
         "vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]),
         "task": {"name": getattr(task, "name", type(task).__qualname__),
-                 "cfg": _jsonable(getattr(task, "cfg", None)),
+                 # the curriculum draws RL's training prompts only: the cold start never reads it
+                 "cfg": _without(_jsonable(getattr(task, "cfg", None)), "curriculum"),
                  # a task read from files names their content (the same path may hold other data later)
                  **({"data": task.data_digest} if getattr(task, "data_digest", None) else {})},
         "cold_start": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "cache_dir"},

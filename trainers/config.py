@@ -47,6 +47,18 @@ class ModelConfig:
 ROLLOUT_PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp8", "fp8_weight", "int4")
 
 
+# Bits of a weight in each rollout precision (logged as rollout/precision_bits).
+PRECISION_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "fp8": 8, "fp8_weight": 8, "int4": 4}
+
+
+@dataclass
+class PrecisionPhase:
+    # This phase's rollouts run for the steps before this one (0-based loop step); null: to the end of the run.
+    until_step: Optional[int] = None
+    # Inference precision of the rollout engine in this phase (one of ROLLOUT_PRECISIONS).
+    precision: str = "fp32"
+
+
 @dataclass
 class TorchEngineConfig:
     # int4: input columns per weight scale; must divide the input dimension of every quantised matmul.
@@ -85,6 +97,10 @@ class RolloutConfig:
     # per-channel weights, dynamic per-token activations) | fp8_weight (W8A16 e4m3, per channel) | int4 (W4A16,
     # symmetric, per group of torch.int4_group_size inputs). See trainers.quant.
     precision: str = "fp32"
+    # Precision by training step, e.g. [{until_step: 20, precision: fp32}, {until_step: 60, precision: int4},
+    # {precision: fp8}]: the engine re-quantises from its full-precision weights at each switch. The first phase's
+    # precision must equal `precision` (the engine starts in it); the last has no until_step. Empty: `precision`.
+    precision_schedule: list[PrecisionPhase] = field(default_factory=list)
     # Stress knob, not a deployment format: std of seeded Gaussian noise added to the rollout engine's logits
     # (after the LM head, before temperature and top-p); log mu is that of the noised distribution sampled
     # from. 0 disables. torch engine only.
@@ -110,12 +126,43 @@ class RolloutConfig:
         _require(self.max_new_tokens >= 1, f"{prefix}.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         self.torch.check(f"{prefix}.torch")
         self.vllm.check(f"{prefix}.vllm")
+        sched = self.precision_schedule
+        for i, phase in enumerate(sched):
+            key = f"{prefix}.precision_schedule[{i}]"
+            _require(phase.precision in ROLLOUT_PRECISIONS, f"{key}.precision",
+                     f"got {phase.precision!r}, expected one of {', '.join(ROLLOUT_PRECISIONS)}")
+            last = i == len(sched) - 1
+            _require((phase.until_step is None) == last, f"{key}.until_step",
+                     "the last phase runs to the end (no until_step); every other phase needs one")
+            _require(phase.until_step is None or phase.until_step > (sched[i - 1].until_step if i else 0),
+                     f"{key}.until_step", f"must be above the previous phase's (and above 0), got {phase.until_step}")
+        _require(not sched or sched[0].precision == self.precision, f"{prefix}.precision",
+                 f"the engine starts in precision_schedule[0].precision={sched[0].precision if sched else ''!r}; "
+                 f"set {prefix}.precision to it (got {self.precision!r})")
+
+    def precision_at(self, step: int) -> str:
+        """The rollout precision of loop step ``step`` (0-based): the first schedule phase whose until_step is above
+        it, ``precision`` without a schedule."""
+        for phase in self.precision_schedule:
+            if phase.until_step is None or step < phase.until_step:
+                return phase.precision
+        return self.precision
+
+
+@dataclass
+class CurriculumPhase:
+    # This phase's training prompts are drawn for the steps before this one (0-based loop step); null: to the end.
+    until_step: Optional[int] = None
+    # task.digits of this phase's prompts.
+    digits: int = 2
+    # task.min_digits of this phase's prompts (long_addition); null: task.min_digits.
+    min_digits: Optional[int] = None
 
 
 @dataclass
 class TaskConfig:
-    # Task name: addition | sorting | long_addition | math | jsonl (your data and reward; docs/custom_tasks.md). See
-    # trainers.tasks.TASKS.
+    # Task name: addition | sorting | long_addition | program_trace | math | jsonl (your data and reward;
+    # docs/custom_tasks.md). See trainers.tasks.TASKS and docs/tasks.md.
     name: str = "addition"
     # Largest operand / list element has this many digits (generated tasks).
     digits: int = 2
@@ -134,6 +181,9 @@ class TaskConfig:
     # Reward function of task `jsonl`: `module:function` (importable, the working directory included) or
     # `path/to/file.py:function`, called as function(prompt, completion, example) -> float.
     reward: Optional[str] = None
+    # Training prompts by step, e.g. [{until_step: 50, digits: 3}, {until_step: 100, digits: 5}, {digits: 8}]: each
+    # phase draws with its digits (generated tasks); evaluation and the cold start keep `digits` / `min_digits`.
+    curriculum: list[CurriculumPhase] = field(default_factory=list)
 
     def check(self, prefix: str = "task") -> None:
         _require(self.digits >= 1, f"{prefix}.digits", f"must be >= 1, got {self.digits}")
@@ -143,6 +193,26 @@ class TaskConfig:
         _require(self.eval_size >= 1, f"{prefix}.eval_size", f"must be >= 1, got {self.eval_size}")
         _require(self.reward is None or self.name == "jsonl", f"{prefix}.reward",
                  f"only task 'jsonl' takes a reward function; task {self.name!r} scores with its own")
+        for i, phase in enumerate(self.curriculum):
+            key = f"{prefix}.curriculum[{i}]"
+            last = i == len(self.curriculum) - 1
+            _require((phase.until_step is None) == last, f"{key}.until_step",
+                     "the last phase runs to the end (no until_step); every other phase needs one")
+            prev = self.curriculum[i - 1].until_step if i else 0
+            _require(phase.until_step is None or phase.until_step > prev, f"{key}.until_step",
+                     f"must be above the previous phase's (and above 0), got {phase.until_step}")
+            _require(phase.digits >= 1, f"{key}.digits", f"must be >= 1, got {phase.digits}")
+            low = self.min_digits if phase.min_digits is None else phase.min_digits
+            _require(1 <= low <= phase.digits, f"{key}.min_digits",
+                     f"must be in [1, digits={phase.digits}], got {low}"
+                     f"{' (task.min_digits; set the phase its own)' if phase.min_digits is None else ''}")
+
+    def phase_at(self, step: int) -> Optional[CurriculumPhase]:
+        """The curriculum phase of loop step ``step`` (0-based); None without a curriculum."""
+        for phase in self.curriculum:
+            if phase.until_step is None or step < phase.until_step:
+                return phase
+        return None
 
 
 @dataclass
@@ -229,6 +299,15 @@ class CapConfig:
 
 
 @dataclass
+class M2Config:
+    # Threshold tau on the mean (log rho)^2 of the kept tokens (the M2PO paper's 0.04, read second-hand).
+    threshold: float = 0.04
+
+    def check(self, prefix: str) -> None:
+        _require(self.threshold > 0, f"{prefix}.threshold", f"must be > 0, got {self.threshold}")
+
+
+@dataclass
 class SeqMaskConfig:
     # Sequence mask on top of any is_mode: none | prod (drop a sequence whose prod_t rho_t leaves prod's band) |
     # geo (drop a sequence whose geometric mean exp(mean_t log rho_t) leaves geo's band).
@@ -289,7 +368,8 @@ class AlgoConfig:
     # Dual-clip c (Ye et al. 2020, arXiv 1912.09729; verl's clip_ratio_c): with A < 0 a ratio r > c gets no
     # gradient (ppo_clip: the surrogate is bounded by c A; minirl: the token is masked). null: off. gspo ignores it.
     clip_ratio_c: Optional[float] = 3.0
-    # Training-inference IS weight of rho = pi_old / mu: none | tis | icepop | seq_tis (trainers.losses.IS_MODES).
+    # Training-inference IS weight of rho = pi_old / mu: none | tis | icepop | seq_tis | m2po
+    # (trainers.losses.IS_MODES).
     is_mode: str = "tis"
     # tis: w_t = min(rho_t, cap) (Yao et al. 2025; MiniRL truncates at 5).
     tis: CapConfig = field(default_factory=lambda: CapConfig(cap=5.0))
@@ -297,6 +377,11 @@ class AlgoConfig:
     seq_tis: CapConfig = field(default_factory=lambda: CapConfig(cap=5.0))
     # icepop: w_t = rho_t inside [low, high], the token dropped outside (Ring-1T: [0.5, 5]).
     icepop: Band = field(default_factory=lambda: Band(low=0.5, high=5.0))
+    # m2po: drop the tokens with the largest (log rho)^2 until the rest's mean is below this (M2PO, arXiv 2510.01161).
+    m2po: M2Config = field(default_factory=M2Config)
+    # Scale each mini-batch step's learning rate by sqrt(min(1, ESS/n)) of its sequence IS weights (VCPO, arXiv
+    # 2602.17616; trainers.losses.ess_lr_scale).
+    ess_lr_scale: bool = False
     # Sequence mask, composable with every is_mode.
     seq_mask: SeqMaskConfig = field(default_factory=SeqMaskConfig)
     # Outlier veto, composable with every is_mode.
@@ -337,6 +422,7 @@ class AlgoConfig:
         self.tis.check(f"{prefix}.tis")
         self.seq_tis.check(f"{prefix}.seq_tis")
         self.icepop.check(f"{prefix}.icepop")
+        self.m2po.check(f"{prefix}.m2po")
         self.seq_mask.check(f"{prefix}.seq_mask")
         self.veto.check(f"{prefix}.veto")
         self.reject.check(f"{prefix}.reject")

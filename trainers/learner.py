@@ -30,7 +30,7 @@ from constraints.penalties import PENALTIES
 from trainers import guards, routing
 from trainers.batch import Rollout
 from trainers.config import AlgoConfig
-from trainers.losses import IS_MODES, POLICY_LOSSES
+from trainers.losses import IS_MODES, POLICY_LOSSES, ess_lr_scale
 from trainers.models import compute_dtype
 from trainers.scoring import response_logprobs
 
@@ -481,6 +481,14 @@ def update(model, optimizer, scheduler, batch: ScoredBatch, *, scoring: ScoringS
         else:
             full_logp_BT, full_loss = logp_BT.detach(), loss.detach()
         trained_logp_BT[idx] = full_logp_BT.to(trained_logp_BT.dtype)
+        base_lrs = [group["lr"] for group in optimizer.param_groups]
+        if cfg.ess_lr_scale:
+            # VCPO: the step shrinks with the mini-batch's sequence ESS; restored below, before the scheduler
+            lr_scale, ess_metrics = ess_lr_scale(batch.old_logp_BT[idx], rollout.rollout_logp_BT[idx].float(),
+                                                 mask_BT[idx])
+            metrics.update(ess_metrics)
+            for group in optimizer.param_groups:
+                group["lr"] *= lr_scale
         optimizer.zero_grad(set_to_none=True)
         (loss if scaler is None else scaler.scale(loss)).backward()
         if scaler is not None:
@@ -505,6 +513,8 @@ def update(model, optimizer, scheduler, batch: ScoredBatch, *, scoring: ScoringS
             log.warning("non-finite %s in a mini-batch update (loss %s, grad norm %s): optimizer step skipped",
                         "loss" if not bool(torch.isfinite(full_loss)) else "gradient norm",
                         float(full_loss), float(grad_norm))
+        for group, lr in zip(optimizer.param_groups, base_lrs):
+            group["lr"] = lr
         if scheduler is not None:
             scheduler.step()
         metrics["guard/skipped_update"] = 0.0 if finite else 1.0

@@ -226,11 +226,61 @@ def is_seq_tis(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor, cf
     return _is_result(rho, weights_BT, seq_valid_BT, raw_log_BT, seq_valid_BT, truncated_BT, cfg, old_logp_BT.dtype)
 
 
+def m2po_keep(m2_N: Tensor, threshold: float) -> Tensor:
+    """M2PO's token mask (Zheng, Zhao, Chen 2025, "Prosperity before Collapse", arXiv 2510.01161; AReaL's
+    ``m2_threshold``): drop the tokens with the largest second moment M2_t = (log rho_t)^2, one at a time, until
+    the mean M2 of the tokens left is below ``threshold`` (strictly); True on the tokens kept.
+
+    Vectorised: with M2 sorted in decreasing order, the greedy removal drops a prefix of that order, so it drops
+    the k largest where k is the first index whose suffix mean sum_{j >= k} M2_(j) / (n - k) is below the
+    threshold; k = n (everything dropped) when no suffix qualifies, i.e. when even the smallest M2 reaches it.
+    Ties are broken by position (a stable sort), so the lowest-indexed of equal values goes first.
+    m2_N: (N,) non-negative, finite, float64 recommended (the suffix sums run from the smallest value up).
+    """
+    n = m2_N.numel()
+    if n == 0:
+        return torch.zeros(0, dtype=torch.bool, device=m2_N.device)
+    sorted_N, order_N = torch.sort(m2_N, descending=True, stable=True)
+    suffix_sum_N = sorted_N.flip(0).cumsum(0).flip(0)
+    count_N = torch.arange(n, 0, -1, device=m2_N.device, dtype=sorted_N.dtype)
+    below_N = suffix_sum_N / count_N < threshold
+    k = int(below_N.to(torch.int8).argmax()) if bool(below_N.any()) else n
+    keep_sorted_N = torch.arange(n, device=m2_N.device) >= k
+    keep_N = torch.empty_like(keep_sorted_N)
+    keep_N[order_N] = keep_sorted_N
+    return keep_N
+
+
+def is_m2po(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor, cfg: AlgoConfig):
+    """M2PO (arXiv 2510.01161), as AReaL applies it with decoupled PPO: keep the tokens of ``m2po_keep`` with
+    M2_t = (log rho_t)^2 and tau = cfg.m2po.threshold, w_t = rho_t on them (uncapped, as AReaL's decoupled loss
+    without a behaviour-weight cap).
+
+    The ratio: AReaL takes delta = logprobs - prox_logp, the rollout engine's (behaviour) log-prob minus the
+    recomputed proximal policy's, so M2 is (log pi_prox / pi_behav)^2, here (log pi_old / mu)^2 = (log rho)^2:
+    the same factor as every ``IS_MODES`` entry. The mask is recomputed for every rollout batch over all its
+    valid tokens (AReaL: over the tokens of the loss call's batch). Tokens with a non-finite log rho are dropped
+    and do not enter M2. Extra metrics: ``is/m2_raw`` and ``is/m2_kept``, the mean M2 before and after.
+    """
+    rho = _log_rho(old_logp_BT, rollout_logp_BT, mask_BT)
+    m2_N = rho.log_rho_BT[rho.valid_BT].square()
+    keep_N = m2po_keep(m2_N, cfg.m2po.threshold)
+    kept_BT = torch.zeros_like(rho.valid_BT)
+    kept_BT[rho.valid_BT] = keep_N
+    weights_BT = torch.exp(rho.log_rho_BT)
+    weights_BT, kept_BT, metrics = _is_result(rho, weights_BT, kept_BT, rho.log_rho_BT, rho.valid_BT,
+                                              torch.zeros_like(kept_BT), cfg, old_logp_BT.dtype)
+    metrics["is/m2_raw"] = float(m2_N.mean()) if m2_N.numel() else 0.0
+    metrics["is/m2_kept"] = float(m2_N[keep_N].mean()) if bool(keep_N.any()) else 0.0
+    return weights_BT, kept_BT, metrics
+
+
 IS_MODES: dict[str, ISMode] = {
     "none": is_none,
     "tis": is_tis,
     "icepop": is_icepop,
     "seq_tis": is_seq_tis,
+    "m2po": is_m2po,
 }
 """Weights of rho per mode. Every mode then applies the composable rules of ``cfg`` (sequence mask, veto,
 token rejection; ``_seq_drops``), so ``IS_MODES[cfg.is_mode]`` is the whole correction. What was ``seq_mis``
@@ -400,3 +450,36 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
     "minirl": minirl_loss,
     "gspo": gspo_loss,
 }
+
+
+# ------------------------------------------------------------------------------------------ ESS step scale
+
+
+def seq_ess_frac(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor) -> tuple[float, int]:
+    """Normalised effective sample size of the sequence IS weights, ESS/n = (sum_i w_i)^2 / (n sum_i w_i^2),
+    w_i = prod_t rho_t over sequence i's valid tokens (unclipped), n = the sequences with at least one valid token
+    and a finite log rho everywhere. Returns (ESS/n, n); (1.0, 0) when n = 0.
+
+    Exact in float64 at any scale: ESS/n is invariant to a common factor, so w_i = exp(log w_i - max_j log w_j).
+    """
+    rho = _log_rho(old_logp_BT, rollout_logp_BT, mask_BT)
+    used_B = rho.valid_BT.any(dim=1) & ~rho.broken_B
+    n = int(used_B.sum())
+    if n == 0:
+        return 1.0, 0
+    log_w_N = rho.log_rho_BT.sum(dim=1)[used_B]
+    w_N = torch.exp(log_w_N - log_w_N.max())
+    return float(w_N.sum().square() / (n * w_N.square().sum())), n
+
+
+def ess_lr_scale(old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor) -> tuple[float, dict[str, float]]:
+    """VCPO's step rule (Huang et al., "Stable Asynchrony: Variance-Controlled Off-Policy RL for LLMs", arXiv
+    2602.17616; the released recipe's settings): the learning rate of a mini-batch's optimiser step is multiplied
+    by sqrt(min(1, ESS/n)), with ESS/n the normalised effective sample size of the mini-batch's unclipped
+    sequence weights w_i = prod_t pi_old / mu (``seq_ess_frac``). The recipe's knobs are fixed at its values
+    (``scaling_rule: sqrt``, ``base_ess_ratio: 1``, ``use_clipped: false``), so the rule adds no hyperparameter.
+    A batch of equal weights keeps the full step; one sequence carrying all the weight gets 1/sqrt(n) of it.
+    """
+    frac, n = seq_ess_frac(old_logp_BT, rollout_logp_BT, mask_BT)
+    scale = math.sqrt(min(1.0, frac))
+    return scale, {"is/seq_ess_frac": frac, "optim/ess_lr_scale": scale}

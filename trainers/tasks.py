@@ -63,7 +63,7 @@ import os
 import random
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol
 
 from trainers.config import TaskConfig
@@ -689,3 +689,114 @@ TASKS: dict[str, Callable[[TaskConfig, int], Task]] = {
     "math": MathTask,
     "jsonl": JsonlTask,
 }
+
+
+# ---------------------------------------------------------------------------------------------- program trace
+
+
+class ProgramTraceTask(_GeneratedTask):
+    """``"7:+3*2-5+8="`` -> ``"7+3=0;0*2=0;0-5=5;5+8=3;|3"``: the trace of a one-register program.
+
+    A program is a start value x_0 in 0..9 and L instructions ``op d`` (op one of ``+ - *``, d in 0..9), L uniform
+    in [``cfg.min_digits``, ``cfg.digits``] (for this task the two keys count instructions, so a curriculum grows
+    the programs), every part uniform. Instruction k sets x_k = (x_{k-1} op d_k) mod 10 (Python's mod: 0..9).
+    The demonstration writes one step ``x_{k-1} op d_k = x_k;`` per instruction, then ``|`` and x_L, so a correct
+    response takes 6 L + 3 tokens with EOS (one character per token), 27 to 51 with min_digits=4, digits=8; the
+    prompt takes 2 L + 3. ``Example.answer`` is x_L.
+
+    Reward: 1.0 iff the completion, stripped of surrounding whitespace, is the whole trace exactly: the answer
+    alone is a digit a guess finds one time in ten, the trace is verified step by step. Held-out split and
+    sampling as every generated task (module docstring).
+    """
+
+    name = "program_trace"
+    uses_min_digits = True
+    OPS = "+-*"
+
+    def space_size(self) -> int:
+        per_instruction = len(self.OPS) * 10
+        return 10 * sum(per_instruction ** n for n in range(self.cfg.min_digits, self.cfg.digits + 1))
+
+    def _split_tag(self) -> str:
+        return f"{self.cfg.min_digits}-{self.cfg.digits}"
+
+    def _draw(self, rng: random.Random) -> Example:
+        x = rng.randrange(10)
+        program = [(rng.choice(self.OPS), rng.randrange(10)) for _ in range(rng.randint(self.cfg.min_digits,
+                                                                                         self.cfg.digits))]
+        prompt = f"{x}:" + "".join(f"{op}{d}" for op, d in program) + "="
+        return Example(prompt, str(program_states(x, program)[-1]))
+
+    def reward(self, completion: str, example: Example) -> float:
+        return 1.0 if completion.strip() == self.demonstration(example) else 0.0
+
+    def demonstration(self, example: Example) -> str:
+        x, program = parse_program(example.prompt)
+        states = program_states(x, program)
+        steps = "".join(f"{a}{op}{d}={b};" for a, (op, d), b in zip(states, program, states[1:]))
+        return f"{steps}|{states[-1]}"
+
+
+def parse_program(prompt: str) -> tuple[int, list[tuple[str, int]]]:
+    """(x_0, [(op, d), ...]) of a ``program_trace`` prompt ``"7:+3*2="``."""
+    start, _, body = prompt.rstrip("=").partition(":")
+    return int(start), [(body[i], int(body[i + 1])) for i in range(0, len(body), 2)]
+
+
+def program_states(x: int, program: list[tuple[str, int]]) -> list[int]:
+    """[x_0, x_1, ..., x_L]: x_k = (x_{k-1} op d_k) mod 10."""
+    states = [x]
+    for op, d in program:
+        x = {"+": x + d, "-": x - d, "*": x * d}[op] % 10
+        states.append(x)
+    return states
+
+
+TASKS["program_trace"] = ProgramTraceTask
+
+
+# ------------------------------------------------------------------------------------------------- curriculum
+
+
+class CurriculumTask:
+    """Training prompts of one ``task.curriculum`` phase: the task rebuilt with the phase's ``digits`` /
+    ``min_digits``, rejecting the run's held-out prompts (``base``'s evaluation set), so that training never sees
+    them whatever the phase. Reward and demonstrations are the task's own (they read ``Example.answer``)."""
+
+    def __init__(self, base: "_GeneratedTask", cfg: TaskConfig):
+        self.name = base.name
+        self.cfg = cfg
+        self._task = type(base)(cfg, 0)
+        self._held_out = base._eval_prompts
+
+    def sample(self, rng: random.Random, n: int) -> list[Example]:
+        out: list[Example] = []
+        while len(out) < n:
+            out.extend(ex for ex in self._task.sample(rng, n - len(out)) if ex.prompt not in self._held_out)
+        return out
+
+
+class Curriculum:
+    """``task.curriculum``: the training task of each loop step; built once, one task per phase."""
+
+    def __init__(self, base: Task, cfg: TaskConfig):
+        if not isinstance(base, _GeneratedTask):
+            raise ValueError(f"config error at 'task.curriculum': task {cfg.name!r} has no digits to grow; a "
+                             f"curriculum needs a generated task ({', '.join(generated_task_names())})")
+        self._cfg = cfg
+        self._tasks = {}
+        for phase in cfg.curriculum:
+            min_digits = cfg.min_digits if phase.min_digits is None else phase.min_digits
+            # eval_size 1: the phase's own held-out prompt is a formality, the run's held-out set is base's
+            phase_cfg = replace(cfg, digits=phase.digits, min_digits=min_digits, eval_size=1, curriculum=[])
+            self._tasks[id(phase)] = CurriculumTask(base, phase_cfg)
+
+    def task_at(self, step: int) -> CurriculumTask:
+        """The training task of loop step ``step`` (0-based)."""
+        return self._tasks[id(self._cfg.phase_at(step))]
+
+
+def generated_task_names() -> list[str]:
+    """The registered tasks that generate their prompts from ``task.digits`` (those a curriculum can grow)."""
+    return [name for name, builder in TASKS.items()
+            if isinstance(builder, type) and issubclass(builder, _GeneratedTask)]

@@ -33,6 +33,9 @@ class EngineCapabilities:
     fp8_needs_tensor_cores: Optional[str] = None
     # Why rollout.logit_noise > 0 cannot run; None: supported.
     no_logit_noise: Optional[str] = None
+    # Why rollout.precision_schedule cannot run (no precision switch within a run); None: the engine has
+    # ``set_precision(precision)``.
+    no_precision_switch: Optional[str] = None
     # When it reports the experts each position was routed to (MoE; R3 and routing_mismatch need them): always |
     # eager (through router hooks that run in eager mode only: the engine's sub-config has enforce_eager=true, e.g.
     # rollout.vllm.enforce_eager).
@@ -94,6 +97,9 @@ VLLM_UNSUPPORTED_PRECISIONS = {
             "checkpoints, and every weight sync would have to re-pack the trainer's weights into that format). "
             "Use rollout.engine=torch for int4 rollouts",
 }
+VLLM_PRECISION_SWITCH_UNSUPPORTED = (
+    "vLLM builds its quantised kernels once, when the engine starts, so it cannot change precision within a run; "
+    "use rollout.engine=torch for rollout.precision_schedule")
 VLLM_LOGIT_NOISE_UNSUPPORTED = (
     "the logit noise is drawn inside the torch engine's sampler; vLLM's sampler has no such hook, so with "
     "rollout.engine=vllm the noise would silently be absent. Use rollout.engine=torch, or rollout.logit_noise=0")
@@ -102,7 +108,8 @@ ENGINES: dict[str, EngineEntry] = {
     "torch": EngineEntry("trainers.engines.torch_engine:build"),
     "vllm": EngineEntry("trainers.engines.vllm_engine:build", EngineCapabilities(
         unsupported_precisions={"int8": VLLM_INT8_UNSUPPORTED, **VLLM_UNSUPPORTED_PRECISIONS},
-        fp8_needs_tensor_cores=VLLM_FP8_UNAVAILABLE, no_logit_noise=VLLM_LOGIT_NOISE_UNSUPPORTED, routes="eager",
+        fp8_needs_tensor_cores=VLLM_FP8_UNAVAILABLE, no_logit_noise=VLLM_LOGIT_NOISE_UNSUPPORTED,
+        no_precision_switch=VLLM_PRECISION_SWITCH_UNSUPPORTED, routes="eager",
         weight_sync="every_rank", tensor_parallel=True, async_worker=False)),
 }
 

@@ -103,16 +103,37 @@ class TorchEngine:
         self.cfg = cfg
         self.eos_id = int(eos_id)
         self.pad_id = int(pad_id)
-        # The engine's own frozen copy: the trainer's parameters are never touched or aliased.
-        self.model = cast_for_precision(model, cfg.precision, int4_group_size=cfg.torch.int4_group_size,
-                                        quantize_lm_head=cfg.torch.quantize_lm_head)
-        if cfg.torch.gqa_decode:
-            self.model.set_attn_implementation(GQA_DECODE_ATTENTION)
-        self.dtype = PRECISION_DTYPES[cfg.precision]
+        # With a precision schedule the engine keeps the weights it was given at full precision, so that a switch
+        # quantises them afresh (a quantised copy cannot be re-quantised to another grid without compounding).
+        self._master = cast_for_precision(model, "fp32") if cfg.precision_schedule else None
+        self.precision = cfg.precision
+        self._set_model(model)
         self.is_moe = routing.is_moe(self.model)
         # Decoding runs where the model lives; the returned Rollout is always on the CPU.
         self.device = next(self.model.parameters()).device
         self.version = 0
+
+    def _set_model(self, model: torch.nn.Module) -> None:
+        """The engine's own frozen copy of ``model`` in ``self.precision``: the trainer's parameters are never
+        touched or aliased."""
+        cfg = self.cfg
+        self.model = cast_for_precision(model, self.precision, int4_group_size=cfg.torch.int4_group_size,
+                                        quantize_lm_head=cfg.torch.quantize_lm_head)
+        if cfg.torch.gqa_decode:
+            self.model.set_attn_implementation(GQA_DECODE_ATTENTION)
+        self.dtype = PRECISION_DTYPES[self.precision]
+
+    def set_precision(self, precision: str) -> None:
+        """Run the next rollouts in ``precision`` (``rollout.precision_schedule``): a new engine copy of the
+        full-precision weights of the last ``load_weights``, cast and quantised as at start. A no-op when
+        ``precision`` is already in effect."""
+        if precision == self.precision:
+            return
+        if self._master is None:
+            raise ValueError("set_precision needs rollout.precision_schedule: without it the engine keeps no "
+                             "full-precision weights to quantise afresh")
+        self.precision = precision
+        self._set_model(self._master)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], seed: int) -> Rollout:
@@ -222,7 +243,17 @@ class TorchEngine:
     def load_weights(self, state_dict: dict[str, Tensor], version: int) -> None:
         """Copy the trainer's weights into the engine's tensors in place (cast; re-quantised for the quantised
         precisions, from the trainer's values)."""
-        own = self.model.state_dict()
+        if self._master is not None:
+            self._load_into(self._master, state_dict)
+        self._load_into(self.model, state_dict)
+        if self.precision in QUANTIZED_PRECISIONS:
+            quantize_weights_(self.model, self.precision, int4_group_size=self.cfg.torch.int4_group_size,
+                              lm_head=self.cfg.torch.quantize_lm_head)
+        self.version = int(version)
+
+    @staticmethod
+    def _load_into(model: torch.nn.Module, state_dict: dict[str, Tensor]) -> None:
+        own = model.state_dict()
         missing = sorted(set(own) - set(state_dict))
         if missing:
             raise KeyError(f"load_weights: state dict lacks {len(missing)} engine tensors, e.g. {missing[:3]}")
@@ -232,13 +263,10 @@ class TorchEngine:
                 raise ValueError(f"load_weights: {name} has shape {tuple(src.shape)}, engine expects "
                                  f"{tuple(tensor.shape)}")
             tensor.copy_(src.detach().to(device=tensor.device, dtype=tensor.dtype))
-        if self.cfg.precision in QUANTIZED_PRECISIONS:
-            quantize_weights_(self.model, self.cfg.precision, int4_group_size=self.cfg.torch.int4_group_size,
-                              lm_head=self.cfg.torch.quantize_lm_head)
-        self.version = int(version)
 
     def close(self) -> None:
         self.model = None
+        self._master = None
 
 
 
