@@ -217,11 +217,12 @@ def rollout_ppl(logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tensor)
 
 
 def log_ppl_diff(logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tensor) -> Tensor:
-    """E_seq [log ppl_mu - log ppl_pi_old] = E_seq mean_t log rho_t (verl's log_ppl_diff; signed: > 0 when the
-    training engine is the more confident). Per-sequence means, so every sequence counts once, unlike -kl_k1's
-    token mean. 0 for a batch without valid tokens."""
+    """E_seq [mean_t log mu(y_t) - mean_t log pi_old(y_t)] = E_seq [log ppl_pi_old - log ppl_mu] = -E_seq mean_t
+    log rho_t: verl's rollout_corr log_ppl_diff, sign included (> 0 when the rollout engine is the more
+    confident, i.e. the training engine's perplexity is the higher). Per-sequence means, so every sequence
+    counts once, unlike kl_k1's token mean of the same log mu - log pi_old. 0 for a batch without valid tokens."""
     train_BT, rollout_BT, valid_BT = _clean(logp_train_BT, logp_rollout_BT, mask_BT)
-    mean_B, has_token_B = _per_seq_mean(train_BT - rollout_BT, valid_BT)
+    mean_B, has_token_B = _per_seq_mean(rollout_BT - train_BT, valid_BT)
     return _seq_mean(mean_B, has_token_B)
 
 

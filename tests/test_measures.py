@@ -46,7 +46,8 @@ def _reference(train: np.ndarray, rollout: np.ndarray, mask: np.ndarray, tau: fl
     return {
         "training_ppl": np.mean(np.exp(-mean_train)),
         "rollout_ppl": np.mean(np.exp(-mean_rollout)),
-        "log_ppl_diff": np.mean(mean_train - mean_rollout),
+        # verl's sign: mean log mu - mean log pi_old = log ppl_pi_old - log ppl_mu
+        "log_ppl_diff": np.mean(mean_rollout - mean_train),
         "log_ppl_abs_diff": np.mean(np.abs(mean_train - mean_rollout)),
         "chi2_seq": np.mean((np.exp(log_prod) - 1) ** 2),
         "max_abs_log_ratio": np.max(np.abs(x)),
@@ -317,8 +318,9 @@ def test_panel_measures_by_hand():
         "training_ppl": e(2.0),
         # mean log mu: (-1.5 - 2.7) / 2 = -2.1 and -1.6 -> (e^2.1 + e^1.6) / 2 = (8.16617 + 4.95303) / 2
         "rollout_ppl": (e(2.1) + e(1.6)) / 2,
-        # mean log rho per sequence: (0.5 - 0.3) / 2 = 0.1 and -0.4 -> (0.1 - 0.4) / 2 = -0.15
-        "log_ppl_diff": -0.15,
+        # mean log mu - mean log pi_old per sequence: -2.1 - (-2) = -0.1 and -1.6 - (-2) = 0.4 -> (-0.1 + 0.4) / 2
+        # = 0.15 (> 0: mu, with the lower perplexity, is the more confident engine on average)
+        "log_ppl_diff": 0.15,
         # (|0.1| + |-0.4|) / 2 = 0.25
         "log_ppl_abs_diff": 0.25,
         # prod rho: e^0.2 and e^-0.4 -> ((e^0.2 - 1)^2 + (e^-0.4 - 1)^2) / 2 = (0.049019 + 0.108689) / 2
@@ -329,8 +331,12 @@ def test_panel_measures_by_hand():
     }
     for name, value in expected.items():
         assert MEASURES[name].batch(train, rollout, mask).item() == pytest.approx(value, rel=1e-12), name
-    # log_ppl_diff weighs sequences equally; -kl_k1 weighs tokens: (0.5 - 0.3 - 0.4) / 3 = -0.0667
-    assert -MEASURES["kl_k1"].batch(train, rollout, mask).item() == pytest.approx(-0.2 / 3, rel=1e-12)
+    # log_ppl_diff weighs sequences equally; kl_k1 (same log mu - log pi_old) weighs tokens: (-0.5 + 0.3 + 0.4) / 3
+    assert MEASURES["kl_k1"].batch(train, rollout, mask).item() == pytest.approx(0.2 / 3, rel=1e-12)
+    # verl's definition: log ppl_pi_old - log ppl_mu per sequence, i.e. log(training_ppl / rollout_ppl) of one
+    # sequence: log(e^2 / e^2.1) = -0.1 and log(e^2 / e^1.6) = 0.4
+    per_seq = [math.log(e(2.0) / e(2.1)), math.log(e(2.0) / e(1.6))]
+    assert MEASURES["log_ppl_diff"].batch(train, rollout, mask).item() == pytest.approx(sum(per_seq) / 2, rel=1e-12)
 
 
 def test_chi2_seq_compounds_with_length_and_stays_finite():
