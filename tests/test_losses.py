@@ -422,7 +422,7 @@ def _dual_clip_batch():
 
 
 def test_ppo_dual_clip_hand_computed():
-    # s = min(r A, clip(r) A), then max(s, c A) where A < 0; l = -w s:
+    # s = min(r A, clip(r) A), then c A where A < 0 and r > c (= max(s, c A) in value); l = -w s:
     #   r = 4,   A = -1: min(-4, -1.28) = -4 -> max(-4, -3) = -3, l = 3 * 1 = 3, gradient 0 (dual-clip)
     #   r = 2,   A = -1: min(-2, -1.28) = -2 -> max(-2, -3) = -2, l = 2 * 1.5 = 3, d l / d logp = -w A r = 3
     #   r = 0.5, A = -1: min(-0.5, -0.8) = -0.8 (clip low) -> l = 0.8 * 2 = 1.6, gradient 0
@@ -456,6 +456,32 @@ def test_minirl_dual_clip_masks_the_same_tokens():
     loss.backward()
     # unbounded without it: -r w A / N = 4 * 1 / 4 = 1
     torch.testing.assert_close(logp.grad, torch.tensor([[1.0, 0.75, 0.0, 0.0]], dtype=torch.float64), **TOL)
+
+
+def test_clips_are_inactive_at_their_bound_exactly():
+    """At r == c (A < 0), r == 1 + eps_high (A > 0) and r == 1 - eps_low (A < 0) exactly, no clip is active: both
+    losses take the whole gradient d l / d logp = -w A r / N (the float64 closed form), and clip/frac* count
+    nothing. A max(s, c A) in ppo_clip would split the dual-clip tie in half."""
+    old = torch.full((1, 3), -2.0, dtype=torch.float64)
+    logp0 = old + torch.tensor([[math.log(3.0), math.log(1.28), math.log(0.8)]], dtype=torch.float64)
+    # the bounds are set to the ratios the losses compute, so each tie holds bit for bit (v - 1 and 1 + (v - 1)
+    # are exact for v in [0.5, 2], and 1 - (1 - v) = v likewise)
+    r = torch.exp(logp0 - old)[0].tolist()
+    cfg = AlgoConfig(ppo_clip=ClipConfig(low=1.0 - r[2], high=r[1] - 1.0),
+                     minirl=ClipConfig(low=1.0 - r[2], high=r[1] - 1.0), clip_ratio_c=r[0])
+    assert (r[0], 1.0 + cfg.ppo_clip.high, 1.0 - cfg.ppo_clip.low) == (cfg.clip_ratio_c, r[1], r[2])
+    adv = torch.tensor([[-1.0, 0.5, -2.0]], dtype=torch.float64)
+    w = torch.tensor([[1.5, 0.7, 1.2]], dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    # -w A r / N with N = 3: [1.5 * 3, -0.7 * 0.5 * 1.28, 1.2 * 2 * 0.8] / 3, each r the bound itself
+    expected = torch.tensor([[-wi * ai * ri / 3.0 for wi, ai, ri in zip(w[0].tolist(), adv[0].tolist(), r)]],
+                            dtype=torch.float64)
+    for name in ("ppo_clip", "minirl"):
+        logp = logp0.clone().requires_grad_(True)
+        loss, m = POLICY_LOSSES[name](logp, old, adv, w, mask, cfg, 3.0)
+        (grad,) = torch.autograd.grad(loss, logp)
+        torch.testing.assert_close(grad, expected, rtol=1e-15, atol=0, msg=lambda why: f"{name}: {why}")
+        assert m["clip/frac"] == m["clip/frac_dual"] == 0.0, name
 
 
 @pytest.mark.parametrize("c", [None, 1.5, 3.0])

@@ -5,9 +5,13 @@ and float64 forwards of the engine's quantised model whose log-probabilities mus
 returned for the tokens it sampled.
 """
 
+import bisect
 import copy
+import math
 import random
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,7 +22,7 @@ from trainers.config import ROLLOUT_PRECISIONS, ModelConfig, RolloutConfig, Torc
 from trainers.engines.torch_engine import TorchEngine, nucleus_logp
 from trainers.models import build_model
 from trainers.quant import (FP8_E4M3_MAX, PRECISION_DTYPES, cast_for_precision, fake_quantize_fp8,
-                            fake_quantize_int4, fake_quantize_int8, fp8_gemm_available, quantized_weights,
+                            fake_quantize_int4, fake_quantize_int8, fp8_codes, fp8_gemm_available, quantized_weights,
                             weight_quantizer)
 from trainers.scoring import position_ids
 
@@ -109,6 +113,71 @@ def test_fp8_is_exact_on_representable_values():
         x = (codes[perm] * scale).reshape(2, 127)
         x[:, 0] = 448 * scale  # both rows reach the largest code: scale = amax / 448 exactly
         assert torch.equal(fake_quantize_fp8(x), x)
+
+
+# The non-negative e4m3fn values, exactly, in code order 0..126 (ascending): subnormals k 2^-9 (codes 0-7), then
+# (1 + m / 8) 2^(E - 7) for biased exponent E = 1..15 and mantissa m = 0..7 (code 8 E + m), E = 15, m = 7 being NaN.
+E4M3_GRID = [Fraction(k, 2 ** 9) for k in range(8)] + [
+    (1 + Fraction(m, 8)) * Fraction(2) ** (E - 7) for E in range(1, 16) for m in range(8) if (E, m) != (15, 7)]
+
+
+def _e4m3_exact(v: float) -> float:
+    """Round v to the nearest e4m3fn value in exact rational arithmetic, ties to the even code (even mantissa),
+    saturating at +-448 (the quantiser clamps first)."""
+    a = Fraction(abs(v))
+    if a >= E4M3_GRID[-1]:
+        return math.copysign(float(E4M3_GRID[-1]), v)
+    i = bisect.bisect_right(E4M3_GRID, a) - 1  # E4M3_GRID[i] <= a < E4M3_GRID[i + 1]
+    below, above = a - E4M3_GRID[i], E4M3_GRID[i + 1] - a
+    j = i if below < above or (below == above and i % 2 == 0) else i + 1
+    return math.copysign(float(E4M3_GRID[j]), v)
+
+
+def test_e4m3_grid_is_torchs():
+    assert len(E4M3_GRID) == 127 and E4M3_GRID[-1] == 448
+    decoded = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).double().tolist()
+    assert decoded == [float(g) for g in E4M3_GRID]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fp8_rounds_once_to_nearest_even(dtype):
+    """Every midpoint of the grid (a tie), one ulp of ``dtype`` either side of it, every grid value and random values
+    of every binade, both signs, in a row whose amax is 448 (scale exactly 1): the codes and the round trip equal
+    the exact rounding. float64 inputs round once in float64; a float64 -> float32 -> e4m3 path turns
+    1.0625 + 2^-52 into 1.0625 and then, half to even, 1.0 instead of 1.125."""
+    f = np.float64 if dtype == torch.float64 else np.float32
+    mids = np.array([float((lo + hi) / 2) for lo, hi in zip(E4M3_GRID, E4M3_GRID[1:])], dtype=f)
+    inf = f(np.inf)
+    rng = np.random.default_rng(0)
+    rand = np.exp2(rng.uniform(-12, np.log2(448.0), 2000)).astype(f)
+    pos = np.concatenate([mids, np.nextafter(mids, inf), np.nextafter(mids, f(0)),
+                          np.array([float(g) for g in E4M3_GRID], dtype=f), rand])
+    values = np.concatenate([[448.0], pos, -pos]).astype(f)
+    x = torch.tensor(values, dtype=dtype)[None]
+    expected = torch.tensor([[_e4m3_exact(float(v)) for v in values]], dtype=dtype)
+    codes, scale = fp8_codes(x)
+    assert codes.dtype == torch.float8_e4m3fn and scale.item() == 1.0
+    assert torch.equal(codes.to(dtype), expected)
+    assert torch.equal(fake_quantize_fp8(x), expected)
+    if dtype == torch.float64:
+        x = torch.tensor([[448.0, 1.0625000000000002, -1.0625000000000002, 1.0625]], dtype=dtype)
+        assert fake_quantize_fp8(x).tolist() == [[448.0, 1.125, -1.125, 1.0]]
+
+
+def test_fp8_float64_rounds_once_at_any_scale():
+    """Rows of every magnitude whose entries sit within float32's rounding of a grid midpoint after scaling (where
+    a float32 detour decides the tie): the float64 codes are the exact rounding of the float64 quotient x / scale."""
+    gen = torch.Generator().manual_seed(3)
+    mids = torch.tensor([float((lo + hi) / 2) for lo, hi in zip(E4M3_GRID, E4M3_GRID[1:])], dtype=torch.float64)
+    amax = torch.exp(torch.empty(8, 1, dtype=torch.float64).uniform_(-20, 20, generator=gen))
+    nudge = torch.tensor([-1e-12, -1e-15, 1e-15, 1e-12], dtype=torch.float64)[:, None]
+    sign = torch.where(torch.rand(8, 4 * mids.numel(), generator=gen) < 0.5, -1.0, 1.0).double()
+    x = torch.cat([amax, sign * (mids * (1 + nudge)).reshape(1, -1) * amax / FP8_E4M3_MAX], dim=1)
+    codes, scale = fp8_codes(x)
+    y = (x / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    expected = torch.tensor([[_e4m3_exact(v) for v in row] for row in y.tolist()], dtype=torch.float64)
+    assert torch.equal(codes.double(), expected)
+    assert torch.equal(fake_quantize_fp8(x), expected * scale)
 
 
 def test_fp8_nonfinite_and_zero_rows():

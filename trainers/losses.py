@@ -349,25 +349,30 @@ def ppo_clip_loss(logp_BT: Tensor, old_logp_BT: Tensor, advantages_BT: Tensor, w
     1912.09729):
 
         s_t = min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t),  r_t = exp(logp_t - old_logp_t)
-        s_t <- max(s_t, c A_t)  where A_t < 0 (dual-clip, c = cfg.clip_ratio_c; skipped when null)
+        s_t <- c A_t  where A_t < 0 and r_t > c (dual-clip, c = cfg.clip_ratio_c; skipped when null)
         l_t = -w_t * s_t
 
     w_t is the IS weight of rho_t = pi_old / mu (``IS_MODES``), eps_low = cfg.ppo_clip.low, eps_high =
     cfg.ppo_clip.high. loss = sum_t mask_t l_t / normalizer. Gradient: -w_t A_t r_t grad log pi_t where no clip
     is active, 0 where one is (``clip/frac``; ``clip/frac_dual``: A < 0 and r > c, where without the
     dual-clip the term -w A r grows without bound in r).
+
+    For A < 0 and c > 1 the replacement equals Ye et al.'s max(s_t, c A_t) in value. Written as a strict
+    r > c rather than a max so that the tie r == c keeps the whole gradient -w A r grad log pi (a max would
+    split it in half between its two equal arguments): the dual-clip is inactive at r == c, as in
+    ``clip/frac_dual`` and in minirl's mask, whose gradient equals this one token for token.
     """
     logp_BT, old_logp_BT, adv_BT, w_BT, mask_BT = _sanitize(logp_BT, old_logp_BT, advantages_BT, weights_BT, mask_BT)
     log_r_BT = (logp_BT - old_logp_BT).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
     ratio_BT = torch.exp(log_r_BT)
     clipped_BT = ratio_BT.clamp(1.0 - cfg.ppo_clip.low, 1.0 + cfg.ppo_clip.high)
     surrogate_BT = torch.minimum(ratio_BT * adv_BT, clipped_BT * adv_BT)
+    dual_BT = _dual_clip_mask(ratio_BT.detach(), adv_BT, mask_BT, cfg)
     if cfg.clip_ratio_c is not None:
-        surrogate_BT = torch.where(adv_BT < 0, torch.maximum(surrogate_BT, cfg.clip_ratio_c * adv_BT), surrogate_BT)
+        surrogate_BT = torch.where(dual_BT, cfg.clip_ratio_c * adv_BT, surrogate_BT)
     per_token_BT = -w_BT * surrogate_BT
     loss = torch.where(mask_BT, per_token_BT, 0.0).sum() / max(float(normalizer), 1.0)
     low_BT, high_BT = _clip_masks(ratio_BT.detach(), adv_BT, mask_BT, cfg.ppo_clip)
-    dual_BT = _dual_clip_mask(ratio_BT.detach(), adv_BT, mask_BT, cfg)
     return loss, _loss_metrics(loss.detach(), log_r_BT.detach(), ratio_BT.detach(), low_BT, high_BT, dual_BT, mask_BT)
 
 

@@ -95,8 +95,8 @@ def _safe_scale(scale: Tensor) -> Tensor:
 def fake_quantize_fp8(x: Tensor) -> Tensor:
     """Float8 e4m3 round trip with one symmetric scale per row of the last dimension.
 
-    ``scale = amax / 448``, ``x <- scale * e4m3(clamp(x / scale, -448, 448))`` with round-to-nearest-even
-    (``torch.float8_e4m3fn`` casts). For ``(..., O, I)`` weights that is one scale per output channel, for
+    ``scale = amax / 448``, ``x <- scale * e4m3(clamp(x / scale, -448, 448))``, e4m3 rounding to nearest, ties to
+    even, applied once (``fp8_codes``). For ``(..., O, I)`` weights that is one scale per output channel, for
     ``(..., H)`` activations one per token (vLLM's dynamic per-token scales). Computed in float32 (float64
     for float64 inputs) and returned in the input dtype. Error bound: ``|x - q| <= 2^-4 |x|`` where
     ``|x / scale| >= 2^-6`` (3 mantissa bits), else ``<= 2^-10 scale`` (half the subnormal step).
@@ -105,11 +105,34 @@ def fake_quantize_fp8(x: Tensor) -> Tensor:
     return (codes.to(scale.dtype) * scale).to(x.dtype)
 
 
+def _round_e4m3_float64(y: Tensor) -> Tensor:
+    """float64 ``y`` in [-448, 448] rounded to the nearest e4m3 value, ties to even, still in float64.
+
+    A float64 -> float8 cast goes through float32 and rounds twice (1.0625 + 2^-52 -> 1.0625 -> 1.0, where the
+    nearest e4m3 value is 1.125). Here: step 2^(max(e, -6) - 3) for |y| in [2^e, 2^(e+1)) (3 mantissa bits, the
+    subnormal step 2^-9 below 2^-6), built from its exponent bits so it is an exact power of two; y / step and
+    round(.) * step are then exact, and torch.round rounds half to even, the even multiple of the step being the
+    e4m3 value with an even mantissa. NaN stays NaN.
+    """
+    _, exponent = torch.frexp(y)  # |y| = m 2^exponent, m in [0.5, 1): binade e = exponent - 1
+    e_step = (exponent.to(torch.int64) - 1).clamp(min=-6) - 3
+    step = ((e_step + 1023) << 52).view(torch.float64)  # 2^e_step from the float64 exponent field
+    return torch.round(y / step) * step
+
+
 def fp8_codes(x: Tensor) -> tuple[Tensor, Tensor]:
-    """The e4m3 codes and row scales ``fake_quantize_fp8`` rounds ``x`` to (what an fp8 GEMM takes)."""
+    """The e4m3 codes and row scales ``fake_quantize_fp8`` rounds ``x`` to (what an fp8 GEMM takes).
+
+    One rounding to e4m3 of the quotient ``x / scale`` in the working dtype: float32 inputs (and narrower,
+    widened exactly) are cast directly, float64 inputs are rounded in float64 (``_round_e4m3_float64``) so the
+    cast to float8 is exact.
+    """
     w = x.to(_work_dtype(x))
     scale = _safe_scale(_finite_amax(w) / FP8_E4M3_MAX)
-    return (w / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale
+    y = (w / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    if y.dtype == torch.float64:
+        y = _round_e4m3_float64(y)
+    return y.to(torch.float8_e4m3fn), scale
 
 
 def fake_quantize_int4(weight_OI: Tensor, group_size: int) -> Tensor:
