@@ -595,3 +595,16 @@ def test_seq_tis_with_prod_mask_and_icepop_with_veto():
     assert kept.tolist() == [[False, True, False], [False, False, False]]
     assert m["is/mode_masked_frac"] == pytest.approx(3 / 5)  # 0.4, 6 and 1e-4 are outside the band
     assert m["is/vetoed_frac"] == pytest.approx(2 / 5) and m["is/masked_frac"] == pytest.approx(4 / 5)
+
+
+def test_approx_kl_keeps_its_precision_for_ratios_near_one():
+    # k3(x) = e^x - 1 - x = x^2/2 + x^3/6 + x^4/24 + ...; at |x| <= 1e-3 the x^5 term is below 1e-13 of the value,
+    # so four terms are the float64 reference. expm1(x) - x loses ~|log10 x| digits there.
+    cfg = _cfg()
+    xs = [1e-3, -1e-3, 3e-5, -3e-5, 1e-7]
+    logp = torch.tensor([xs], dtype=torch.float64)
+    zeros = torch.zeros_like(logp)
+    mask = torch.ones_like(logp, dtype=torch.bool)
+    _, m = POLICY_LOSSES["ppo_clip"](logp, zeros, torch.ones_like(logp), torch.ones_like(logp), mask, cfg, 1.0)
+    expected = sum(x * x / 2 + x ** 3 / 6 + x ** 4 / 24 for x in xs) / len(xs)
+    assert m["policy/approx_kl"] == pytest.approx(expected, rel=1e-13)

@@ -331,7 +331,7 @@ def _loss_metrics(loss: Tensor, log_r_BT: Tensor, ratio_BT: Tensor, low_BT: Tens
         return {"loss/policy": float(loss), "clip/frac": 0.0, "clip/frac_low": 0.0, "clip/frac_high": 0.0,
                 "clip/frac_dual": 0.0, "policy/approx_kl": 0.0, "policy/ratio_mean": 0.0}
     log_r = log_r_BT[mask_BT].double()
-    k3 = torch.expm1(log_r) - log_r
+    k3 = MEASURES["kl_k3"].token(log_r, torch.zeros_like(log_r))  # the measures' ulp-accurate k3
     return {
         "loss/policy": float(loss),
         "clip/frac": float((low_BT | high_BT).sum()) / n,
