@@ -598,13 +598,11 @@ def test_seq_tis_with_prod_mask_and_icepop_with_veto():
 
 
 def test_approx_kl_keeps_its_precision_for_ratios_near_one():
-    # k3(x) = e^x - 1 - x = x^2/2 + x^3/6 + x^4/24 + ...; at |x| <= 1e-3 the x^5 term is below 1e-13 of the value,
-    # so four terms are the float64 reference. expm1(x) - x loses ~|log10 x| digits there.
+    # k3(x) = e^x - 1 - x = sum_{n >= 2} x^n / n!; at |x| <= 1e-3 twelve terms leave less than 1e-30 of the value,
+    # so their fsum is the float64 reference. expm1(x) - x loses ~|log10 x| digits there (6e-9 relative at 1e-7).
     cfg = _cfg()
-    xs = [1e-3, -1e-3, 3e-5, -3e-5, 1e-7]
-    logp = torch.tensor([xs], dtype=torch.float64)
-    zeros = torch.zeros_like(logp)
-    mask = torch.ones_like(logp, dtype=torch.bool)
-    _, m = POLICY_LOSSES["ppo_clip"](logp, zeros, torch.ones_like(logp), torch.ones_like(logp), mask, cfg, 1.0)
-    expected = sum(x * x / 2 + x ** 3 / 6 + x ** 4 / 24 for x in xs) / len(xs)
-    assert m["policy/approx_kl"] == pytest.approx(expected, rel=1e-13)
+    for x in [1e-3, -1e-3, 3e-5, -3e-5, 1e-7, -1e-7]:
+        logp = torch.tensor([[x]], dtype=torch.float64)
+        ones = torch.ones_like(logp)
+        _, m = POLICY_LOSSES["ppo_clip"](logp, torch.zeros_like(logp), ones, ones, ones.bool(), cfg, 1.0)
+        assert m["policy/approx_kl"] == pytest.approx(math.fsum(x ** n / math.factorial(n) for n in range(2, 14)), rel=1e-13, abs=0), x
