@@ -80,6 +80,7 @@ class Experiment:
     levels: dict[str, list[str]]
     methods: dict[str, list[str]]
     abouts: dict[str, str]
+    labels: dict[str, str]
     profiles: dict[str, Profile]
     cell_name: str = "{level}__{method}__N{N}__seed{seed}"
     late_from: float = 0.6
@@ -133,7 +134,7 @@ def _resolve_methods(raw: dict, where: str) -> dict[str, list[str]]:
             raise ExperimentError(f"{where}.{name}: extends cycle {' -> '.join((*chain, name))}")
         if name not in raw:
             raise ExperimentError(f"{where}.{chain[-1]}.extends: no method {name!r} (known: {sorted(raw)})")
-        m = _entry(raw[name], f"{where}.{name}", {"about", "extends", "overrides"})
+        m = _entry(raw[name], f"{where}.{name}", {"about", "label", "extends", "overrides"})
         parent = resolve(m["extends"], (*chain, name)) if m.get("extends") else []
         out[name] = [*parent, *_strings(m.get("overrides"), f"{where}.{name}.overrides")]
         return out[name]
@@ -179,8 +180,9 @@ def load_experiment(spec: str | Path) -> Experiment:
         profiles[name] = Profile(p["about"], _strings(p.get("overrides"), f"{where}.profiles.{name}.overrides"),
                                  tuple(blocks))
     abouts = {f"{kind}.{name}": v["about"] for kind in ("levels", "methods", "profiles") for name, v in raw[kind].items()}
+    labels = {name: str(v.get("label", name)) for name, v in raw["methods"].items()}
     return Experiment(path.stem, raw["about"], ROOT / raw["base"], _strings(raw.get("overrides"), f"{where}.overrides"),
-                      levels, methods, abouts, profiles, raw.get("cell_name", Experiment.cell_name),
+                      levels, methods, abouts, labels, profiles, raw.get("cell_name", Experiment.cell_name),
                       float(raw.get("late_from", Experiment.late_from)))
 
 
@@ -580,6 +582,32 @@ def plot(runs: list[Run], cells: list[dict], levels: list[str], methods: list[st
     return paths
 
 
+def headline_plot(exp: Experiment, page_json: Path, methods: Sequence[str], out: Path) -> Path:
+    """One panel from a page's JSON, nothing trained: final accuracy (mean ± sd over seeds) of ``methods`` at each
+    level of the page, at the page's largest N."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = json.loads(page_json.read_text())["cells"]
+    n = max(c["N"] for c in cells)
+    levels = list(dict.fromkeys(c["level"] for c in cells if c["N"] == n))
+    by = {(c["level"], c["method"]): c for c in cells if c["N"] == n}
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.8 / len(levels)
+    for j, level in enumerate(levels):
+        x = np.arange(len(methods)) + (j - (len(levels) - 1) / 2) * width
+        ax.bar(x, [100 * by[level, m]["final"] for m in methods], width, yerr=[100 * by[level, m]["final_sd"]
+               for m in methods], capsize=3, label=f"{level}: {exp.abouts[f'levels.{level}']}", color=f"C{j}")
+    ax.set_xticks(range(len(methods)), [exp.labels[m] for m in methods])
+    ax.set_ylabel(f"final held-out accuracy, % (N = {n})"), ax.set_ylim(0, 100)
+    ax.grid(axis="y", alpha=0.3), ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120), plt.close(fig)
+    return out
+
+
 # ------------------------------------------------------------------------------------------- the page
 
 
@@ -709,6 +737,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict] | None:
     ap.add_argument("--bench-dir", default=None, help="run folders (default: outputs/<experiment>_<profile>)")
     ap.add_argument("--results", default=None,
                     help="results prefix (default: benchmarks/results/<experiment>_<profile>)")
+    ap.add_argument("--headline", default=None, metavar="M1,M2,...",
+                    help="render <results>_headline.png (one panel, these methods) from the page's JSON, and exit")
     ap.add_argument("--list", action="store_true", help="print the experiment's profiles with their about, and exit")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # worker mode (see Worker)
     args = ap.parse_args(argv)
@@ -732,6 +762,10 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict] | None:
     stem = f"{exp.name}_{args.profile}"
     bench = Path(args.bench_dir) if args.bench_dir else ROOT / "outputs" / stem
     results = Path(args.results) if args.results else ROOT / "benchmarks" / "results" / stem
+    if args.headline:
+        print(headline_plot(exp, results.with_suffix(".json"), args.headline.split(","),
+                            results.with_name(results.name + "_headline.png")))
+        return None
     given = " ".join(argv if argv is not None else sys.argv[1:]).replace(f"{ROOT}/", "")
     cmd = f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '<unset>')} .venv/bin/python benchmarks/run.py {given}"
     return run(exp, args.profile, bench.resolve(), results.resolve(), args.workers, cmd)
