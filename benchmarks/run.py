@@ -39,6 +39,8 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
+from benchmarks._page import command, rel  # noqa: E402
+
 EXPERIMENTS = ROOT / "benchmarks" / "experiments"
 # per-step metrics kept in history.json (the checkpoint's history has every metric)
 KEEP_PREFIXES = ("reward/", "eval/", "discrepancy/", "dual/", "penalty/", "policy/", "guard/", "loss/", "routing/",
@@ -152,7 +154,7 @@ def load_experiment(spec: str | Path) -> Experiment:
     if not path.exists():
         known = sorted(p.stem for p in EXPERIMENTS.glob("*.yaml"))
         raise ExperimentError(f"{spec}: no such experiment file (known: {known})")
-    where = str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+    where = rel(path)
     raw = _entry(yaml.safe_load(path.read_text()), where,
                  {"about", "base", "overrides", "levels", "methods", "profiles", "cell_name", "late_from"})
     for key in ("base", "levels", "methods", "profiles"):
@@ -179,7 +181,8 @@ def load_experiment(spec: str | Path) -> Experiment:
             raise ExperimentError(f"{where}.profiles.{name}.cells: a profile needs at least one block")
         profiles[name] = Profile(p["about"], _strings(p.get("overrides"), f"{where}.profiles.{name}.overrides"),
                                  tuple(blocks))
-    abouts = {f"{kind}.{name}": v["about"] for kind in ("levels", "methods", "profiles") for name, v in raw[kind].items()}
+    abouts = {f"{kind}.{name}": v["about"] for kind in ("levels", "methods", "profiles")
+              for name, v in raw[kind].items()}
     labels = {name: str(v.get("label", name)) for name, v in raw["methods"].items()}
     return Experiment(path.stem, raw["about"], ROOT / raw["base"], _strings(raw.get("overrides"), f"{where}.overrides"),
                       levels, methods, abouts, labels, profiles, raw.get("cell_name", Experiment.cell_name),
@@ -241,8 +244,7 @@ class Worker:
         return False  # the worker died; the next run starts a fresh one
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            assert self.proc.stdin is not None
+        if self.proc is not None and self.proc.poll() is None and self.proc.stdin is not None:
             self.proc.stdin.close()
             self.proc.wait(timeout=60)
 
@@ -257,12 +259,12 @@ def serve() -> None:
         out = Path(line.strip())
         handler = logging.FileHandler(out / "log.txt")
         logging.getLogger().addHandler(handler)
+        ok = False
         try:
             run_cell(out)
             ok = True
         except Exception:  # a failed cell is reported and the matrix goes on
             logging.getLogger("benchmarks.run").error("run failed:\n%s", traceback.format_exc())
-            ok = False
         finally:
             logging.getLogger().removeHandler(handler)
             handler.close()
@@ -366,17 +368,11 @@ class Run:
     abs_prob_diff: list[float]
     kl_k3: list[float]
     seconds: float
-    late: float
+    final: float
+    peak: float
+    late: float  # mean of the evaluations from late_from of the steps on
     extra: dict[str, float] = field(default_factory=dict)
     finished: float = math.nan  # when the run finished (its summary's mtime, seconds since the epoch)
-
-    @property
-    def final(self) -> float:
-        return self.eval_acc[-1]
-
-    @property
-    def peak(self) -> float:
-        return max(self.eval_acc)
 
 
 def collapse_check(eval_acc: Sequence[float], reward_acc: Sequence[float], nonfinite: int,
@@ -420,7 +416,8 @@ def load_run(out: Path, level: str, method: str, n: int, seed: int, warmup: int,
     late = float(np.mean([a for s, a in zip(eval_steps, eval_acc) if s >= late_from * eval_steps[-1]]))
     return Run(level, method, n, seed, summary["accuracy_before"], eval_steps, eval_acc, collapsed, reason,
                series(f"dual/measured/{name}"), series(f"dual/tolerance/{name}"), series(lam_key),
-               series("discrepancy/abs_prob_diff"), series("discrepancy/kl_k3"), float(summary["seconds"]), late,
+               series("discrepancy/abs_prob_diff"), series("discrepancy/kl_k3"), float(summary["seconds"]),
+               eval_acc[-1], max(eval_acc), late,
                extra, (out / "summary.json").stat().st_mtime)
 
 
@@ -446,13 +443,11 @@ def aggregate(runs: list[Run], keys: list[tuple[str, str, int]]) -> list[dict]:
             "finals": [r.final for r in rs], "late": late, "late_sd": late_sd, "lates": [r.late for r in rs],
             "collapses": int(sum(r.collapsed for r in rs)),
             "abs_prob_diff": float(np.nanmean([np.nanmean(r.abs_prob_diff) for r in rs])),
-            "kl_k3": float(np.nanmean([np.nanmean(r.kl_k3) for r in rs])),
             # the discrepancy the level produces at the start (first 5 steps), as the x axis is read
             "kl_k3_start": float(np.nanmean([np.nanmean(r.kl_k3[:5]) for r in rs])),
             "inside_share": float(np.mean([np.mean(np.asarray(r.measured) <= np.asarray(r.tolerance)) for r in rs])),
             "mean_lambda": float(np.nanmean([np.nanmean(r.lambdas) for r in rs])),
             "final_lambda": float(np.nanmean([r.lambdas[-1] for r in rs])),
-            "minutes": float(sum(r.seconds for r in rs) / 60),
             "extra": {k: float(np.nanmean([r.extra.get(k, math.nan) for r in rs]))
                       for k in sorted({k for r in rs for k in r.extra})},
         })
@@ -492,7 +487,8 @@ def welch(cells: list[dict]) -> list[dict]:
 
 
 def _md_table(head: Sequence[str], rows: list[Sequence]) -> list[str]:
-    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(map(str, r)) + " |" for r in rows)]
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+            *("| " + " | ".join(map(str, r)) + " |" for r in rows)]
 
 
 def table(cells: list[dict]) -> list[str]:
@@ -615,12 +611,6 @@ def _utc(t: float) -> str:
     return f"{datetime.datetime.fromtimestamp(t, datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
 
 
-def _rel(path: Path) -> str:
-    """A path as the page shows it: relative to the repository where it lies inside it."""
-    path = Path(path).resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
-
-
 def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: list[dict], prefix: Path, cmd: str,
                   wall_s: Optional[float]) -> list[str]:
     import torch
@@ -641,7 +631,7 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
                         r.collapse_reason, np.nanmean(r.abs_prob_diff), np.nanmean(r.kl_k3), r.lambdas[-1],
                         round(r.seconds, 1)])
     prefix.with_suffix(".json").write_text(json.dumps(
-        {"experiment": exp.name, "profile": profile_name, "base": _rel(exp.base), "overrides": list(exp.overrides),
+        {"experiment": exp.name, "profile": profile_name, "base": rel(exp.base), "overrides": list(exp.overrides),
          "profile_overrides": list(profile.overrides), "levels": {lv: exp.levels[lv] for lv in levels},
          "methods": {m: exp.methods[m] for m in methods}, "cells": cells, "welch": rows,
          "runs": [{"level": r.level, "method": r.method, "N": r.n, "seed": r.seed, "eval_steps": r.eval_steps,
@@ -661,7 +651,7 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
         f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
         f"transformers {transformers.__version__}",
         f"- command: `{cmd}` ({trained}{sum(r.seconds for r in runs) / 60:.0f} run-minutes in all)",
-        f"- base: `{_rel(exp.base)}` + `{' '.join((*exp.overrides, *profile.overrides))}` + the level + the method "
+        f"- base: `{rel(exp.base)}` + `{' '.join((*exp.overrides, *profile.overrides))}` + the level + the method "
         "+ `algo.minibatches=N seed=S`",
         "- collapse (any of): a non-finite update; final held-out accuracy < half the run's peak (step 0 included); "
         "mean reward accuracy over the last W = max(5, steps/20) steps < half the best W-step running mean after "
@@ -749,6 +739,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict] | None:
         ap.error(f"name an experiment: {sorted(p.stem for p in EXPERIMENTS.glob('*.yaml'))}")
     try:
         exp = load_experiment(args.experiment)
+        if args.profile not in exp.profiles and not args.list:
+            raise ExperimentError(f"{exp.name} has no profile {args.profile!r} (known: {sorted(exp.profiles)})")
     except ExperimentError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2)
@@ -756,9 +748,6 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict] | None:
         for name, p in exp.profiles.items():
             print(f"{name}: {p.about} ({len(exp.cells(name))} runs)")
         return None
-    if args.profile not in exp.profiles:
-        print(f"error: {exp.name} has no profile {args.profile!r} (known: {sorted(exp.profiles)})", file=sys.stderr)
-        raise SystemExit(2)
     stem = f"{exp.name}_{args.profile}"
     bench = Path(args.bench_dir) if args.bench_dir else ROOT / "outputs" / stem
     results = Path(args.results) if args.results else ROOT / "benchmarks" / "results" / stem
@@ -766,9 +755,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict] | None:
         print(headline_plot(exp, results.with_suffix(".json"), args.headline.split(","),
                             results.with_name(results.name + "_headline.png")))
         return None
-    given = " ".join(argv if argv is not None else sys.argv[1:]).replace(f"{ROOT}/", "")
-    cmd = f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '<unset>')} .venv/bin/python benchmarks/run.py {given}"
-    return run(exp, args.profile, bench.resolve(), results.resolve(), args.workers, cmd)
+    return run(exp, args.profile, bench.resolve(), results.resolve(), args.workers, command("run.py", argv))
 
 
 if __name__ == "__main__":

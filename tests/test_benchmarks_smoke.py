@@ -169,7 +169,8 @@ def _runner():
     return module
 
 
-EXPERIMENT_FILES = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "benchmarks" / "experiments").glob("*.yaml"))
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "benchmarks" / "experiments"
+EXPERIMENT_FILES = sorted(p.stem for p in EXPERIMENTS.glob("*.yaml"))
 
 
 @pytest.fixture(scope="module", params=EXPERIMENT_FILES)
@@ -178,7 +179,8 @@ def smoke_run(request, tmp_path_factory):
     run = _runner()
     tmp = tmp_path_factory.mktemp(request.param)
     prefix, bench = tmp / "results" / f"{request.param}_smoke", tmp / "runs"
-    run.main([request.param, "--profile", "smoke", "--workers", "1", "--bench-dir", str(bench), "--results", str(prefix)])
+    run.main([request.param, "--profile", "smoke", "--workers", "1", "--bench-dir", str(bench),
+              "--results", str(prefix)])
     return run, run.load_experiment(request.param), prefix, bench
 
 
@@ -282,7 +284,8 @@ def test_method_and_profile_from_yaml_only(tmp_path):
     raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
     raw["methods"]["minirl_lr3e-4"] = {"about": "MiniRL at a 1.5x learning rate", "extends": "minirl",
                                       "overrides": ["optim.lr=3e-4"]}
-    raw["profiles"] = {"mine": {"about": "the new method, smoke settings", "overrides": raw["profiles"]["smoke"]["overrides"],
+    raw["profiles"] = {"mine": {"about": "the new method, smoke settings",
+                                "overrides": raw["profiles"]["smoke"]["overrides"],
                                 "cells": [{"levels": ["int8"], "methods": ["minirl_lr3e-4"], "N": [1], "seeds": [0]}]}}
     path = tmp_path / "mine.yaml"
     path.write_text(yaml.safe_dump(raw))
