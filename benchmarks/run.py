@@ -661,8 +661,8 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
         "and peak, mean ± sd over seeds; kl_k3 at start = pi_old vs mu over the first 5 steps; steps inside c = "
         "share of steps with the D̂ fed to the dual <= the tolerance in force; λ = the multiplier the penalty "
         "carried", "",
-        *_md_table(("level", "overrides", "about"),
-                   [(lv, f"`{' '.join(exp.levels[lv])}`", exp.abouts[f"levels.{lv}"]) for lv in levels]), "",
+        *_md_table(("level", "overrides", "about"), [(lv, f"`{' '.join(exp.levels[lv])}`" if exp.levels[lv] else "-",
+                                                      exp.abouts[f"levels.{lv}"]) for lv in levels]), "",
         *_md_table(("method", "overrides", "about"),
                    [(m, f"`{' '.join(exp.methods[m])}`", exp.abouts[f"methods.{m}"]) for m in methods]), ""]
     extra_keys = sorted({k for c in cells for k in c["extra"]})

@@ -262,6 +262,9 @@ def test_stress_smoke_dual_and_assembled_page(smoke_run, tmp_path):
     assert min(kl["noise1"]) > 100 * max(kl["fp32"])
     md = prefix.with_suffix(".md").read_text()
     assert "min wall over the invocations that trained the runs" in md
+    # the README's one-panel plot, rendered from the page's JSON without training
+    run.main(["stress", "--profile", "smoke", "--results", str(prefix), "--headline", "grpo_no_is,dcmdp_r3"])
+    assert prefix.with_name("stress_smoke_headline.png").stat().st_size > 0
 
     assembled, page = tmp_path / "assembled", tmp_path / "stress_smoke"
     for cell in exp.cells("smoke"):
