@@ -510,32 +510,44 @@ def welch_table(rows: list[dict]) -> list[str]:
           f"{r['p_late']:.3g}", r["seeds"]) for r in rows])
 
 
-def plot(runs: list[Run], cells: list[dict], levels: list[str], methods: list[str], late_from: float,
-         prefix: Path) -> list[Path]:
-    """Final accuracy by level (one panel per N), the curves at the last level and largest N, and the dual there."""
+def accuracy_figure(exp: Experiment, cells: list[dict], methods: Sequence[str], ns: Sequence[int], path: Path) -> Path:
+    """Final held-out accuracy (mean ± sd over seeds) of ``methods``: one bar per level, one panel per N."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = []
+    levels = [lv for lv in exp.levels if any(c["level"] == lv for c in cells)]
+    by = {(c["level"], c["method"], c["N"]): c for c in cells}
+    fig, axes = plt.subplots(1, len(ns), figsize=(max(6.5, 0.8 * len(methods)) * len(ns), 4), squeeze=False)
+    width = 0.8 / len(levels)
+    for ax, n in zip(axes[0], ns):
+        for j, level in enumerate(levels):
+            got = [by.get((level, m, n)) for m in methods]
+            ax.bar(np.arange(len(methods)) + (j - (len(levels) - 1) / 2) * width, [100 * c["final"] if c else np.nan
+                   for c in got], width, yerr=[100 * c["final_sd"] if c else 0.0 for c in got], capsize=3,
+                   color=f"C{j}", label=f"{level}: {exp.abouts[f'levels.{level}']}")
+        ax.set_xticks(range(len(methods)), [exp.labels[m] for m in methods],
+                      **({"rotation": 20, "ha": "right"} if len(methods) > 5 else {}))
+        ax.set_ylabel(f"final held-out accuracy, % (N = {n})"), ax.set_ylim(0, 100)
+        ax.grid(axis="y", alpha=0.3), ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120), plt.close(fig)
+    return path
+
+
+def plot(exp: Experiment, runs: list[Run], cells: list[dict], prefix: Path) -> list[Path]:
+    """Final accuracy by level and N, the curves at the last level and largest N, and the dual there."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = [lv for lv in exp.levels if any(c["level"] == lv for c in cells)]
+    methods = list(dict.fromkeys(c["method"] for c in cells))
     ns = sorted({c["N"] for c in cells})
     color = {m: f"C{k % 10}" for k, m in enumerate(methods)}  # one colour per method across the figures
-    fig, axes = plt.subplots(1, len(ns), figsize=(6.5 * len(ns), 4.5), squeeze=False)
-    for ax, n in zip(axes[0], ns):
-        for k, method in enumerate(methods):
-            pts = [(levels.index(c["level"]), c["final"], c["final_sd"]) for c in cells
-                   if c["method"] == method and c["N"] == n]
-            if pts:
-                x, y, e = map(np.asarray, zip(*sorted(pts)))
-                ax.errorbar(x + (k - len(methods) / 2) * 0.03, y, yerr=e, marker="o", ms=4, capsize=2, label=method,
-                            lw=2.2 if is_dcmdp(method) else 1.0, color=color[method])
-        ax.set_xticks(range(len(levels)), levels), ax.set_xlabel("rollout deployment")
-        ax.set_ylabel("final held-out accuracy of the deployed policy")
-        ax.set_title(f"N = {n} mini-batches"), ax.grid(alpha=0.3), ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(prefix.with_name(prefix.name + "_accuracy.png"))
-    fig.savefig(paths[-1], dpi=120), plt.close(fig)
+    paths = [accuracy_figure(exp, cells, methods, ns, prefix.with_name(prefix.name + "_accuracy.png"))]
 
     # held-out accuracy over the run at the last level and largest N: mean over seeds with a ± sd band per method
     last, n = levels[-1], max(ns)
@@ -550,7 +562,7 @@ def plot(runs: list[Run], cells: list[dict], levels: list[str], methods: list[st
                 label=f"{method} ({len(rs)} seeds)")
         ax.fill_between(rs[0].eval_steps, mean - sd, mean + sd, color=color[method], alpha=0.12)
     end = max(r.eval_steps[-1] for r in runs)
-    ax.axvspan(late_from * end, end, color="0.9", zorder=0, label="late window")
+    ax.axvspan(exp.late_from * end, end, color="0.9", zorder=0, label="late window")
     ax.set_xlabel("RL step"), ax.set_ylabel("held-out accuracy of the deployed policy")
     ax.set_title(f"{last}, N = {n}: mean ± sd over seeds"), ax.grid(alpha=0.3), ax.legend(fontsize=7)
     fig.tight_layout()
@@ -578,32 +590,6 @@ def plot(runs: list[Run], cells: list[dict], levels: list[str], methods: list[st
     return paths
 
 
-def headline_plot(exp: Experiment, page_json: Path, methods: Sequence[str], out: Path) -> Path:
-    """One panel from a page's JSON, nothing trained: final accuracy (mean ± sd over seeds) of ``methods`` at each
-    level of the page, at the page's largest N."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cells = json.loads(page_json.read_text())["cells"]
-    n = max(c["N"] for c in cells)
-    levels = list(dict.fromkeys(c["level"] for c in cells if c["N"] == n))
-    by = {(c["level"], c["method"]): c for c in cells if c["N"] == n}
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    width = 0.8 / len(levels)
-    for j, level in enumerate(levels):
-        x = np.arange(len(methods)) + (j - (len(levels) - 1) / 2) * width
-        ax.bar(x, [100 * by[level, m]["final"] for m in methods], width, yerr=[100 * by[level, m]["final_sd"]
-               for m in methods], capsize=3, label=f"{level}: {exp.abouts[f'levels.{level}']}", color=f"C{j}")
-    ax.set_xticks(range(len(methods)), [exp.labels[m] for m in methods])
-    ax.set_ylabel(f"final held-out accuracy, % (N = {n})"), ax.set_ylim(0, 100)
-    ax.grid(axis="y", alpha=0.3), ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(out, dpi=120), plt.close(fig)
-    return out
-
-
 # ------------------------------------------------------------------------------------------- the page
 
 
@@ -617,11 +603,11 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
     import transformers
 
     profile = exp.profiles[profile_name]
-    levels = list(dict.fromkeys(c["level"] for c in cells))
+    levels = [lv for lv in exp.levels if any(c["level"] == lv for c in cells)]
     methods = list(dict.fromkeys(c["method"] for c in cells))
     prefix.parent.mkdir(parents=True, exist_ok=True)
     rows = welch(cells)
-    pngs = plot(runs, cells, levels, methods, exp.late_from, prefix)
+    pngs = plot(exp, runs, cells, prefix)
     with open(prefix.with_suffix(".csv"), "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["level", "method", "N", "seed", "acc_before", "final", "late", "peak", "collapsed",
@@ -752,8 +738,9 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict] | None:
     bench = Path(args.bench_dir) if args.bench_dir else ROOT / "outputs" / stem
     results = Path(args.results) if args.results else ROOT / "benchmarks" / "results" / stem
     if args.headline:
-        print(headline_plot(exp, results.with_suffix(".json"), args.headline.split(","),
-                            results.with_name(results.name + "_headline.png")))
+        cells = json.loads(results.with_suffix(".json").read_text())["cells"]
+        print(accuracy_figure(exp, cells, args.headline.split(","), [max(c["N"] for c in cells)],
+                              results.with_name(results.name + "_headline.png")))
         return None
     return run(exp, args.profile, bench.resolve(), results.resolve(), args.workers, command("run.py", argv))
 
