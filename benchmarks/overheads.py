@@ -13,7 +13,7 @@ and its share is (time/measure + time/dual) / time/step, numerator and denominat
 reported as the median over steps (the first ``--warmup`` steps dropped). Target: <= 1%.
 
 (b) R3 overhead. One learner forward + backward on one mini-batch of a real rollout of the run, with and
-without replay of the rollout engine's routes, alternated: ``benchmarks.routing_replay.overhead`` (median
+without replay of the rollout engine's routes, alternated: ``r3_overhead`` (median
 of the per-pair ratios R3 / none). Target: <= 3%.
 
 (c) The same on a larger MoE (``--larger``: hidden 256, 4 layers, 32 experts top-4, random init) swapped
@@ -28,10 +28,7 @@ prints a table last and writes ``benchmarks/results/overheads.{md,json,png}``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -42,13 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-import transformers  # noqa: E402
 from transformers import Qwen3MoeConfig  # noqa: E402
 
-from benchmarks._reading import reading_lines  # noqa: E402
-from benchmarks.routing_replay import overhead  # noqa: E402
+from benchmarks._page import command, env_lines  # noqa: E402
 from dcmdp.config import load_config  # noqa: E402
 from dcmdp.loop import Setup, _train_step, rollout_phase, setup  # noqa: E402
+from trainers import learner  # noqa: E402
 from trainers.engines import build_engine  # noqa: E402
 from trainers.models import model_from_config, param_counts  # noqa: E402
 
@@ -102,13 +98,36 @@ def controller_share(s: Setup, steps: int, warmup: int) -> dict:
 
 
 def r3_overhead(s: Setup, repeats: int) -> dict:
-    """R3 / none fwd+bwd time ratio on the first mini-batch of a fresh rollout of ``s``."""
+    """On the first mini-batch of a fresh rollout of ``s``: the median time of one learner forward + backward with
+    and without replaying the rollout's routes, and the median of the per-pair ratios R3 / none over ``repeats``
+    alternated pairs after 3 warm-up pairs."""
     _, rollout = rollout_phase(s.policy, s.cfg, 10**6)
     size = len(rollout) // s.cfg.algo.minibatches
-    mb = rollout.select(torch.arange(size))
-    out = overhead(s.policy.model, mb, repeats)
-    out["rows"] = size
-    return out
+    rollout, model = rollout.select(torch.arange(size)), s.policy.model
+    model.train()
+    scoring = learner.ScoringSpec(temperature=1.0, fp32_lm_head=True, moe=True)
+    mask_BT = rollout.response_mask_BT.clone()  # the engine returns inference-mode tensors
+
+    def step(replay):
+        t0 = time.perf_counter()
+        logp_BT, ent_BT, _ = learner._forward_logp(model, rollout, scoring, with_entropy=True,
+                                                   replay_experts_BSLK=replay, capture=False)
+        ((-logp_BT - 0.01 * ent_BT) * mask_BT).sum().backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    for _ in range(3):
+        step(None), step(rollout.rollout_experts_BSLK)
+    base, r3, ratios = [], [], []
+    for i in range(repeats):
+        # alternate which goes first so drifts in machine load hit both alike
+        first, second = (None, rollout.rollout_experts_BSLK)[:: 1 if i % 2 == 0 else -1]
+        t_first, t_second = step(first), step(second)
+        a, b = (t_first, t_second) if first is None else (t_second, t_first)
+        base.append(a), r3.append(b), ratios.append(b / a)
+    return {"base_ms": 1e3 * statistics.median(base), "r3_ms": 1e3 * statistics.median(r3),
+            "ratio": statistics.median(ratios), "ratio_q1": statistics.quantiles(ratios, n=4)[0],
+            "ratio_q3": statistics.quantiles(ratios, n=4)[2], "rows": size}
 
 
 def model_row(name: str, s: Setup, steps: int, warmup: int, repeats: int) -> dict:
@@ -159,24 +178,13 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def env_lines(cmd: str) -> list[str]:
-    """The date, machine, versions and command lines of a results file."""
-    return [f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
-            f"- machine: {platform.node()} {platform.machine()}, {platform.processor() or 'cpu'}, "
-            f"{os.cpu_count()} logical CPUs (shared with other jobs), torch threads {torch.get_num_threads()}",
-            f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
-            f"transformers {transformers.__version__}", f"- command: `{cmd}`"]
-
-
 def write_results(out: Path, header: list[str], lines: list[str], payload: dict, plot_fn) -> None:
-    """``out`` (.md: header + table + the hand-written reading ``<name>_reading.md`` when present), its .json
-    (payload) and .png (``plot_fn(rows, path)``); prints the table."""
+    """``out`` (.md: header + table), its .json (payload) and .png (``plot_fn(rows, path)``); prints the table."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(header + lines + reading_lines(out)) + "\n")
+    out.write_text("\n".join(header + lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps(payload, indent=2))
     plot_fn(payload["rows"], out.with_suffix(".png"))
-    print()
-    print("\n".join(lines))
+    print("\n" + "\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -209,8 +217,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             s.tracker.finish()
             s.policy.engine.close()
 
-    cmd = "OMP_NUM_THREADS=%s .venv/bin/python benchmarks/overheads.py %s" % (
-        os.environ.get("OMP_NUM_THREADS", "<unset>"), " ".join(argv if argv is not None else sys.argv[1:]))
+    cmd = command("overheads.py", argv)
     c = cfg
     header = [
         "# DCMDP overheads: dual controller share of a training step, R3 replay overhead", "", *env_lines(cmd),
@@ -221,7 +228,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"- controller: {args.steps} real steps ({args.larger_steps} for larger-moe) through "
         f"`dcmdp.loop._train_step`, first {args.warmup} dropped; share = (time/measure + time/dual) / time/step "
         "of the same step, median (and max) over steps; the phase columns are per-phase medians",
-        f"- R3: `benchmarks.routing_replay.overhead`, {args.repeats} ({args.larger_repeats} for larger-moe) "
+        f"- R3: `r3_overhead`, {args.repeats} ({args.larger_repeats} for larger-moe) "
         "alternating pairs after 3 warm-up pairs, one learner forward + backward (with entropy) on the first "
         "mini-batch of a fresh rollout",
         "- larger-moe: random init swapped into the same Setup (same tokenizer, task, batch, config); its responses "

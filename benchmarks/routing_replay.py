@@ -1,4 +1,4 @@
-"""MoE routing replay on tiny-moe: what none / R2 / R3 do to the discrepancy, and what R3 costs.
+"""MoE routing replay on tiny-moe: what none / R2 / R3 do to the discrepancy and to the routes of the updates.
 
 Model: tiny-moe (2 MoE layers, 8 experts, top-2) briefly trained (``--sft-steps`` supervised steps on
 2-digit addition, ``trainers.coldstart.supervised_finetune``; 0 = random init). Rollouts come from the
@@ -17,9 +17,7 @@ embedded torch engine in bf16 and int8 (weight-only); the trainer is fp32 with a
   ``kl_k3(pi_theta, pi_old)``. This is where R2 acts: it pins later mini-batches to the recorded routes
   (drift 0), so the staleness ratio pi_theta / pi_old carries no route flips; R3 pins them to mu's.
 
-(b) R3 overhead: one training forward + backward (``learner._forward_logp`` with entropy, the learner's
-own path, replay count check included) with and without replay of the rollout's routes, alternated
-``--repeats`` times after warm-up; the median of the per-pair time ratios is reported.
+What R3 costs per step is measured by ``benchmarks/overheads.py``.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/routing_replay.py
 
@@ -30,11 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import os
-import platform
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -43,7 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-import transformers  # noqa: E402
+
+from benchmarks._page import command, env_lines  # noqa: E402
 
 from constraints.measures import MEASURES, routing_mismatch  # noqa: E402
 from trainers import learner, routing  # noqa: E402
@@ -97,36 +92,6 @@ def discrepancy(model, rollout, mode: str, lr: float) -> dict[str, float]:
     return out
 
 
-def overhead(model, rollout, repeats: int) -> dict[str, float]:
-    model.train()
-    scoring = learner.ScoringSpec(temperature=TEMP, fp32_lm_head=True, moe=True)
-    mask_BT = rollout.response_mask_BT.clone()  # the engine returns inference-mode tensors
-
-    def step(replay):
-        t0 = time.perf_counter()
-        logp_BT, ent_BT, _ = learner._forward_logp(model, rollout, scoring, with_entropy=True,
-                                                   replay_experts_BSLK=replay, capture=False)
-        ((-logp_BT - 0.01 * ent_BT) * mask_BT).sum().backward()
-        model.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
-
-    for _ in range(3):
-        step(None), step(rollout.rollout_experts_BSLK)
-    base, r3, ratios = [], [], []
-    for i in range(repeats):
-        # alternate which goes first so drifts in machine load hit both alike
-        if i % 2 == 0:
-            a = step(None)
-            b = step(rollout.rollout_experts_BSLK)
-        else:
-            b = step(rollout.rollout_experts_BSLK)
-            a = step(None)
-        base.append(a), r3.append(b), ratios.append(b / a)
-    return {"base_ms": 1e3 * statistics.median(base), "r3_ms": 1e3 * statistics.median(r3),
-            "ratio": statistics.median(ratios), "ratio_q1": statistics.quantiles(ratios, n=4)[0],
-            "ratio_q3": statistics.quantiles(ratios, n=4)[2]}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sft-steps", type=int, default=150)
@@ -134,7 +99,6 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "routing_replay.md"))
     args = ap.parse_args()
@@ -155,22 +119,17 @@ def main() -> None:
     prompts = [p for p in prompts for _ in range(args.samples)]
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
-    rows = []
-    rollouts, r3_shift = {}, {}
+    rows, r3_shift = [], {}
     for precision in ("bf16", "int8"):
         engine = TorchEngine(RolloutConfig(precision=precision, max_new_tokens=args.max_new_tokens), model,
                              eos_id=tok.eos_token_id, pad_id=pad_id)
         rollout = engine.generate(prompts, seed=args.seed)
-        rollouts[precision] = rollout
         for mode in ("none", "r2", "r3"):
             rows.append({"precision": precision, "mode": mode, **discrepancy(model, rollout, mode, args.lr)})
         none_logp, r3_logp = rows[-3].pop("old_logp_BT"), rows[-1].pop("old_logp_BT")
         rows[-2].pop("old_logp_BT")
         # how much replaying mu's routes moves pi_old at all: route flips between near-tied experts move it little
         r3_shift[precision] = float((none_logp - r3_logp)[rollout.response_mask_BT].abs().max())
-        print(rows[-3:], r3_shift[precision], flush=True)
-    ov = overhead(model, rollouts["bf16"], args.repeats)
-    B, S = rollouts["bf16"].input_ids_BS.shape
 
     table = ["| rollout | replay | pi_old mismatch | kl_k3(pi_old, mu) | update drift mismatch | kl_k3(pi_theta, pi_old) |",
              "|---|---|---|---|---|---|"]
@@ -179,37 +138,26 @@ def main() -> None:
                      f"{r['drift_mismatch']:.4f} | {r['drift_kl_k3']:.3e} |")
     table += [""] + [f"max over response tokens of |log pi_old(none) - log pi_old(R3)|, {p} rollout: {v:.2e}"
                      for p, v in r3_shift.items()]
-    table += ["", "| training fwd+bwd (B=%d, S=%d) | median ms |" % (B, S), "|---|---|",
-              f"| no replay | {ov['base_ms']:.2f} |", f"| R3 replay | {ov['r3_ms']:.2f} |",
-              f"| median ratio R3 / none (IQR) | {ov['ratio']:.4f} ({ov['ratio_q1']:.4f} - {ov['ratio_q3']:.4f}) |"]
-    cmd = "OMP_NUM_THREADS=%s .venv/bin/python benchmarks/routing_replay.py %s" % (
-        os.environ.get("OMP_NUM_THREADS", "<unset>"), " ".join(sys.argv[1:]))
+    cmd = command("routing_replay.py")
     header = [
-        "# MoE routing replay: discrepancy and R3 overhead (tiny-moe)", "",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
-        f"- machine: {platform.node()} {platform.machine()}, {platform.processor() or 'cpu'}, "
-        f"{os.cpu_count()} logical CPUs, torch threads {torch.get_num_threads()}",
-        f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}",
-        f"- command: `{cmd}`",
+        "# MoE routing replay: discrepancy and route drift (tiny-moe)", "",
+        *env_lines(cmd),
         f"- model: tiny-moe, {args.sft_steps} supervised steps on 2-digit addition "
         f"(final loss {losses[-1]:.3f}, {sft_s:.0f} s)" if losses else "- model: tiny-moe, random init",
         f"- rollouts: torch engine, {args.prompts} prompts x {args.samples} samples, max {args.max_new_tokens} "
         f"new tokens, temperature {TEMP}; trainer fp32 with fp32 LM head",
         f"- update drift: one Adam step, lr {args.lr}, on the whole batch (advantages +-1), then a forward "
         "replaying what the mode replays (none: own routes)",
-        f"- overhead: {args.repeats} alternating pairs after 3 warm-up pairs, bf16 rollout batch", "",
+        "",
         "pi_old mismatch / kl_k3(pi_old, mu): none and R2 compute pi_old the same way (R2 only records the "
         "trainer's routes), so they coincide; R3 replays mu's routes (mismatch 0 by construction, the "
         "kl left is the precision's). Update drift: routes of the forward after one step vs the pi_old "
         "pass's routes; R2 and R3 pin them, none lets them flip (R3's small drift is the last response column, "
-        "which the rollout engine never routes, so the router chooses there itself). Timings are on a shared "
-        "2-core CPU: the IQR of the ratio is machine noise.", ""]
+        "which the rollout engine never routes, so the router chooses there itself).", ""]
     text = "\n".join(header + table) + "\n"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
-    print()
-    print("\n".join(table))
+    print("\n" + "\n".join(table))
 
 
 if __name__ == "__main__":

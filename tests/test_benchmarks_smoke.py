@@ -1,3 +1,9 @@
+import re
+from pathlib import Path
+
+import pytest
+
+
 def test_trl_throughput_smoke(tmp_path):
     """benchmarks/trl_throughput.py --smoke: a real 3-step `dcmdp train` timed from its MLflow store.
 
@@ -149,237 +155,188 @@ def test_mfu_dry_run(tmp_path, capsys):
         assert capsys.readouterr().out.strip() == "no CUDA device: skipped"
 
 
-def _load_stability():
-    """benchmarks/stability.py as a module (benchmarks/ is not a package)."""
+def _runner():
+    """benchmarks/run.py as a module (benchmarks/ is not a package)."""
     import importlib.util
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "stability.py"
-    spec = importlib.util.spec_from_file_location("bench_stability", path)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
+    spec = importlib.util.spec_from_file_location("bench_run", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through sys.modules
     spec.loader.exec_module(module)
     return module
 
 
-def test_stability_smoke(tmp_path):
-    """benchmarks/stability.py --profile smoke: 2 methods x 3 steps through real worker processes."""
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "benchmarks" / "experiments"
+EXPERIMENT_FILES = sorted(p.stem for p in EXPERIMENTS.glob("*.yaml"))
+
+
+@pytest.fixture(scope="module", params=EXPERIMENT_FILES)
+def smoke_run(request, tmp_path_factory):
+    """Each experiment file's smoke profile, trained once through real worker processes."""
+    run = _runner()
+    tmp = tmp_path_factory.mktemp(request.param)
+    prefix, bench = tmp / "results" / f"{request.param}_smoke", tmp / "runs"
+    run.main([request.param, "--profile", "smoke", "--workers", "1", "--bench-dir", str(bench),
+              "--results", str(prefix)])
+    return run, run.load_experiment(request.param), prefix, bench
+
+
+def test_experiment_smoke(smoke_run):
+    """Every experiment's smoke profile: one row and one 3-step history per cell, a page, plots, and a second
+    invocation that trains nothing."""
     import csv
     import json
 
-    stability = _load_stability()
-    prefix = tmp_path / "results" / "stability_smoke"
-    bench = tmp_path / "runs"
-    stability.main(["--profile", "smoke", "--workers", "1", "--bench-dir", str(bench), "--results", str(prefix)])
-
-    profile = stability.PROFILES["smoke"]
+    run, exp, prefix, bench = smoke_run
+    cells = exp.cells("smoke")
     rows = list(csv.DictReader(open(prefix.with_suffix(".csv"))))
-    assert sorted((r["method"], int(r["N"]), int(r["seed"])) for r in rows) == sorted(
-        (m, n, s) for m in profile.methods for n in profile.minibatches for s in profile.seeds)
-    for method in profile.methods:
-        out = stability.cell_dir(bench, method, 2, 0)
-        history = json.loads((out / "history.json").read_text())
-        assert len(history) == 3  # 3 RL steps, one entry each
+    assert sorted((r["level"], r["method"], int(r["N"]), int(r["seed"])) for r in rows) == sorted(cells)
+    for cell in cells:
+        out = exp.cell_dir(bench, *cell)
+        assert len(json.loads((out / "history.json").read_text())) == 3  # 3 RL steps, one entry each
         assert not (out / "checkpoints").exists()  # removed once the history is extracted
-        lam = [h["dual/lambda/abs_prob_diff"] for h in history]
-        measured = [h["dual/measured/abs_prob_diff"] for h in history]
-        if method == "minirl":  # dual off: lambda stays 0, the constraint is still measured
-            assert lam == [0.0, 0.0, 0.0]
-        else:  # projected ascent, eta = 1: lambda_k = lambda_{k-1} + (D_k - c), clipped at 0
-            expected, prev = [], stability.LAMBDA_INIT
-            for d in measured:
-                prev = max(0.0, prev + stability.DUAL_LR * (d - stability.TOLERANCE))
-                expected.append(prev)
-            assert all(abs(a - b) < 1e-9 for a, b in zip(lam, expected))
-        # R3 replays mu's routes in the pi_old pass: no route differs between the engines
-        if method == "dcmdp_r3":
-            assert all(h["routing/mismatch"] == 0.0 for h in history)
-
-    data = json.loads(prefix.with_suffix(".json").read_text())
-    assert {c["method"] for c in data["cells"]} == set(profile.methods)
-    for c in data["cells"]:  # the change column pairs each seed's final accuracy with its own start
-        mine = [r for r in rows if r["method"] == c["method"] and int(r["N"]) == c["N"]]
-        delta = sum(float(r["acc_after"]) - float(r["acc_before"]) for r in mine) / len(mine)
-        assert abs(c["delta_mean"] - delta) < 1e-12
-    for r in data["runs"]:  # held-out eval at step 0, every eval_every = 2 steps (not at the last), and after
-        assert r["eval_steps"] == [0, 2, 3]
-        assert all(0.0 <= a <= 1.0 for a in r["eval_acc"])
+    for r in json.loads(prefix.with_suffix(".json").read_text())["runs"]:
+        assert r["eval_steps"] == [0, 2, 3] and all(0.0 <= a <= 1.0 for a in r["eval_acc"])
     md = prefix.with_suffix(".md").read_text()
-    assert "| 2 | minirl |" in md and "| 2 | dcmdp_r3 |" in md and str(stability.TOLERANCE) in md
-    assert prefix.with_name("stability_smoke_accuracy_N2.png").stat().st_size > 0
-    assert prefix.with_name("stability_smoke_final_accuracy.png").stat().st_size > 0
-    assert prefix.with_name("stability_smoke_dual_N2.png").stat().st_size > 0  # dcmdp_r3's D-hat and lambda
-
-    # a second invocation finds every cell finished and trains nothing
-    mtime = (stability.cell_dir(bench, "minirl", 2, 0) / "summary.json").stat().st_mtime
-    stability.main(["--profile", "smoke", "--workers", "1", "--bench-dir", str(bench), "--results", str(prefix)])
-    assert (stability.cell_dir(bench, "minirl", 2, 0) / "summary.json").stat().st_mtime == mtime
-
-
-def test_stability_collapse_rule():
-    stability = _load_stability()
-    flat = [0.5] * 40
-    assert stability.collapse_check([0.3, 0.4, 0.35], flat, 0, warmup=0) == (False, "")
-    assert stability.collapse_check([0.3, 0.4, 0.35], flat, 2, warmup=0)[0]  # non-finite updates
-    assert stability.collapse_check([0.3, 0.6, 0.29], flat, 0, warmup=0)[0]  # 0.29 < 0.6 / 2
-    assert not stability.collapse_check([0.3, 0.6, 0.30], flat, 0, warmup=0)[0]  # exactly half is not below
-    # running reward, W = max(5, 40 // 20) = 5: peak window 0.8, last window 0.2 < 0.4
-    falling = [0.8] * 20 + [0.2] * 20
-    assert stability.collapse_check([0.3, 0.3], falling, 0, warmup=0)[0]
-    # the peak is only taken after the warm-up: a high start inside the warm-up does not count
-    assert not stability.collapse_check([0.3, 0.3], [0.8] * 5 + [0.3] * 35, 0, warmup=5)[0]
+    level, method, n, _ = cells[0]
+    assert f"| {n} | {level} |" in md and "Welch" in md and f"benchmarks/experiments/{exp.name}.yaml" in md
+    assert str(run.ROOT) not in md  # repository-relative paths only
+    for suffix in ("_accuracy.png", "_curves.png", "_dual.png"):
+        assert prefix.with_name(prefix.name + suffix).stat().st_size > 0
+    first = exp.cell_dir(bench, *cells[0]) / "summary.json"
+    mtime = first.stat().st_mtime
+    run.main([exp.name, "--profile", "smoke", "--workers", "1", "--bench-dir", str(bench), "--results", str(prefix)])
+    assert first.stat().st_mtime == mtime
 
 
-def test_stability_probe_overrides():
-    """Each probe method's dotlist replaces the matrix constraint / learning rate as its name says."""
-    from pathlib import Path
-
-    from dcmdp.config import load_config
-
-    stability = _load_stability()
-    profile = stability.PROFILES["probe"]
-
-    def cfg(method):
-        return load_config(stability.BASE_CONFIG, stability.cell_overrides(profile, method, 8, 0, Path("unused")))
-
-    (c,) = cfg("dcmdp_r3_c1e-3_eta100").dual.constraints
-    assert (c.tolerance, c.lambda_init, c.lr) == (1e-3, 0.1, 100.0)
-    fixed = cfg("fixed_r3_lambda1")
-    assert fixed.dual.rule == "fixed" and fixed.dual.constraints[0].lambda_init == 1.0
-    assert fixed.algo.routing_replay == "r3"
-    for method in ("grpo_no_is_lr1e-3", "minirl_r3_lr1e-3", "dcmdp_r3_lr1e-3"):
-        c = cfg(method)
-        assert c.optim.lr == 1e-3 and c.dual.constraints[0].tolerance == stability.TOLERANCE
-    # the matrix methods keep the matrix constraint
-    assert cfg("dcmdp_r3").dual.constraints[0].lr == stability.DUAL_LR and cfg("dcmdp_r3").optim.lr == 2e-4
-    # probe_updates: the dual reads the updates' log-probs; c and eta as the names say; the probe profile
-    # keeps its own seven methods
-    upd = stability.PROFILES["probe_updates"]
-    for method in upd.methods:
-        c = load_config(stability.BASE_CONFIG, stability.cell_overrides(upd, method, 8, 0, Path("unused")))
-        (con,) = c.dual.constraints
-        assert c.dual.measure_at == "updates" and c.algo.routing_replay == "r3" and c.cold_start.seed == 0
-        assert con.tolerance == (1e-2 if "c1e-2" in method else stability.TOLERANCE)
-        assert con.lr == (100.0 if "eta100" in method else stability.DUAL_LR)
-        assert c.optim.lr == (1e-3 if method.endswith("lr1e-3") else 2e-4)
-    assert not any("_upd" in m for m in profile.methods) and len(profile.methods) == 7
-    # probe_penalty: the penalty form as the name says (hinge where none is named); c = 1e-2 on the updates measure
-    pen = stability.PROFILES["probe_penalty"]
-    for method in pen.methods:
-        c = load_config(stability.BASE_CONFIG, stability.cell_overrides(pen, method, 8, 0, Path("unused")))
-        form = "mean" if "_mean" in method else "advantage" if "_adv" in method else "hinge"
-        assert c.dual.penalty == form and c.cold_start.seed == 0
-        assert c.dual.measure_at == ("updates" if "_upd" in method else "rollout")
-        assert c.dual.constraints[0].tolerance == (1e-2 if "c1e-2" in method else stability.TOLERANCE)
-        assert c.optim.lr == (1e-3 if method.endswith("lr1e-3") else 2e-4)
-    # quick_bf16: bf16 rollouts and its own calibrated tolerance on every method, named in the results header
-    bf16 = stability.PROFILES["quick_bf16"]
-    assert bf16.precision == "bf16" and profile.precision == "int8" and bf16.tolerance != stability.TOLERANCE
-    for method in bf16.methods:
-        c = load_config(stability.BASE_CONFIG, stability.cell_overrides(bf16, method, 8, 0, Path("unused")))
-        assert c.rollout.precision == "bf16" and c.dual.constraints[0].tolerance == bf16.tolerance
-
-
-def _load_benchmark(name: str):
-    """benchmarks/<name>.py as a module, with benchmarks/ importable for its own imports."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
-    if str(bench_dir) not in sys.path:
-        sys.path.insert(0, str(bench_dir))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", bench_dir / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_stress_smoke(tmp_path):
-    """benchmarks/stress.py --profile smoke: 2 levels x 2 methods x 3 steps through real worker processes; the
-    dual's trajectory is re-derived from the logged measurements (relative step, automatic tolerance)."""
-    import csv
+def _histories(exp, bench):
     import json
+
+    return {cell: json.loads((exp.cell_dir(bench, *cell) / "history.json").read_text()) for cell in exp.cells("smoke")}
+
+
+@pytest.mark.parametrize("smoke_run", ["stability"], indirect=True)
+def test_stability_smoke_dual(smoke_run):
+    """Stability: the dual off leaves lambda at 0; on, projected ascent with eta = 1 on the logged D-hat."""
+    run, exp, _, bench = smoke_run
+    for (_, method, _, _), history in _histories(exp, bench).items():
+        lam = [h["dual/lambda/abs_prob_diff"] for h in history]
+        if method == "minirl":
+            assert lam == [0.0, 0.0, 0.0]
+        else:  # lambda_k = max(0, lambda_{k-1} + (D_k - c)), lambda_0 = 0.1, c = 2.7e-3
+            prev = 0.1
+            for h, got in zip(history, lam):
+                prev = max(0.0, prev + 1.0 * (h["dual/measured/abs_prob_diff"] - 2.7e-3))
+                assert abs(got - prev) < 1e-9
+            assert all(h["routing/mismatch"] == 0.0 for h in history)  # R3: no route differs between the engines
+
+
+@pytest.mark.parametrize("smoke_run", ["stress"], indirect=True)
+def test_stress_smoke_dual_and_assembled_page(smoke_run, tmp_path):
+    """Stress: the automatic tolerance and the relative dual step re-derived from the logged measurements; logit
+    noise opens a discrepancy fp32 rollouts lack; copied run folders render without training."""
     import shutil
 
-    stress = _load_benchmark("stress")
-    prefix = tmp_path / "results" / "stress_smoke"
-    bench = tmp_path / "runs"
-    prefix.parent.mkdir(parents=True)
-    reading = "## Reading\n\nA hand-written reading survives the re-run."
-    prefix.with_name("stress_smoke_reading.md").write_text(reading + "\n")
-    stress.main(["--profile", "smoke", "--workers", "1", "--bench-dir", str(bench), "--results", str(prefix)])
-
-    profile = stress.PROFILES["smoke"]
-    rows = list(csv.DictReader(open(prefix.with_suffix(".csv"))))
-    assert sorted((r["level"], r["method"], int(r["N"])) for r in rows) == sorted(
-        (lv, m, n) for lv, m, n, _ in profile.cells())
-    eta, slack, ema, lam0 = 0.5, 1.0, 0.9, 0.1  # stress.CONSTRAINT
-    assert f"lr: {eta}" in stress.CONSTRAINT and f"floor_slack: {slack}" in stress.CONSTRAINT
-    for level in ("fp32", "noise1"):
-        for method in ("grpo_no_is", "dcmdp_r3"):
-            history = json.loads((stress.cell_dir(bench, level, method, 2, 0) / "history.json").read_text())
-            assert len(history) == 3
-            lam = [h["dual/lambda/abs_prob_diff"] for h in history]
-            tol = [h["dual/tolerance/abs_prob_diff"] for h in history]
-            floor = [h["discrepancy/abs_prob_diff"] for h in history]  # pi_old vs mu before the updates
-            # the automatic tolerance: c_1 = 2 F_1 (the first floor), then c_k = 2 F_{k-1}, F an EMA of the floor
-            f = floor[0]
-            assert abs(tol[0] - 2 * f) <= 1e-12 * max(f, 1e-30) and abs(tol[1] - 2 * f) <= 1e-12 * max(f, 1e-30)
-            f = ema * f + (1 - ema) * floor[1]
-            assert abs(tol[2] - 2 * f) <= 1e-9 * max(f, 1e-30)
-            if method == "grpo_no_is":
-                assert lam == [0.0, 0.0, 0.0]
-            else:  # relative projected ascent on the updates' measure: lambda += eta (D - c) / c, clipped at 0
-                measured = [h["dual/measured/abs_prob_diff"] for h in history]
-                prev = lam0
-                for d, c, got in zip(measured, tol, lam):
-                    prev = min(10.0, max(0.0, prev + eta * (d - c) / c))
-                    assert abs(got - prev) <= 1e-9 * max(1.0, prev)
-                assert all(h["routing/mismatch"] == 0.0 for h in history)  # R3
-    noisy = json.loads((stress.cell_dir(bench, "noise1", "grpo_no_is", 2, 0) / "history.json").read_text())
-    clean = json.loads((stress.cell_dir(bench, "fp32", "grpo_no_is", 2, 0) / "history.json").read_text())
-    # logit noise of std 1 opens a discrepancy that fp32 rollouts (same weights, same kernels) do not have
-    assert min(h["discrepancy/kl_k3"] for h in noisy) > 100 * max(h["discrepancy/kl_k3"] for h in clean)
+    run, exp, prefix, bench = smoke_run
+    eta, ema, lam0 = 0.5, 0.9, 0.1  # the experiment's constraint: lr 0.5, floor_slack 1.0 (c = 2 x floor)
+    hist = _histories(exp, bench)
+    for (level, method, _, _), history in hist.items():
+        lam = [h["dual/lambda/abs_prob_diff"] for h in history]
+        tol = [h["dual/tolerance/abs_prob_diff"] for h in history]
+        floor = [h["discrepancy/abs_prob_diff"] for h in history]  # pi_old vs mu before the updates
+        f = floor[0]  # c_1 = 2 F_1, then c_k = 2 F_{k-1}, F an EMA of the floor
+        assert abs(tol[0] - 2 * f) <= 1e-12 * max(f, 1e-30) and abs(tol[1] - 2 * f) <= 1e-12 * max(f, 1e-30)
+        f = ema * f + (1 - ema) * floor[1]
+        assert abs(tol[2] - 2 * f) <= 1e-9 * max(f, 1e-30)
+        if method == "grpo_no_is":
+            assert lam == [0.0, 0.0, 0.0]
+        else:  # relative projected ascent on the updates' measure: lambda += eta (D - c) / c, in [0, 10]
+            prev = lam0
+            for h, c, got in zip(history, tol, lam):
+                prev = min(10.0, max(0.0, prev + eta * (h["dual/measured/abs_prob_diff"] - c) / c))
+                assert abs(got - prev) <= 1e-9 * max(1.0, prev)
+    kl = {cell[0]: [h["discrepancy/kl_k3"] for h in hist[cell]] for cell in hist if cell[1] == "grpo_no_is"}
+    assert min(kl["noise1"]) > 100 * max(kl["fp32"])
     md = prefix.with_suffix(".md").read_text()
-    assert "| 2 | noise1 |" in md and "Welch" in md
-    assert md.endswith("\n\n" + reading + "\n")  # the reading comes last, once
-    assert prefix.with_name("stress_smoke_accuracy.png").stat().st_size > 0
-    assert prefix.with_name("stress_smoke_dual.png").stat().st_size > 0
     assert "min wall over the invocations that trained the runs" in md
+    # the README's one-panel plot, rendered from the page's JSON without training
+    run.main(["stress", "--profile", "smoke", "--results", str(prefix), "--headline", "grpo_no_is,dcmdp_r3"])
+    assert prefix.with_name("stress_smoke_headline.png").stat().st_size > 0
 
-    # an assembled page: the finished run folders copied into a fresh folder render without training anything,
-    # and the page says that no run trained there instead of quoting a wall time
-    assembled = tmp_path / "assembled"
-    assembled.mkdir()
-    for level, method, n, seed in profile.cells():
-        shutil.copytree(stress.cell_dir(bench, level, method, n, seed),
-                        stress.cell_dir(assembled, level, method, n, seed))
-    stress.main(["--profile", "smoke", "--workers", "1", "--bench-dir", str(assembled), "--results", str(prefix)])
-    assert not (assembled / "wall_seconds.txt").exists()
-    md2 = prefix.with_suffix(".md").read_text()
-    assert "no run trained here" in md2 and "min wall" not in md2
+    assembled, page = tmp_path / "assembled", tmp_path / "stress_smoke"
+    for cell in exp.cells("smoke"):
+        shutil.copytree(exp.cell_dir(bench, *cell), exp.cell_dir(assembled, *cell))
+    run.main(["stress", "--profile", "smoke", "--workers", "1", "--bench-dir", str(assembled), "--results", str(page)])
+    md2 = page.with_suffix(".md").read_text()
+    assert "no run trained here" in md2 and not (assembled / "wall_seconds.txt").exists()
     assert md2.split("Welch")[0].split("| N | level")[1] == md.split("Welch")[0].split("| N | level")[1]
 
 
-def test_seq_mask_probe_smoke(tmp_path):
-    """benchmarks/seq_mask_probe.py on a 20-step cold start, 2 batches of 2 prompts x 4 samples, rollouts with
-    logit noise of std 1: a band that holds every ratio keeps every sequence, the published band fewer, and the
-    kept and dropped sides partition the sequences and their (group-centred) GRPO advantages."""
+def test_method_and_profile_from_yaml_only(tmp_path):
+    """A method that extends another and a profile, written in a new experiment file, run on the smoke settings."""
     import json
 
-    probe = _load_benchmark("seq_mask_probe")
-    out = tmp_path / "seq_mask_probe"
-    probe.main(["--level", "noise1", "--batches", "2", "--bands", "0.999,1.001", "0,1e9", "--out", str(out),
-                "cold_start.steps=20", "cold_start.target_accuracy=null", "algo.prompts_per_step=2",
-                "algo.samples_per_prompt=4", "rollout.max_new_tokens=24"])
-    result = json.loads(out.with_suffix(".json").read_text())
-    narrow, wide = result["bands"]
-    assert result["sequences"] == 16
-    assert wide["kept"]["n"] == 16 and wide["kept_share"] == 1.0
-    assert narrow["kept"]["n"] + narrow["dropped"]["n"] == 16 and narrow["kept"]["n"] < 16
-    for band in (narrow, wide):  # GRPO advantages are centred per group: kept + dropped sum to ~0
-        assert abs(band["kept"]["adv_sum"] + band["dropped"]["adv_sum"]) < 1e-4
-    assert "| [0.999, 1.001] |" in out.with_suffix(".md").read_text()
+    import yaml
+
+    from dcmdp.config import load_config
+
+    run = _runner()
+    raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
+    raw["methods"]["minirl_lr3e-4"] = {"about": "MiniRL at a 1.5x learning rate", "extends": "minirl",
+                                      "overrides": ["optim.lr=3e-4"]}
+    raw["profiles"] = {"mine": {"about": "the new method, smoke settings",
+                                "overrides": raw["profiles"]["smoke"]["overrides"],
+                                "cells": [{"levels": ["int8"], "methods": ["minirl_lr3e-4"], "N": [1], "seeds": [0]}]}}
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    bench, prefix = tmp_path / "runs", tmp_path / "results" / "mine_mine"
+    run.main([str(path), "--profile", "mine", "--workers", "1", "--bench-dir", str(bench), "--results", str(prefix)])
+    out = bench / "minirl_lr3e-4__N1__seed0"
+    spec = json.loads((out / "cell.json").read_text())
+    cfg = load_config(spec["base"], spec["overrides"])
+    assert cfg.optim.lr == 3e-4 and cfg.algo.is_mode == "tis" and cfg.dual.rule == "off" and cfg.algo.minibatches == 1
+    assert len(json.loads((out / "history.json").read_text())) == 3
+    assert "| minirl_lr3e-4 | `algo.loss=minirl algo.is_mode=tis dual.rule=off optim.lr=3e-4` |" in \
+        prefix.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda raw: raw["methods"]["minirl"].update(extends="nope"), "methods.minirl.extends: no method 'nope'"),
+    (lambda raw: raw["methods"]["minirl"].update(extends="minirl_r2"), "extends cycle"),
+    (lambda raw: raw["methods"]["minirl"].pop("about"), "methods.minirl.about"),
+    (lambda raw: raw["profiles"]["smoke"].update(seed=1), "profiles.smoke: unknown key(s) ['seed']"),
+    (lambda raw: raw["profiles"]["smoke"]["cells"][0]["methods"].append("ghost"),
+     "profiles.smoke.cells[0].methods: unknown ['ghost']"),
+])
+def test_experiment_file_errors(tmp_path, capsys, edit, message):
+    """A malformed experiment file: the error names the key, and the command exits 2 before anything trains."""
+    import yaml
+
+    run = _runner()
+    raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
+    raw["methods"]["minirl_r2"]["extends"] = "minirl"
+    edit(raw)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(run.ExperimentError, match=re.escape(message)):
+        run.load_experiment(path)
+    with pytest.raises(SystemExit) as exit_info:
+        run.main([str(path), "--profile", "smoke", "--bench-dir", str(tmp_path / "runs")])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_collapse_rule():
+    run = _runner()
+    flat = [0.5] * 40
+    assert run.collapse_check([0.3, 0.4, 0.35], flat, 0, warmup=0) == (False, "")
+    assert run.collapse_check([0.3, 0.4, 0.35], flat, 2, warmup=0)[0]  # non-finite updates
+    assert run.collapse_check([0.3, 0.6, 0.29], flat, 0, warmup=0)[0]  # 0.29 < 0.6 / 2
+    assert not run.collapse_check([0.3, 0.6, 0.30], flat, 0, warmup=0)[0]  # exactly half is not below
+    # running reward, W = max(5, 40 // 20) = 5: peak window 0.8, last window 0.2 < 0.4
+    assert run.collapse_check([0.3, 0.3], [0.8] * 20 + [0.2] * 20, 0, warmup=0)[0]
+    # the peak is only taken after the warm-up: a high start inside the warm-up does not count
+    assert not run.collapse_check([0.3, 0.3], [0.8] * 5 + [0.3] * 35, 0, warmup=5)[0]

@@ -1,0 +1,749 @@
+"""Run one experiment of ``benchmarks/experiments/``: a matrix of training runs (level x method x N x seed).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py EXPERIMENT --profile PROFILE --workers 2
+
+EXPERIMENT is a name under ``benchmarks/experiments/`` (``stress``, ``stability``) or a path to a YAML file. Every
+run is the experiment's base config + its ``overrides`` + the profile's + the level's + the method's +
+``algo.minibatches=N seed=S``. The missing cells train in long-lived worker processes (one torch thread each);
+a cell whose ``summary.json`` and ``history.json`` exist is skipped and a killed run resumes from its last
+checkpoint, so a folder of finished cells copied in renders without training. The page
+``benchmarks/results/<experiment>_<profile>.md`` (with .csv, .json and plots) is generated from the run folders.
+
+Collapse, any of: a non-finite update; the final held-out accuracy below half of the run's peak (step 0
+included); the mean reward accuracy over the last W = max(5, steps / 20) steps below half of the best W-step
+running mean after the LR warm-up. Methods named ``dcmdp*`` are tested against the best other method of their
+cell (Welch's t-test on final and on late accuracy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import platform
+import queue
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from benchmarks._page import command, rel  # noqa: E402
+
+EXPERIMENTS = ROOT / "benchmarks" / "experiments"
+# per-step metrics kept in history.json (the checkpoint's history has every metric)
+KEEP_PREFIXES = ("reward/", "eval/", "discrepancy/", "dual/", "penalty/", "policy/", "guard/", "loss/", "routing/",
+                 "async/", "is/", "clip/", "time/step")
+# plumbing every cell gets last: one thread, resumable checkpoints
+CELL_PLUMBING = ("threads=1", "progress=false", "checkpoint.every=25", "checkpoint.keep=1", "checkpoint.resume=auto")
+DIAGNOSTICS = ("policy/approx_kl", "policy/entropy", "clip/frac", "routing/mismatch", "penalty/loss",
+               "is/weight_max_raw")
+
+
+# ------------------------------------------------------------------------------------------- experiment files
+
+
+class ExperimentError(ValueError):
+    """A malformed experiment file; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class Block:
+    levels: tuple[str, ...]
+    methods: tuple[str, ...]
+    minibatches: tuple[int, ...]
+    seeds: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Profile:
+    about: str
+    overrides: tuple[str, ...]
+    blocks: tuple[Block, ...]
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    about: str
+    base: Path
+    overrides: tuple[str, ...]
+    levels: dict[str, list[str]]
+    methods: dict[str, list[str]]
+    abouts: dict[str, str]
+    labels: dict[str, str]
+    profiles: dict[str, Profile]
+    cell_name: str = "{level}__{method}__N{N}__seed{seed}"
+    late_from: float = 0.6
+
+    def cells(self, profile: str) -> list[tuple[str, str, int, int]]:
+        """(level, method, N, seed) of every run: per block, largest N first, then seed-major, without repeats."""
+        out: list[tuple[str, str, int, int]] = []
+        for b in self.profiles[profile].blocks:
+            for n in sorted(b.minibatches, reverse=True):
+                for cell in ((lv, m, n, s) for s in b.seeds for lv in b.levels for m in b.methods):
+                    if cell not in out:
+                        out.append(cell)
+        return out
+
+    def cell_dir(self, bench_dir: Path, level: str, method: str, n: int, seed: int) -> Path:
+        return bench_dir / self.cell_name.format(level=level, method=method, N=n, seed=seed)
+
+    def cell_overrides(self, profile: str, level: str, method: str, n: int, seed: int, out: Path) -> list[str]:
+        """The full dotlist of one run, on top of the base config."""
+        return [*self.overrides, *self.profiles[profile].overrides, *self.levels[level], *self.methods[method],
+                f"algo.minibatches={n}", f"seed={seed}", f"output_dir={out}", *CELL_PLUMBING]
+
+
+def _strings(value, where: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ExperimentError(f"{where}: expected a list of dotlist strings, got {value!r}")
+    return tuple(value)
+
+
+def _entry(raw, where: str, allowed: set[str]) -> dict:
+    if not isinstance(raw, dict):
+        raise ExperimentError(f"{where}: expected a mapping, got {raw!r}")
+    unknown = set(raw) - allowed
+    if unknown:
+        raise ExperimentError(f"{where}: unknown key(s) {sorted(unknown)} (allowed: {sorted(allowed)})")
+    if not isinstance(raw.get("about"), str):
+        raise ExperimentError(f"{where}.about: every entry needs a one-line about")
+    return raw
+
+
+def _resolve_methods(raw: dict, where: str) -> dict[str, list[str]]:
+    """Each method's dotlist: its ``extends`` chain's overrides first, its own after (a later entry wins)."""
+    out: dict[str, list[str]] = {}
+
+    def resolve(name: str, chain: tuple[str, ...]) -> list[str]:
+        if name in out:
+            return out[name]
+        if name in chain:
+            raise ExperimentError(f"{where}.{name}: extends cycle {' -> '.join((*chain, name))}")
+        if name not in raw:
+            raise ExperimentError(f"{where}.{chain[-1]}.extends: no method {name!r} (known: {sorted(raw)})")
+        m = _entry(raw[name], f"{where}.{name}", {"about", "label", "extends", "overrides"})
+        parent = resolve(m["extends"], (*chain, name)) if m.get("extends") else []
+        out[name] = [*parent, *_strings(m.get("overrides"), f"{where}.{name}.overrides")]
+        return out[name]
+
+    for name in raw:
+        resolve(name, ())
+    return out
+
+
+def load_experiment(spec: str | Path) -> Experiment:
+    """An experiment by name (``benchmarks/experiments/<name>.yaml``) or path; ExperimentError names what is wrong."""
+    import yaml
+
+    path = Path(spec) if str(spec).endswith((".yaml", ".yml")) else EXPERIMENTS / f"{spec}.yaml"
+    if not path.exists():
+        known = sorted(p.stem for p in EXPERIMENTS.glob("*.yaml"))
+        raise ExperimentError(f"{spec}: no such experiment file (known: {known})")
+    where = rel(path)
+    raw = _entry(yaml.safe_load(path.read_text()), where,
+                 {"about", "base", "overrides", "levels", "methods", "profiles", "cell_name", "late_from"})
+    for key in ("base", "levels", "methods", "profiles"):
+        if key not in raw:
+            raise ExperimentError(f"{where}: missing key {key!r}")
+    levels = {name: list(_strings(_entry(v, f"{where}.levels.{name}", {"about", "overrides"}).get("overrides"),
+                                  f"{where}.levels.{name}.overrides")) for name, v in raw["levels"].items()}
+    methods = _resolve_methods(raw["methods"], f"{where}.methods")
+    profiles = {}
+    for name, p in raw["profiles"].items():
+        p = _entry(p, f"{where}.profiles.{name}", {"about", "overrides", "cells"})
+        blocks = []
+        for i, b in enumerate(p.get("cells") or []):
+            at = f"{where}.profiles.{name}.cells[{i}]"
+            if not isinstance(b, dict) or set(b) != {"levels", "methods", "N", "seeds"}:
+                raise ExperimentError(f"{at}: expected exactly the keys levels, methods, N, seeds; got {b!r}")
+            for key, known in (("levels", levels), ("methods", methods)):
+                missing = [x for x in b[key] if x not in known]
+                if missing:
+                    raise ExperimentError(f"{at}.{key}: unknown {missing} (known: {sorted(known)})")
+            blocks.append(Block(tuple(b["levels"]), tuple(b["methods"]), tuple(int(n) for n in b["N"]),
+                                tuple(int(s) for s in b["seeds"])))
+        if not blocks:
+            raise ExperimentError(f"{where}.profiles.{name}.cells: a profile needs at least one block")
+        profiles[name] = Profile(p["about"], _strings(p.get("overrides"), f"{where}.profiles.{name}.overrides"),
+                                 tuple(blocks))
+    abouts = {f"{kind}.{name}": v["about"] for kind in ("levels", "methods", "profiles")
+              for name, v in raw[kind].items()}
+    labels = {name: str(v.get("label", name)) for name, v in raw["methods"].items()}
+    return Experiment(path.stem, raw["about"], ROOT / raw["base"], _strings(raw.get("overrides"), f"{where}.overrides"),
+                      levels, methods, abouts, labels, profiles, raw.get("cell_name", Experiment.cell_name),
+                      float(raw.get("late_from", Experiment.late_from)))
+
+
+# ------------------------------------------------------------------------------------------- worker processes
+
+
+def run_cell(out: Path) -> None:
+    """Worker: train the run described by ``out/cell.json`` and write ``out/history.json``."""
+    from dcmdp.config import load_config
+    from dcmdp.loop import train
+
+    spec = json.loads((out / "cell.json").read_text())
+    if not (out / "summary.json").exists():
+        train(load_config(spec["base"], spec["overrides"]))
+    write_history(out)
+
+
+def write_history(out: Path) -> None:
+    """history.json from the final checkpoint (train() keeps the per-step history only there and in MLflow)."""
+    from dcmdp.checkpoint import find_resume_checkpoint, load_checkpoint
+
+    ckpt = find_resume_checkpoint(out / "checkpoints", "auto")
+    if ckpt is None:
+        raise FileNotFoundError(f"{out}: summary.json but no checkpoint to read the history from")
+    kept = [{k: v for k, v in h.items() if k.startswith(KEEP_PREFIXES)} for h in load_checkpoint(ckpt)["history"]]
+    tmp = out / "history.json.tmp"
+    tmp.write_text(json.dumps(kept))
+    tmp.replace(out / "history.json")
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+
+
+class Worker:
+    """A long-lived worker process (one torch thread) that trains the cells it is sent, one at a time.
+
+    Importing torch / transformers / mlflow costs seconds per process, so cells share a process. Protocol:
+    a cell folder per stdin line; the worker answers ``@@ok`` or ``@@fail`` on stdout (other stdout lines are
+    ignored) and appends the run's log to ``<cell>/log.txt``.
+    """
+
+    def __init__(self, log_path: Path):
+        self.log_path = log_path
+        self.proc: Optional[subprocess.Popen] = None
+
+    def run(self, out: Path) -> bool:
+        if self.proc is None or self.proc.poll() is not None:
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve"], cwd=ROOT,
+                                         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=open(self.log_path, "a"), text=True, bufsize=1)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{out}\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith("@@"):
+                return line.strip() == "@@ok"
+        return False  # the worker died; the next run starts a fresh one
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None and self.proc.stdin is not None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+def serve() -> None:
+    """Worker mode: train the cell folders read from stdin (see ``Worker``)."""
+    import logging
+    import traceback
+
+    logging.basicConfig(level=logging.INFO)
+    for line in sys.stdin:
+        out = Path(line.strip())
+        handler = logging.FileHandler(out / "log.txt")
+        logging.getLogger().addHandler(handler)
+        ok = False
+        try:
+            run_cell(out)
+            ok = True
+        except Exception:  # a failed cell is reported and the matrix goes on
+            logging.getLogger("benchmarks.run").error("run failed:\n%s", traceback.format_exc())
+        finally:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+        print("@@ok" if ok else "@@fail", flush=True)
+
+
+def mlflow_template(bench_dir: Path) -> Path:
+    """An empty MLflow sqlite store, created once: a fresh store runs its schema migrations (~5-20 s each)."""
+    path = bench_dir / "mlflow_template.db"
+    if not path.exists():
+        from mlflow.tracking import MlflowClient
+
+        tmp = bench_dir / "mlflow_template.tmp.db"
+        tmp.unlink(missing_ok=True)
+        MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments()
+        tmp.replace(path)
+    return path
+
+
+def finished(out: Path) -> bool:
+    return (out / "summary.json").exists() and (out / "history.json").exists()
+
+
+def prepare(out: Path, base: Path, overrides: list[str], template: Path) -> bool:
+    """Write the cell's spec (base config + dotlist); False when the cell already finished."""
+    if finished(out):
+        return False
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cell.json").write_text(json.dumps({"base": str(base), "overrides": overrides}, indent=1))
+    if not (out / "mlflow.db").exists():
+        shutil.copyfile(template, out / "mlflow.db")
+    return True
+
+
+def warm_cold_starts(base: Path, configs: list) -> None:
+    """Train (or find cached) each distinct cold start once, before parallel workers could race on it."""
+    import torch
+
+    from trainers.coldstart import cold_start
+    from trainers.models import build_model
+    from trainers.tasks import TASKS
+    from trainers.tokenizer import build_char_tokenizer
+
+    torch.set_num_threads(1)  # the runs' threads=1: the cold start (and its cache key) depend on the thread count
+    seen = set()
+    for seed, cfg in configs:
+        cs_seed = seed if cfg.cold_start.seed is None else cfg.cold_start.seed  # as dcmdp.loop.setup does
+        if cfg.cold_start.steps == 0 or cs_seed in seen:
+            continue
+        seen.add(cs_seed)
+        tok = build_char_tokenizer()
+        model = build_model(cfg.model, len(tok), seed=cs_seed)
+        cold_start(model, tok, TASKS[cfg.task.name](cfg.task, seed), cfg.cold_start, cfg.model, seed=cs_seed,
+                   eos_id=tok.eos_token_id, progress=False)
+
+
+def train_missing(todo: list[Path], bench_dir: Path, workers: int) -> list[Path]:
+    """Train the cells in ``todo`` on ``workers`` worker processes; the cells that failed."""
+    pool_workers: queue.Queue[Worker] = queue.Queue()
+    for k in range(max(1, workers)):
+        pool_workers.put(Worker(bench_dir / f"worker{k}.log"))
+
+    def one(out: Path) -> tuple[Path, bool]:
+        worker = pool_workers.get()
+        try:
+            return out, worker.run(out)
+        finally:
+            pool_workers.put(worker)
+
+    t0, failed = time.perf_counter(), []
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        for i, fut in enumerate([pool.submit(one, out) for out in todo]):
+            out, ok = fut.result()
+            if not ok:
+                failed.append(out)
+            print(f"[{i + 1}/{len(todo)}] {out.name}: {'done' if ok else 'FAILED, see ' + str(out / 'log.txt')} "
+                  f"({(time.perf_counter() - t0) / 60:.1f} min)", flush=True)
+    while not pool_workers.empty():
+        pool_workers.get().close()
+    return failed
+
+
+# ------------------------------------------------------------------------------------------- analysis
+
+
+@dataclass
+class Run:
+    level: str
+    method: str
+    n: int
+    seed: int
+    acc_before: float
+    eval_steps: list[int]
+    eval_acc: list[float]
+    collapsed: bool
+    collapse_reason: str
+    # per step
+    measured: list[float]
+    tolerance: list[float]
+    lambdas: list[float]
+    abs_prob_diff: list[float]
+    kl_k3: list[float]
+    seconds: float
+    final: float
+    peak: float
+    late: float  # mean of the evaluations from late_from of the steps on
+    extra: dict[str, float] = field(default_factory=dict)
+    finished: float = math.nan  # when the run finished (its summary's mtime, seconds since the epoch)
+
+
+def collapse_check(eval_acc: Sequence[float], reward_acc: Sequence[float], nonfinite: int,
+                   warmup: int) -> tuple[bool, str]:
+    """(collapsed, reason) by the module docstring's rule: non-finite, held-out, running reward."""
+    if nonfinite > 0:
+        return True, f"{nonfinite} non-finite updates"
+    if eval_acc and eval_acc[-1] < 0.5 * max(eval_acc):
+        return True, f"held-out {eval_acc[-1]:.3f} < half of peak {max(eval_acc):.3f}"
+    r = np.asarray(reward_acc, dtype=np.float64)
+    w = max(5, len(r) // 20)
+    if len(r) >= w + warmup:
+        running = np.convolve(r, np.ones(w) / w, mode="valid")  # running[i] = mean of r[i : i + w]
+        peak = running[warmup:].max()
+        if running[-1] < 0.5 * peak:
+            return True, f"reward accuracy {running[-1]:.3f} < half of peak {peak:.3f}"
+    return False, ""
+
+
+def load_run(out: Path, level: str, method: str, n: int, seed: int, warmup: int, late_from: float) -> Run:
+    summary = json.loads((out / "summary.json").read_text())
+    history = json.loads((out / "history.json").read_text())
+    eval_steps, eval_acc = [0], [summary["accuracy_before"]]
+    for i, h in enumerate(history):
+        if "eval/accuracy" in h:
+            eval_steps.append(i + 1), eval_acc.append(h["eval/accuracy"])
+    eval_steps.append(summary["steps"]), eval_acc.append(summary["accuracy_after"])
+    nonfinite = int(sum(h.get("guard/skipped_updates", h.get("guard/skipped_update", 0.0)) > 0 for h in history))
+    collapsed, reason = collapse_check(eval_acc, [h["reward/accuracy"] for h in history], nonfinite, warmup)
+
+    def series(key: str) -> list[float]:
+        return [float(h.get(key, math.nan)) for h in history]
+
+    extra = {k: float(np.nanmean(series(k))) for k in DIAGNOSTICS if any(k in h for h in history)}
+    # the constraint's metric name: abs_prob_diff, or abs_prob_diff_p90 for a quantile constraint
+    name = next((k.removeprefix("dual/lambda/") for h in history for k in h if k.startswith("dual/lambda/")),
+                "abs_prob_diff")
+    # lambda as the penalty carried it: the running mean under dual.average, else the iterate
+    avg_key = f"dual/lambda_avg/{name}"
+    lam_key = avg_key if any(avg_key in h for h in history) else f"dual/lambda/{name}"
+    late = float(np.mean([a for s, a in zip(eval_steps, eval_acc) if s >= late_from * eval_steps[-1]]))
+    return Run(level, method, n, seed, summary["accuracy_before"], eval_steps, eval_acc, collapsed, reason,
+               series(f"dual/measured/{name}"), series(f"dual/tolerance/{name}"), series(lam_key),
+               series("discrepancy/abs_prob_diff"), series("discrepancy/kl_k3"), float(summary["seconds"]),
+               eval_acc[-1], max(eval_acc), late,
+               extra, (out / "summary.json").stat().st_mtime)
+
+
+def _mean_sd(x: Sequence[float]) -> tuple[float, float]:
+    a = np.asarray(x, dtype=np.float64)
+    return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
+
+
+def aggregate(runs: list[Run], keys: list[tuple[str, str, int]]) -> list[dict]:
+    """One row per (level, method, N) in ``keys`` order: mean ± sd over seeds, collapses, the dual's course."""
+    cells = []
+    for level, method, n in keys:
+        rs = [r for r in runs if (r.level, r.method, r.n) == (level, method, n)]
+        if not rs:
+            continue
+        final, final_sd = _mean_sd([r.final for r in rs])
+        peak, peak_sd = _mean_sd([r.peak for r in rs])
+        late, late_sd = _mean_sd([r.late for r in rs])
+        cells.append({
+            "level": level, "method": method, "N": n, "seeds": len(rs),
+            "acc_before": float(np.mean([r.acc_before for r in rs])),
+            "final": final, "final_sd": final_sd, "peak": peak, "peak_sd": peak_sd,
+            "finals": [r.final for r in rs], "late": late, "late_sd": late_sd, "lates": [r.late for r in rs],
+            "collapses": int(sum(r.collapsed for r in rs)),
+            "abs_prob_diff": float(np.nanmean([np.nanmean(r.abs_prob_diff) for r in rs])),
+            # the discrepancy the level produces at the start (first 5 steps), as the x axis is read
+            "kl_k3_start": float(np.nanmean([np.nanmean(r.kl_k3[:5]) for r in rs])),
+            "inside_share": float(np.mean([np.mean(np.asarray(r.measured) <= np.asarray(r.tolerance)) for r in rs])),
+            "mean_lambda": float(np.nanmean([np.nanmean(r.lambdas) for r in rs])),
+            "final_lambda": float(np.nanmean([r.lambdas[-1] for r in rs])),
+            "extra": {k: float(np.nanmean([r.extra.get(k, math.nan) for r in rs]))
+                      for k in sorted({k for r in rs for k in r.extra})},
+        })
+    return cells
+
+
+def is_dcmdp(method: str) -> bool:
+    return method.startswith("dcmdp")
+
+
+def welch_p(a: Sequence[float], b: Sequence[float]) -> float:
+    """Welch's t-test p-value of two samples; NaN with fewer than two values on a side."""
+    from scipy.stats import ttest_ind
+
+    return float(ttest_ind(a, b, equal_var=False).pvalue) if len(a) > 1 and len(b) > 1 else math.nan
+
+
+def welch(cells: list[dict]) -> list[dict]:
+    """Per (level, N) and DCMDP config: against the best other method by mean final accuracy, and by late accuracy
+    against the best by late accuracy."""
+    out = []
+    for key in dict.fromkeys((c["level"], c["N"]) for c in cells):
+        here = [c for c in cells if (c["level"], c["N"]) == key]
+        others = [c for c in here if not is_dcmdp(c["method"])]
+        if not others:
+            continue
+        best = max(others, key=lambda c: c["final"])
+        best_late = max(others, key=lambda c: c["late"])
+        for mine in (c for c in here if is_dcmdp(c["method"])):
+            out.append({"level": key[0], "N": key[1], "method": mine["method"], "best_baseline": best["method"],
+                        "dcmdp": mine["final"], "baseline": best["final"], "diff": mine["final"] - best["final"],
+                        "p": welch_p(mine["finals"], best["finals"]), "best_late_baseline": best_late["method"],
+                        "late_diff": mine["late"] - best_late["late"],
+                        "p_late": welch_p(mine["lates"], best_late["lates"]),
+                        "seeds": f"{len(mine['finals'])} vs {len(best['finals'])}"})
+    return out
+
+
+def _md_table(head: Sequence[str], rows: list[Sequence]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+            *("| " + " | ".join(map(str, r)) + " |" for r in rows)]
+
+
+def table(cells: list[dict]) -> list[str]:
+    return _md_table(
+        ("N", "level", "kl_k3 at start", "method", "final held-out acc", "late held-out acc", "peak held-out acc",
+         "collapses", "mean abs_prob_diff", "steps inside c", "mean λ", "final λ"),
+        [(c["N"], c["level"], f"{c['kl_k3_start']:.2e}", c["method"], f"{c['final']:.3f} ± {c['final_sd']:.3f}",
+          f"{c['late']:.3f} ± {c['late_sd']:.3f}", f"{c['peak']:.3f} ± {c['peak_sd']:.3f}",
+          f"{c['collapses']}/{c['seeds']}", f"{c['abs_prob_diff']:.2e}", f"{c['inside_share']:.0%}",
+          f"{c['mean_lambda']:.3g}", f"{c['final_lambda']:.3g}") for c in cells])
+
+
+def welch_table(rows: list[dict]) -> list[str]:
+    return _md_table(
+        ("N", "level", "DCMDP config", "its final acc", "best baseline", "its final acc", "difference", "Welch p",
+         "best by late acc", "late difference", "late Welch p", "seeds"),
+        [(r["N"], r["level"], r["method"], f"{r['dcmdp']:.3f}", r["best_baseline"], f"{r['baseline']:.3f}",
+          f"{r['diff']:+.3f}", f"{r['p']:.3g}", r["best_late_baseline"], f"{r['late_diff']:+.3f}",
+          f"{r['p_late']:.3g}", r["seeds"]) for r in rows])
+
+
+def accuracy_figure(exp: Experiment, cells: list[dict], methods: Sequence[str], ns: Sequence[int], path: Path) -> Path:
+    """Final held-out accuracy (mean ± sd over seeds) of ``methods``: one bar per level, one panel per N."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = [lv for lv in exp.levels if any(c["level"] == lv for c in cells)]
+    by = {(c["level"], c["method"], c["N"]): c for c in cells}
+    fig, axes = plt.subplots(1, len(ns), figsize=(max(6.5, 0.8 * len(methods)) * len(ns), 4), squeeze=False)
+    width = 0.8 / len(levels)
+    for ax, n in zip(axes[0], ns):
+        for j, level in enumerate(levels):
+            got = [by.get((level, m, n)) for m in methods]
+            ax.bar(np.arange(len(methods)) + (j - (len(levels) - 1) / 2) * width, [100 * c["final"] if c else np.nan
+                   for c in got], width, yerr=[100 * c["final_sd"] if c else 0.0 for c in got], capsize=3,
+                   color=f"C{j}", label=f"{level}: {exp.abouts[f'levels.{level}']}")
+        ax.set_xticks(range(len(methods)), [exp.labels[m] for m in methods],
+                      **({"rotation": 20, "ha": "right"} if len(methods) > 5 else {}))
+        ax.set_ylabel(f"final held-out accuracy, % (N = {n})"), ax.set_ylim(0, 100)
+        ax.grid(axis="y", alpha=0.3), ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120), plt.close(fig)
+    return path
+
+
+def plot(exp: Experiment, runs: list[Run], cells: list[dict], prefix: Path) -> list[Path]:
+    """Final accuracy by level and N, the curves at the last level and largest N, and the dual there."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = [lv for lv in exp.levels if any(c["level"] == lv for c in cells)]
+    methods = list(dict.fromkeys(c["method"] for c in cells))
+    ns = sorted({c["N"] for c in cells})
+    color = {m: f"C{k % 10}" for k, m in enumerate(methods)}  # one colour per method across the figures
+    paths = [accuracy_figure(exp, cells, methods, ns, prefix.with_name(prefix.name + "_accuracy.png"))]
+
+    # held-out accuracy over the run at the last level and largest N: mean over seeds with a ± sd band per method
+    last, n = levels[-1], max(ns)
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for method in methods:
+        rs = [r for r in runs if (r.level, r.method, r.n) == (last, method, n)]
+        if not rs or len({tuple(r.eval_steps) for r in rs}) != 1:
+            continue
+        acc = np.asarray([r.eval_acc for r in rs])
+        mean, sd = acc.mean(0), acc.std(0, ddof=1) if len(rs) > 1 else np.zeros(acc.shape[1])
+        ax.plot(rs[0].eval_steps, mean, marker="o", ms=3, color=color[method], lw=2.2 if is_dcmdp(method) else 1.0,
+                label=f"{method} ({len(rs)} seeds)")
+        ax.fill_between(rs[0].eval_steps, mean - sd, mean + sd, color=color[method], alpha=0.12)
+    end = max(r.eval_steps[-1] for r in runs)
+    ax.axvspan(exp.late_from * end, end, color="0.9", zorder=0, label="late window")
+    ax.set_xlabel("RL step"), ax.set_ylabel("held-out accuracy of the deployed policy")
+    ax.set_title(f"{last}, N = {n}: mean ± sd over seeds"), ax.grid(alpha=0.3), ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(prefix.with_name(prefix.name + "_curves.png"))
+    fig.savefig(paths[-1], dpi=120), plt.close(fig)
+
+    # the dual there: D-hat (5-step mean) against c, and lambda, per seed, for the last DCMDP config
+    dual = [m for m in methods if is_dcmdp(m)]
+    rs = [r for r in runs if dual and (r.level, r.method, r.n) == (last, dual[-1], n)]
+    if rs:
+        fig, (ax_d, ax_l) = plt.subplots(1, 2, figsize=(11, 4.2))
+        for k, r in enumerate(rs):
+            steps = np.arange(1, len(r.measured) + 1)
+            w = min(5, len(r.measured))
+            ax_d.plot(steps[w - 1:], np.convolve(r.measured, np.ones(w) / w, mode="valid"), color=f"C{k}",
+                      label=f"D̂ seed {r.seed}")
+            ax_d.plot(steps, r.tolerance, color=f"C{k}", ls="--", lw=0.8)
+            ax_l.plot(steps, r.lambdas, color=f"C{k}", label=f"seed {r.seed}")
+        ax_d.set_yscale("log"), ax_d.set_xlabel("RL step"), ax_d.grid(alpha=0.3), ax_d.legend(fontsize=7)
+        ax_d.set_ylabel("D̂ fed to the dual (5-step mean); dashed: c in force")
+        ax_l.set_xlabel("RL step"), ax_l.set_ylabel("λ"), ax_l.grid(alpha=0.3), ax_l.legend(fontsize=7)
+        fig.suptitle(f"{dual[-1]} at {last}, N = {n}"), fig.tight_layout()
+        paths.append(prefix.with_name(prefix.name + "_dual.png"))
+        fig.savefig(paths[-1], dpi=120), plt.close(fig)
+    return paths
+
+
+# ------------------------------------------------------------------------------------------- the page
+
+
+def _utc(t: float) -> str:
+    return f"{datetime.datetime.fromtimestamp(t, datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+
+
+def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: list[dict], prefix: Path, cmd: str,
+                  wall_s: Optional[float]) -> list[str]:
+    import torch
+    import transformers
+
+    profile = exp.profiles[profile_name]
+    levels = [lv for lv in exp.levels if any(c["level"] == lv for c in cells)]
+    methods = list(dict.fromkeys(c["method"] for c in cells))
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    rows = welch(cells)
+    pngs = plot(exp, runs, cells, prefix)
+    with open(prefix.with_suffix(".csv"), "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["level", "method", "N", "seed", "acc_before", "final", "late", "peak", "collapsed",
+                    "collapse_reason", "mean_abs_prob_diff", "mean_kl_k3", "final_lambda", "seconds"])
+        for r in runs:
+            w.writerow([r.level, r.method, r.n, r.seed, r.acc_before, r.final, r.late, r.peak, r.collapsed,
+                        r.collapse_reason, np.nanmean(r.abs_prob_diff), np.nanmean(r.kl_k3), r.lambdas[-1],
+                        round(r.seconds, 1)])
+    prefix.with_suffix(".json").write_text(json.dumps(
+        {"experiment": exp.name, "profile": profile_name, "base": rel(exp.base), "overrides": list(exp.overrides),
+         "profile_overrides": list(profile.overrides), "levels": {lv: exp.levels[lv] for lv in levels},
+         "methods": {m: exp.methods[m] for m in methods}, "cells": cells, "welch": rows,
+         "runs": [{"level": r.level, "method": r.method, "N": r.n, "seed": r.seed, "eval_steps": r.eval_steps,
+                   "eval_acc": r.eval_acc, "collapsed": r.collapsed, "collapse_reason": r.collapse_reason}
+                  for r in runs]}, indent=1))
+    lines = table(cells)
+    trained = (f"{wall_s / 60:.0f} min wall over the invocations that trained the runs; " if wall_s is not None
+               else "no run trained here: every run folder was copied in; ")
+    header = [
+        f"# {exp.name}, {profile_name} profile", "",
+        f"- experiment: {exp.about} (`benchmarks/experiments/{exp.name}.yaml`)",
+        f"- profile: {profile.about}",
+        f"- date: written {_utc(time.time())}; run summaries dated {_utc(min(r.finished for r in runs))} to "
+        f"{_utc(max(r.finished for r in runs))} (a run folder copied without its dates carries the copy's)",
+        f"- machine: {platform.machine()} ({torch.backends.cpu.get_cpu_capability()} kernels), {os.cpu_count()} "
+        "logical CPUs; every run one process with one torch thread",
+        f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}",
+        f"- command: `{cmd}` ({trained}{sum(r.seconds for r in runs) / 60:.0f} run-minutes in all)",
+        f"- base: `{rel(exp.base)}` + `{' '.join((*exp.overrides, *profile.overrides))}` + the level + the method "
+        "+ `algo.minibatches=N seed=S`",
+        "- collapse (any of): a non-finite update; final held-out accuracy < half the run's peak (step 0 included); "
+        "mean reward accuracy over the last W = max(5, steps/20) steps < half the best W-step running mean after "
+        "the LR warm-up",
+        "- columns: held-out accuracy on the task's fixed eval set, sampled at temperature 1 by the rollout engine "
+        f"(the deployed policy), final, late (the mean of the evaluations from {exp.late_from:.0%} of the steps on) "
+        "and peak, mean ± sd over seeds; kl_k3 at start = pi_old vs mu over the first 5 steps; steps inside c = "
+        "share of steps with the D̂ fed to the dual <= the tolerance in force; λ = the multiplier the penalty "
+        "carried", "",
+        *_md_table(("level", "overrides", "about"), [(lv, f"`{' '.join(exp.levels[lv])}`" if exp.levels[lv] else "-",
+                                                      exp.abouts[f"levels.{lv}"]) for lv in levels]), "",
+        *_md_table(("method", "overrides", "about"),
+                   [(m, f"`{' '.join(exp.methods[m])}`", exp.abouts[f"methods.{m}"]) for m in methods]), ""]
+    extra_keys = sorted({k for c in cells for k in c["extra"]})
+    diag = ["", "Diagnostics (means over steps and seeds):", "", *_md_table(
+        ("N", "level", "method", *extra_keys),
+        [(c["N"], c["level"], c["method"], *("-" if not np.isfinite(c["extra"].get(k, math.nan))
+                                             else f"{c['extra'][k]:.3g}" for k in extra_keys)) for c in cells])]
+    test = ["", "Each DCMDP config against the best method without the dual in its cell (Welch's t-test on final "
+            "accuracy; and on late accuracy against the best method by late accuracy):", "", *welch_table(rows)]
+    plots = [f"![{p.stem}]({p.name})" for p in pngs]
+    prefix.with_suffix(".md").write_text("\n".join(header + lines + test + diag + [""] + plots) + "\n")
+    return lines + [""] + welch_table(rows)
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def run(exp: Experiment, profile_name: str, bench_dir: Path, results_prefix: Path, workers: int,
+        cmd: str) -> list[dict]:
+    from dcmdp.config import load_config
+
+    bench_dir.mkdir(parents=True, exist_ok=True)
+    jobs, configs = [], []
+    for level, method, n, seed in exp.cells(profile_name):
+        out = exp.cell_dir(bench_dir, level, method, n, seed)
+        overrides = exp.cell_overrides(profile_name, level, method, n, seed, out)
+        configs.append((seed, load_config(exp.base, overrides)))  # a bad override fails here, before anything trains
+        jobs.append(((level, method, n, seed), out, overrides))
+    todo = [out for _, out, _ in jobs if not finished(out)]
+    if todo:
+        warm_cold_starts(exp.base, configs)
+        template = mlflow_template(bench_dir)
+        for _, out, ov in jobs:
+            prepare(out, exp.base, ov, template)
+    print(f"{len(jobs) - len(todo)} of {len(jobs)} runs already finished; training {len(todo)} with {workers} "
+          f"workers", flush=True)
+    t0 = time.perf_counter()
+    failed = train_missing(todo, bench_dir, workers) if todo else []
+    wall_file = bench_dir / "wall_seconds.txt"
+    wall: Optional[float] = None  # None: nothing ever trained in this folder (an assembled profile)
+    if todo or wall_file.exists():
+        wall = time.perf_counter() - t0 + (float(wall_file.read_text()) if wall_file.exists() else 0.0)
+        wall_file.write_text(f"{wall:.1f}\n")
+    warmup = load_config(exp.base, [*exp.overrides, *exp.profiles[profile_name].overrides]).optim.warmup_steps
+    runs = [load_run(out, *key, warmup=warmup, late_from=exp.late_from) for key, out, _ in jobs if finished(out)]
+    if not runs:
+        raise SystemExit(f"no run of {exp.name}/{profile_name} finished: see {bench_dir}/*/log.txt")
+    cells = aggregate(runs, list(dict.fromkeys((lv, m, n) for lv, m, n, _ in
+                                               sorted(exp.cells(profile_name), key=lambda c: c[2]))))
+    lines = write_results(exp, profile_name, runs, cells, results_prefix, cmd, wall)
+    print("\n" + "\n".join(lines))
+    if failed:
+        raise SystemExit(f"{len(failed)} runs failed: {', '.join(p.name for p in failed)}")
+    return cells
+
+
+def main(argv: Optional[Sequence[str]] = None) -> list[dict] | None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("experiment", nargs="?", help="name under benchmarks/experiments/ or a path to a YAML file")
+    ap.add_argument("--profile", default="quick")
+    ap.add_argument("--workers", type=int, default=2, help="runs in parallel, one process and one thread each")
+    ap.add_argument("--bench-dir", default=None, help="run folders (default: outputs/<experiment>_<profile>)")
+    ap.add_argument("--results", default=None,
+                    help="results prefix (default: benchmarks/results/<experiment>_<profile>)")
+    ap.add_argument("--headline", default=None, metavar="M1,M2,...",
+                    help="render <results>_headline.png (one panel, these methods) from the page's JSON, and exit")
+    ap.add_argument("--list", action="store_true", help="print the experiment's profiles with their about, and exit")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # worker mode (see Worker)
+    args = ap.parse_args(argv)
+    if args.serve:
+        serve()
+        return None
+    if args.experiment is None:
+        ap.error(f"name an experiment: {sorted(p.stem for p in EXPERIMENTS.glob('*.yaml'))}")
+    try:
+        exp = load_experiment(args.experiment)
+        if args.profile not in exp.profiles and not args.list:
+            raise ExperimentError(f"{exp.name} has no profile {args.profile!r} (known: {sorted(exp.profiles)})")
+    except ExperimentError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2)
+    if args.list:
+        for name, p in exp.profiles.items():
+            print(f"{name}: {p.about} ({len(exp.cells(name))} runs)")
+        return None
+    stem = f"{exp.name}_{args.profile}"
+    bench = Path(args.bench_dir) if args.bench_dir else ROOT / "outputs" / stem
+    results = Path(args.results) if args.results else ROOT / "benchmarks" / "results" / stem
+    if args.headline:
+        cells = json.loads(results.with_suffix(".json").read_text())["cells"]
+        print(accuracy_figure(exp, cells, args.headline.split(","), [max(c["N"] for c in cells)],
+                              results.with_name(results.name + "_headline.png")))
+        return None
+    return run(exp, args.profile, bench.resolve(), results.resolve(), args.workers, command("run.py", argv))
+
+
+if __name__ == "__main__":
+    main()
