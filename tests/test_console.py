@@ -44,8 +44,12 @@ def test_without_a_terminal_a_line_every_log_every_steps_and_no_bar(tmp_path):
     assert "it/s" not in done.stderr and "dcmdp train:" not in done.stderr  # progress unset, no terminal: no bar
     lines = re.findall(r"dcmdp: (step \d+/5: .*)", done.stderr)
     assert [line.split(":")[0] for line in lines] == ["step 2/5", "step 4/5", "step 5/5"]
-    assert re.fullmatch(r"step 2/5: reward [\d.]+, accuracy [\d.]+%, lambda abs_prob_diff=[\d.e-]+ "
-                        r"kl_k3=[\d.e-]+, D-hat abs_prob_diff=[\d.e-]+ kl_k3=[\d.e-]+, [\d.]+ s/step", lines[0]), lines[0]
+    assert re.fullmatch(r"step 2/5: reward [\d.]+, rollout accuracy [\d.]+%, lambda abs_prob_diff=[\d.e-]+ "
+                        r"kl_k3=[\d.e-]+, D-hat abs_prob_diff=[\d.e-]+ kl_k3=[\d.e-]+, [\d.]+ s/step "
+                        r"\(mean of steps 1-2\), ETA \d+m\d\ds", lines[0]), lines[0]
+    assert "(mean of steps 3-4)" in lines[1] and "(mean of steps 5-5)" in lines[2]
+    assert re.search(r"held-out accuracy before RL: [\d.]+% \(4 eval prompts", done.stderr)
+    assert done.stderr.index("held-out accuracy before RL") < done.stderr.index("step 2/5")
 
 
 def test_zero_reward_variance_for_many_steps_warns_once(tmp_path, caplog):
@@ -65,7 +69,8 @@ def test_cold_start_below_its_target_warns_with_the_accuracy_and_steps(tmp_path,
     _, info = cold_start(build_model(model_cfg, len(tok), seed=0), tok, SingleDigitSum(), cfg, model_cfg, seed=0,
                          eos_id=tok.eos_token_id, progress=False)
     assert (f"cold start ended below its target: held-out sampled accuracy {100 * info['coldstart/accuracy']:.1f}% < "
-            f"cold_start.target_accuracy 99.0% (after 4 of 4 steps)") in caplog.text
+            f"cold_start.target_accuracy 99.0% (after 4 of 4 steps; the stop rule reads the sampled accuracy on "
+            f"training prompts, this is the held-out eval set's)") in caplog.text
 
 
 def test_step_numbers_agree_in_mlflow_report_and_summary_after_a_resume(tmp_path, capsys):
