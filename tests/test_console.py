@@ -3,6 +3,7 @@ or the cold start ends below its target, and the same step numbers in MLflow, th
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -126,6 +127,10 @@ def test_summary_gives_each_constraint_as_constrained_and_warns_when_it_was_slac
     assert c["lambda_final"] == 0.0 and c["lambda_mean"] == 0.0  # 0.1 + 1 x (D - 1) < 0 from the first step
     assert re.search(r"constraint abs_prob_diff: mean D-hat [\d.e-]+ \(as constrained\), c 1 -> 1, inside on 100% of "
                      r"steps, lambda mean 0, final 0", stdout), stdout
+    # dcmdp report shows the same mean D-hat as the summary
+    (row,) = [r for r in csv.DictReader(open(write_report([run_id], tmp_path / "rep", tracking_uri=local_store_uri(out))
+                                              .with_suffix(".csv")))]
+    assert float(row["measured_mean"]) == pytest.approx(c["measured_mean"], rel=1e-12)
     assert [w.split(" (")[0].split(":")[0] for w in summary["warnings"]] == [
         "constraint abs_prob_diff was slack on 100% of the steps", "held-out accuracy ended at chance level"]
     assert stdout.count("warning: ") == 2
