@@ -42,15 +42,20 @@ def machine() -> tuple[int, Optional[float]]:
     return cores, load
 
 
-def choose_threads(setting: Union[int, str], cores: int, load: Optional[float]) -> tuple[int, str]:
-    """(threads, why) for the config's ``threads``: an int as given, ``auto`` from the free cores."""
+def choose_threads(setting: Union[int, str], cores: int, load: Optional[float], ranks: int = 1) -> tuple[int, str]:
+    """(threads, why) for the config's ``threads``: an int as given, ``auto`` from the free cores, shared by the
+    ``ranks`` processes of this machine (torchrun's LOCAL_WORLD_SIZE)."""
     if setting != "auto":
         return int(setting), f"threads={setting} (fixed in the config)"
+    share = f", shared by {ranks} processes" if ranks > 1 else ""
     if load is None:
-        return cores, f"threads=auto: {cores} (cores available; no load average on this platform)"
-    n = free_cores(cores, load)
-    return n, (f"threads=auto: {n} = {cores} cores available - {load:.2f} 1-minute load average (rounded), at least 1"
-               + ("" if n == cores else "; other jobs hold the rest: a fixed count (threads=N) makes runs comparable"))
+        n = max(1, cores // ranks)
+        return n, f"threads=auto: {n} ({cores} cores available{share}; no load average on this platform)"
+    free = free_cores(cores, load)
+    n = max(1, free // ranks)
+    return n, (f"threads=auto: {n} = {cores} cores available - {load:.2f} 1-minute load average (rounded), at least "
+               f"1{share}" + ("" if free == cores else
+                              "; other jobs hold the rest: a fixed count (threads=N) makes runs comparable"))
 
 
 def passive_wait_policy(load: Optional[float], env: Optional[dict] = None) -> Optional[str]:
@@ -73,6 +78,6 @@ def apply_threads(setting: Union[int, str]) -> str:
     """Set torch's intra-op threads from the config's ``threads``; returns the line that says what and why."""
     import torch
 
-    n, why = choose_threads(setting, *machine())
+    n, why = choose_threads(setting, *machine(), ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     torch.set_num_threads(n)
     return why

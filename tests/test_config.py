@@ -227,18 +227,22 @@ def test_auto_threads_take_the_cores_the_load_leaves_free(cores, load, want):
     assert n == want and f"{cores} cores available - {load:.2f} 1-minute load average" in why
     assert choose_threads(3, cores, load) == (3, "threads=3 (fixed in the config)")
     assert choose_threads("auto", cores, None)[0] == cores  # no load average: every core
+    # torchrun with 2 processes on this machine: each takes half of the free cores, at least 1
+    assert choose_threads("auto", cores, load, ranks=2)[0] == max(1, want // 2)
 
 
 def test_passive_wait_policy_only_on_a_busy_machine_before_torch_and_never_over_the_users():
     import subprocess
     import sys
 
+    import torch  # noqa: F401  (loaded, as in any process that has started training)
+
     from dcmdp.cpu import passive_wait_policy
 
     env = {}
     assert passive_wait_policy(0.2, env) is None and env == {}
     assert passive_wait_policy(1.0, {"OMP_WAIT_POLICY": "ACTIVE"}) is None
-    assert "torch is already loaded" in passive_wait_policy(1.0, env) and env == {}  # pytest has imported torch
+    assert "torch is already loaded" in passive_wait_policy(1.0, env) and env == {}
     # in a fresh process the policy set before torch loads is the one its OpenMP runtime reads (OMP_DISPLAY_ENV)
     code = ("import os; from dcmdp.cpu import passive_wait_policy; assert passive_wait_policy(1.0); "
             "os.environ['OMP_DISPLAY_ENV'] = 'TRUE'; import torch; torch.ones(64, 64).sum()")
