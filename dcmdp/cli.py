@@ -27,11 +27,12 @@ def default_run_name(path: Optional[str], output_dir: str) -> str:
     return f"{stem}/{str(Path(output_dir)).strip('/').replace('/', '-') or 'root'}"
 
 
-def _load(ns: argparse.Namespace):
+def _load(ns: argparse.Namespace, kind: str = ""):
+    """The config of ``ns.args``, with the default MLflow run name (``/kind`` appended for a run that is not training)."""
     path, overrides = _split_config_args(ns.args)
     cfg = load_config(path, overrides)
     if not cfg.tracking.run_name:
-        cfg.tracking.run_name = default_run_name(path, cfg.output_dir)
+        cfg.tracking.run_name = default_run_name(path, cfg.output_dir) + (f"/{kind}" if kind else "")
     return cfg
 
 
@@ -50,7 +51,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(ns: argparse.Namespace) -> int:
-    cfg = _load(ns)
+    cfg = _load(ns, "calibrate")
     from dcmdp.calibrate import calibrate
     measures = [m for m in ns.measures.split(",") if m] if ns.measures else []
     result = calibrate(cfg, batches=ns.batches, slack=ns.slack, measures=measures)

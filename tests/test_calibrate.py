@@ -152,6 +152,12 @@ def test_calibrate_after_a_run_in_its_folder_takes_no_lock_and_keeps_its_checkpo
     assert "overwrite" not in done.stderr + done.stdout and "c = q90 x (1 + 0.5)" in done.stdout
     assert {p.relative_to(out): p.stat().st_mtime_ns for p in (out / "checkpoints").rglob("*")} == before
     assert (out / "config.yaml").read_text() == config_yaml
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    names = {r.info.run_name for r in client.search_runs([client.get_experiment_by_name("dcmdp").experiment_id])}
+    folder = str(out).strip("/").replace("/", "-")
+    assert names == {f"defaults/{folder}", f"defaults/{folder}/calibrate"}
     bad = subprocess.run([sys.executable, "-m", "dcmdp.cli", "calibrate", "--batches", "1", "--bogus", "x=1"],
                          env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unrecognized arguments: --bogus" in bad.stderr
