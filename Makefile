@@ -24,8 +24,9 @@ $(VSTAMP): $(STAMP) scripts/setup_vllm.sh
 
 setup: $(STAMP)
 
+# resume=auto: a second `make demo` continues an interrupted run, or says the run has finished (exit 0)
 demo: $(STAMP)
-	$(VENV)/bin/dcmdp train configs/default.yaml
+	$(VENV)/bin/dcmdp train configs/default.yaml checkpoint.resume=auto
 
 test: $(VSTAMP)
 	$(PY) -m pytest -q -m "not slow"

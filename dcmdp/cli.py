@@ -6,9 +6,11 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 from dcmdp.config import ConfigError, load_config
+from dcmdp.cpu import machine, passive_wait_policy
 
 
 def _split_config_args(args: Sequence[str]) -> tuple[Optional[str], list[str]]:
@@ -18,11 +20,30 @@ def _split_config_args(args: Sequence[str]) -> tuple[Optional[str], list[str]]:
     return None, list(args)
 
 
-def _cmd_train(ns: argparse.Namespace) -> int:
+def default_run_name(path: Optional[str], output_dir: str) -> str:
+    """The MLflow run name when tracking.run_name is unset: the config file's stem and the output folder,
+    ``default/outputs-default`` (``defaults`` without a config file)."""
+    stem = Path(path).stem if path else "defaults"
+    return f"{stem}/{str(Path(output_dir)).strip('/').replace('/', '-') or 'root'}"
+
+
+def _load(ns: argparse.Namespace, kind: str = ""):
+    """The config of ``ns.args``, with the default MLflow run name (``/kind`` appended for a run that is not training)."""
     path, overrides = _split_config_args(ns.args)
     cfg = load_config(path, overrides)
-    from dcmdp.loop import train  # after the config is checked: a typo is reported before torch imports
+    if not cfg.tracking.run_name:
+        cfg.tracking.run_name = default_run_name(path, cfg.output_dir) + (f"/{kind}" if kind else "")
+    return cfg
 
+
+def _cmd_train(ns: argparse.Namespace) -> int:
+    cfg = _load(ns)
+    from dcmdp.loop import finished_run, train  # after the config is checked: a typo is reported before torch imports
+
+    done = finished_run(cfg)
+    if done is not None:  # resume=auto on a finished run: nothing to train, and no reason to refuse
+        print(done)
+        return 0
     summary = train(cfg)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
         print("\n".join(summary.lines()))
@@ -30,10 +51,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(ns: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    path, overrides = _split_config_args(ns.args)
-    cfg = load_config(path, overrides)
+    cfg = _load(ns, "calibrate")
     from dcmdp.calibrate import calibrate
     measures = [m for m in ns.measures.split(",") if m] if ns.measures else []
     result = calibrate(cfg, batches=ns.batches, slack=ns.slack, measures=measures)
@@ -55,8 +73,7 @@ def _cmd_tune(ns: argparse.Namespace) -> int:
 
 
 def _cmd_eval(ns: argparse.Namespace) -> int:
-    path, overrides = _split_config_args(ns.args)
-    cfg = load_config(path, overrides)
+    cfg = _load(ns)
     from dcmdp.evaluation import evaluate_checkpoint
     print(evaluate_checkpoint(cfg, ns.checkpoint).line())
     return 0
@@ -72,8 +89,6 @@ def _cmd_report(ns: argparse.Namespace) -> int:
 
 def _cmd_sync(ns: argparse.Namespace) -> int:
     """Exit code 0 only when nothing is left unsent; otherwise 1, with one line per buffer file that remains."""
-    from pathlib import Path
-
     from dcmdp.tracking import check_tracking_uri, sync_report
 
     if not Path(ns.buffer_dir).is_dir():
@@ -141,12 +156,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# The positional list of each command that key=value overrides join wherever they stand on the command line.
+_OVERRIDE_DEST = {"train": "args", "calibrate": "args", "eval": "args", "tune": "overrides"}
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse with ``key=value`` overrides accepted anywhere, also after an option (``--batches 4 steps=3``):
+    argparse stops a positional list at the first option, so what it leaves over joins the command's overrides."""
+    ns, extra = parser.parse_known_args(argv)
+    dest = _OVERRIDE_DEST.get(getattr(ns, "command", None))
+    unknown = [a for a in extra if dest is None or a.startswith("-") or "=" not in a]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        setattr(ns, dest, [*getattr(ns, dest), *extra])
+    return ns
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ns = build_parser().parse_args(argv)
+    ns = parse_args(build_parser(), argv)
     logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("urllib3", "alembic", "mlflow.store", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    waiting = passive_wait_policy(machine()[1])  # before a command imports torch and its OpenMP runtime
+    if waiting:
+        logging.getLogger("dcmdp").info("%s", waiting)
     try:
         return ns.func(ns)
     except ConfigError as exc:

@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
@@ -180,8 +180,8 @@ class RunConfig:
     eval_every: int = 0
     # Output directory of this run (checkpoints, plots, local MLflow store).
     output_dir: str = "outputs/default"
-    # torch intra-op threads (0: torch's default).
-    threads: int = 0
+    # torch intra-op threads: an int >= 1, or auto (the cores free when the run starts; see dcmdp.cpu).
+    threads: Union[int, str] = "auto"
     # Show a progress bar; null: only when stdout and stderr are terminals. Without a bar, one line per log_every
     # steps goes to the log (step, reward, accuracy, lambda and D-hat per constraint, step time).
     progress: Optional[bool] = None
@@ -388,8 +388,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"config error at 'checkpoint.keep': must be >= 1, got {cfg.checkpoint.keep}")
     if cfg.log_every < 1:
         raise ConfigError(f"config error at 'log_every': must be >= 1, got {cfg.log_every}")
-    for key, value in (("eval_every", cfg.eval_every), ("threads", cfg.threads),
-                       ("checkpoint.every", cfg.checkpoint.every)):
+    if not (cfg.threads == "auto" or (type(cfg.threads) is int and cfg.threads >= 1)):
+        raise ConfigError(f"config error at 'threads': must be auto or an integer >= 1, got {cfg.threads!r}")
+    for key, value in (("eval_every", cfg.eval_every), ("checkpoint.every", cfg.checkpoint.every)):
         if value < 0:
             raise ConfigError(f"config error at '{key}': must be >= 0, got {value}")
     if cfg.guard.max_bad_steps < 1:

@@ -9,14 +9,14 @@ held-out accuracy. Nothing is logged to MLflow.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from dcmdp.checkpoint import find_resume_checkpoint, load_checkpoint
 from dcmdp.config import RunConfig
+from dcmdp.cpu import apply_threads
 
 
 @dataclass
@@ -46,8 +46,7 @@ def evaluate_checkpoint(cfg: RunConfig, checkpoint: str = "auto") -> EvalResult:
     path = resolve_checkpoint(cfg, checkpoint)
     state = load_checkpoint(path)
     seed_everything(cfg.seed)
-    if cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)
+    logging.getLogger("dcmdp").info("%s", apply_threads(cfg.threads))
     with tempfile.TemporaryDirectory(prefix="dcmdp_eval_") as tmp:
         policy = build_policy(cfg, Path(tmp), weights=state["model"])
         try:

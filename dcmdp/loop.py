@@ -9,6 +9,7 @@ the next rollout batch, to every mini-batch alike.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -29,8 +30,9 @@ from constraints.penalties import constraint_names
 from dcmdp.async_rollout import RolloutWorker, screen_stale
 from dcmdp.checkpoint import (RunFolderError, RunFolderLock, SignalCheckpointer, capture_rng, clear_run_folder,
                               load_checkpoint, load_resume_checkpoint, restore_rng, run_in_folder, save_checkpoint)
-from dcmdp.config import ConfigError, RunConfig, flatten, resume_conflicts, to_yaml
+from dcmdp.config import ConfigError, RunConfig, flatten, load_config, resume_conflicts, to_yaml
 from dcmdp import distributed
+from dcmdp.cpu import apply_threads
 from dcmdp.dual import DualState, dual_step, init_state, penalty_spec
 from dcmdp.plots import plot_dual
 from dcmdp.tracking import (NoTracker, Tracker, check_tracking_uri, provenance_tags, resolve_tracking_uri,
@@ -80,6 +82,25 @@ class Setup:
     no_signal_steps: int = 0
     # Dynamic loss scaling of model.dtype=float16 training (None otherwise).
     scaler: Optional[torch.amp.GradScaler] = None
+    # (step, perf_counter) of the previous console line: its s/step is the mean since then.
+    line_mark: tuple[int, float] = (0, 0.0)
+
+
+@dataclass
+class ConstraintSummary:
+    """One constraint over a run, from the dual/ metrics of every step that measured it."""
+
+    # Mean D-hat as the dual step saw it (dual/measured/<name>: at the updates under dual.measure_at=updates).
+    measured_mean: float
+    # The tolerance c in force at the first and the last measured step.
+    tolerance_start: float
+    tolerance_end: float
+    # Share of the measured steps with D-hat <= c.
+    inside_frac: float
+    # Share of the measured steps with D-hat < c and lambda at its floor (lambda_min): the dual did nothing there.
+    slack_frac: float
+    lambda_mean: float
+    lambda_final: float
 
 
 @dataclass
@@ -87,6 +108,7 @@ class Summary:
     accuracy_before: float
     accuracy_after: float
     final_lambda: dict[str, float]
+    # Mean of every discrepancy/ measure, pi_old vs mu before the updates (not the constrained D-hat; see constraints).
     mean_discrepancy: dict[str, float]
     steps: int
     run_id: str
@@ -95,17 +117,86 @@ class Summary:
     seconds: float
     # Step the run was resumed from (0: a fresh run); this process ran steps - resumed_at steps in ``seconds``.
     resumed_at: int = 0
+    constraints: dict[str, ConstraintSummary] = field(default_factory=dict)
+    # What the run's end found wrong (a constraint slack throughout, accuracy at chance level); also logged.
+    warnings: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
-        lam = ", ".join(f"{k}={v:.4g}" for k, v in self.final_lambda.items()) or "-"
         disc = ", ".join(f"{k}={v:.4g}" for k, v in self.mean_discrepancy.items()) or "-"
         ran = (f"{self.steps} steps in {self.seconds:.0f} s" if not self.resumed_at else
                f"{self.steps} steps ({self.steps - self.resumed_at} in {self.seconds:.0f} s after resuming at step "
                f"{self.resumed_at})")
-        return [f"held-out accuracy: {self.accuracy_before:.1%} -> {self.accuracy_after:.1%} "
-                f"({100 * (self.accuracy_after - self.accuracy_before):+.1f} points) after {ran}",
-                f"final lambda: {lam}", f"mean discrepancy: {disc}",
+        out = [f"held-out accuracy: {self.accuracy_before:.1%} -> {self.accuracy_after:.1%} "
+               f"({100 * (self.accuracy_after - self.accuracy_before):+.1f} points) after {ran}"]
+        for name, c in self.constraints.items():
+            out.append(f"constraint {name}: mean D-hat {c.measured_mean:.4g} (as constrained), c {c.tolerance_start:.4g}"
+                       f" -> {c.tolerance_end:.4g}, inside on {c.inside_frac:.0%} of steps, lambda mean "
+                       f"{c.lambda_mean:.4g}, final {c.lambda_final:.4g}")
+        if not self.constraints:
+            lam = ", ".join(f"{k}={v:.4g}" for k, v in self.final_lambda.items()) or "-"
+            out.append(f"final lambda: {lam}")
+        out += [f"mean discrepancy before the updates (pi_old vs mu): {disc}",
+                *(f"warning: {w}" for w in self.warnings),
                 f"MLflow run {self.run_id} at {self.tracking_uri}", f"outputs: {self.output_dir}"]
+        return out
+
+
+# A constraint is reported as slack when D-hat < c with lambda at its floor on at least this share of its steps.
+SLACK_FRAC = 0.95
+
+
+def constraint_summaries(history: Sequence[dict[str, float]], names: Sequence[str],
+                         constraints: Sequence[ConstraintConfig]) -> dict[str, ConstraintSummary]:
+    """Per constraint, from the steps whose dual/measured/<name> is finite (a skipped step measured nothing)."""
+    out = {}
+    for name, c in zip(names, constraints):
+        rows = [h for h in history if np.isfinite(h.get(f"dual/measured/{name}", float("nan")))]
+        if not rows:
+            continue
+        d = np.array([h[f"dual/measured/{name}"] for h in rows])
+        tol = np.array([h[f"dual/tolerance/{name}"] for h in rows])
+        lam = np.array([h[f"dual/lambda/{name}"] for h in rows])
+        floor = (lam <= c.lambda_min + 1e-12) & (d < tol)
+        out[name] = ConstraintSummary(float(d.mean()), float(tol[0]), float(tol[-1]), float((d <= tol).mean()),
+                                      float(floor.mean()), float(lam.mean()), float(lam[-1]))
+    return out
+
+
+def end_of_run_warnings(constraints: dict[str, ConstraintSummary], rule: str, accuracy_after: float,
+                        chance: float, eval_prompts: int) -> list[str]:
+    """A constraint that was slack on (nearly) every step under a rule that moves lambda (the dual never acted), and
+    held-out accuracy at chance level (at most one eval prompt above ``chance``)."""
+    out = []
+    for name, c in constraints.items():
+        if rule in ("projected", "pid") and c.slack_frac >= SLACK_FRAC:
+            out.append(f"constraint {name} was slack on {c.slack_frac:.0%} of the steps (D-hat < c with lambda at its "
+                       f"floor): the dual never acted. c ({c.tolerance_start:.4g} -> {c.tolerance_end:.4g}) lies above "
+                       f"the measured D-hat (mean {c.measured_mean:.4g}); lower the tolerance (dcmdp calibrate "
+                       f"proposes one) or let it track the floor (floor_slack), as configs/default.yaml does")
+    if eval_prompts and accuracy_after <= chance + 1.0 / eval_prompts:
+        out.append(f"held-out accuracy ended at chance level ({accuracy_after:.1%}, chance {chance:.1%} on "
+                   f"{eval_prompts} prompts): the policy answers nothing right; check the cold start and the task")
+    return out
+
+
+def finished_run(cfg: RunConfig) -> Optional[str]:
+    """With ``checkpoint.resume=auto``: what to say instead of training when output_dir holds this config's run,
+    finished at ``cfg.steps`` (its summary.json); None when there is something to train (or resume refuses)."""
+    out = Path(cfg.output_dir)
+    if cfg.checkpoint.resume != "auto" or not (out / "summary.json").is_file():
+        return None
+    try:
+        done = json.loads((out / "summary.json").read_text())
+        saved = flatten(load_config(out / "config.yaml"))
+    except (OSError, ValueError):  # unreadable: resuming reports what is wrong
+        return None
+    if done.get("steps") != cfg.steps or resume_conflicts(saved, cfg):
+        return None
+    summary = Summary(**{k: v for k, v in done.items() if k in Summary.__dataclass_fields__})
+    summary.constraints = {k: ConstraintSummary(**v) for k, v in (done.get("constraints") or {}).items()}
+    return "\n".join([f"{out} holds this run, finished at step {cfg.steps} (summary.json): nothing to train. Train "
+                      f"further with steps=N, afresh with overwrite=true, or elsewhere with output_dir=...",
+                      *summary.lines()])
 
 
 def train(cfg: RunConfig) -> Summary:
@@ -128,6 +219,11 @@ def _train(s: Setup, t_start: float) -> Summary:
         s.accuracy_before = evaluate(s, seed=cfg.seed)
         s.tracker.log_metrics({"eval/accuracy": s.accuracy_before}, step=s.start_step)
     acc_before = s.accuracy_before
+    if s.dist.main:
+        log.info("held-out accuracy before RL: %.1f%% (%s)", 100 * acc_before,
+                 "measured before the run was resumed" if s.eval_examples is None else
+                 f"{len(s.eval_examples)} eval prompts, sampled by the rollout engine")
+    s.line_mark = (s.start_step, time.perf_counter())
     s.worker = _rollout_worker(s)
     steps = range(s.start_step, cfg.steps)
     bar = tqdm(steps, desc="dcmdp train", disable=not show_bar(cfg), dynamic_ncols=True, initial=s.start_step,
@@ -229,6 +325,7 @@ def _train_step(s: Setup, step: int, bar) -> None:
                     **{f"lam_{n}": f"{float(v):.3g}" for n, v in zip(s.names, s.dual.lambda_C)})
     if bar.disable and s.dist.main and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
         log.info("%s", step_line(s, step + 1, metrics))
+        s.line_mark = (step + 1, time.perf_counter())
     _watch_signal(s, step + 1, metrics)
 
 
@@ -239,13 +336,17 @@ def show_bar(cfg: RunConfig) -> bool:
 
 
 def step_line(s: Setup, step: int, metrics: dict[str, float]) -> str:
-    """The console line of a step when no progress bar is shown."""
+    """The console line of a step when no progress bar is shown: this step's reward, training accuracy (the sampled
+    rollouts'), lambda and D-hat; the wall time per step since the previous line (evaluations included) and the ETA."""
     nan = float("nan")
     lam = " ".join(f"{n}={float(v):.3g}" for n, v in zip(s.names, s.dual.lambda_C)) or "-"
     measured = " ".join(f"{n}={metrics.get(f'dual/measured/{n}', nan):.3g}" for n in s.names) or "-"
-    return (f"step {step}/{s.cfg.steps}: reward {metrics.get('reward/mean', nan):.3f}, accuracy "
-            f"{metrics.get('reward/accuracy', nan):.1%}, lambda {lam}, D-hat {measured}, "
-            f"{metrics.get('time/step', nan):.2f} s/step")
+    since, t_since = s.line_mark
+    per_step = (time.perf_counter() - t_since) / max(step - since, 1)
+    eta = int(round(per_step * (s.cfg.steps - step)))
+    return (f"step {step}/{s.cfg.steps}: reward {metrics.get('reward/mean', nan):.3f}, rollout accuracy "
+            f"{metrics.get('reward/accuracy', nan):.1%}, lambda {lam}, D-hat {measured}, {per_step:.2f} s/step "
+            f"(mean of steps {since + 1}-{step}), ETA {eta // 60}m{eta % 60:02d}s")
 
 
 # RL has no signal when at least this share of the groups has one reward for every sample ...
@@ -317,23 +418,27 @@ def _stop_bad_run(s: Setup, step: int) -> None:
         f"last step: {what}; checkpoint of step {step} written to {path}")
 
 
-def setup(cfg: RunConfig) -> Setup:
-    """Seeds, tokenizer, task, (cold-started) model, rollout engine, optimiser, dual state, tracker."""
+def setup(cfg: RunConfig, *, owns_folder: bool = True) -> Setup:
+    """Seeds, tokenizer, task, (cold-started) model, rollout engine, optimiser, dual state, tracker.
+
+    ``owns_folder=False`` (``dcmdp calibrate``, which trains nothing): no lock on output_dir, no resume, and the run
+    folder's checkpoints and config.yaml are left as they are; only a new MLflow run is added to its store."""
     d = distributed.init(cfg)
     if not show_bar(cfg):  # transformers' own bars (saving a model) too: a redirected log gets no bar lines
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
     seed_everything(cfg.seed)
-    if cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)
+    why_threads = apply_threads(cfg.threads)
+    if d.main:
+        log.info("%s", why_threads)
     out = Path(cfg.output_dir)
     # an unusable URI would keep nothing but buffered metrics: refuse it before anything is written
     check_tracking_uri(resolve_tracking_uri(cfg.tracking, out), tracking_uri_source(cfg.tracking))
     lock, error = None, None
     try:
         out.mkdir(parents=True, exist_ok=True)
-        if d.main:
+        if d.main and owns_folder:
             lock = RunFolderLock(out).acquire()
     except OSError as exc:
         error = OSError(exc.errno, f"output_dir={cfg.output_dir!r} is not a writable directory: "
@@ -344,7 +449,7 @@ def setup(cfg: RunConfig) -> Setup:
     if error is not None:
         raise error
     try:
-        return _build(cfg, d, out, lock)
+        return _build(cfg, d, out, lock, owns_folder)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -384,8 +489,9 @@ def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> tuple[Optio
     return resume, state
 
 
-def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFolderLock]) -> Setup:
-    resume, state = _resume_state(cfg, out, d)
+def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFolderLock], owns_folder: bool = True
+           ) -> Setup:
+    resume, state = _resume_state(cfg, out, d) if owns_folder else (None, None)
     policy = build_policy(cfg, out, d=d, progress=show_bar(cfg))
     model = policy.model = distributed.shard_model(policy.model, cfg, d)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
@@ -420,9 +526,9 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
     if resume is not None and d.main:
         # the steps between the checkpoint and the crash were logged once already: they are not logged again
         tracker.skip_logged(after_step=start_step)
-    if d.main:  # written once the run has started cleanly: a run that failed to start leaves the old one
+    if d.main and owns_folder:  # written once the run has started cleanly: a run that failed to start leaves the old one
         (out / "config.yaml").write_text(to_yaml(cfg))
-    tracker.log_artifact(out / "config.yaml")
+        tracker.log_artifact(out / "config.yaml")
     scoring = learner.ScoringSpec(temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
                                   moe=policy.moe, shard=d.shard, micro_batch_tokens=cfg.algo.micro_batch_tokens)
     return Setup(cfg, policy, scoring, optimizer, scheduler, dual, tracker, constraint_names(cfg.dual.constraints),
@@ -544,10 +650,16 @@ def finish(s: Setup, acc_before: float, acc_after: float, seconds: float) -> Sum
     # steps with every sample dropped measured nothing and have no discrepancy/ keys
     disc_keys = dict.fromkeys(k for h in s.history for k in h if k.startswith("discrepancy/"))
     mean_disc = {k.split("/", 1)[1]: float(np.mean([h[k] for h in s.history if k in h])) for k in disc_keys}
+    constraints = constraint_summaries(s.history, s.names, cfg.dual.constraints)
+    warnings = end_of_run_warnings(constraints, cfg.dual.rule, acc_after, getattr(s.policy.task, "chance_accuracy", 0.0),
+                                   len(s.eval_examples or ()))
     summary = Summary(acc_before, acc_after, {n: float(v) for n, v in zip(s.names, s.dual.lambda_C)}, mean_disc,
-                      cfg.steps, s.tracker.run_id, s.tracker.tracking_uri, str(out), seconds, s.start_step)
+                      cfg.steps, s.tracker.run_id, s.tracker.tracking_uri, str(out), seconds, s.start_step,
+                      constraints, warnings)
     if s.dist.main:
-        (out / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
+        for w in warnings:
+            log.warning("%s", w)
+        (out / "summary.json").write_text(json.dumps(dataclasses.asdict(summary), indent=2))
     s.tracker.log_artifact(out / "summary.json")
     s.tracker.finish()
     s.policy.engine.close()

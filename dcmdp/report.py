@@ -149,7 +149,9 @@ def _markdown(summaries: list[RunSummary], tracking_uri: str) -> str:
         if not r.constraints:
             lines += ["No dual metrics (`dual/lambda/*`) were logged.", ""]
             continue
-        lines += ["| constraint | tolerance c | final λ | mean λ | mean D | final D | steps with D ≤ c |",
+        lines += ["D̂ is `dual/measured/<c>`, what the dual step constrains (at the updates under `dual.measure_at: "
+                  "updates`); the run's `summary.json` (`constraints`) and console summary give the same mean.", "",
+                  "| constraint | final c | final λ | mean λ | mean D̂ | final D̂ | steps with D̂ ≤ c |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for c in r.constraints:
             lines.append(f"| {c.name} | {_fmt(c.tolerance)} | {_fmt(c.lambda_final)} | {_fmt(c.lambda_mean)} | "

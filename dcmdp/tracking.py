@@ -74,6 +74,9 @@ MAX_TAG_VAL_LENGTH = 8000
 
 LOCAL_ID_PREFIX = "local-"
 LOCAL_ID_TAG = "dcmdp.local_id"
+# MLflow 3's UI files the runs of an experiment without a kind under "Evaluation runs" (its GenAI layout); this
+# experiment tag, which the UI reads and sets itself, makes it show them as model training runs.
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 PARENT_RUN_TAG = "mlflow.parentRunId"
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 # MLflow error codes that mean "this record can never be stored", as opposed to "try later".
@@ -491,7 +494,7 @@ class _Sender:
         exp = client.get_experiment_by_name(name)
         if exp is None:
             try:
-                exp_id = client.create_experiment(name, artifact_location=artifact_location)
+                exp_id = client.create_experiment(name, artifact_location=artifact_location, tags=EXPERIMENT_TAGS)
             except Exception:
                 exp = client.get_experiment_by_name(name)  # created by someone else meanwhile
                 if exp is None:
@@ -499,6 +502,9 @@ class _Sender:
                 exp_id = exp.experiment_id
         else:
             exp_id = exp.experiment_id
+            for k, v in EXPERIMENT_TAGS.items():
+                if k not in exp.tags:  # an experiment created before this tag, or by someone else
+                    client.set_experiment_tag(exp_id, k, v)
         self._experiments[name] = exp_id
         return exp_id
 

@@ -167,6 +167,9 @@ class Trial:
     number: int = -1
     reason: str = ""
     lambda_history: dict[str, list[float]] = field(default_factory=dict)
+    # The run's end-of-run warnings (summary.json: a constraint slack throughout, accuracy at chance level), and
+    # held-out accuracy that ended below its start.
+    warnings: list[str] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -596,7 +599,9 @@ class _Sweep:
                     live = state
                     for k, v in state.items():
                         trial.set_user_attr(k, v)
-                    if self.cfg.prune.enabled and proc.poll() is None and trial.should_prune():
+                    # a trial past its last step is finishing: pruning it would only cut its final evaluation
+                    if (self.cfg.prune.enabled and proc.poll() is None and state["live/steps"] < run_cfg.steps
+                            and trial.should_prune()):
                         pruned = self.pruner.reason({**state, "steps_total": run_cfg.steps})
                         log.info("trial %s pruned at step %d: %s", d.name, state["live/steps"], pruned)
                         proc.send_signal(signal.SIGTERM)  # the trial writes its checkpoint and ends its run KILLED
@@ -623,7 +628,7 @@ class _Sweep:
         record = assess(Trial(d.name, settings), history, self.names, self.cfg.select)
         if pruned:
             record.status, record.error, record.run_id = "pruned", pruned, run_id
-            self._tag_child(run_id, "PRUNED", trial.number)
+            self._tag_child(run_id, "PRUNED", trial.number, end="KILLED")
             return self._tell(trial, TrialState.PRUNED, record)
         summary_path = d / "summary.json"
         if returncode != 0 or not summary_path.is_file():
@@ -635,6 +640,10 @@ class _Sweep:
         summary = json.loads(summary_path.read_text())
         record.accuracy_before, record.accuracy_after = summary["accuracy_before"], summary["accuracy_after"]
         record.run_id, record.seconds = summary["run_id"], summary["seconds"]
+        record.warnings = list(summary.get("warnings", []))
+        if record.accuracy_after < record.accuracy_before:
+            record.warnings.append(f"held-out accuracy fell below its start ({record.accuracy_before:.1%} -> "
+                                   f"{record.accuracy_after:.1%})")
         select([record], self.cfg.select)
         self._tag_child(record.run_id, "COMPLETE", trial.number)
         self._tell(trial, TrialState.COMPLETE if math.isfinite(record.accuracy_after) else TrialState.FAIL, record)
@@ -646,7 +655,9 @@ class _Sweep:
         trial.set_constraint("eligible", 0.0 if record.eligible else 1.0)
         self.study.tell(trial, record.accuracy_after if state == TrialState.COMPLETE else None, state=state)
 
-    def _tag_child(self, run_id: str, state: str, number: int) -> None:
+    def _tag_child(self, run_id: str, state: str, number: int, end: str = "") -> None:
+        """Tag the trial's MLflow run; with ``end``, also end it with that status if it is still RUNNING (a trial
+        stopped after its last step, outside the loop that ends its run on SIGTERM)."""
         if not run_id or run_id.startswith(LOCAL_ID_PREFIX):
             return
         try:
@@ -655,6 +666,8 @@ class _Sweep:
             client = MlflowClient(tracking_uri=self.tracking_uri)
             client.set_tag(run_id, "dcmdp.tune.state", state)
             client.set_tag(run_id, "optuna.trial", str(number))
+            if end and client.get_run(run_id).info.status == "RUNNING":
+                client.set_terminated(run_id, end)
         except Exception as exc:  # the trial's outcome is in Optuna; a tag is not worth failing the sweep
             log.warning("cannot tag MLflow run %s (%s)", run_id, exc)
 
@@ -753,6 +766,9 @@ def write_outputs(cfg: TuneConfig, sweep: _Sweep, trials: list[Trial], best: Opt
              f"{count['failed']} failed) in {seconds:.0f} s with {cfg.workers} worker(s)")
     text += f"\nselected: {best.trial} ({_fmt_settings(best.settings)})" if best else \
         "\nselected: none (no eligible trial)"
+    for w in best.warnings if best else ():
+        text += f"\nwarning: the selected trial {best.trial}: {w}"
+        log.warning("the selected trial %s: %s", best.trial, w)
     print(text)
     (out / "table.txt").write_text(text + "\n")
     csv_path, keys = out / "results.csv", list(cfg.space)
@@ -777,6 +793,8 @@ def _csv_row(t: Trial) -> dict[str, Any]:
     for k, v in asdict(t).items():
         if isinstance(v, dict) and k in ("mean_discrepancy", "final_lambda"):
             row.update({f"{k}/{c}": x for c, x in v.items()})
+        elif k == "warnings":
+            row[k] = "; ".join(v)
         elif not isinstance(v, dict) and k not in ("trial", "number", "error"):
             row[k] = int(v) if isinstance(v, bool) else v
     return row
@@ -803,8 +821,10 @@ def best_snippet(base: RunConfig, best: Trial) -> str:
         if not key.startswith("dual.constraints"):
             OmegaConf.update(node, key, value, force_add=True)
     acc = f"{best.accuracy_before:.1%} -> {best.accuracy_after:.1%}"
+    warned = "".join(f"# warning: {w}\n" for w in best.warnings)
     return (f"# dcmdp tune: selected trial {best.trial} ({_fmt_settings(best.settings)}); held-out accuracy {acc}, "
-            f"inside tolerance on {_fmt(best.inside_frac, '.0%')} of steps after warm-up\n" + OmegaConf.to_yaml(node))
+            f"inside tolerance on {_fmt(best.inside_frac, '.0%')} of steps after warm-up\n{warned}"
+            + OmegaConf.to_yaml(node))
 
 
 def plot_tune(trials: list[Trial], key: str, names: Sequence[str], path: Path, log_x: bool = False) -> Any:

@@ -109,3 +109,55 @@ def test_floor_stats_against_numpy():
     assert (flat.ci_low, flat.ci_high, flat.proposed) == (2e-4, 2e-4, pytest.approx(2.5e-4))
     single = floor_stats("discrepancy/kl_k1", [2e-4], slack=0.25)
     assert math.isnan(single.ci_low) and single.mean == 2e-4
+
+
+def test_at_the_updates_c_comes_from_the_updates_and_floor_slack_from_the_floor(tmp_path):
+    """dual.measure_at=updates: the proposed c is q90 x (1 + slack) of D-hat at the updates (pi_theta at each
+    mini-batch update vs mu), not of the floor; an automatic tolerance gets floor_slack = c / mean floor - 1 (3
+    significant digits, rounded up); the snippet carries measure_at. The weights are put back after each batch:
+    the floor rows equal those of a run without updates."""
+    # the 20-step cold start answers nothing right (advantages 0): the mean penalty at lambda 10 moves the weights
+    over = [*_overrides(tmp_path, "int8"), "algo.minibatches=2", "optim.lr=5e-3", "dual.penalty=mean",
+            "dual.measure_at=updates", "dual.constraints=[{measure: abs_prob_diff, floor_slack: 1.0, lambda_init: 10}]"]
+    result = calibrate(load_config(None, over), batches=BATCHES, slack=SLACK)
+    at_updates, floor = result.row("constraint/0/abs_prob_diff/at_updates"), result.row("discrepancy/abs_prob_diff")
+    # the second mini-batch is scored after the first one's optimiser step: away from the floor
+    assert all(abs(u - f) > 1e-3 * f for u, f in zip(at_updates.values, floor.values))
+    (c,) = result.constraints
+    assert c.tolerance == proposed_tolerance(max(at_updates.values), SLACK)
+    assert c.floor_slack == proposed_tolerance(c.tolerance / floor.mean - 1, 0.0)
+    assert c.tolerance * 0.999 <= floor.mean * (1 + c.floor_slack) <= c.tolerance * 1.01
+    snippet = load_config(tmp_path / "int8" / "calibration.yaml", [])
+    assert snippet.dual.measure_at == "updates" and snippet.dual.constraints[0].floor_slack == c.floor_slack
+    plain = calibrate(load_config(None, [*over[:-3], f"output_dir={tmp_path / 'plain'}"]), batches=BATCHES, slack=SLACK)
+    assert plain.row("discrepancy/abs_prob_diff").values == floor.values
+
+
+def test_calibrate_after_a_run_in_its_folder_takes_no_lock_and_keeps_its_checkpoints(tmp_path):
+    """Calibrate trains nothing: run right after a training run in the same output_dir it succeeds, leaves the
+    run's checkpoints and config.yaml as they were, and suggests deleting nothing. Overrides after an option work."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "int8"
+    env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "OMP_NUM_THREADS": "1"}
+    assert main(["train", *_overrides(tmp_path, "int8"), "steps=1", "algo.minibatches=1"]) == 0
+    before = {p.relative_to(out): p.stat().st_mtime_ns for p in (out / "checkpoints").rglob("*")}
+    config_yaml = (out / "config.yaml").read_text()
+    done = subprocess.run([sys.executable, "-m", "dcmdp.cli", "calibrate", "--batches", "1",
+                           *_overrides(tmp_path, "int8"), "--slack", "0.5", "algo.minibatches=1"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "overwrite" not in done.stderr + done.stdout and "c = q90 x (1 + 0.5)" in done.stdout
+    assert {p.relative_to(out): p.stat().st_mtime_ns for p in (out / "checkpoints").rglob("*")} == before
+    assert (out / "config.yaml").read_text() == config_yaml
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    names = {r.info.run_name for r in client.search_runs([client.get_experiment_by_name("dcmdp").experiment_id])}
+    folder = str(out).strip("/").replace("/", "-")
+    assert names == {f"defaults/{folder}", f"defaults/{folder}/calibrate"}
+    bad = subprocess.run([sys.executable, "-m", "dcmdp.cli", "calibrate", "--batches", "1", "--bogus", "x=1"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unrecognized arguments: --bogus" in bad.stderr

@@ -168,3 +168,29 @@ def test_target_accuracy_stops_at_the_first_check_that_reaches_it(tmp_path):
     unreachable = build_model(model_cfg, len(tok), seed=0)
     assert len(supervised_finetune(unreachable, tok, task, dataclasses.replace(cfg, steps=30, target_accuracy=1.0),
                                    seed=0, eos_id=tok.eos_token_id, progress=False)) == 30
+
+
+def test_progress_lines_at_the_first_and_last_step_and_every_interval_without_a_terminal(caplog):
+    """progress=False (no terminal): a line at step 1 and at the last step when the interval is never reached, a line
+    every step with a zero interval; the stop line says the accuracy is the training prompts'."""
+    import logging
+    import re
+
+    from trainers.coldstart import supervised_finetune
+
+    tok, task = build_char_tokenizer(), SingleDigitSum()
+    model_cfg = ModelConfig(preset="tiny-dense")
+    cfg = ColdStartConfig(steps=6, batch_size=8, lr=6e-3, target_accuracy=1.0, check_every=2)
+    caplog.set_level(logging.INFO, logger="trainers.coldstart")
+    supervised_finetune(build_model(model_cfg, len(tok), seed=0), tok, task, cfg, seed=0, eos_id=tok.eos_token_id,
+                        progress=False, log_every_s=1e9)
+    lines = [r.getMessage() for r in caplog.records if re.match(r"cold start: step \d", r.getMessage())]
+    assert [line.split(",")[0] for line in lines] == ["cold start: step 1/6", "cold start: step 6/6"]
+    assert re.fullmatch(r"cold start: step 1/6, loss [\d.]+, [\d.]+ s/step, ETA <= \dm\d\ds", lines[0]), lines[0]
+    # the last line carries the accuracy of the check at step 4 (step 6 is the end: no check there)
+    assert re.fullmatch(r"cold start: step 6/6, loss [\d.]+, sampled accuracy on training prompts [\d.]+% \(step 4\), "
+                        r"[\d.]+ s/step, done", lines[1]), lines[1]
+    caplog.clear()
+    supervised_finetune(build_model(model_cfg, len(tok), seed=0), tok, task, dataclasses.replace(cfg, steps=3),
+                        seed=0, eos_id=tok.eos_token_id, progress=False, log_every_s=0.0)
+    assert len([r for r in caplog.records if r.getMessage().startswith("cold start: step ")]) == 3

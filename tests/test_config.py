@@ -214,3 +214,58 @@ def test_a_checkpoint_config_with_the_old_dual_keys_resumes_under_its_rule(old, 
     assert resume_conflicts(saved, cfg) == []
     other = load_config(None, ["dual.rule=pid"])
     assert resume_conflicts(saved, other) == [f"dual.rule: {rule!r} in the checkpoint, 'pid' now"]
+
+
+@pytest.mark.parametrize("cores, load, want", [
+    (2, 0.0, 2), (2, 0.4, 2), (2, 0.6, 1), (2, 1.0, 1), (2, 7.3, 1), (16, 3.5, 12), (16, 2.49, 14), (1, 0.0, 1),
+])
+def test_auto_threads_take_the_cores_the_load_leaves_free(cores, load, want):
+    from dcmdp.cpu import choose_threads, free_cores
+
+    assert free_cores(cores, load) == want  # max(1, cores - round(load)); round() ties to even: 3.5 -> 4
+    n, why = choose_threads("auto", cores, load)
+    assert n == want and f"{cores} cores available - {load:.2f} 1-minute load average" in why
+    assert choose_threads(3, cores, load) == (3, "threads=3 (fixed in the config)")
+    assert choose_threads("auto", cores, None)[0] == cores  # no load average: every core
+    # torchrun with 2 processes on this machine: each takes half of the free cores, at least 1
+    assert choose_threads("auto", cores, load, ranks=2)[0] == max(1, want // 2)
+
+
+def test_passive_wait_policy_only_on_a_busy_machine_before_torch_and_never_over_the_users():
+    import subprocess
+    import sys
+
+    import torch  # noqa: F401  (loaded, as in any process that has started training)
+
+    from dcmdp.cpu import passive_wait_policy
+
+    env = {}
+    assert passive_wait_policy(0.2, env) is None and env == {}
+    assert passive_wait_policy(1.0, {"OMP_WAIT_POLICY": "ACTIVE"}) is None
+    assert "torch is already loaded" in passive_wait_policy(1.0, env) and env == {}
+    # in a fresh process the policy set before torch loads is the one its OpenMP runtime reads (OMP_DISPLAY_ENV)
+    code = ("import os; from dcmdp.cpu import passive_wait_policy; assert passive_wait_policy(1.0); "
+            "os.environ['OMP_DISPLAY_ENV'] = 'TRUE'; import torch; torch.ones(64, 64).sum()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"})
+    assert out.returncode == 0, out.stderr
+    assert "OMP_WAIT_POLICY = 'PASSIVE'" in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("value, ok", [("auto", "auto"), ("1", 1), ("4", 4), ("0", None), ("-2", None),
+                                       ("two", None), ("true", None)])
+def test_threads_accepts_auto_and_positive_ints_and_the_command_exits_2_otherwise(value, ok, tmp_path):
+    from dcmdp.cli import main
+
+    if ok is not None:
+        assert load_config(None, [f"threads={value}"]).threads == ok
+        return
+    with pytest.raises(ConfigError, match="'threads'"):
+        load_config(None, [f"threads={value}"])
+    assert main(["train", f"threads={value}", f"output_dir={tmp_path}"]) == 2
+
+
+def test_threads_default_is_auto_and_a_yaml_int_stays_an_int(tmp_path):
+    assert load_config(None, []).threads == "auto" and load_config(CONFIGS / "default.yaml").threads == "auto"
+    (tmp_path / "c.yaml").write_text("threads: 2\n")
+    assert load_config(tmp_path / "c.yaml").threads == 2

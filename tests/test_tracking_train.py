@@ -53,3 +53,28 @@ def test_every_step_of_lambda_and_discrepancy_reaches_the_server(tmp_path, mlflo
     for name, mean in summary.mean_discrepancy.items():
         values = [m.value for m in client.get_metric_history(summary.run_id, f"discrepancy/{name}")]
         assert mean == pytest.approx(sum(values) / len(values), rel=1e-12, abs=1e-300)
+    # the experiment shows its runs as model training in MLflow 3's UI; the summary's constraint figures are the
+    # dual/ metrics as constrained
+    from dcmdp.tracking import EXPERIMENT_TAGS
+
+    exp = client.get_experiment(run.info.experiment_id)
+    assert {k: exp.tags.get(k) for k in EXPERIMENT_TAGS} == EXPERIMENT_TAGS
+    measured = [m.value for m in client.get_metric_history(summary.run_id, "dual/measured/kl_k3")]
+    assert summary.constraints["kl_k3"].measured_mean == pytest.approx(sum(measured) / len(measured), rel=1e-12)
+    assert summary.constraints["kl_k3"].inside_frac == 0.0 and summary.constraints["kl_k3"].lambda_final == lam[-1]
+
+
+def test_the_command_names_its_run_after_the_config_and_the_output_folder(tmp_path, mlflow_server, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from dcmdp.cli import main
+
+    (tmp_path / "tiny.yaml").write_text("model:\n  preset: tiny-dense\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "tiny.yaml", "cold_start.steps=0", "algo.prompts_per_step=2", "algo.samples_per_prompt=2",
+                 "algo.minibatches=1", "task.eval_size=4", "threads=1", "rollout.max_new_tokens=4", "steps=1",
+                 "progress=false", "output_dir=outputs/tiny", f"tracking.uri={mlflow_server.uri}",
+                 "tracking.experiment=run-names"]) == 0
+    client = MlflowClient(tracking_uri=mlflow_server.uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("run-names").experiment_id])
+    assert run.info.run_name == "tiny/outputs-tiny"

@@ -378,3 +378,35 @@ def test_an_interrupted_sweep_resumes_its_trial_from_the_checkpoint(tmp_path, ml
     lam = client.get_metric_history(run_id, "dual/lambda/abs_prob_diff")
     assert sorted(m.step for m in lam) == list(range(1, 13))  # every step once
     assert len(_children(client, study.user_attrs["mlflow_parent"])) == 1
+
+
+def test_a_winner_whose_constraint_was_slack_says_so_in_best_yaml():
+    from dcmdp.tune import best_snippet
+
+    best = _trial("t002", 0.4)
+    best.settings = {"dual.constraints[0].tolerance": 0.01}
+    best.warnings = ["constraint abs_prob_diff was slack on 100% of the steps (D-hat < c with lambda at its floor)"]
+    text = best_snippet(load_config(None, []), best)
+    assert text.splitlines()[1] == f"# warning: {best.warnings[0]}"
+    assert load_config(None, []).dual.constraints[0].tolerance != 0.01
+    assert yaml.safe_load(text)["dual"]["constraints"][0]["tolerance"] == 0.01
+
+
+def test_a_pruned_trial_whose_run_is_still_running_is_ended_killed(tmp_path):
+    """A trial stopped after its last step leaves its MLflow run RUNNING: tagging it PRUNED ends it KILLED; a run
+    that has ended keeps its status."""
+    from types import SimpleNamespace
+
+    from mlflow.tracking import MlflowClient
+
+    from dcmdp.tune import _Sweep
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("prune-end")
+    running, done = client.create_run(exp).info.run_id, client.create_run(exp).info.run_id
+    client.set_terminated(done, "FINISHED")
+    for run_id in (running, done):
+        _Sweep._tag_child(SimpleNamespace(tracking_uri=uri), run_id, "PRUNED", 3, end="KILLED")
+    assert client.get_run(running).info.status == "KILLED" and client.get_run(done).info.status == "FINISHED"
+    assert client.get_run(running).data.tags["dcmdp.tune.state"] == "PRUNED"

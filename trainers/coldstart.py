@@ -138,11 +138,42 @@ def _lr_factor(step: int, steps: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+# Seconds between two cold-start progress lines (plus the first and the last step), terminal or not.
+LOG_EVERY_S = 30.0
+
+
+class _ProgressLog:
+    """Progress lines of the cold start at a steady cadence: the first step, then every ``every_s`` seconds, and the
+    last step; each with the loss, the last sampled accuracy on training prompts (the stop rule's), s/step and ETA."""
+
+    def __init__(self, steps: int, every_s: float):
+        self.steps, self.every_s = steps, every_s
+        self.t0 = self.last = time.perf_counter()
+        self.accuracy: tuple[int, float] | None = None  # (step, sampled accuracy on the training prompts)
+
+    def step(self, step: int, loss: float, final: bool = False) -> None:
+        now = time.perf_counter()
+        if not (step == 1 or final or now - self.last >= self.every_s):
+            return
+        self.last = now
+        per_step = (now - self.t0) / step
+        acc = (f", sampled accuracy on training prompts {100 * self.accuracy[1]:.1f}% (step {self.accuracy[0]})"
+               if self.accuracy else "")
+        eta = "done" if final else f"ETA <= {_duration(per_step * (self.steps - step))}"
+        log.info("cold start: step %d/%d, loss %.3f%s, %.2f s/step, %s", step, self.steps, loss, acc, per_step, eta)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
 def supervised_finetune(model: PreTrainedModel, tokenizer, task: _Task, cfg: ColdStartConfig, *, seed: int,
-                        eos_id: int, progress: bool = True) -> list[float]:
+                        eos_id: int, progress: bool = True, log_every_s: float = LOG_EVERY_S) -> list[float]:
     """Train ``model`` in place for ``cfg.steps`` steps, or until the sampled accuracy on fixed training-
     distribution prompts reaches ``cfg.target_accuracy`` (checked every ``cfg.check_every`` steps); returns the
-    per-step losses (their count is the number of steps run)."""
+    per-step losses (their count is the number of steps run). Logs a progress line at the first step, every
+    ``log_every_s`` seconds and at the last step, whether or not a bar is shown."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
     # probe prompts from the training distribution (never the held-out eval set), fixed by the seed
     probes = task.sample(random.Random(f"cold-start-probe-{seed}"), _EVAL_EXAMPLES) if cfg.target_accuracy else []
@@ -153,6 +184,7 @@ def supervised_finetune(model: PreTrainedModel, tokenizer, task: _Task, cfg: Col
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: _lr_factor(i, cfg.steps))
     losses = []
+    report = _ProgressLog(cfg.steps, log_every_s)
     bar = tqdm(range(cfg.steps), desc="cold start", disable=not progress, leave=False)
     for _ in bar:
         examples = task.sample(rng, cfg.batch_size)
@@ -168,19 +200,23 @@ def supervised_finetune(model: PreTrainedModel, tokenizer, task: _Task, cfg: Col
         scheduler.step()
         losses.append(float(loss.detach()))
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        report.step(len(losses), losses[-1], final=len(losses) == cfg.steps)
         if probes and len(losses) % cfg.check_every == 0 and len(losses) < cfg.steps:
             model.eval()
             accuracy = sampled_accuracy(model, tokenizer, task, probes, eos_id=eos_id, seed=seed,
                                         max_new_tokens=probe_tokens)
             model.train()
+            report.accuracy = (len(losses), accuracy)
             if accuracy >= cfg.target_accuracy:
-                log.info("cold start: sampled accuracy %.1f%% >= target %.1f%% after %d steps: stopping",
-                         100 * accuracy, 100 * cfg.target_accuracy, len(losses))
+                report.step(len(losses), losses[-1], final=True)
+                log.info("cold start: sampled accuracy on %d training prompts %.1f%% >= target %.1f%% after %d steps: "
+                         "stopping (the held-out accuracy follows)", len(probes), 100 * accuracy,
+                         100 * cfg.target_accuracy, len(losses))
                 break
     else:
         if probes:  # cold_start warns with the held-out accuracy reached
-            log.info("cold start: target accuracy %.1f%% not reached in %d steps", 100 * cfg.target_accuracy,
-                     cfg.steps)
+            log.info("cold start: sampled accuracy on training prompts did not reach the target %.1f%% in %d steps",
+                     100 * cfg.target_accuracy, cfg.steps)
     model.eval()
     return losses
 
@@ -329,9 +365,12 @@ def cold_start(model: PreTrainedModel, tokenizer, task: _Task, cfg: ColdStartCon
         longest = max(len(tokenizer.encode(task.demonstration(ex), add_special_tokens=False)) for ex in examples)
         accuracy = sampled_accuracy(model, tokenizer, task, examples, eos_id=eos_id, seed=seed,
                                     max_new_tokens=longest + 2)
+    if examples:
+        log.info("cold start: held-out sampled accuracy %.1f%% on %d eval prompts", 100 * accuracy, len(examples))
     if cfg.target_accuracy is not None and accuracy < cfg.target_accuracy:
         log.warning("cold start ended below its target: held-out sampled accuracy %.1f%% < cold_start.target_accuracy "
-                    "%.1f%% (%s); RL may find little reward signal: raise cold_start.steps or cold_start.lr, or make "
+                    "%.1f%% (%s; the stop rule reads the sampled accuracy on training prompts, this is the held-out "
+                    "eval set's); RL may find little reward signal: raise cold_start.steps or cold_start.lr, or make "
                     "the task easier", 100 * accuracy, 100 * cfg.target_accuracy,
                     f"after {len(losses)} of {cfg.steps} steps" if losses else f"cached model {model_dir}")
     info = {
