@@ -137,6 +137,9 @@ class TrackingConfig:
     parent_run_id: Optional[str] = None
     # log_metrics hands the step's metrics to a sender thread and returns (dcmdp.tracking); off sends in the step.
     async_log: bool = True
+    # Append each step's metrics as one JSON line to this file (``dcmdp tune`` follows, and may prune, a trial
+    # through it); null: none.
+    progress_file: Optional[str] = None
 
 
 @dataclass

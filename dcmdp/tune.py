@@ -20,7 +20,7 @@ number of ``dcmdp tune`` processes, here or on other machines, may share it: eac
 runs twice (sqlite: claims are serialised by a lock file next to the database; a server database locks
 rows itself). A trial is ``python -m dcmdp.cli train <trial>/run.yaml`` in ``<output_dir>/trials/t<number>``,
 a child MLflow run nested under one parent run whose id is a study attribute. It appends each step's
-metrics to ``progress.jsonl`` (environment variable ``DCMDP_PROGRESS_FILE``); the tune process reads it
+metrics to ``progress.jsonl`` (``tracking.progress_file`` of its run.yaml); the tune process reads it
 every ``POLL_S``, reports held-out accuracy (``eval/accuracy``, every ``eval_every`` steps) as the
 intermediate value and asks ``RulePruner``. A pruned trial gets SIGTERM, writes its checkpoint, ends its
 MLflow run KILLED and is tagged ``dcmdp.tune.state=PRUNED``.
@@ -76,7 +76,6 @@ log = logging.getLogger("dcmdp.tune")
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
 
-PROGRESS_ENV = "DCMDP_PROGRESS_FILE"  # read by dcmdp.loop: the file a trial appends its per-step metrics to
 SAMPLERS = ("grid", "tpe", "gp")
 POLL_S = 0.5  # how often the parent reads a running trial's progress
 HEARTBEAT_S, GRACE_S = 20, 120  # Optuna heartbeat of running trials; a trial silent for GRACE_S is failed
@@ -564,7 +563,8 @@ class _Sweep:
         settings = {k: trial.params[k] for k in self.dists}
         overrides = {"output_dir": str(d.resolve()), "tracking.uri": self.tracking_uri,
                      "tracking.run_name": f"{self.cfg.study}-{d.name}", "tracking.buffer_dir": None,
-                     "tracking.parent_run_id": self.parent_id, "progress": False,
+                     "tracking.parent_run_id": self.parent_id, "tracking.progress_file": str(d / "progress.jsonl"),
+                     "progress": False,
                      "checkpoint.resume": "auto"}  # a retried trial continues from its checkpoint, same child run
         try:
             run_cfg = apply_settings(self.base, {**overrides, **settings})
@@ -576,10 +576,9 @@ class _Sweep:
         trial.set_user_attr("process", f"{os.uname().nodename}:{os.getpid()}")
         self.started += 1
         log.info("trial %s (optuna #%d): %s", d.name, trial.number, _fmt_settings(settings))
-        env = {**os.environ, PROGRESS_ENV: str(d / "progress.jsonl")}
         with open(d / "train.log", "ab") as logf:
             proc = subprocess.Popen([sys.executable, "-m", "dcmdp.cli", "train", str(d / "run.yaml")], stdout=logf,
-                                    stderr=subprocess.STDOUT, env=env)
+                                    stderr=subprocess.STDOUT)
         self.procs.add(proc)
         reported, live, beat, pruned, interrupted = set(frozen.intermediate_values), {}, time.monotonic(), "", False
         try:
