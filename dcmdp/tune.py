@@ -15,6 +15,25 @@ A tune file (YAML; defaults in the dataclasses below)::
 
 ``dual.constraints[0].tolerance`` is c, ``.lr`` η, ``.lambda_init`` λ_0; tables write ``c[i].`` for them.
 
+What Optuna does, and what this module adds. Optuna holds the study: the samplers (grid, TPE, GP), the storage
+several processes share, ask/tell, each trial's parameters, intermediate values, user attributes and constraint,
+the heartbeat that fails a silent trial, and the retry of a failed trial with its intermediate values. None of
+that is redone here. The supervisor adds what Optuna cannot do from inside one Python process:
+
+- a trial is a ``dcmdp train`` process (the command a user runs; a crash, an OOM kill or a stuck trial cannot take
+  the sweep down), so ``study.optimize`` cannot drive it: trials are claimed with ``ask``, their heartbeat recorded
+  by the supervisor, their per-step metrics read from the progress file the trial appends to;
+- pruning by the selection rule (``RulePruner``: a trial that can no longer be selected, collapsed or out of
+  tolerance, stops), where Optuna's pruners rank intermediate values; the trial is stopped by SIGTERM so it
+  writes its checkpoint and ends its MLflow run;
+- the selection rule itself (eligible: finished, not collapsed, D-hat <= c on most steps; then the best held-out
+  accuracy), which ``study.best_trial`` cannot express; eligibility goes to TPE and GP as an Optuna constraint;
+- the end of a grid shared by several processes: outside ``optimize`` Optuna's grid sampler neither stops nor
+  avoids points other processes are running, so ``claim`` ends the sweep once every point has a trial;
+- a lock file around study bookkeeping on sqlite (no row locks there; a server database locks rows itself);
+- MLflow: one parent run, the trials nested under it as child runs tagged with their Optuna state;
+- the outputs: the table that says why each trial was not selected, results.csv, tune.png and best.yaml.
+
 One Optuna study per tune file (name: the file's stem, or ``study``), maximising held-out accuracy. Any
 number of ``dcmdp tune`` processes, here or on other machines, may share it: each claims trials and none
 runs twice (sqlite: claims are serialised by a lock file next to the database; a server database locks
