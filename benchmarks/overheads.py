@@ -77,17 +77,16 @@ def swap_model(s: Setup, model: torch.nn.Module) -> None:
     s.policy.model = model
     s.policy.engine = build_engine(cfg.rollout, model, None, eos_id=s.policy.tokenizer.eos_token_id,
                                    pad_id=s.policy.tokenizer.pad_token_id)
-    s.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                    weight_decay=cfg.optim.weight_decay)
-    s.scheduler = None
+    s.optim = learner.OptimStep(torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                                  weight_decay=cfg.optim.weight_decay), grad_clip=cfg.optim.grad_clip)
 
 
 def controller_share(s: Setup, steps: int, warmup: int) -> dict:
     """Run ``steps`` real training steps; per-phase medians (ms) and the median per-step controller share."""
-    start = len(s.history)
+    start = len(s.state.history)
     for step in range(steps):
         _train_step(s, step, _NoBar())
-    hist = s.history[start + warmup:]
+    hist = s.state.history[start + warmup:]
     shares = [(h["time/measure"] + h["time/dual"]) / h["time/step"] for h in hist]
     out = {f"{p}_ms": 1e3 * statistics.median(h[f"time/{p}"] for h in hist) for p in PHASES + ("step",)}
     out.update(share=statistics.median(shares), share_max=max(shares), steps=len(hist),

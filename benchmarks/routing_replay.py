@@ -82,7 +82,8 @@ def discrepancy(model, rollout, mode: str, lr: float) -> dict[str, float]:
            "old_kl_k3": float(kl(batch.old_logp_BT, rollout.rollout_logp_BT, mask_BT))}
     trained = copy.deepcopy(model)
     opt = torch.optim.Adam(trained.parameters(), lr=lr)
-    learner.update(trained, opt, None, batch, scoring=scoring, penalty=learner.PenaltySpec(), cfg=cfg, grad_clip=1.0,
+    learner.update(trained, learner.OptimStep(opt, grad_clip=1.0), batch, scoring=scoring,
+                   penalty=learner.PenaltySpec(), cfg=cfg,
                    generator=torch.Generator().manual_seed(0))
     trained.eval()
     new_logp, new_routes = forward_routes(trained, rollout, batch.replay_experts_BSLK)

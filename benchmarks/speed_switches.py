@@ -111,8 +111,9 @@ def main(argv: list[str] | None = None) -> dict:
         model.set_attn_implementation(GQA_ATTENTION if gqa else ATTN_IMPLEMENTATION)
         spec = learner.ScoringSpec(moe=True, micro_batch_tokens=budget)
         batch, forward = learner.score_on_policy(model, ref, adv_B, algo, spec)
-        learner.update(model, optimizer, None, batch, scoring=spec, penalty=learner.PenaltySpec(), cfg=algo,
-                       grad_clip=1.0, generator=torch.Generator().manual_seed(0), forward=forward)
+        learner.update(model, learner.OptimStep(optimizer, grad_clip=1.0), batch, scoring=spec,
+                       penalty=learner.PenaltySpec(), cfg=algo, generator=torch.Generator().manual_seed(0),
+                       forward=forward)
 
     train_times = alternate({f"micro_batch_tokens={b}, gqa_attention={g}": (lambda b=b, g=g: train_step(b, g))
                              for b in (0, 4096) for g in (False, True)}, args.rounds)

@@ -1,17 +1,20 @@
 """The run config: component dataclasses composed with OmegaConf, YAML files and dotlist overrides.
 
 Unknown keys are errors that name the key and its nearest valid spelling; bounds are checked by each
-component's ``check()``; checks that span components live in ``validate()`` and raise, never rewrite.
+component's ``check()``; checks that span components live in ``validate()`` and raise, never rewrite. A mode
+(policy loss, IS mode, sequence mask, rejection measure, dual rule, ...) owns its knobs: a knob of a mode that is
+not selected is an error naming both (``MODE_SELECTORS``, ``_validate_modes``).
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
@@ -134,6 +137,9 @@ class TrackingConfig:
     parent_run_id: Optional[str] = None
     # log_metrics hands the step's metrics to a sender thread and returns (dcmdp.tracking); off sends in the step.
     async_log: bool = True
+    # Append each step's metrics as one JSON line to this file (``dcmdp tune`` follows, and may prune, a trial
+    # through it); null: none.
+    progress_file: Optional[str] = None
 
 
 @dataclass
@@ -406,6 +412,7 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"config error at 'dual.coupling': A must be {len(cfg.dual.coupling.b)} x {n} "
                               f"(rows = len(b), columns = number of constraints)")
     _validate_registries(cfg)
+    _validate_modes(cfg)
 
 
 def _validate_registries(cfg: RunConfig) -> None:
@@ -469,6 +476,145 @@ def _validate_registries(cfg: RunConfig) -> None:
     if cfg.algo.routing_replay != "none" and not PRESETS[cfg.model.preset].is_moe:
         raise ConfigError(f"config error at 'algo.routing_replay': {cfg.algo.routing_replay} replays MoE routes, "
                           f"but model.preset={cfg.model.preset!r} is a dense model; use routing_replay=none")
+
+
+def _no_shared(names: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    return {}
+
+
+@dataclass(frozen=True)
+class ModeSelector:
+    """A config key that picks one mode from a registry, and the knobs each mode owns.
+
+    Mode ``m`` owns the block named after it beside the key (``algo.is_mode=tis`` reads ``algo.tis``, ``dual.rule=pid``
+    reads ``dual.pid``; the one-config-class-per-mode convention) and the ``shared`` knobs that name it among their
+    readers (``algo.clip_ratio_c``: ppo_clip and minirl). A knob is foreign when no selected mode reads it.
+    """
+
+    # Dotted path of the selecting field.
+    key: str
+    # The registry's names (called at validation: the registries import torch, the dataclasses do not).
+    names: Callable[[], tuple[str, ...]]
+    # Knobs (a dotted leaf or block) outside the mode-named blocks -> the modes that read them, given the names.
+    shared: Callable[[tuple[str, ...]], dict[str, tuple[str, ...]]] = _no_shared
+
+    @property
+    def kind(self) -> str:
+        """How messages call a mode of this key: ``is_mode``, ``loss``, ``seq_mask.mode``, ``rule``, ..."""
+        return self.key.split(".", 1)[1]
+
+
+def _loss_names() -> tuple[str, ...]:
+    from trainers.losses import POLICY_LOSSES
+    return tuple(POLICY_LOSSES)
+
+
+def _is_mode_names() -> tuple[str, ...]:
+    from trainers.losses import IS_MODES
+    return tuple(IS_MODES)
+
+
+def _seq_mask_names() -> tuple[str, ...]:
+    from trainers.config import SEQ_MASK_MODES
+    return tuple(SEQ_MASK_MODES)
+
+
+def _reject_names() -> tuple[str, ...]:
+    from constraints.measures import MEASURES
+    return ("none", *(n for n, m in MEASURES.items() if m.kind == "token"))
+
+
+def _advantage_names() -> tuple[str, ...]:
+    from trainers.advantages import ADVANTAGES
+    return tuple(ADVANTAGES)
+
+
+def _rule_names() -> tuple[str, ...]:
+    from dcmdp.dual import DUAL_RULES
+    return tuple(DUAL_RULES)
+
+
+def _rule_shared(names: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    from dcmdp.dual import DUAL_RULES
+    # the coupling limits are part of the projection set, which only rules that project lambda read
+    return {"dual.coupling": tuple(n for n in names if DUAL_RULES[n].projects)}
+
+
+def _penalty_names() -> tuple[str, ...]:
+    from constraints.penalties import PENALTIES
+    return tuple(PENALTIES)
+
+
+# Every key that picks a mode with knobs of its own. rollout.engine is not one: an engine's block holds a deployment's
+# settings, and a recipe keeps its vllm block when a CPU run or a test switches it to rollout.engine=torch.
+MODE_SELECTORS: tuple[ModeSelector, ...] = (
+    ModeSelector("algo.loss", _loss_names, lambda names: {"algo.clip_ratio_c": ("ppo_clip", "minirl")}),
+    ModeSelector("algo.is_mode", _is_mode_names),
+    ModeSelector("algo.seq_mask.mode", _seq_mask_names),
+    ModeSelector("algo.reject.measure", _reject_names,
+                 lambda names: {"algo.reject.bound": tuple(n for n in names if n != "none")}),
+    ModeSelector("algo.advantage", _advantage_names),
+    ModeSelector("dual.rule", _rule_names, _rule_shared),
+    ModeSelector("dual.penalty", _penalty_names),
+)
+
+
+def _leaves(node: Any, prefix: str) -> list[str]:
+    if isinstance(node, DictConfig):
+        return [leaf for k in node.keys() for leaf in _leaves(node._get_node(k), f"{prefix}.{k}")]
+    return [prefix]
+
+
+@functools.lru_cache(maxsize=None)
+def mode_knobs(selector: ModeSelector, mode: str) -> tuple[str, ...]:
+    """The dotted leaf keys mode ``mode`` of ``selector`` owns (``ModeSelector``)."""
+    schema = OmegaConf.structured(RunConfig)
+    parent = selector.key.rsplit(".", 1)[0]
+    owned = []
+    block = OmegaConf.select(schema, f"{parent}.{mode}", default=None)
+    if isinstance(block, DictConfig):
+        owned += _leaves(block, f"{parent}.{mode}")
+    for knob, readers in selector.shared(selector.names()).items():
+        if mode in readers:
+            owned += _leaves(OmegaConf.select(schema, knob), knob)
+    return tuple(owned)
+
+
+def _get(obj: Any, key: str) -> Any:
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _validate_modes(cfg: RunConfig) -> None:
+    """A knob of a mode that is not selected is an error naming the knob, its mode and the selected one.
+
+    "Set" means: its value differs from the dataclass default. Whether a key was written in a file or an override
+    cannot tell a choice apart: every run folder's config.yaml and every tune trial's run.yaml list all knobs of all
+    modes at their resolved values, and must load again. A knob at its default does nothing under any mode, so an
+    unselected mode's knob left at (or written at) its default is accepted; any other value would be silently
+    ignored, which is what this check refuses. The same rule holds for a config built in python (``validate``).
+    """
+    default = RunConfig()
+    for sel in MODE_SELECTORS:
+        names = sel.names()
+        selected = _get(cfg, sel.key)
+        if selected not in names:  # _validate_registries names the bad value first
+            continue
+        read = set(mode_knobs(sel, selected))
+        owners: dict[str, list[str]] = {}
+        for mode in names:
+            for knob in mode_knobs(sel, mode):
+                owners.setdefault(knob, []).append(mode)
+        for knob, modes in owners.items():
+            if knob in read or _get(cfg, knob) == _get(default, knob):
+                continue
+            quoted = [f"'{m}'" for m in modes]
+            who = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+            fix = f"{sel.key}={modes[0]}" if len(modes) == 1 else f"{sel.key} to one of them"
+            raise ConfigError(f"config error at '{knob}': {knob} belongs to {sel.kind} {who}; the selected "
+                              f"{sel.kind} is '{selected}' ({sel.key}), which does not read it; drop the key or set "
+                              f"{fix}")
 
 
 def _validate_rollout_quantization(cfg: RunConfig, presets: dict, engine: EngineCapabilities) -> None:

@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import random
 import sys
 import time
@@ -49,30 +48,16 @@ from trainers.tasks import Example, score_completions
 log = logging.getLogger("dcmdp")
 
 
-@dataclass
-class Setup:
-    """Everything a run holds; built once by ``setup``."""
+@dataclass(slots=True)
+class RunState:
+    """What changes as the run goes: restored from a checkpoint on resume, saved in every checkpoint."""
 
-    cfg: RunConfig
-    # Tokenizer, task, model (pi_theta) and rollout engine (mu), from ``dcmdp.policy.build_policy``.
-    policy: Policy
-    # How the training engine scores a rollout (temperature, LM-head precision, MoE, this rank's rows).
-    scoring: learner.ScoringSpec
-    optimizer: torch.optim.Optimizer
-    scheduler: Optional[torch.optim.lr_scheduler.LRScheduler]
     dual: DualState
-    tracker: Tracker
-    names: list[str]
+    # One metrics dict per step so far.
     history: list[dict[str, float]] = field(default_factory=list)
     start_step: int = 0
     # Consecutive bad steps so far (every sample dropped or an update skipped; see guard.max_bad_steps).
     bad_steps: int = 0
-    # Rank and world size under torchrun (world 1: a single process).
-    dist: distributed.Dist = field(default_factory=distributed.Dist)
-    # Rollout worker thread (async_rollout.enabled); None samples in the loop.
-    worker: Optional[RolloutWorker] = None
-    # The exclusive lock on output_dir (rank 0), released when the run ends.
-    lock: Optional[RunFolderLock] = None
     # Held-out accuracy before the first RL step (kept in checkpoints, so a resumed run reports the same one).
     accuracy_before: Optional[float] = None
     # The held-out examples that fit the context by length in characters (``dcmdp.policy.held_out_examples``), once
@@ -80,8 +65,6 @@ class Setup:
     eval_examples: Optional[list[Example]] = None
     # Consecutive steps in which almost every group had zero reward variance (see ``_watch_signal``).
     no_signal_steps: int = 0
-    # Dynamic loss scaling of model.dtype=float16 training (None otherwise).
-    scaler: Optional[torch.amp.GradScaler] = None
     # (step, perf_counter) of the previous console line: its s/step is the mean since then.
     line_mark: tuple[int, float] = (0, 0.0)
 
@@ -101,6 +84,29 @@ class ConstraintSummary:
     slack_frac: float
     lambda_mean: float
     lambda_final: float
+
+
+@dataclass(slots=True)
+class Setup:
+    """What a run builds once (``setup``), and its mutable ``state``."""
+
+    cfg: RunConfig
+    # Tokenizer, task, model (pi_theta) and rollout engine (mu), from ``dcmdp.policy.build_policy``.
+    policy: Policy
+    # How the training engine scores a rollout (temperature, LM-head precision, MoE, this rank's rows).
+    scoring: learner.ScoringSpec
+    # Optimiser, LR schedule, fp16 loss scaler and gradient clip of the mini-batch updates.
+    optim: learner.OptimStep
+    tracker: Tracker
+    # The constraints' names (``constraints.penalties.constraint_names``).
+    names: list[str]
+    state: RunState
+    # Rank and world size under torchrun (world 1: a single process).
+    dist: distributed.Dist = field(default_factory=distributed.Dist)
+    # Rollout worker thread (async_rollout.enabled), started by ``_train``; None samples in the loop.
+    worker: Optional[RolloutWorker] = None
+    # The exclusive lock on output_dir (rank 0), released when the run ends.
+    lock: Optional[RunFolderLock] = None
 
 
 @dataclass
@@ -215,24 +221,24 @@ def train(cfg: RunConfig) -> Summary:
 
 def _train(s: Setup, t_start: float) -> Summary:
     cfg = s.cfg
-    if s.accuracy_before is None:
-        s.accuracy_before = evaluate(s, seed=cfg.seed)
-        s.tracker.log_metrics({"eval/accuracy": s.accuracy_before}, step=s.start_step)
-    acc_before = s.accuracy_before
+    if s.state.accuracy_before is None:
+        s.state.accuracy_before = evaluate(s, seed=cfg.seed)
+        s.tracker.log_metrics({"eval/accuracy": s.state.accuracy_before}, step=s.state.start_step)
+    acc_before = s.state.accuracy_before
     if s.dist.main:
         log.info("held-out accuracy before RL: %.1f%% (%s)", 100 * acc_before,
-                 "measured before the run was resumed" if s.eval_examples is None else
-                 f"{len(s.eval_examples)} eval prompts, sampled by the rollout engine")
-    s.line_mark = (s.start_step, time.perf_counter())
+                 "measured before the run was resumed" if s.state.eval_examples is None else
+                 f"{len(s.state.eval_examples)} eval prompts, sampled by the rollout engine")
+    s.state.line_mark = (s.state.start_step, time.perf_counter())
     s.worker = _rollout_worker(s)
-    steps = range(s.start_step, cfg.steps)
-    bar = tqdm(steps, desc="dcmdp train", disable=not show_bar(cfg), dynamic_ncols=True, initial=s.start_step,
+    steps = range(s.state.start_step, cfg.steps)
+    bar = tqdm(steps, desc="dcmdp train", disable=not show_bar(cfg), dynamic_ncols=True, initial=s.state.start_step,
                total=cfg.steps)
     with SignalCheckpointer() as stop, s.worker or contextlib.nullcontext():
         for step in bar:
             _train_step(s, step, bar)
             distributed.agree_stop(stop, s.dist)
-            if s.bad_steps >= cfg.guard.max_bad_steps:
+            if s.state.bad_steps >= cfg.guard.max_bad_steps:
                 _stop_bad_run(s, step + 1)
             if stop.requested or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):
                 checkpoint(s, step + 1)
@@ -240,7 +246,7 @@ def _train(s: Setup, t_start: float) -> Summary:
                 log.warning("%s received: checkpoint written at step %d, stopping", stop.signal_name, step + 1)
                 s.tracker.finish("KILLED")
                 raise SystemExit(128 + int(stop.signum))
-    if cfg.steps > s.start_step and not (cfg.checkpoint.every and cfg.steps % cfg.checkpoint.every == 0):
+    if cfg.steps > s.state.start_step and not (cfg.checkpoint.every and cfg.steps % cfg.checkpoint.every == 0):
         checkpoint(s, cfg.steps)
     acc_after = evaluate(s, seed=cfg.seed)
     s.tracker.log_metrics({"eval/accuracy": acc_after}, step=cfg.steps)
@@ -258,21 +264,9 @@ def _train_step(s: Setup, step: int, bar) -> None:
     t1 = time.perf_counter()
     rewards_B, reward_metrics = reward_phase(s.policy, examples, rollout)
     rollout, advantages_B, keep_B, guard_metrics = screen_phase(cfg.algo, rollout, rewards_B, fresh_B)
-    forward = None
-    bypass = cfg.algo.old_logp == "rollout"
-    if learner.fuses_old_pass(cfg.algo):
-        # one mini-batch: the update back-propagates the pi_old forward instead of running the model again
-        batch, forward = learner.score_on_policy(s.policy.model, rollout, advantages_B, cfg.algo, s.scoring)
-    elif bypass:
-        batch = learner.score_bypass(rollout, advantages_B, cfg.algo)  # no forward before the updates
-    else:
-        batch = learner.score_old(s.policy.model, rollout, advantages_B, cfg.algo, s.scoring)
-    batch, keep_B, forward, old_metrics = learner.screen_old(batch, keep_B, forward)
-    # the training engine's log-probs on the rollout weights, to measure against mu before the updates; a bypass
-    # with N > 1 has none and measures the log-probs of each token's update instead (pi_theta vs mu)
-    train_logp_BT = batch.old_logp_BT if not bypass or learner.fuses_old_pass(cfg.algo) else None
-    if bypass:
-        batch = learner.old_from_rollout(batch)
+    old = learner.old_pass(s.policy.model, rollout, advantages_B, keep_B, cfg.algo, s.scoring)
+    # train_logp_BT: pi_old vs mu before the updates; None (a bypass with N > 1) measures each token's update instead
+    batch, keep_B, train_logp_BT, old_metrics = old.batch, old.keep_B, old.train_logp_BT, old.metrics
     kept = bool(keep_B.any())
     t2 = time.perf_counter()
     # nothing left to measure: a NaN D-hat makes the dual step keep lambda and report the skip
@@ -281,11 +275,9 @@ def _train_step(s: Setup, step: int, bar) -> None:
                                 (torch.full((len(s.names),), float("nan"), dtype=torch.float64), {}))
     t3 = time.perf_counter()
     result = learner.update(
-        s.policy.model, s.optimizer, s.scheduler, batch, scoring=s.scoring, penalty=penalty_spec(s.dual, cfg.dual),
-        cfg=cfg.algo, grad_clip=cfg.optim.grad_clip,
-        generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 2)), forward=forward,
-        scaler=s.scaler) if kept else None
-    del forward
+        s.policy.model, s.optim, batch, scoring=s.scoring, penalty=penalty_spec(s.state.dual, cfg.dual), cfg=cfg.algo,
+        generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 2)), forward=old.forward) if kept else None
+    del old  # the fused forward's graph
     t4 = time.perf_counter()
     if result is not None and train_logp_BT is None:
         measured_C, disc_metrics = measure_phase(cfg.dual.constraints, batch, result.trained_logp_BT)
@@ -294,7 +286,7 @@ def _train_step(s: Setup, step: int, bar) -> None:
     floor_C = measured_C if _sampled_by_current_weights(s, rollout, step) else torch.full_like(measured_C, float("nan"))
     if result is not None and cfg.dual.measure_at == "updates":
         measured_C = constraint_values(cfg.dual.constraints, batch, result.trained_logp_BT)
-    s.dual, dual_metrics = dual_step(s.dual, measured_C, cfg.dual, floor_C=floor_C)
+    s.state.dual, dual_metrics = dual_step(s.state.dual, measured_C, cfg.dual, floor_C=floor_C)
     t5 = time.perf_counter()
     if s.worker is None:
         s.policy.engine.load_weights(s.policy.model.state_dict(), version=step + 1)
@@ -311,21 +303,20 @@ def _train_step(s: Setup, step: int, bar) -> None:
     if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
         metrics["eval/accuracy"] = evaluate(s, seed=cfg.seed)
     metrics = {k: float(v) for k, v in metrics.items()}
-    s.history.append(metrics)
-    if step == s.start_step and step > 0:
+    s.state.history.append(metrics)
+    if step == s.state.start_step and step > 0:
         # the engine got the trainer's weights at resume: a spike here would mean it did not
         log.info("first step after resume (step %d): %s", step + 1, ", ".join(
             f"{k}={v:.4g}" for k, v in metrics.items() if k.startswith("discrepancy/")))
     s.tracker.log_metrics(metrics, step=step + 1)
-    progress = os.environ.get("DCMDP_PROGRESS_FILE")  # dcmdp tune follows, and may prune, a trial through it
-    if progress and s.dist.main:
-        with open(progress, "a") as f:
+    if cfg.tracking.progress_file and s.dist.main:  # dcmdp tune follows, and may prune, a trial through it
+        with open(cfg.tracking.progress_file, "a") as f:
             f.write(json.dumps({"step": step + 1, "run_id": s.tracker.run_id, **metrics}) + "\n")
     bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.2f}",
-                    **{f"lam_{n}": f"{float(v):.3g}" for n, v in zip(s.names, s.dual.lambda_C)})
+                    **{f"lam_{n}": f"{float(v):.3g}" for n, v in zip(s.names, s.state.dual.lambda_C)})
     if bar.disable and s.dist.main and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
         log.info("%s", step_line(s, step + 1, metrics))
-        s.line_mark = (step + 1, time.perf_counter())
+        s.state.line_mark = (step + 1, time.perf_counter())
     _watch_signal(s, step + 1, metrics)
 
 
@@ -339,9 +330,9 @@ def step_line(s: Setup, step: int, metrics: dict[str, float]) -> str:
     """The console line of a step when no progress bar is shown: this step's reward, training accuracy (the sampled
     rollouts'), lambda and D-hat; the wall time per step since the previous line (evaluations included) and the ETA."""
     nan = float("nan")
-    lam = " ".join(f"{n}={float(v):.3g}" for n, v in zip(s.names, s.dual.lambda_C)) or "-"
+    lam = " ".join(f"{n}={float(v):.3g}" for n, v in zip(s.names, s.state.dual.lambda_C)) or "-"
     measured = " ".join(f"{n}={metrics.get(f'dual/measured/{n}', nan):.3g}" for n in s.names) or "-"
-    since, t_since = s.line_mark
+    since, t_since = s.state.line_mark
     per_step = (time.perf_counter() - t_since) / max(step - since, 1)
     eta = int(round(per_step * (s.cfg.steps - step)))
     return (f"step {step}/{s.cfg.steps}: reward {metrics.get('reward/mean', nan):.3f}, rollout accuracy "
@@ -359,8 +350,8 @@ def _watch_signal(s: Setup, step: int, metrics: dict[str, float]) -> None:
     """Warn when almost every group's rewards are all equal (``advantage/zero_groups_frac``) for many steps in a
     row: group advantages are then 0 and RL cannot learn, though nothing fails."""
     zero = metrics.get("advantage/zero_groups_frac")
-    s.no_signal_steps = s.no_signal_steps + 1 if zero is not None and zero >= NO_SIGNAL_FRAC else 0
-    if s.no_signal_steps == NO_SIGNAL_STEPS and s.dist.main:
+    s.state.no_signal_steps = s.state.no_signal_steps + 1 if zero is not None and zero >= NO_SIGNAL_FRAC else 0
+    if s.state.no_signal_steps == NO_SIGNAL_STEPS and s.dist.main:
         log.warning("RL has no signal: for %d steps in a row (up to step %d) at least %.0f%% of the groups gave the "
                     "same reward to every sample (advantage/zero_groups_frac), so their advantages are 0 and the "
                     "policy does not move (reward/accuracy %.1f%%); the task is too hard or too easy for the model: "
@@ -391,29 +382,30 @@ def _guard_step(s: Setup, step: int, metrics: dict[str, float], kept: bool) -> d
     """Count the step as bad (every sample dropped, or an update skipped), warn, and report guard/ metrics."""
     skipped = metrics.get("guard/skipped_updates", 0.0)
     bad = not kept or skipped > 0
-    s.bad_steps = s.bad_steps + 1 if bad else 0
+    s.state.bad_steps = s.state.bad_steps + 1 if bad else 0
     dropped = {k: v for k, v in metrics.items() if k.startswith("guard/bad_") and v > 0}
     if dropped or bad:
         what = ", ".join(f"{int(v)} for a non-finite {k.removeprefix('guard/bad_').removesuffix('_samples')}"
                          for k, v in dropped.items())
         log.warning("step %d: non-finite values (samples dropped: %s; updates skipped: %d)%s; %d consecutive bad "
                     "step(s)", step + 1, what or "none", int(skipped), "; every sample dropped" if not kept else "",
-                    s.bad_steps)
+                    s.state.bad_steps)
     return {"guard/dropped_samples": float(sum(dropped.values())), "guard/skipped_updates": float(skipped),
             "guard/skipped_step": float(not kept),
-            "guard/bad_step": float(bad), "guard/consecutive_bad_steps": float(s.bad_steps)}
+            "guard/bad_step": float(bad), "guard/consecutive_bad_steps": float(s.state.bad_steps)}
 
 
 def _stop_bad_run(s: Setup, step: int) -> None:
     """Checkpoint, mark the run failed and raise: too many consecutive bad steps."""
     path = checkpoint(s, step)
-    last = s.history[-1]
+    last = s.state.history[-1]
     what = ", ".join(f"{k}={v:g}" for k, v in last.items()
                      if k.startswith("guard/") and k != "guard/consecutive_bad_steps" and v)
     s.tracker.finish("FAILED")
     s.policy.engine.close()
     raise guards.TooManyBadStepsError(
-        f"{s.bad_steps} consecutive bad steps up to step {step} (guard.max_bad_steps={s.cfg.guard.max_bad_steps}): "
+        f"{s.state.bad_steps} consecutive bad steps up to step {step} "
+        f"(guard.max_bad_steps={s.cfg.guard.max_bad_steps}): "
         f"non-finite values in the rollout log-probs, rewards, advantages, pi_old log-probs, loss or gradient norm; "
         f"last step: {what}; checkpoint of step {step} written to {path}")
 
@@ -531,8 +523,10 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
         tracker.log_artifact(out / "config.yaml")
     scoring = learner.ScoringSpec(temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
                                   moe=policy.moe, shard=d.shard, micro_batch_tokens=cfg.algo.micro_batch_tokens)
-    return Setup(cfg, policy, scoring, optimizer, scheduler, dual, tracker, constraint_names(cfg.dual.constraints),
-                 history, start_step, bad_steps, dist=d, lock=lock, accuracy_before=accuracy_before, scaler=scaler)
+    optim = learner.OptimStep(optimizer, scheduler, scaler, cfg.optim.grad_clip)
+    run_state = RunState(dual, history, start_step, bad_steps, accuracy_before)
+    return Setup(cfg, policy, scoring, optim, tracker, constraint_names(cfg.dual.constraints), run_state, dist=d,
+                 lock=lock)
 
 
 def checkpoint(s: Setup, step: int) -> Path:
@@ -541,16 +535,16 @@ def checkpoint(s: Setup, step: int) -> Path:
     if s.worker is not None:
         # the engine then holds version ``step``, and the rollout schedule restarts there, as on resume
         s.worker.drain(s.policy.model.state_dict(), step)
-    payload = {"step": step, "model": s.policy.model.state_dict(), "optimizer": s.optimizer.state_dict(),
-               "scheduler": s.scheduler.state_dict() if s.scheduler is not None else None,
-               "dual": s.dual.state_dict(), "engine_version": s.policy.engine.version, "run_id": s.tracker.run_id,
-               "history": s.history, "rng": capture_rng(), "guard": {"consecutive_bad_steps": s.bad_steps},
-               "config": flatten(s.cfg), "accuracy_before": s.accuracy_before,
-               "scaler": s.scaler.state_dict() if s.scaler is not None else None}
+    payload = {"step": step, "model": s.policy.model.state_dict(), "optimizer": s.optim.optimizer.state_dict(),
+               "scheduler": s.optim.scheduler.state_dict() if s.optim.scheduler is not None else None,
+               "dual": s.state.dual.state_dict(), "engine_version": s.policy.engine.version, "run_id": s.tracker.run_id,
+               "history": s.state.history, "rng": capture_rng(), "guard": {"consecutive_bad_steps": s.state.bad_steps},
+               "config": flatten(s.cfg), "accuracy_before": s.state.accuracy_before,
+               "scaler": s.optim.scaler.state_dict() if s.optim.scaler is not None else None}
     ckpt_dir = Path(s.cfg.output_dir) / "checkpoints"
     if s.dist.world > 1:
         payload = {k: v for k, v in payload.items() if k not in ("model", "optimizer")}
-        return distributed.save_sharded_checkpoint(ckpt_dir, step, payload, s.policy.model, s.optimizer,
+        return distributed.save_sharded_checkpoint(ckpt_dir, step, payload, s.policy.model, s.optim.optimizer,
                                                    keep=s.cfg.checkpoint.keep, d=s.dist)
     return save_checkpoint(ckpt_dir, step, payload, keep=s.cfg.checkpoint.keep)
 
@@ -587,7 +581,7 @@ def _rollout_worker(s: Setup) -> Optional[RolloutWorker]:
     cfg = s.cfg.async_rollout
     if not cfg.enabled:
         return None
-    return RolloutWorker(s.policy.engine, lambda step: rollout_phase(s.policy, s.cfg, step), start=s.start_step,
+    return RolloutWorker(s.policy.engine, lambda step: rollout_phase(s.policy, s.cfg, step), start=s.state.start_step,
                          stop=s.cfg.steps, max_staleness=cfg.max_staleness, threads=cfg.threads,
                          state_dict=s.policy.model.state_dict())
 
@@ -636,25 +630,25 @@ def evaluate(s: Setup, seed: int) -> float:
 
 
 def _evaluate(s: Setup, seed: int) -> float:
-    if s.eval_examples is None:
-        s.eval_examples = held_out_examples(s.policy)
-    return held_out_accuracy(s.policy, s.eval_examples, s.cfg.rollout.max_new_tokens, seed)
+    if s.state.eval_examples is None:
+        s.state.eval_examples = held_out_examples(s.policy)
+    return held_out_accuracy(s.policy, s.state.eval_examples, s.cfg.rollout.max_new_tokens, seed)
 
 
 def finish(s: Setup, acc_before: float, acc_after: float, seconds: float) -> Summary:
     cfg, out = s.cfg, Path(s.cfg.output_dir)
-    if s.history and s.names and s.dist.main:
+    if s.state.history and s.names and s.dist.main:
         # history[i] is step i + 1, as in MLflow
-        plot_dual([{**h, "step": i + 1} for i, h in enumerate(s.history)], s.names, out / "dual.png")
+        plot_dual([{**h, "step": i + 1} for i, h in enumerate(s.state.history)], s.names, out / "dual.png")
         s.tracker.log_artifact(out / "dual.png")
     # steps with every sample dropped measured nothing and have no discrepancy/ keys
-    disc_keys = dict.fromkeys(k for h in s.history for k in h if k.startswith("discrepancy/"))
-    mean_disc = {k.split("/", 1)[1]: float(np.mean([h[k] for h in s.history if k in h])) for k in disc_keys}
-    constraints = constraint_summaries(s.history, s.names, cfg.dual.constraints)
+    disc_keys = dict.fromkeys(k for h in s.state.history for k in h if k.startswith("discrepancy/"))
+    mean_disc = {k.split("/", 1)[1]: float(np.mean([h[k] for h in s.state.history if k in h])) for k in disc_keys}
+    constraints = constraint_summaries(s.state.history, s.names, cfg.dual.constraints)
     warnings = end_of_run_warnings(constraints, cfg.dual.rule, acc_after, getattr(s.policy.task, "chance_accuracy", 0.0),
-                                   len(s.eval_examples or ()))
-    summary = Summary(acc_before, acc_after, {n: float(v) for n, v in zip(s.names, s.dual.lambda_C)}, mean_disc,
-                      cfg.steps, s.tracker.run_id, s.tracker.tracking_uri, str(out), seconds, s.start_step,
+                                   len(s.state.eval_examples or ()))
+    summary = Summary(acc_before, acc_after, {n: float(v) for n, v in zip(s.names, s.state.dual.lambda_C)}, mean_disc,
+                      cfg.steps, s.tracker.run_id, s.tracker.tracking_uri, str(out), seconds, s.state.start_step,
                       constraints, warnings)
     if s.dist.main:
         for w in warnings:

@@ -15,12 +15,31 @@ A tune file (YAML; defaults in the dataclasses below)::
 
 ``dual.constraints[0].tolerance`` is c, ``.lr`` η, ``.lambda_init`` λ_0; tables write ``c[i].`` for them.
 
+What Optuna does, and what this module adds. Optuna holds the study: the samplers (grid, TPE, GP), the storage
+several processes share, ask/tell, each trial's parameters, intermediate values, user attributes and constraint,
+the heartbeat that fails a silent trial, and the retry of a failed trial with its intermediate values. None of
+that is redone here. The supervisor adds what Optuna cannot do from inside one Python process:
+
+- a trial is a ``dcmdp train`` process (the command a user runs; a crash, an OOM kill or a stuck trial cannot take
+  the sweep down), so ``study.optimize`` cannot drive it: trials are claimed with ``ask``, their heartbeat recorded
+  by the supervisor, their per-step metrics read from the progress file the trial appends to;
+- pruning by the selection rule (``RulePruner``: a trial that can no longer be selected, collapsed or out of
+  tolerance, stops), where Optuna's pruners rank intermediate values; the trial is stopped by SIGTERM so it
+  writes its checkpoint and ends its MLflow run;
+- the selection rule itself (eligible: finished, not collapsed, D-hat <= c on most steps; then the best held-out
+  accuracy), which ``study.best_trial`` cannot express; eligibility goes to TPE and GP as an Optuna constraint;
+- the end of a grid shared by several processes: outside ``optimize`` Optuna's grid sampler neither stops nor
+  avoids points other processes are running, so ``claim`` ends the sweep once every point has a trial;
+- a lock file around study bookkeeping on sqlite (no row locks there; a server database locks rows itself);
+- MLflow: one parent run, the trials nested under it as child runs tagged with their Optuna state;
+- the outputs: the table that says why each trial was not selected, results.csv, tune.png and best.yaml.
+
 One Optuna study per tune file (name: the file's stem, or ``study``), maximising held-out accuracy. Any
 number of ``dcmdp tune`` processes, here or on other machines, may share it: each claims trials and none
 runs twice (sqlite: claims are serialised by a lock file next to the database; a server database locks
 rows itself). A trial is ``python -m dcmdp.cli train <trial>/run.yaml`` in ``<output_dir>/trials/t<number>``,
 a child MLflow run nested under one parent run whose id is a study attribute. It appends each step's
-metrics to ``progress.jsonl`` (environment variable ``DCMDP_PROGRESS_FILE``); the tune process reads it
+metrics to ``progress.jsonl`` (``tracking.progress_file`` of its run.yaml); the tune process reads it
 every ``POLL_S``, reports held-out accuracy (``eval/accuracy``, every ``eval_every`` steps) as the
 intermediate value and asks ``RulePruner``. A pruned trial gets SIGTERM, writes its checkpoint, ends its
 MLflow run KILLED and is tagged ``dcmdp.tune.state=PRUNED``.
@@ -76,7 +95,6 @@ log = logging.getLogger("dcmdp.tune")
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
 
-PROGRESS_ENV = "DCMDP_PROGRESS_FILE"  # read by dcmdp.loop: the file a trial appends its per-step metrics to
 SAMPLERS = ("grid", "tpe", "gp")
 POLL_S = 0.5  # how often the parent reads a running trial's progress
 HEARTBEAT_S, GRACE_S = 20, 120  # Optuna heartbeat of running trials; a trial silent for GRACE_S is failed
@@ -567,7 +585,8 @@ class _Sweep:
         settings = {k: trial.params[k] for k in self.dists}
         overrides = {"output_dir": str(d.resolve()), "tracking.uri": self.tracking_uri,
                      "tracking.run_name": f"{self.cfg.study}-{d.name}", "tracking.buffer_dir": None,
-                     "tracking.parent_run_id": self.parent_id, "progress": False,
+                     "tracking.parent_run_id": self.parent_id, "tracking.progress_file": str(d / "progress.jsonl"),
+                     "progress": False,
                      "checkpoint.resume": "auto"}  # a retried trial continues from its checkpoint, same child run
         try:
             run_cfg = apply_settings(self.base, {**overrides, **settings})
@@ -579,10 +598,9 @@ class _Sweep:
         trial.set_user_attr("process", f"{os.uname().nodename}:{os.getpid()}")
         self.started += 1
         log.info("trial %s (optuna #%d): %s", d.name, trial.number, _fmt_settings(settings))
-        env = {**os.environ, PROGRESS_ENV: str(d / "progress.jsonl")}
         with open(d / "train.log", "ab") as logf:
             proc = subprocess.Popen([sys.executable, "-m", "dcmdp.cli", "train", str(d / "run.yaml")], stdout=logf,
-                                    stderr=subprocess.STDOUT, env=env)
+                                    stderr=subprocess.STDOUT)
         self.procs.add(proc)
         reported, live, beat, pruned, interrupted = set(frozen.intermediate_values), {}, time.monotonic(), "", False
         try:

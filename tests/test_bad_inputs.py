@@ -171,8 +171,8 @@ def test_all_masked_responses_give_a_finite_zero_update():
     cfg = AlgoConfig(prompts_per_step=2, samples_per_prompt=2, minibatches=2)
     batch = learner.score_old(model, empty, torch.tensor([1.0, -1.0, 0.5, -0.5]), cfg, learner.ScoringSpec())
     before = [p.detach().clone() for p in model.parameters()]
-    result = learner.update(model, torch.optim.SGD(model.parameters(), lr=0.1), None, batch,
-                            scoring=learner.ScoringSpec(), penalty=learner.PenaltySpec(), cfg=cfg, grad_clip=1.0,
+    result = learner.update(model, learner.OptimStep(torch.optim.SGD(model.parameters(), lr=0.1), grad_clip=1.0), batch,
+                            scoring=learner.ScoringSpec(), penalty=learner.PenaltySpec(), cfg=cfg,
                             generator=torch.Generator())
     assert result.skipped == 0
     assert all(m["loss/total"] == 0.0 and m["optim/grad_norm"] == 0.0 for m in result.steps)

@@ -35,9 +35,10 @@ def _update(model, batch, cfg):
     calls = []
     hook = model.model.register_forward_hook(lambda *_: calls.append(1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    result = learner.update(model, opt, None, batch, scoring=learner.ScoringSpec(moe=routing.is_moe(model)),
+    result = learner.update(model, learner.OptimStep(opt, grad_clip=1.0), batch,
+                            scoring=learner.ScoringSpec(moe=routing.is_moe(model)),
                             penalty=learner.PenaltySpec(torch.tensor([0.5]), tuple(CONSTRAINTS)), cfg=cfg,
-                            grad_clip=1.0, generator=torch.Generator().manual_seed(0))
+                            generator=torch.Generator().manual_seed(0))
     hook.remove()
     return result, len(calls)
 

@@ -157,8 +157,8 @@ def test_loss_sub_configs_defaults_and_overrides():
     assert (cfg.algo.ppo_clip.low, cfg.algo.ppo_clip.high) == (0.2, 0.28)
     assert (cfg.algo.minirl.low, cfg.algo.minirl.high) == (0.2, 0.28)
     assert (cfg.algo.gspo.low, cfg.algo.gspo.high) == (3e-4, 4e-4)
-    cfg = load_config(None, ["algo.loss=gspo", "algo.gspo.high=5e-4", "algo.ppo_clip.low=0.1"])
-    assert (cfg.algo.gspo.low, cfg.algo.gspo.high) == (3e-4, 5e-4) and cfg.algo.ppo_clip.low == 0.1
+    cfg = load_config(None, ["algo.loss=gspo", "algo.gspo.high=5e-4"])
+    assert (cfg.algo.gspo.low, cfg.algo.gspo.high) == (3e-4, 5e-4) and cfg.algo.ppo_clip.low == 0.2
 
 
 @pytest.mark.parametrize("override, needle", [
@@ -182,9 +182,10 @@ def test_bad_is_settings_name_the_key(override, needle):
 
 
 def test_inf_means_no_bound_in_the_is_sub_configs():
-    cfg = load_config(None, ["algo.tis.cap=inf", "algo.icepop.high=inf", "algo.seq_mask.geo.high=inf",
+    cfg = load_config(None, ["algo.tis.cap=inf", "algo.seq_mask.mode=geo", "algo.seq_mask.geo.high=inf",
                              "algo.reject.measure=kl_k3", "algo.reject.bound=inf"])
-    assert cfg.algo.tis.cap == cfg.algo.icepop.high == cfg.algo.seq_mask.geo.high == float("inf")
+    assert cfg.algo.tis.cap == cfg.algo.seq_mask.geo.high == cfg.algo.reject.bound == float("inf")
+    assert load_config(None, ["algo.is_mode=icepop", "algo.icepop.high=inf"]).algo.icepop.high == float("inf")
     with pytest.raises(ConfigError, match=r"'algo.icepop.low': must be a finite number"):
         load_config(None, ["algo.icepop.low=inf"])
 
@@ -270,3 +271,113 @@ def test_threads_default_is_auto_and_a_yaml_int_stays_an_int(tmp_path):
     assert load_config(None, []).threads == "auto" and load_config(CONFIGS / "default.yaml").threads == 1
     (tmp_path / "c.yaml").write_text("threads: 2\n")
     assert load_config(tmp_path / "c.yaml").threads == 2
+
+
+def _other_value(value):
+    """A valid value != ``value`` for a mode's knob (clip ranges and band ends stay on their side of 1)."""
+    if value is None:
+        return 0.5
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    return value + 1.0 if value >= 1 else (0.1 if value == 0 else value * 0.9)
+
+
+def _knob_overrides(knob):
+    """Overrides that give ``knob`` a non-default value; the coupling's A and b only ever come together."""
+    if knob in ("dual.coupling.A", "dual.coupling.b"):
+        return ["dual.coupling.A=[[1.0]]", "dual.coupling.b=[1.0]"]
+    default = load_config(None, [])
+    value = default
+    for part in knob.split("."):
+        value = getattr(value, part)
+    return [f"{knob}={_other_value(value)}"]
+
+
+def _foreign_cases():
+    from dcmdp.config import MODE_SELECTORS, mode_knobs
+
+    for sel in MODE_SELECTORS:
+        names = sel.names()
+        owners = {}
+        for mode in names:
+            for knob in mode_knobs(sel, mode):
+                owners.setdefault(knob, mode)
+        for knob, owner in owners.items():
+            for selected in names:
+                if knob not in mode_knobs(sel, selected):
+                    yield pytest.param(sel, owner, knob, selected, id=f"{sel.key}={selected}:{knob}")
+
+
+def test_mode_selectors_name_their_registries():
+    """The selectors' names are the registries' own, so a new mode is covered without touching them."""
+    from constraints.measures import MEASURES
+    from constraints.penalties import PENALTIES
+    from dcmdp.config import MODE_SELECTORS
+    from dcmdp.dual import DUAL_RULES
+    from trainers.advantages import ADVANTAGES
+    from trainers.config import SEQ_MASK_MODES
+    from trainers.losses import IS_MODES, POLICY_LOSSES
+
+    registry = {s.key: set(s.names()) for s in MODE_SELECTORS}
+    assert registry == {"algo.loss": set(POLICY_LOSSES), "algo.is_mode": set(IS_MODES),
+                        "algo.seq_mask.mode": set(SEQ_MASK_MODES), "algo.advantage": set(ADVANTAGES),
+                        "algo.reject.measure": {"none"} | {n for n, m in MEASURES.items() if m.kind == "token"},
+                        "dual.rule": set(DUAL_RULES), "dual.penalty": set(PENALTIES)}
+
+
+@pytest.mark.parametrize("sel, owner, knob, selected", list(_foreign_cases()))
+def test_a_knob_of_an_unselected_mode_is_an_error(sel, owner, knob, selected):
+    """Every knob of every mode, set while another mode is selected, names the knob, its mode and the selected one;
+    set with its own mode selected, it loads."""
+    overrides = _knob_overrides(knob)
+    needs = ["algo.reject.bound=0.5"] if sel.key == "algo.reject.measure" and selected != "none" else []
+    named = "dual.coupling.[Ab]" if knob.startswith("dual.coupling.") else knob  # A and b are set together
+    with pytest.raises(ConfigError, match=rf"'{named}'.*belongs to {sel.kind} .*'{owner}'.*the selected {sel.kind} "
+                                          rf"is '{selected}'"):
+        load_config(None, [f"{sel.key}={selected}", *needs, *overrides])
+    needs = ["algo.reject.bound=0.5"] if sel.key == "algo.reject.measure" else []
+    cfg = load_config(None, [f"{sel.key}={owner}", *needs, *overrides])
+    assert cfg is not None
+
+
+def test_foreign_knobs_of_every_mode_are_collected():
+    """The collection above is not empty where a registry has modes with knobs (guards a silently empty test)."""
+    keys = {p.values[0].key for p in _foreign_cases()}
+    assert {"algo.loss", "algo.is_mode", "algo.seq_mask.mode", "algo.reject.measure", "dual.rule"} <= keys
+
+
+def test_a_knob_at_its_default_under_another_mode_loads(tmp_path):
+    """A resolved config (a run folder's config.yaml, a tune trial's run.yaml) lists every mode's knobs at their
+    values; those of unselected modes sit at their defaults, and it loads again."""
+    from dcmdp.config import to_yaml
+
+    cfg = load_config(CONFIGS / "qwen3-8b.yaml", ["algo.is_mode=icepop", "algo.icepop.low=0.4", "dual.rule=pid",
+                                                  "dual.pid.kp=0.2", "algo.loss=minirl"])
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+    again = load_config(tmp_path / "config.yaml")
+    assert again == cfg
+    # written at its default while another mode is selected: a no-op, accepted
+    assert load_config(None, ["algo.is_mode=none", "algo.tis.cap=5.0"]).algo.is_mode == "none"
+
+
+def test_a_recipe_knob_under_a_mode_switched_later_is_an_error(tmp_path):
+    """The file chose tis with its cap; an override that selects another IS mode leaves that cap unread: refused."""
+    p = tmp_path / "c.yaml"
+    p.write_text("algo:\n  is_mode: tis\n  tis:\n    cap: 3.0\n")
+    with pytest.raises(ConfigError, match=r"algo.tis.cap belongs to is_mode 'tis'; the selected is_mode is 'none'"):
+        load_config(p, ["algo.is_mode=none"])
+
+
+def test_train_with_a_stray_knob_exits_2(tmp_path):
+    import subprocess
+    import sys
+
+    root = CONFIGS.parent
+    proc = subprocess.run([sys.executable, "-m", "dcmdp.cli", "train", str(CONFIGS / "tiny-dense.yaml"),
+                           f"output_dir={tmp_path / 'run'}", "algo.is_mode=none", "algo.tis.cap=3"],
+                          cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "algo.tis.cap belongs to is_mode 'tis'; the selected is_mode is 'none'" in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -51,8 +51,8 @@ def _scored_batch(cfg: AlgoConfig, seed: int = 0):
 
 def _update(model, batch, cfg: AlgoConfig, penalty: learner.PenaltySpec = learner.PenaltySpec()):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    return learner.update(model, opt, None, batch, scoring=learner.ScoringSpec(), penalty=penalty, cfg=cfg,
-                          grad_clip=0.0, generator=torch.Generator().manual_seed(0))
+    return learner.update(model, learner.OptimStep(opt), batch, scoring=learner.ScoringSpec(), penalty=penalty, cfg=cfg,
+                          generator=torch.Generator().manual_seed(0))
 
 
 # ---------------------------------------------------------------------------------------------- measure

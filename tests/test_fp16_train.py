@@ -54,8 +54,9 @@ def test_float16_training_keeps_float32_weights_and_computes_in_float16():
 def _update(model, batch, cfg, scaler):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     penalty = learner.PenaltySpec(torch.tensor([0.5]), (ConstraintConfig(measure="abs_prob_diff", tolerance=1e-6),))
-    return learner.update(model, opt, None, batch, scoring=learner.ScoringSpec(moe=True), penalty=penalty, cfg=cfg,
-                          grad_clip=1.0, generator=torch.Generator().manual_seed(0), scaler=scaler)
+    return learner.update(model, learner.OptimStep(opt, scaler=scaler, grad_clip=1.0), batch,
+                          scoring=learner.ScoringSpec(moe=True), penalty=penalty, cfg=cfg,
+                          generator=torch.Generator().manual_seed(0))
 
 
 def test_an_overflow_is_skipped_by_the_scaler_and_the_scale_backs_off():
@@ -92,8 +93,8 @@ def test_scaled_steps_match_unscaled_float32_gradients_direction():
                 grads[id(m)] = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]).clone()
 
         opt.register_step_pre_hook(keep_first)
-        learner.update(m, opt, None, batch, scoring=learner.ScoringSpec(moe=True), penalty=learner.PenaltySpec(),
-                       cfg=cfg, grad_clip=0.0, generator=torch.Generator().manual_seed(0), scaler=scaler)
+        learner.update(m, learner.OptimStep(opt, scaler=scaler), batch, scoring=learner.ScoringSpec(moe=True),
+                       penalty=learner.PenaltySpec(), cfg=cfg, generator=torch.Generator().manual_seed(0))
 
     ref = copy.deepcopy(model)
     ref.dcmdp_compute_dtype = None

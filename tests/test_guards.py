@@ -119,8 +119,8 @@ def _tiny_batch(seed: int = 0):
 
 def _update(model, batch, cfg):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    return learner.update(model, opt, None, batch, scoring=learner.ScoringSpec(), penalty=learner.PenaltySpec(),
-                          cfg=cfg, grad_clip=0.0, generator=torch.Generator().manual_seed(0))
+    return learner.update(model, learner.OptimStep(opt), batch, scoring=learner.ScoringSpec(),
+                          penalty=learner.PenaltySpec(), cfg=cfg, generator=torch.Generator().manual_seed(0))
 
 
 def test_dropped_row_changes_the_update_exactly_like_removing_it():

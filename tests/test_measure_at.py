@@ -46,8 +46,9 @@ def test_trained_logp_is_the_policy_each_minibatch_update_saw(minibatches):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     before_step: list[torch.Tensor] = []  # float64 log-probs of every row, at each optimiser step's weights
     opt.register_step_pre_hook(lambda *_: before_step.append(_logp64(model, batch.rollout)))
-    trained_BT = learner.update(model, opt, None, batch, scoring=learner.ScoringSpec(), penalty=learner.PenaltySpec(),
-                                cfg=cfg, grad_clip=0.0, generator=torch.Generator().manual_seed(0)).trained_logp_BT
+    trained_BT = learner.update(model, learner.OptimStep(opt), batch, scoring=learner.ScoringSpec(),
+                                penalty=learner.PenaltySpec(), cfg=cfg,
+                                generator=torch.Generator().manual_seed(0)).trained_logp_BT
     mask_BT = batch.rollout.response_mask_BT.bool()
     parts = learner.minibatch_indices(len(batch.rollout), minibatches, torch.Generator().manual_seed(0))
     assert len(before_step) == minibatches

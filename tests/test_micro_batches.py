@@ -61,9 +61,9 @@ def _step(model, rollout, cfg, adv_B, budget: int):
     grads = []
     opt.register_step_pre_hook(lambda o, *_: grads.append(
         {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}))
-    result = learner.update(model, opt, None, batch, scoring=scoring,
+    result = learner.update(model, learner.OptimStep(opt, grad_clip=1.0), batch, scoring=scoring,
                             penalty=learner.PenaltySpec(torch.tensor([0.5]), CONSTRAINTS), cfg=cfg,
-                            grad_clip=1.0, generator=torch.Generator().manual_seed(0), forward=forward)
+                            generator=torch.Generator().manual_seed(0), forward=forward)
     hook.remove()
     return batch, result, grads, len(calls)
 

@@ -49,9 +49,9 @@ def _step(model, rollout, cfg, adv_B, *, fused: bool):
     grads = {}
     opt.register_step_pre_hook(lambda o, *_: grads.update(
         {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}))
-    result = learner.update(model, opt, None, batch, scoring=scoring,
+    result = learner.update(model, learner.OptimStep(opt, grad_clip=1.0), batch, scoring=scoring,
                             penalty=learner.PenaltySpec(torch.tensor([0.5]), tuple(CONSTRAINTS)), cfg=cfg,
-                            grad_clip=1.0, generator=torch.Generator().manual_seed(0), forward=forward)
+                            generator=torch.Generator().manual_seed(0), forward=forward)
     hook.remove()
     return batch, result, grads, len(calls)
 
@@ -98,8 +98,8 @@ def test_a_fused_forward_needs_one_minibatch():
         learner.score_on_policy(model, rollout, adv_B, two, learner.ScoringSpec())
     batch, forward = learner.score_on_policy(model, rollout, adv_B, cfg, learner.ScoringSpec())
     with pytest.raises(ValueError, match="minibatches = 1"):
-        learner.update(model, torch.optim.SGD(model.parameters(), lr=0.1), None, batch,
-                       scoring=learner.ScoringSpec(), penalty=learner.PenaltySpec(), cfg=two, grad_clip=0.0,
+        learner.update(model, learner.OptimStep(torch.optim.SGD(model.parameters(), lr=0.1)), batch,
+                       scoring=learner.ScoringSpec(), penalty=learner.PenaltySpec(), cfg=two,
                        generator=torch.Generator().manual_seed(0), forward=forward)
 
 

@@ -65,8 +65,8 @@ def _update(model, batch, cfg, lr: float = 1e-2) -> tuple[list[dict], list[dict[
                       if p.grad is not None})
 
     opt.register_step_pre_hook(record)
-    result = learner.update(model, opt, None, batch, scoring=SCORING, penalty=learner.PenaltySpec(), cfg=cfg,
-                            grad_clip=0.0, generator=torch.Generator().manual_seed(0))
+    result = learner.update(model, learner.OptimStep(opt), batch, scoring=SCORING, penalty=learner.PenaltySpec(),
+                            cfg=cfg, generator=torch.Generator().manual_seed(0))
     return result.steps, grads
 
 

@@ -99,6 +99,19 @@ class PenaltySpec:
 
 
 @dataclass
+class OptimStep:
+    """What turns a mini-batch loss into a weight update; the four always travel together."""
+
+    optimizer: torch.optim.Optimizer
+    # LR schedule, stepped once per mini-batch update (None: constant lr).
+    scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None
+    # Dynamic loss scaling of model.dtype=float16 training (None otherwise).
+    scaler: Optional[torch.amp.GradScaler] = None
+    # Global gradient-norm clip (optim.grad_clip; 0: no clip, the norm is still logged).
+    grad_clip: float = 0.0
+
+
+@dataclass
 class UpdateResult:
     """What ``update`` did to one scored rollout batch."""
 
@@ -369,6 +382,45 @@ def screen_old(batch: ScoredBatch, keep_B: Tensor, forward: Optional[OnPolicyFor
     return drop_rows(batch, keep_B), keep_B, forward, metrics
 
 
+@dataclass
+class OldPass:
+    """log pi_old of one rollout batch, taken where ``algo.old_logp`` says (``old_pass``)."""
+
+    # The screened batch; its old_logp_BT is the pi_old the updates' clip and IS weight use.
+    batch: ScoredBatch
+    # (B,) samples kept after the pi_old screen.
+    keep_B: Tensor
+    # The graph-carrying forward the single update back-propagates (N = 1), or None.
+    forward: Optional[OnPolicyForward]
+    # (B, T) the training engine's log-probs at the rollout weights, to measure against mu before the updates; None
+    # when no forward ran (a bypass with N > 1: the discrepancy is then measured on each token's update).
+    train_logp_BT: Optional[Tensor]
+    # The screen's guard/ metrics.
+    metrics: dict[str, float]
+
+
+def old_pass(model, rollout: Rollout, advantages_B: Tensor, keep_B: Tensor, cfg: AlgoConfig, spec: ScoringSpec
+             ) -> OldPass:
+    """log pi_old for the updates: recomputed by the training engine (``algo.old_logp: recompute``), or log mu
+    itself (``rollout``, the bypass: no forward before the updates unless N = 1 fuses it with the update's).
+
+    With one mini-batch (``fuses_old_pass``) the pi_old forward keeps its graph and is the update's forward. Samples
+    with non-finite pi_old log-probs are dropped (``screen_old``)."""
+    bypass = cfg.old_logp == "rollout"
+    forward = None
+    if fuses_old_pass(cfg):
+        batch, forward = score_on_policy(model, rollout, advantages_B, cfg, spec)
+    elif bypass:
+        batch = score_bypass(rollout, advantages_B, cfg)
+    else:
+        batch = score_old(model, rollout, advantages_B, cfg, spec)
+    batch, keep_B, forward, metrics = screen_old(batch, keep_B, forward)
+    train_logp_BT = batch.old_logp_BT if not bypass or fuses_old_pass(cfg) else None
+    if bypass:
+        batch = old_from_rollout(batch)
+    return OldPass(batch, keep_B, forward, train_logp_BT, metrics)
+
+
 def minibatch_indices(batch_size: int, num_minibatches: int, generator: torch.Generator) -> list[Tensor]:
     """A seeded permutation of the rows split into ``num_minibatches`` equal parts."""
     perm = torch.randperm(batch_size, generator=generator)
@@ -428,12 +480,11 @@ def _global_norm(grad_norm: Tensor) -> Tensor:
     return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
 
 
-def update(model, optimizer, scheduler, batch: ScoredBatch, *, scoring: ScoringSpec, penalty: PenaltySpec,
-           cfg: AlgoConfig, grad_clip: float, generator: torch.Generator, forward: Optional[OnPolicyForward] = None,
-           scaler: Optional[torch.amp.GradScaler] = None) -> UpdateResult:
+def update(model, optim: OptimStep, batch: ScoredBatch, *, scoring: ScoringSpec, penalty: PenaltySpec,
+           cfg: AlgoConfig, generator: torch.Generator, forward: Optional[OnPolicyForward] = None) -> UpdateResult:
     """N mini-batch optimiser steps on one scored rollout batch.
 
-    ``scaler`` (``model.dtype=float16``): dynamic loss scaling. The loss is scaled before the backward and the
+    ``optim.scaler`` (``model.dtype=float16``): dynamic loss scaling. The loss is scaled before the backward and the
     gradients unscaled before the clip; an overflow (non-finite gradients at a finite loss) is the scaler's
     business, not a bad update: that step is skipped, the scale halves ('optim/loss_scale',
     'optim/scale_overflow') and the guard does not count it.
@@ -453,6 +504,7 @@ def update(model, optimizer, scheduler, batch: ScoredBatch, *, scoring: ScoringS
     """
     rollout = batch.rollout
     shard = scoring.shard
+    optimizer, scheduler, scaler, grad_clip = optim.optimizer, optim.scheduler, optim.scaler, optim.grad_clip
     mask_BT = rollout.response_mask_BT.bool()
     weights, is_metrics = _batch_weights(batch, cfg)
     trained_logp_BT = batch.old_logp_BT.clone()
