@@ -139,8 +139,9 @@ def _rollout(model, precision: str):
 def _update(model, rollout, cfg, opt):
     scoring = learner.ScoringSpec(moe=routing.is_moe(model))
     batch = learner.score_old(model, rollout, torch.linspace(-1.0, 1.0, len(rollout)), cfg, scoring)
-    return learner.update(model, opt, None, batch, scoring=scoring, penalty=learner.PenaltySpec(torch.zeros(0), ()),
-                          cfg=cfg, grad_clip=1.0, generator=torch.Generator().manual_seed(0))
+    return learner.update(model, learner.OptimStep(opt, grad_clip=1.0), batch, scoring=scoring,
+                          penalty=learner.PenaltySpec(torch.zeros(0), ()), cfg=cfg,
+                          generator=torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("mode,ess", [("m2po", False), ("tis", True), ("m2po", True)])

@@ -98,8 +98,8 @@ def test_the_step_line_gives_the_mean_time_per_step_since_the_previous_line():
 
     from dcmdp.loop import step_line
 
-    s = SimpleNamespace(names=["abs_prob_diff"], dual=SimpleNamespace(lambda_C=torch.tensor([0.5])),
-                        cfg=SimpleNamespace(steps=30), line_mark=(10, time.perf_counter() - 56.0))
+    state = SimpleNamespace(dual=SimpleNamespace(lambda_C=torch.tensor([0.5])), line_mark=(10, time.perf_counter() - 56.0))
+    s = SimpleNamespace(names=["abs_prob_diff"], cfg=SimpleNamespace(steps=30), state=state)
     line = step_line(s, 20, {"time/step": 0.91, "reward/mean": 0.5, "reward/accuracy": 0.25,
                              "dual/measured/abs_prob_diff": 0.002})
     assert re.search(r", 5\.6\d s/step \(mean of steps 11-20\), ETA 0m5[6-7]s$", line), line
