@@ -129,6 +129,20 @@ def test_bad_arguments_name_the_problem():
         ModelConfig(lm_head_kernel="chunked", fp32_lm_head=False).check()
 
 
+def _graph_has(fn, name: str) -> bool:
+    """Whether the autograd graph behind ``fn`` holds a node called ``name``."""
+    seen, todo = set(), [fn]
+    while todo:
+        f = todo.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        if type(f).__name__ == name:
+            return True
+        todo.extend(g for g, _ in f.next_functions)
+    return False
+
+
 def _padded_batch():
     P, T = 5, 4
     ids = torch.tensor([[0, 10, 11, 12, 13, 40, 41, 42, 1], [0, 0, 0, 20, 21, 50, 1, 0, 0]])
@@ -152,3 +166,51 @@ def test_scorer_with_masked_tokens_matches_the_logits_path_values_and_grads(kern
     torch.testing.assert_close(out["fused"][1][valid], out["logits"][1][valid], atol=tol, rtol=0)
     for n, g in out["logits"][2].items():
         torch.testing.assert_close(out["fused"][2][n], g, atol=tol * float(g.abs().max()), rtol=0, msg=n)
+
+
+@pytest.mark.parametrize("kernel", ["chunked", "bf16x3"])
+def test_learner_update_with_the_fused_head_takes_the_logits_step(kernel):
+    """One learner update (micro-batches, MoE, a biased head, penalty, entropy bonus) with ScoringSpec.lm_head_kernel
+    against the float32-logits head: the same pi_old, metrics and gradients to float32 rounding."""
+    from constraints.config import ConstraintConfig
+    from trainers import learner
+    from trainers.config import AlgoConfig, RolloutConfig
+    from trainers.engines.torch_engine import TorchEngine
+
+    V, EOS = 101, 1
+    model = build_model(ModelConfig(preset="tiny-moe"), V, seed=0)
+    with torch.no_grad():
+        head = torch.nn.Linear(model.lm_head.in_features, V, bias=True)
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.zero_()
+        head.bias[EOS] = 2.6
+        model.lm_head = head
+    prompts = [[5 + (7 * i + j) % 90 for j in range(3 + i % 5)] for i in range(8)]
+    rollout = TorchEngine(RolloutConfig(precision="bf16", max_new_tokens=10), model, eos_id=EOS,
+                          pad_id=0).generate(prompts, seed=0)
+    cfg = AlgoConfig(minibatches=1, is_mode="tis", samples_per_prompt=2, prompts_per_step=4, entropy_coef=0.01)
+    adv_B = torch.linspace(-1.0, 1.0, len(rollout))
+    out = {}
+    for k in ("logits", kernel):
+        m = copy.deepcopy(model)
+        spec = learner.ScoringSpec(moe=True, micro_batch_tokens=32, lm_head_kernel=k)
+        batch, forward = learner.score_on_policy(m, rollout, adv_B, cfg, spec)
+        assert _graph_has(forward.logp_BT.grad_fn, "_FusedHeadLogprobsBackward") == (k != "logits")
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        grads = []
+        opt.register_step_pre_hook(lambda o, *_: grads.append({n: p.grad.clone() for n, p in m.named_parameters()
+                                                              if p.grad is not None}))
+        result = learner.update(m, opt, None, batch, scoring=spec, cfg=cfg, grad_clip=1.0, forward=forward,
+                                penalty=learner.PenaltySpec(torch.tensor([0.5]), (ConstraintConfig(tolerance=1e-6),)),
+                                generator=torch.Generator().manual_seed(0))
+        out[k] = (batch, result.metrics(), grads[0])
+    (batch, metrics, grads), (ref_batch, ref_metrics, ref_grads) = out[kernel], out["logits"]
+    mask_BT = rollout.response_mask_BT.bool()
+    tol = 1e-5 if kernel == "chunked" else 1e-4
+    torch.testing.assert_close(batch.old_logp_BT[mask_BT], ref_batch.old_logp_BT[mask_BT], atol=tol, rtol=0)
+    for key, ref in ref_metrics.items():
+        assert metrics[key] == pytest.approx(ref, rel=10 * tol, abs=tol), key
+    assert grads.keys() == ref_grads.keys() and "lm_head.bias" in grads
+    for name, g in grads.items():
+        scale = float(ref_grads[name].abs().max())
+        assert (g - ref_grads[name]).abs().max() <= 10 * tol * scale + 1e-7, name
