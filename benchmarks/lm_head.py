@@ -185,9 +185,9 @@ def memory_table(rows: list[dict]) -> list[str]:
     if not rows:
         return []
     r0 = rows[0]
-    lines = ["", f"Peak memory of forward + backward at N {r0['N']} tokens, hidden {r0['H']}, float32 operands: one (N, V) "
-                 f"float32 tensor is {r0['nv_fp32_mib']:.0f} MiB, the float32 weight gradient {r0['vh_fp32_mib']:.0f} "
-                 "MiB.", "",
+    lines = ["", f"Peak memory of forward + backward at N {r0['N']} tokens, hidden {r0['H']}, float32 operands: one "
+                 f"(N, V) float32 tensor is {r0['nv_fp32_mib']:.0f} MiB, the float32 weight gradient "
+                 f"{r0['vh_fp32_mib']:.0f} MiB.", "",
              "| head | peak MiB | peak / (N, V) float32 tensor |", "|---|---:|---:|"]
     lines += [f"| {r['head']} | {r['peak_mib']:.0f} | {r['peak_mib'] / r['nv_fp32_mib']:.2f} |" for r in rows]
     return lines

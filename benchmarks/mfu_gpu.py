@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"bf16 weights; median of {args.steps} steps after {args.warmup}, the LM head settings in a rotating order",
             "- FLOPs per step F = 6 B (S N_body + (S - 1) N_head) + 12 L H Q B S^2 (PaLM App. B, causal masking not "
             f"discounted; the LM head runs at the S - 1 scored positions); peak = best {args.peak_n}^3 bf16 matmul "
-            "on this card", ""]
+            "on this card; max GiB: torch.cuda.max_memory_allocated over that head's steps", ""]
         out.write_text("\n".join(header + lines) + "\n")
         out.with_suffix(".json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=2))
     print()

@@ -50,14 +50,16 @@ _CUDA_OUT_DTYPE_MM: dict[str, bool] = {}
 
 def _mm_f32(a: Tensor, b_t: Tensor) -> Tensor:
     """float32 ``a @ b_t.T`` of two bfloat16 (or float32) operands: every bfloat16 product is exact, the sum float32."""
-    if a.dtype == torch.bfloat16 and b_t.dtype == torch.bfloat16 and a.is_cuda:
-        if _CUDA_OUT_DTYPE_MM.get("ok", True):
+    if a.dtype == torch.bfloat16 and b_t.dtype == torch.bfloat16 and a.is_cuda and _CUDA_OUT_DTYPE_MM.get("ok", True):
+        # a layout the kernel refuses gets contiguous operands before the float32 fallback is taken for good
+        for x, y in ((a, b_t), (a.contiguous(), b_t.contiguous())):
             try:
-                out = torch.mm(a, b_t.t(), out_dtype=torch.float32)
+                out = torch.mm(x, y.t(), out_dtype=torch.float32)
                 _CUDA_OUT_DTYPE_MM["ok"] = True
                 return out
             except (RuntimeError, TypeError):
-                _CUDA_OUT_DTYPE_MM["ok"] = False
+                pass
+        _CUDA_OUT_DTYPE_MM["ok"] = False
     return a.float() @ b_t.float().t()
 
 
@@ -166,9 +168,9 @@ class _FusedHeadLogprobs(torch.autograd.Function):
                         dz_RC = p_RC.mul_(-g_R[:, None])
                     del z_RC
                     C = dz_RC.shape[1]
+                    # + g at each row's target column if it lies in this tile (a masked scatter: no host sync)
                     inside_R = (y_R >= v0) & (y_R < v0 + C)
-                    rows_R = torch.nonzero(inside_R).squeeze(1)
-                    dz_RC[rows_R, y_R[rows_R] - v0] += g_R[rows_R]
+                    dz_RC.scatter_add_(1, (y_R - v0).clamp(0, C - 1)[:, None], torch.where(inside_R, g_R, 0.0)[:, None])
                     if temperature != 1.0:
                         dz_RC /= temperature
                     if need_h:

@@ -77,7 +77,7 @@ def _fused_head_logprobs(head: torch.nn.Module, hidden_BTH: Tensor, response_BT:
 
 def fused_lm_head_logprobs(model: torch.nn.Module, hidden_BTH: Tensor, response_BT: Tensor, *, temperature: float,
                            kernel: str, with_entropy: bool) -> tuple[Tensor, Optional[Tensor]]:
-    """(B, T) float32 log pi(y_t) and entropy of the tempered LM head without (B, T, V) logits (``trainers.lm_head``)."""
+    """(B, T) float32 log pi(y_t) and entropy of the tempered head, without (B, T, V) logits (``trainers.lm_head``)."""
     head = model.get_output_embeddings()
     fn = getattr(head, FSDP_HEAD_METHOD, None) or functools.partial(_fused_head_logprobs, head)
     return fn(hidden_BTH, response_BT, temperature=temperature, kernel=kernel, with_entropy=with_entropy)
