@@ -62,14 +62,16 @@ class _Model(torch.nn.Module):
 
 
 def make_batch(N: int, H: int, V: int, logit_std: float, seed: int, device: torch.device) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    h = torch.randn(N, H, generator=gen, dtype=torch.float64)
-    w = torch.randn(V, H, generator=gen, dtype=torch.float64) * logit_std / H**0.5
+    # drawn on the device itself: the float64 softmax of a GPU-sized batch would take minutes on the host
+    gen = torch.Generator(device=device).manual_seed(seed)
+    f64 = dict(generator=gen, dtype=torch.float64, device=device)
+    h = torch.randn(N, H, **f64)
+    w = torch.randn(V, H, **f64) * logit_std / H**0.5
     with torch.no_grad():
         y = torch.multinomial(torch.softmax(h @ w.T, dim=-1), 1, generator=gen).squeeze(1)
-    g = torch.randn(N, generator=gen, dtype=torch.float64) / N
-    e = torch.randn(N, generator=gen, dtype=torch.float64) / N
-    return {k: v.to(device) for k, v in dict(h=h, w=w, y=y, g=g, e=e).items()}
+    g = torch.randn(N, **f64) / N
+    e = torch.randn(N, **f64) / N
+    return dict(h=h, w=w, y=y, g=g, e=e)
 
 
 def run_head(name: str, h_NH: torch.Tensor, w_VH: torch.Tensor, y_N: torch.Tensor, g_N, e_N) -> tuple:
@@ -166,11 +168,9 @@ def memory_probe(args, device: torch.device) -> list[dict]:
     N, H, V = args.memory_tokens, args.memory_hidden, args.vocab
     batch = make_batch(N, H, V, args.logit_std, args.seed, device) if N * V <= 2**26 else None
     if batch is None:  # sampling targets from an (N, V) float64 softmax is itself the largest tensor: draw uniformly
-        gen = torch.Generator().manual_seed(args.seed)
-        batch = {"h": torch.randn(N, H, generator=gen), "w": torch.randn(V, H, generator=gen) * args.logit_std / H**0.5,
-                 "y": torch.randint(0, V, (N,), generator=gen), "g": torch.randn(N, generator=gen) / N,
-                 "e": torch.randn(N, generator=gen) / N}
-        batch = {k: v.to(device) for k, v in batch.items()}
+        f32 = dict(generator=torch.Generator(device=device).manual_seed(args.seed), device=device)
+        batch = {"h": torch.randn(N, H, **f32), "w": torch.randn(V, H, **f32) * args.logit_std / H**0.5,
+                 "y": torch.randint(0, V, (N,), **f32), "g": torch.randn(N, **f32) / N, "e": torch.randn(N, **f32) / N}
     ops = (batch["h"].float(), batch["w"].float(), batch["y"], batch["g"].float(), batch["e"].float())
     rows = []
     for name in HEADS:
