@@ -53,7 +53,7 @@ class Step:
     tests: str = ""
     args: list[str] = field(default_factory=list)
     limit_s: int = 120
-    needs: str = ""  # a module that must import, else the step is skipped
+    needs: tuple[str, ...] = ()  # modules that must be installed, else the step is skipped
 
     def command(self) -> list[str]:
         if self.script:
@@ -98,9 +98,9 @@ def steps(out: Path) -> list[Step]:
              script="benchmarks/mfu_gpu.py", limit_s=270,
              args=["--heads", "bf16", "fp32", "bf16x3", "--out", str(out / "mfu_gpu.md")]),
         Step("fp8_gemm", "fp8 emulation against the hardware fp8 GEMM", tests="tests/test_fp8_gemm.py", limit_s=90,
-             args=["--junitxml", str(out / "fp8_gemm.xml")]),
+             needs=("pytest",), args=["--junitxml", str(out / "fp8_gemm.xml")]),
         Step("vllm", "vLLM engine on the GPU: logprobs vs the scorer, R3 routes returned by vLLM",
-             tests="tests/test_vllm_engine.py", limit_s=150, needs="vllm",
+             tests="tests/test_vllm_engine.py", limit_s=150, needs=("pytest", "vllm"),
              args=["-m", "not slow", "--junitxml", str(out / "vllm.xml")]),
     ]
 
@@ -172,8 +172,9 @@ def main(argv: list[str] | None = None) -> list[Outcome]:
         if args.only and step.name not in args.only:
             continue
         log = f"{step.name}.log"
-        if step.needs and importlib.util.find_spec(step.needs) is None:
-            outcome = Outcome(step.name, f"skipped: {step.needs} not installed")
+        missing = [m for m in step.needs if importlib.util.find_spec(m) is None]
+        if missing:
+            outcome = Outcome(step.name, f"skipped: {', '.join(missing)} not installed")
         elif dry:
             t0 = time.perf_counter()
             try:
