@@ -1,12 +1,13 @@
-"""Training-step MFU of a Qwen3-shaped model on one GPU: bf16 weights, fp32 LM head on and off.
+"""Training-step MFU of a Qwen3-shaped model on one GPU: bf16 weights, LM head in bf16, in fp32, fused fp32.
 
 The model is a randomly initialised ``transformers`` Qwen3 with the published shapes of Qwen3-0.6B or
 Qwen3-1.7B (Qwen3 technical report, arXiv 2505.09388, and the released ``config.json``: 28 layers, 16
 query / 8 KV heads of dim 128, vocabulary 151936, tied embeddings; hidden 1024 / 2048, MLP 3072 / 6144);
 nothing is downloaded. One training step is the learner's own path: ``trainers.scoring.response_logprobs``
 over ``--batch`` sequences of ``--seq`` tokens (1 prompt position, so every other position is scored
-and goes through the LM head; ``fp32_lm_head`` on or off), loss = -mean log-prob, backward, AdamW step
-(pure bf16: no fp32 master weights).
+and goes through the LM head), loss = -mean log-prob, backward, AdamW step (pure bf16: no fp32 master weights).
+LM heads (``--heads``): ``bf16`` (``fp32_lm_head`` off), ``fp32`` (on, ``lm_head_kernel`` logits: (B, T, V) float32
+logits), ``bf16x3`` and ``chunked`` (on, the fused kernels of ``trainers.lm_head``).
 
 FLOPs per step (the 6N + attention rule of PaLM, Chowdhery et al. 2022, arXiv 2204.02311, App. B;
 causal masking not discounted), with the LM head applied at the S - 1 scored positions only:
@@ -20,7 +21,7 @@ sequence, B sequences. ``--check-flops`` counts the FLOPs of one step with
 
 MFU = (F / step time) / peak, with peak the best TFLOP/s of a large bf16 matmul measured on this card
 (``--peak-n``^3, so peak is achievable, not the datasheet's). Tokens/s = B * S / step time. Step times:
-median of ``--steps`` after ``--warmup``, the two LM head settings alternated step by step.
+median of ``--steps`` after ``--warmup``, the LM head settings taken in a rotating order step by step.
 
     .venv/bin/python benchmarks/mfu_gpu.py                 # on a CUDA machine; writes results/mfu_gpu.md
     .venv/bin/python benchmarks/mfu_gpu.py --cpu-dry-run   # same code on a tiny shape on the CPU
@@ -107,9 +108,17 @@ def peak_tflops(device: torch.device, n: int, repeats: int) -> float:
     return 2 * n**3 / best / 1e12
 
 
-def train_step(model, optimizer, ids_BS: torch.Tensor, mask_BS: torch.Tensor, fp32_lm_head: bool) -> None:
+# --heads name -> (row key, table label, fp32_lm_head, lm_head_kernel)
+HEADS = {"bf16": ("bf16_head", "bf16", False, "logits"), "fp32": ("fp32_head", "fp32", True, "logits"),
+         "bf16x3": ("bf16x3_head", "fp32 bf16x3", True, "bf16x3"),
+         "chunked": ("chunked_head", "fp32 chunked", True, "chunked")}
+
+
+def train_step(model, optimizer, ids_BS: torch.Tensor, mask_BS: torch.Tensor, fp32_lm_head: bool,
+               lm_head_kernel: str = "logits") -> None:
     """The learner's forward (response_logprobs, 1 prompt position) + backward + AdamW step."""
-    logp_BT, _ = response_logprobs(model, ids_BS, mask_BS, 1, temperature=1.0, fp32_lm_head=fp32_lm_head)
+    logp_BT, _ = response_logprobs(model, ids_BS, mask_BS, 1, temperature=1.0, fp32_lm_head=fp32_lm_head,
+                                   lm_head_kernel=lm_head_kernel)
     (-logp_BT.float().mean()).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -144,23 +153,26 @@ def measure_shape(name: str, args, device: torch.device, peak: float) -> dict:
            "batch": args.batch, "seq": args.seq, "flops_per_step": flops, "peak_tflops": peak}
     if args.check_flops:
         row["counted_flops"] = counted_flops(model, optimizer, ids_BS, mask_BS, fp32_lm_head=False)
-    times = {True: [], False: []}
+    heads = list(args.heads)
+    times = {h: [] for h in heads}
+    peak_bytes = {h: 0 for h in heads}
     for i in range(args.warmup + args.steps):
-        for fp32_head in ((True, False) if i % 2 == 0 else (False, True)):
+        for head in heads[i % len(heads):] + heads[:i % len(heads)]:
+            _, _, fp32_head, kernel = HEADS[head]
             sync(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
-            train_step(model, optimizer, ids_BS, mask_BS, fp32_head)
+            train_step(model, optimizer, ids_BS, mask_BS, fp32_head, kernel)
             sync(device)
             if i >= args.warmup:
-                times[fp32_head].append(time.perf_counter() - t0)
-    for fp32_head, ts in times.items():
+                times[head].append(time.perf_counter() - t0)
+            if device.type == "cuda":
+                peak_bytes[head] = max(peak_bytes[head], torch.cuda.max_memory_allocated(device))
+    for head, ts in times.items():
         t = statistics.median(ts)
-        key = "fp32_head" if fp32_head else "bf16_head"
-        row[key] = {"step_s": t, "tokens_per_s": args.batch * args.seq / t, "tflops": flops / t / 1e12,
-                    "mfu": flops / t / 1e12 / peak}
-    if device.type == "cuda":
-        row["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        torch.cuda.reset_peak_memory_stats(device)
+        row[HEADS[head][0]] = {"step_s": t, "tokens_per_s": args.batch * args.seq / t, "tflops": flops / t / 1e12,
+                               "mfu": flops / t / 1e12 / peak, "max_memory_gib": peak_bytes[head] / 2**30}
     del model, optimizer
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -168,14 +180,16 @@ def measure_shape(name: str, args, device: torch.device, peak: float) -> dict:
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| shape | params | B x S | LM head | step s | tokens/s | TFLOP/s | peak TFLOP/s | MFU |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| shape | params | B x S | LM head | step s | tokens/s | TFLOP/s | peak TFLOP/s | MFU | max GiB |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        for key, label in (("bf16_head", "bf16"), ("fp32_head", "fp32")):
+        for key, label, _, _ in HEADS.values():
+            if key not in r:
+                continue
             m = r[key]
             lines.append(f"| {r['shape']} | {r['params'] / 1e6:.0f}M | {r['batch']} x {r['seq']} | {label} | "
                          f"{m['step_s']:.4f} | {m['tokens_per_s']:.0f} | {m['tflops']:.4g} | {r['peak_tflops']:.4g} | "
-                         f"{m['mfu']:.1%} |")
+                         f"{m['mfu']:.1%} | {m['max_memory_gib']:.1f} |")
     checks = [r for r in rows if "counted_flops" in r]
     if checks:
         lines += ["", "| shape | formula FLOPs / step | counted (FlopCounterMode) | counted / formula |",
@@ -185,7 +199,7 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "qwen3-1.7b"], choices=sorted(SHAPES))
     ap.add_argument("--batch", type=int, default=4)
@@ -195,10 +209,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--peak-n", type=int, default=8192, help="size of the bf16 matmul that measures the peak")
     ap.add_argument("--check-flops", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--heads", nargs="+", default=["bf16", "fp32", "bf16x3"], choices=list(HEADS))
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="run the same code on the CPU with the tiny shape (B 2, S 32, 2 steps)")
     ap.add_argument("--out", default=None, help="results file (default benchmarks/results/mfu_gpu.md on a GPU)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parser().parse_args(argv)
 
     if args.cpu_dry_run:
         device = torch.device("cpu")
@@ -234,10 +253,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"transformers {transformers.__version__}",
             f"- command: `{cmd}`",
             "- step: response_logprobs (1 prompt position, LM head on every other position) + backward + AdamW, "
-            f"bf16 weights; median of {args.steps} steps after {args.warmup}, the two LM head settings alternated",
+            f"bf16 weights; median of {args.steps} steps after {args.warmup}, the LM head settings in a rotating order",
             "- FLOPs per step F = 6 B (S N_body + (S - 1) N_head) + 12 L H Q B S^2 (PaLM App. B, causal masking not "
             f"discounted; the LM head runs at the S - 1 scored positions); peak = best {args.peak_n}^3 bf16 matmul "
-            "on this card", ""]
+            "on this card; max GiB: torch.cuda.max_memory_allocated over that head's steps", ""]
         out.write_text("\n".join(header + lines) + "\n")
         out.with_suffix(".json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=2))
     print()

@@ -113,6 +113,11 @@ def _per_constraint(cfg: DualConfig, field: str) -> Tensor:
     return torch.tensor([float(getattr(c, field)) for c in cfg.constraints], dtype=_F64)
 
 
+def _has_auto_tolerance(cfg: DualConfig) -> bool:
+    """Whether any constraint has an automatic tolerance (floor_slack): without one the floor stays NaN."""
+    return any(c.floor_slack is not None for c in cfg.constraints)
+
+
 def _coupling(cfg: DualConfig) -> Optional[tuple[np.ndarray, np.ndarray]]:
     if not cfg.coupling.A:
         return None
@@ -143,7 +148,7 @@ def tolerances(state: DualState, cfg: DualConfig) -> Tensor:
     """(C,) the tolerance c_i in force: F_i (1 + floor_slack_i) for an automatic tolerance with a measured floor
     F_i, else constraints[i].tolerance."""
     fixed_C = _per_constraint(cfg, "tolerance")
-    if state.floor_C is None:
+    if state.floor_C is None or not _has_auto_tolerance(cfg):
         return fixed_C
     slack_C = torch.tensor([float("nan") if c.floor_slack is None else float(c.floor_slack) for c in cfg.constraints],
                            dtype=_F64)
@@ -172,7 +177,7 @@ def penalty_spec(state: DualState, cfg: DualConfig) -> PenaltySpec:
 
 def _seed_floor(state: DualState, floor_measured_C: Tensor, cfg: DualConfig) -> DualState:
     """F_i <- D_floor_i for the automatic tolerances that have no floor yet (NaN) and a finite measurement."""
-    if state.floor_C is None or not torch.isnan(state.floor_C).any():
+    if state.floor_C is None or not _has_auto_tolerance(cfg) or not torch.isnan(state.floor_C).any():
         return state
     seeded_C = update_floor(state, floor_measured_C, cfg).floor_C
     return replace(state, floor_C=torch.where(torch.isnan(state.floor_C), seeded_C, state.floor_C))
@@ -185,6 +190,8 @@ def update_floor(state: DualState, floor_measured_C: Tensor, cfg: DualConfig) ->
     included) exceeds K: only the measurements of steps 1..K enter it."""
     n = len(cfg.constraints)
     old_C = state.floor_C if state.floor_C is not None else torch.full((n,), float("nan"), dtype=_F64)
+    if not _has_auto_tolerance(cfg):  # every F_i stays NaN
+        return state if state.floor_C is not None else replace(state, floor_C=old_C)
     x_C = torch.as_tensor(floor_measured_C, dtype=_F64).detach().cpu().reshape(-1)
     auto_C = torch.tensor([c.floor_slack is not None for c in cfg.constraints], dtype=torch.bool)
     held_C = torch.tensor([c.floor_steps is not None and state.steps > c.floor_steps for c in cfg.constraints],
@@ -217,12 +224,14 @@ def _solve_projection_qp(target: np.ndarray, lo: np.ndarray, hi: np.ndarray, A: 
 def _project(lambda_C: Tensor, cfg: DualConfig, fixed_C: Optional[Tensor] = None) -> Tensor:
     """Pi(lambda_C), keeping the entries marked in fixed_C at their given (already feasible) value."""
     lam = torch.as_tensor(lambda_C, dtype=_F64).detach().cpu().reshape(-1)
-    fixed = torch.zeros_like(lam, dtype=torch.bool) if fixed_C is None else fixed_C.bool().cpu()
     lo, hi = _per_constraint(cfg, "lambda_min"), _per_constraint(cfg, "lambda_max")
-    boxed = torch.where(fixed, lam, torch.minimum(torch.maximum(lam, lo), hi))
+    boxed = torch.minimum(torch.maximum(lam, lo), hi)
+    if fixed_C is not None and bool(fixed_C.any()):
+        boxed = torch.where(fixed_C.bool().cpu(), lam, boxed)
     coupling = _coupling(cfg)
     if coupling is None:
         return boxed
+    fixed = torch.zeros_like(lam, dtype=torch.bool) if fixed_C is None else fixed_C.bool().cpu()
     A, b = coupling
     # the box projection is the projection onto the larger set: if it is feasible it is the answer
     if np.all(A @ boxed.numpy() <= b + _FEASIBILITY_TOL):
@@ -249,7 +258,7 @@ def projected_step(lambda_C: Tensor, rule_state: dict[str, Any], measured_C: Ten
     """
     finite_C = torch.isfinite(measured_C)
     eta_C = _per_constraint(cfg, "lr")
-    step_C = torch.where(finite_C, eta_C * (measured_C - tolerance_C), torch.zeros_like(measured_C))
+    step_C = torch.where(finite_C, eta_C * (measured_C - tolerance_C), 0.0)
     return _project(lambda_C + step_C, cfg, fixed_C=~finite_C), rule_state
 
 

@@ -522,7 +522,8 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
         (out / "config.yaml").write_text(to_yaml(cfg))
         tracker.log_artifact(out / "config.yaml")
     scoring = learner.ScoringSpec(temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
-                                  moe=policy.moe, shard=d.shard, micro_batch_tokens=cfg.algo.micro_batch_tokens)
+                                  lm_head_kernel=cfg.model.lm_head_kernel, moe=policy.moe, shard=d.shard,
+                                  micro_batch_tokens=cfg.algo.micro_batch_tokens)
     optim = learner.OptimStep(optimizer, scheduler, scaler, cfg.optim.grad_clip)
     run_state = RunState(dual, history, start_step, bad_steps, accuracy_before)
     return Setup(cfg, policy, scoring, optim, tracker, constraint_names(cfg.dual.constraints), run_state, dist=d,

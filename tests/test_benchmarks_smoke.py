@@ -144,11 +144,12 @@ def test_mfu_dry_run(tmp_path, capsys):
     assert row["flops_per_step"] == 53084160.0
     # FlopCounterMode counts every matmul and the attention of one real step: the formula is exact here
     assert abs(row["counted_flops"] / row["flops_per_step"] - 1.0) < 1e-6
-    for key in ("bf16_head", "fp32_head"):
+    for key in ("bf16_head", "fp32_head", "bf16x3_head"):
         m = row[key]
         assert abs(m["tokens_per_s"] * m["step_s"] - 2 * 32) < 1e-6
         assert abs(m["mfu"] - m["tflops"] / row["peak_tflops"]) < 1e-12
     assert "| tiny | 0M | 2 x 32 | fp32 |" in (tmp_path / "mfu.md").read_text()
+    assert "| tiny | 0M | 2 x 32 | fp32 bf16x3 |" in (tmp_path / "mfu.md").read_text()
     if not torch.cuda.is_available():
         capsys.readouterr()
         assert bench.main([]) == []

@@ -29,6 +29,9 @@ class ModelConfig:
     dtype: str = "float32"
     # Compute the LM head and the log-softmax in float32 whatever the parameter dtype (MiniMax-M1 §3.2).
     fp32_lm_head: bool = True
+    # How the float32 head computes log-probs (trainers.lm_head.HEAD_KERNELS): logits (the (B, T, V) float32 logits)
+    # | chunked (float32 GEMM per tile, no (B, T, V) tensor) | bf16x3 (split-bfloat16 tensor-core GEMMs, the same tiles).
+    lm_head_kernel: str = "logits"
     # MoE: router logits, softmax and top-k in float32 whatever the parameter dtype, in the training engine and the
     # torch rollout engine (prime-rl's default; vLLM routes in its own precision). A no-op for float32 parameters.
     fp32_router: bool = False
@@ -41,6 +44,11 @@ class ModelConfig:
     def check(self, prefix: str = "model") -> None:
         _require(self.dtype in ("float32", "bfloat16", "float16"), f"{prefix}.dtype",
                  f"got {self.dtype!r}, expected float32, bfloat16 or float16")
+        from trainers.lm_head import HEAD_KERNELS
+        _require(self.lm_head_kernel in HEAD_KERNELS, f"{prefix}.lm_head_kernel",
+                 f"got {self.lm_head_kernel!r}, expected one of {', '.join(HEAD_KERNELS)}")
+        _require(self.fp32_lm_head or self.lm_head_kernel == "logits", f"{prefix}.lm_head_kernel",
+                 f"{self.lm_head_kernel!r} computes a float32 head: needs model.fp32_lm_head: true")
 
 
 # Inference precisions of the rollout engine (trainers.quant.PRECISION_DTYPES holds their parameter dtypes).

@@ -76,6 +76,8 @@ class ScoringSpec:
     temperature: float = 1.0
     # LM head and log-softmax in float32 (model.fp32_lm_head).
     fp32_lm_head: bool = True
+    # How the float32 head computes log-probs (model.lm_head_kernel).
+    lm_head_kernel: str = "logits"
     # The model is a mixture of experts: its routes are recorded (R2, routing_mismatch) or replayed (R3).
     moe: bool = False
     # This process's rows under data parallelism.
@@ -236,7 +238,8 @@ def _forward_logp_in(model, rollout: Rollout, spec: ScoringSpec, *, with_entropy
                      replay_experts_BSLK: Optional[Tensor], capture: bool):
     ids_BS, mask_BS = rollout.input_ids_BS, rollout.attention_mask_BS
     B, S = ids_BS.shape
-    kwargs = dict(temperature=spec.temperature, fp32_lm_head=spec.fp32_lm_head, with_entropy=with_entropy)
+    kwargs = dict(temperature=spec.temperature, fp32_lm_head=spec.fp32_lm_head, lm_head_kernel=spec.lm_head_kernel,
+                  with_entropy=with_entropy)
     P = rollout.num_prompt_positions
     if replay_experts_BSLK is not None:
         if replay_experts_BSLK.shape[:2] != (B, S):

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from trainers.lm_head import HEAD_KERNELS, head_logprobs
+
 
 def position_ids(attention_mask_BS: Tensor) -> Tensor:
     """(B, S) RoPE positions ``cumsum(mask) - 1`` clamped at 0.
@@ -26,6 +28,9 @@ def position_ids(attention_mask_BS: Tensor) -> Tensor:
 
 FSDP_FORWARD_METHOD = "dcmdp_response_logprobs"
 """Name under which an FSDP2-sharded model carries ``response_logprobs`` (see ``register_fsdp_scoring``)."""
+
+FSDP_HEAD_METHOD = "dcmdp_head_logprobs"
+"""Name under which an FSDP2-sharded LM head carries the fused head log-probs (see ``register_fsdp_scoring``)."""
 
 
 def lm_head_logits(model: torch.nn.Module, hidden_BTH: Tensor, *, fp32_lm_head: bool) -> Tensor:
@@ -50,12 +55,32 @@ def register_fsdp_scoring(model: torch.nn.Module) -> None:
 
     Scoring calls the decoder (``model.model``) and the LM head, never ``model.forward``; the root's
     parameters (embedding, final norm) are gathered only in the root's forward hooks, so the scorer is
-    attached to the model and registered as an FSDP forward method.
+    attached to the model and registered as an FSDP forward method. The fused head (``lm_head_kernel`` other
+    than ``logits``) reads the head's weight without calling the head, so it is registered on the head alike.
     """
     from torch.distributed.fsdp import register_fsdp_forward_method
 
     setattr(model, FSDP_FORWARD_METHOD, functools.partial(_response_logprobs, model))
     register_fsdp_forward_method(model, FSDP_FORWARD_METHOD)
+    head = model.get_output_embeddings()
+    setattr(head, FSDP_HEAD_METHOD, functools.partial(_fused_head_logprobs, head))
+    register_fsdp_forward_method(head, FSDP_HEAD_METHOD)
+
+
+def _fused_head_logprobs(head: torch.nn.Module, hidden_BTH: Tensor, response_BT: Tensor, *, temperature: float,
+                         kernel: str, with_entropy: bool) -> tuple[Tensor, Optional[Tensor]]:
+    B, T, H = hidden_BTH.shape
+    logp_N, ent_N = head_logprobs(hidden_BTH.reshape(B * T, H), head.weight, head.bias, response_BT.reshape(B * T),
+                                  temperature=temperature, kernel=kernel, with_entropy=with_entropy)
+    return logp_N.view(B, T), None if ent_N is None else ent_N.view(B, T)
+
+
+def fused_lm_head_logprobs(model: torch.nn.Module, hidden_BTH: Tensor, response_BT: Tensor, *, temperature: float,
+                           kernel: str, with_entropy: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """(B, T) float32 log pi(y_t) and entropy of the tempered head, without (B, T, V) logits (``trainers.lm_head``)."""
+    head = model.get_output_embeddings()
+    fn = getattr(head, FSDP_HEAD_METHOD, None) or functools.partial(_fused_head_logprobs, head)
+    return fn(hidden_BTH, response_BT, temperature=temperature, kernel=kernel, with_entropy=with_entropy)
 
 
 def tempered_logp(logits_BTV: Tensor, temperature: float) -> Tensor:
@@ -65,7 +90,7 @@ def tempered_logp(logits_BTV: Tensor, temperature: float) -> Tensor:
 
 def response_logprobs(model: torch.nn.Module, input_ids_BS: Tensor, attention_mask_BS: Tensor,
                       num_prompt_positions: int, *, temperature: float, fp32_lm_head: bool = True,
-                      with_entropy: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+                      lm_head_kernel: str = "logits", with_entropy: bool = False) -> tuple[Tensor, Optional[Tensor]]:
     """Per-token log pi(y_t) and entropy of the response under ``softmax(logits / temperature)``.
 
     ``input_ids_BS`` is ``cat(prompt_ids_BP, response_ids_BT)`` (S = P + T), ``num_prompt_positions``
@@ -75,18 +100,22 @@ def response_logprobs(model: torch.nn.Module, input_ids_BS: Tensor, attention_ma
 
     Returns ``(logp_BT, entropy_BT)`` with ``entropy_BT = -sum_v p_v log p_v`` (None unless
     ``with_entropy``). Values at padded response positions are finite but meaningless: mask them.
+    A float32 head with ``lm_head_kernel`` other than ``logits`` (``trainers.lm_head.HEAD_KERNELS``) computes both
+    without the (B, T, V) float32 logits.
     """
+    if lm_head_kernel not in HEAD_KERNELS:
+        raise ValueError(f"lm_head_kernel {lm_head_kernel!r} not in {HEAD_KERNELS}")
+    kwargs = dict(temperature=temperature, fp32_lm_head=fp32_lm_head, lm_head_kernel=lm_head_kernel,
+                  with_entropy=with_entropy)
     sharded = getattr(model, FSDP_FORWARD_METHOD, None)
     if sharded is not None:
-        return sharded(input_ids_BS, attention_mask_BS, num_prompt_positions, temperature=temperature,
-                       fp32_lm_head=fp32_lm_head, with_entropy=with_entropy)
-    return _response_logprobs(model, input_ids_BS, attention_mask_BS, num_prompt_positions,
-                              temperature=temperature, fp32_lm_head=fp32_lm_head, with_entropy=with_entropy)
+        return sharded(input_ids_BS, attention_mask_BS, num_prompt_positions, **kwargs)
+    return _response_logprobs(model, input_ids_BS, attention_mask_BS, num_prompt_positions, **kwargs)
 
 
 def _response_logprobs(model: torch.nn.Module, input_ids_BS: Tensor, attention_mask_BS: Tensor,
                        num_prompt_positions: int, *, temperature: float, fp32_lm_head: bool,
-                       with_entropy: bool) -> tuple[Tensor, Optional[Tensor]]:
+                       lm_head_kernel: str, with_entropy: bool) -> tuple[Tensor, Optional[Tensor]]:
     S = input_ids_BS.shape[1]
     P = num_prompt_positions
     if not 1 <= P < S:
@@ -94,8 +123,11 @@ def _response_logprobs(model: torch.nn.Module, input_ids_BS: Tensor, attention_m
     out = model.model(input_ids=input_ids_BS, attention_mask=attention_mask_BS,
                       position_ids=position_ids(attention_mask_BS), use_cache=False)
     hidden_BTH = out.last_hidden_state[:, P - 1:S - 1]
-    logp_BTV = tempered_logp(lm_head_logits(model, hidden_BTH, fp32_lm_head=fp32_lm_head), temperature)
     response_BT = input_ids_BS[:, P:]
+    if fp32_lm_head and lm_head_kernel != "logits":
+        return fused_lm_head_logprobs(model, hidden_BTH, response_BT, temperature=temperature, kernel=lm_head_kernel,
+                                      with_entropy=with_entropy)
+    logp_BTV = tempered_logp(lm_head_logits(model, hidden_BTH, fp32_lm_head=fp32_lm_head), temperature)
     logp_BT = logp_BTV.gather(-1, response_BT.unsqueeze(-1)).squeeze(-1)
     entropy_BT = None
     if with_entropy:
