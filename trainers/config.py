@@ -134,8 +134,13 @@ class TaskConfig:
     # Reward function of task `jsonl`: `module:function` (importable, the working directory included) or
     # `path/to/file.py:function`, called as function(prompt, completion, example) -> float.
     reward: Optional[str] = None
+    # Seconds one call of the `jsonl` reward function may take; a call that runs longer counts as a reward error
+    # (reward/errors) and the sample gets 0.
+    reward_timeout: float = 30.0
 
     def check(self, prefix: str = "task") -> None:
+        _require(0 < self.reward_timeout < float("inf"), f"{prefix}.reward_timeout",
+                 f"must be a finite number of seconds > 0, got {self.reward_timeout}")
         _require(self.digits >= 1, f"{prefix}.digits", f"must be >= 1, got {self.digits}")
         _require(1 <= self.min_digits <= self.digits, f"{prefix}.min_digits",
                  f"must be in [1, digits={self.digits}], got {self.min_digits}")
