@@ -22,6 +22,7 @@ One writer per ``ckpt_dir`` (rank 0): a second writer's temporary directory woul
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -40,7 +41,7 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 from types import FrameType
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -365,31 +366,62 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} verified but could not be loaded: {exc}") from exc
 
 
+class ForcedStop(KeyboardInterrupt):
+    """A second SIGINT/SIGTERM, or a SIGQUIT, inside the training loop: stop now, not at the end of the step."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 class SignalCheckpointer:
-    """Context manager that turns SIGINT/SIGTERM into a flag the training loop polls.
+    """Context manager that turns SIGINT/SIGTERM into a flag the training loop polls, and a repeated one (or a
+    SIGQUIT) into an immediate stop.
 
-    Inside the ``with`` block a signal only sets ``requested`` (and records ``signum``, ``count``): the
-    handler does no I/O and takes no lock. The loop checks ``requested`` after each step, saves a
-    checkpoint and leaves the block; on exit the previous handlers are restored.
+    Inside the ``with`` block a first SIGINT/SIGTERM only sets ``requested`` (and records ``signum``, ``count``): the
+    handler does no I/O and takes no lock. The loop checks ``requested`` after each step, saves a checkpoint and
+    leaves the block; on exit the previous handlers are restored.
 
-    Repeated signals are counted and otherwise ignored, whether they arrive during a step or during the
-    save: the save is never interrupted half-way (schedulers send SIGTERM, wait a grace period, then
-    SIGKILL, so the hard stop still comes from outside). To force-stop by hand use SIGQUIT (Ctrl-\\) or
-    SIGKILL, which are left alone. Must be entered from the main thread (a python rule for handlers).
+    A second SIGINT/SIGTERM, or a SIGQUIT (Ctrl-\\), raises ``ForcedStop`` (a KeyboardInterrupt) where the loop
+    is: a step that never ends (a hung reward, a stuck engine) cannot make the run deaf, and the caller ends the
+    MLflow run KILLED and checkpoints the last completed step. While ``hold()`` is active (a checkpoint being
+    written) signals are only counted, so a save is never interrupted half-way; a forced stop requested then is
+    raised when the save is done. Must be entered from the main thread (a python rule for handlers).
     """
 
-    def __init__(self, signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM)):
+    def __init__(self, signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM), force: Iterable[int] = (signal.SIGQUIT,)):
         self.signals = tuple(signals)
+        self.force = tuple(force)
         self.requested = False
         self.signum: Optional[int] = None
         self.count = 0
+        self._holding = 0
+        self._forced: Optional[int] = None
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
-        if not self.requested:
+        first = not self.requested
+        if first:
             self.signum = signum
         self.requested = True
         self.count += 1
+        if signum in self.force or not first:
+            if self._holding:
+                self._forced = signum
+            else:
+                raise ForcedStop(signum)
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Signals only counted inside: a checkpoint being written is never cut short."""
+        self._holding += 1
+        try:
+            yield
+        finally:
+            self._holding -= 1
+        if not self._holding and self._forced is not None:
+            signum, self._forced = self._forced, None
+            raise ForcedStop(signum)
 
     @property
     def signal_name(self) -> Optional[str]:
@@ -398,7 +430,7 @@ class SignalCheckpointer:
     def __enter__(self) -> "SignalCheckpointer":
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("SignalCheckpointer must be entered from the main thread")
-        for s in self.signals:
+        for s in self.signals + self.force:
             self._previous[s] = signal.getsignal(s)
             signal.signal(s, self._handle)
         return self

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from constraints.config import ConstraintConfig
+from dcmdp import redact  # noqa: F401  (remembers the values a config reads from the environment)
 from trainers.config import RENAMED_KEYS as TRAINER_RENAMED_KEYS
 from trainers.config import AlgoConfig, ColdStartConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig
 
@@ -492,8 +493,11 @@ def _validate_rollout_quantization(cfg: RunConfig, presets: dict, engine: Engine
                               f"{problem}")
 
 
-def to_yaml(cfg: RunConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+def to_yaml(cfg: RunConfig, *, public: bool = False) -> str:
+    """The resolved config as YAML; ``public``: with the values read from the environment and URI passwords shown as
+    ``***`` (what a run writes to its folder and to MLflow)."""
+    text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    return redact.redact(text) if public else text
 
 
 def flatten(cfg: RunConfig) -> dict[str, str]:
@@ -511,7 +515,7 @@ def flatten(cfg: RunConfig) -> dict[str, str]:
             out[prefix[:-1]] = str(node)
 
     walk(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True), "")
-    return out
+    return redact.redact_values(out)
 
 
 # Keys a resumed run must share with its checkpoint: the model's shape and weights, and the dual state's layout

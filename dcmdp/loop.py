@@ -33,10 +33,10 @@ from dcmdp.config import ConfigError, RunConfig, flatten, resume_conflicts, to_y
 from dcmdp import distributed
 from dcmdp.dual import DualState, dual_step, init_state, penalty_spec
 from dcmdp.plots import plot_dual
-from dcmdp.tracking import (NoTracker, Tracker, check_tracking_uri, provenance_tags, resolve_tracking_uri,
-                            tracking_uri_source)
+from dcmdp.redact import redact
+from dcmdp.tracking import NoTracker, Tracker, check_tracking_config, provenance_tags
 from dcmdp.policy import (Policy, build_policy, decode_responses, encode_prompts, held_out_accuracy, held_out_examples,
-                          seed_everything, step_seed)
+                          screen_task_prompts, seed_everything, step_seed)
 from trainers import guards, learner
 from trainers.advantages import ADVANTAGES
 from trainers.batch import Rollout
@@ -80,6 +80,12 @@ class Setup:
     no_signal_steps: int = 0
     # Dynamic loss scaling of model.dtype=float16 training (None otherwise).
     scaler: Optional[torch.amp.GradScaler] = None
+    # The last step whose update, dual step and logging all finished, and the last step checkpointed: an error
+    # later than ``done_step`` checkpoints it first (``_checkpoint_before_failing``).
+    done_step: int = 0
+    checkpointed_step: int = 0
+    # True from a step's first parameter update until its end: the weights are then between two steps.
+    mid_update: bool = False
 
 
 @dataclass
@@ -114,12 +120,32 @@ def train(cfg: RunConfig) -> Summary:
     try:
         return _train(s, t_start)
     except BaseException as exc:
+        _checkpoint_before_failing(s, exc)
         # never leave the MLflow run RUNNING; the guard and the signal stop have ended it already (a no-op then)
         s.tracker.finish("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
         raise
     finally:
         if s.lock is not None:
             s.lock.release()
+
+
+def _checkpoint_before_failing(s: Setup, exc: BaseException) -> None:
+    """Save the last completed step before an error ends the run, so that no finished step is lost to it. Not when
+    the error came in the middle of a step's updates (the weights are then part-way between two steps), nor under
+    torchrun (a sharded save needs every rank, and the failing one may be alone)."""
+    if s.done_step <= s.checkpointed_step or s.dist.world > 1:
+        return
+    if s.mid_update:
+        log.error("%s during the update of step %d: no checkpoint of that step is consistent; the last one is of "
+                  "step %d", type(exc).__name__, s.done_step + 1, s.checkpointed_step)
+        return
+    try:
+        path = checkpoint(s, s.done_step)
+    except Exception as save_exc:  # the original error is the one to report
+        log.error("could not checkpoint step %d before stopping: %s", s.done_step, save_exc)
+        return
+    log.error("%s after step %d: checkpoint of step %d written to %s before stopping (resume with "
+              "checkpoint.resume=auto)", type(exc).__name__, s.done_step, s.done_step, path)
 
 
 def _train(s: Setup, t_start: float) -> Summary:
@@ -139,7 +165,8 @@ def _train(s: Setup, t_start: float) -> Summary:
             if s.bad_steps >= cfg.guard.max_bad_steps:
                 _stop_bad_run(s, step + 1)
             if stop.requested or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):
-                checkpoint(s, step + 1)
+                with stop.hold():
+                    checkpoint(s, step + 1)
             if stop.requested:
                 log.warning("%s received: checkpoint written at step %d, stopping", stop.signal_name, step + 1)
                 s.tracker.finish("KILLED")
@@ -184,6 +211,7 @@ def _train_step(s: Setup, step: int, bar) -> None:
                                 if kept and train_logp_BT is not None else
                                 (torch.full((len(s.names),), float("nan"), dtype=torch.float64), {}))
     t3 = time.perf_counter()
+    s.mid_update = kept
     result = learner.update(
         s.policy.model, s.optimizer, s.scheduler, batch, scoring=s.scoring, penalty=penalty_spec(s.dual, cfg.dual),
         cfg=cfg.algo, grad_clip=cfg.optim.grad_clip,
@@ -215,6 +243,7 @@ def _train_step(s: Setup, step: int, bar) -> None:
         metrics["eval/accuracy"] = evaluate(s, seed=cfg.seed)
     metrics = {k: float(v) for k, v in metrics.items()}
     s.history.append(metrics)
+    s.done_step, s.mid_update = step + 1, False
     if step == s.start_step and step > 0:
         # the engine got the trainer's weights at resume: a spike here would mean it did not
         log.info("first step after resume (step %d): %s", step + 1, ", ".join(
@@ -328,7 +357,7 @@ def setup(cfg: RunConfig) -> Setup:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)
     # an unusable URI would keep nothing but buffered metrics: refuse it before anything is written
-    check_tracking_uri(resolve_tracking_uri(cfg.tracking, out), tracking_uri_source(cfg.tracking))
+    check_tracking_config(cfg.tracking, out)
     lock, error = None, None
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -386,6 +415,7 @@ def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> tuple[Optio
 def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFolderLock]) -> Setup:
     resume, state = _resume_state(cfg, out, d)
     policy = build_policy(cfg, out, d=d, progress=show_bar(cfg))
+    screen_task_prompts(policy, cfg.rollout.max_new_tokens)
     model = policy.model = distributed.shard_model(policy.model, cfg, d)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
@@ -420,12 +450,13 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
         # the steps between the checkpoint and the crash were logged once already: they are not logged again
         tracker.skip_logged(after_step=start_step)
     if d.main:  # written once the run has started cleanly: a run that failed to start leaves the old one
-        (out / "config.yaml").write_text(to_yaml(cfg))
+        (out / "config.yaml").write_text(to_yaml(cfg, public=True))
     tracker.log_artifact(out / "config.yaml")
     scoring = learner.ScoringSpec(temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
                                   moe=policy.moe, shard=d.shard, micro_batch_tokens=cfg.algo.micro_batch_tokens)
     return Setup(cfg, policy, scoring, optimizer, scheduler, dual, tracker, constraint_names(cfg.dual.constraints),
-                 history, start_step, bad_steps, dist=d, lock=lock, accuracy_before=accuracy_before, scaler=scaler)
+                 history, start_step, bad_steps, dist=d, lock=lock, accuracy_before=accuracy_before, scaler=scaler,
+                 done_step=start_step, checkpointed_step=start_step)
 
 
 def checkpoint(s: Setup, step: int) -> Path:
@@ -443,9 +474,12 @@ def checkpoint(s: Setup, step: int) -> Path:
     ckpt_dir = Path(s.cfg.output_dir) / "checkpoints"
     if s.dist.world > 1:
         payload = {k: v for k, v in payload.items() if k not in ("model", "optimizer")}
-        return distributed.save_sharded_checkpoint(ckpt_dir, step, payload, s.policy.model, s.optimizer,
+        path = distributed.save_sharded_checkpoint(ckpt_dir, step, payload, s.policy.model, s.optimizer,
                                                    keep=s.cfg.checkpoint.keep, d=s.dist)
-    return save_checkpoint(ckpt_dir, step, payload, keep=s.cfg.checkpoint.keep)
+    else:
+        path = save_checkpoint(ckpt_dir, step, payload, keep=s.cfg.checkpoint.keep)
+    s.checkpointed_step = step
+    return path
 
 
 def rollout_phase(policy: Policy, cfg: RunConfig, step: int) -> tuple[list[Example], Rollout]:
@@ -541,7 +575,7 @@ def finish(s: Setup, acc_before: float, acc_after: float, seconds: float) -> Sum
     disc_keys = dict.fromkeys(k for h in s.history for k in h if k.startswith("discrepancy/"))
     mean_disc = {k.split("/", 1)[1]: float(np.mean([h[k] for h in s.history if k in h])) for k in disc_keys}
     summary = Summary(acc_before, acc_after, {n: float(v) for n, v in zip(s.names, s.dual.lambda_C)}, mean_disc,
-                      cfg.steps, s.tracker.run_id, s.tracker.tracking_uri, str(out), seconds, s.start_step)
+                      cfg.steps, s.tracker.run_id, redact(s.tracker.tracking_uri), str(out), seconds, s.start_step)
     if s.dist.main:
         (out / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
     s.tracker.log_artifact(out / "summary.json")

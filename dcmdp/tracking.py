@@ -50,6 +50,7 @@ import json
 import logging
 import os
 import queue
+import re
 import shlex
 import shutil
 import subprocess
@@ -63,6 +64,7 @@ from typing import IO, Any, Iterable, Iterator, Optional
 from urllib.parse import quote, unquote, urlparse
 
 from dcmdp.config import ConfigError, TrackingConfig
+from dcmdp.redact import redact
 
 logger = logging.getLogger(__name__)
 
@@ -109,17 +111,52 @@ def sqlite_store_file(uri: str) -> Optional[Path]:
 
 
 def check_tracking_uri(uri: str, source: str) -> None:
-    """Raise ConfigError naming ``source`` (the config key or variable the URI came from) when no MLflow tracking
-    store serves the URI's scheme: such a run would create no run, log no params, and buffer its metrics for a
-    ``dcmdp sync`` that could never send them."""
+    """Raise ConfigError naming ``source`` (the config key or variable the URI came from) when MLflow would not
+    track to the URI: no store serves its scheme, or it is a file store (``file://`` or a plain path), which
+    MLflow 3 refuses to open unless ``MLFLOW_ALLOW_FILE_STORE`` is set. Such a run would create no run, log no
+    params, and buffer its metrics for a ``dcmdp sync`` that could never send them."""
+    from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
     from mlflow.tracking._tracking_service.utils import _tracking_store_registry as registry
 
+    scheme = urlparse(uri).scheme
+    file_store = scheme in ("", "file") or (len(scheme) == 1 and uri[1:3] in (":\\", ":/"))  # a Windows drive
+    usable = sorted(s for s in getattr(registry, "_registry", {}) if s and s != "file")
+    hint = f"use one of the schemes {', '.join(repr(s) for s in usable)}, e.g. sqlite:///path/to/mlflow.db"
+    if file_store and not MLFLOW_ALLOW_FILE_STORE.get():
+        raise ConfigError(f"config error at '{source}': {redact(uri)!r} is a file store, which MLflow "
+                          f"{_mlflow_version()} refuses to open (maintenance mode; MLFLOW_ALLOW_FILE_STORE=true "
+                          f"overrides it); {hint}")
     try:
         registry.get_store_builder(uri)
     except Exception:
-        schemes = ", ".join(repr(s) for s in sorted(getattr(registry, "_registry", {})) if s)
-        raise ConfigError(f"config error at '{source}': MLflow cannot use the tracking URI {uri!r} (scheme "
-                          f"{urlparse(uri).scheme!r}); use one of the schemes {schemes}, or a local path") from None
+        raise ConfigError(f"config error at '{source}': MLflow cannot use the tracking URI {redact(uri)!r} (scheme "
+                          f"{scheme!r}); {hint}") from None
+
+
+def check_tracking_config(cfg: TrackingConfig, output_dir: str | Path) -> None:
+    """What MLflow will refuse later, refused before the run starts (ConfigError naming the key): the tracking URI
+    (``check_tracking_uri``), an experiment or run name MLflow rejects, and a parent run id that is not a run id."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.validation import _validate_experiment_name
+
+    check_tracking_uri(resolve_tracking_uri(cfg, output_dir), tracking_uri_source(cfg))
+    try:
+        _validate_experiment_name(cfg.experiment)
+    except MlflowException as exc:
+        raise ConfigError(f"config error at 'tracking.experiment': {exc.message}") from None
+    if not cfg.experiment.strip():
+        raise ConfigError(f"config error at 'tracking.experiment': a blank name ({cfg.experiment!r}) is no name")
+    if cfg.run_name is not None and len(cfg.run_name) > 250:  # MLflow keeps run names of up to 250 characters
+        raise ConfigError(f"config error at 'tracking.run_name': {len(cfg.run_name)} characters; MLflow keeps at "
+                          f"most 250")
+    if cfg.parent_run_id is not None and not re.fullmatch(r"[0-9a-zA-Z_\-]{1,256}", cfg.parent_run_id):
+        raise ConfigError(f"config error at 'tracking.parent_run_id': {cfg.parent_run_id!r} is not an MLflow run id")
+
+
+def _mlflow_version() -> str:
+    from importlib.metadata import version
+
+    return version("mlflow")
 
 
 def tracking_uri_source(cfg: TrackingConfig) -> str:
@@ -268,7 +305,11 @@ class _Segment:
     def header(self) -> dict:
         with open(self.path, "rb") as f:
             line = f.readline()
-        return json.loads(line) if line.endswith(b"\n") else {}
+        try:
+            header = json.loads(line) if line.endswith(b"\n") else {}
+        except ValueError:  # damaged bytes in the header: the segment then names no URI (sync says so)
+            return {}
+        return header if isinstance(header, dict) else {}
 
     def pending(self) -> Iterator[tuple[int, dict]]:
         """(end offset, record) of every complete unsent line; a torn last line is not a record."""
@@ -281,8 +322,10 @@ class _Segment:
                     break
                 self.scanned = pos
                 try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
+                    record = json.loads(line)  # bytes: a line that is not UTF-8 raises UnicodeDecodeError
+                except ValueError:  # JSONDecodeError and UnicodeDecodeError: one bad line never blocks the rest
+                    record = None
+                if not isinstance(record, dict) or not isinstance(record.get("t"), str):
                     logger.warning("skipping an unreadable line in %s at byte %d", self.path, pos - len(line))
                     self.unreadable += 1
                     continue
@@ -349,6 +392,9 @@ class _Sender:
 
     def __post_init__(self) -> None:
         self.run_map.update(_read_run_map(self.buffer_dir))
+        if redact(self.tracking_uri) != self.tracking_uri:
+            # MLflow prints "View run ... at: <url>" with the URI's credentials: a secret must not reach the console
+            os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
         self._sqlite_file = sqlite_store_file(self.tracking_uri)
         self._sqlite_seen = False
 
@@ -721,7 +767,8 @@ class Tracker:
                                     if m.step > after_step)
         except Exception as exc:
             logger.warning("could not read the metrics of run %s at %s (%s); steps after %d that ran before the "
-                           "restart may appear twice", self.run_id, self.tracking_uri, str(exc)[:300], after_step)
+                           "restart may appear twice", self.run_id, redact(self.tracking_uri), redact(str(exc))[:300],
+                           after_step)
             return 0
         if self._logged:
             steps = sorted({step for _, step in self._logged})
@@ -786,7 +833,7 @@ class Tracker:
         self._emit([{"t": "end", "run": self.run_id, "status": status, "end_time": _now_ms()}], force=True)
         if self._segment is not None:
             logger.warning("MLflow at %s is unreachable: %d metrics of run %s stay buffered in %s; send them with "
-                           "`dcmdp sync` (dcmdp.tracking.sync_buffer)", self.tracking_uri, self._buffered,
+                           "`dcmdp sync` (dcmdp.tracking.sync_buffer)", redact(self.tracking_uri), self._buffered,
                            self.run_id, self._segment.path)
             self._segment.close()
             self._segment = None
@@ -871,14 +918,15 @@ class Tracker:
         if not self._outage:
             logger.warning("MLflow tracking at %s failed (%s: %s); training goes on and metrics are buffered in %s "
                            "until the store answers (sent on a later call, at finish, or by `dcmdp sync`)",
-                           self.tracking_uri, type(exc).__name__, str(exc)[:300], self.buffer_dir)
+                           redact(self.tracking_uri), type(exc).__name__, redact(str(exc))[:300], self.buffer_dir)
             self._outage = True
         self._retry_at = time.monotonic() + self._interval
         self._interval = min(2 * self._interval, self._max_interval)
 
     def _recovered(self, sent: int) -> None:
         if self._outage:
-            logger.warning("MLflow tracking at %s answers again; %d buffered metrics sent", self.tracking_uri, sent)
+            logger.warning("MLflow tracking at %s answers again; %d buffered metrics sent", redact(self.tracking_uri),
+                           sent)
         self._outage = False
         self._interval = self._retry_interval
         self._retry_at = 0.0

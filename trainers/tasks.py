@@ -420,6 +420,20 @@ class MathTask:
     def sample(self, rng: random.Random, n: int) -> list[Example]:
         return [rng.choice(self._train) for _ in range(n)]
 
+    def train_set(self) -> list[Example]:
+        """Every training example (``sample`` draws from these)."""
+        return list(self._train)
+
+    def keep_train(self, examples: list[Example]) -> None:
+        """Train on ``examples`` only (a non-empty subset of ``train_set``, e.g. the prompts that fit the context)."""
+        if not examples:
+            raise ValueError(f"{self.cfg.path}: no training example left")
+        self._train = list(examples)
+
+    def keep_eval(self, examples: list[Example]) -> None:
+        """Hold out ``examples`` only (a subset of ``eval_set``)."""
+        self._eval = list(examples)
+
     def eval_set(self) -> list[Example]:
         return list(self._eval)
 
@@ -609,6 +623,20 @@ class JsonlTask:
 
     def sample(self, rng: random.Random, n: int) -> list[Example]:
         return [rng.choice(self._train) for _ in range(n)]
+
+    def train_set(self) -> list[Example]:
+        """Every training example (``sample`` draws from these)."""
+        return list(self._train)
+
+    def keep_train(self, examples: list[Example]) -> None:
+        """Train on ``examples`` only (a non-empty subset of ``train_set``, e.g. the prompts that fit the context)."""
+        if not examples:
+            raise ValueError(f"{self.cfg.path}: no training example left")
+        self._train = list(examples)
+
+    def keep_eval(self, examples: list[Example]) -> None:
+        """Hold out ``examples`` only (a subset of ``eval_set``)."""
+        self._eval = list(examples)
 
     def eval_set(self) -> list[Example]:
         return list(self._eval)
