@@ -78,16 +78,16 @@ def _policy(task, context: int = 128):
 def test_training_and_held_out_prompts_too_long_for_the_context_are_skipped_at_load(tmp_path, monkeypatch, caplog):
     """A prompt of 150 characters (150 tokens) and one of 10 MB: both are skipped before the first step (the huge
     one by its length in characters, without tokenising it), counted in one warning per split."""
-    prompts = [f"{i}+{i}=" for i in range(10)] + ["1" * 150, "2" * 10_000_000] + ["9+9=", "8" * 126]
+    prompts = [f"{i}+{i}=" for i in range(10)] + ["1" * 150, "2" * 10_000_000] + ["7+8=", "8" * 126]
     _jsonl_task(tmp_path, prompts, "def score(prompt, completion, example):\n    return 1.0\n")
     monkeypatch.chdir(tmp_path)
     task = JsonlTask(TaskConfig(name="jsonl", path="data.jsonl", eval_size=2, reward="rewards.py:score"), 0)
     with caplog.at_level(logging.WARNING):
         screen_task_prompts(_policy(task), max_new_tokens=4)
     assert len(task.train_set()) == 10 and all(len(ex.prompt) < 10 for ex in task.train_set())
-    assert [ex.prompt for ex in task.eval_set()] == ["9+9="]
+    assert [ex.prompt for ex in task.eval_set()] == ["7+8="]
     assert "1 of 12 training prompts skipped: longer than" in caplog.text  # the 10 MB one, by characters
-    assert ("1 of 11 training prompts skipped: with rollout.max_new_tokens=4 they need more than the model's "
+    assert ("1 of 12 training prompts skipped: with rollout.max_new_tokens=4 they need more than the model's "
             "context of 128 positions (the longest has 150 tokens)") in caplog.text
     assert "1 of 2 held-out prompts skipped: with rollout.max_new_tokens=4" in caplog.text
 
@@ -123,8 +123,8 @@ def test_a_second_sigint_stops_a_run_whose_reward_hangs_with_a_checkpoint_and_a_
     _jsonl_task(tmp_path, [f"{i}+{i}=" for i in range(12)], HANG_AFTER_STEP_ONE)
     out, mark = tmp_path / "out", tmp_path / "hanging"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    env.update(OMP_NUM_THREADS="1", HANG_MARK=str(mark))
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "dcmdp"), "train",
+    env.update(OMP_NUM_THREADS="1", HANG_MARK=str(mark), PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "dcmdp.cli", "train",
                              *_overrides(out, "task.name=jsonl", "task.path=data.jsonl",
                                          "task.reward=rewards.py:score", "task.reward_timeout=600")],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
