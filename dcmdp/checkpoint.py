@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from pathlib import Path
 from types import FrameType
@@ -145,6 +146,83 @@ def clear_run_folder(folder: str | Path) -> None:
         log.warning("overwrite=true: removed %s of the earlier run", path)
 
 
+RUN_FILE = "run.json"
+
+
+def new_run_uid() -> str:
+    """A fresh run identity: kept in ``<output_dir>/run.json`` and in every checkpoint of the run."""
+    return uuid.uuid4().hex
+
+
+def read_run_file(folder: str | Path) -> dict[str, Any]:
+    """``<folder>/run.json`` (``uid``, ``run_id`` of the run that owns the folder); {} when absent or unreadable."""
+    try:
+        data = json.loads((Path(folder) / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_run_file(folder: str | Path, uid: str, run_id: Optional[str], parent: Optional[dict] = None) -> None:
+    """Record which run owns ``folder`` (atomically: a crash leaves the old file or the new one)."""
+    body = {"uid": uid, "run_id": run_id, **({"resumed_from": parent} if parent else {})}
+    tmp = Path(folder) / f".{RUN_FILE}.tmp"
+    tmp.write_text(json.dumps(body, indent=2) + "\n")
+    os.replace(tmp, Path(folder) / RUN_FILE)
+
+
+CONFIG_FILE, CONFIG_FALLBACK = "config.yaml", "config.resolved.yaml"
+# First line of every config.yaml a run writes: how a later run knows the file is its to replace.
+CONFIG_HEADER = "# dcmdp: the resolved config of the run in this folder (written by dcmdp train; replaced by the next run)"
+
+
+def write_config_yaml(folder: str | Path, text: str, schema_keys: Iterable[str]) -> Path:
+    """Write the run's resolved config to ``<folder>/config.yaml`` and return its path, unless a file there was not
+    written by a run (no ``CONFIG_HEADER``, and not a full resolved config: some of ``schema_keys`` missing at top
+    level), e.g. the user's own config kept in the output folder: that file is left as it is and the config goes
+    to ``config.resolved.yaml``, with a warning."""
+    folder = Path(folder)
+    path = folder / CONFIG_FILE
+    if path.exists() and not _written_by_a_run(path, set(schema_keys)):
+        log.warning("%s was not written by a run (your own config?): left as it is; this run's resolved config is "
+                    "in %s", path, folder / CONFIG_FALLBACK)
+        path = folder / CONFIG_FALLBACK
+    tmp = folder / f".{path.name}.tmp"
+    tmp.write_text(f"{CONFIG_HEADER}\n{text}")
+    os.replace(tmp, path)
+    return path
+
+
+def _written_by_a_run(path: Path, schema_keys: set[str]) -> bool:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    if text.startswith(CONFIG_HEADER):
+        return True
+    import yaml  # a config.yaml of an earlier dcmdp: the whole resolved config, without the header
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return False
+    return isinstance(data, dict) and schema_keys <= set(data)
+
+
+def checkpoint_run_uid(payload: dict[str, Any]) -> Optional[str]:
+    """The run identity a checkpoint payload carries (None for checkpoints written before identities)."""
+    run = payload.get("run")
+    return run.get("uid") if isinstance(run, dict) else None
+
+
+def manifest_run_uid(path: str | Path) -> Optional[str]:
+    """The run identity in a checkpoint's manifest, read without loading ``state.pt`` (None when absent)."""
+    try:
+        return json.loads((Path(path) / MANIFEST_FILE).read_text()).get("run_uid")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def capture_rng() -> dict[str, Any]:
     """RNG states of python ``random``, the numpy global generator, torch CPU and (if available) every CUDA device.
 
@@ -245,7 +323,7 @@ def _write_and_publish(tmp: Path, ckpt_dir: str | Path, step: int, payload: dict
             if name != STATE_FILE:
                 files[name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
         manifest = {"format_version": FORMAT_VERSION, "step": int(step), "files": files,
-                    "payload_keys": sorted(map(str, payload)),
+                    "payload_keys": sorted(map(str, payload)), "run_uid": checkpoint_run_uid(payload),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         _write_file(tmp / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
         _fsync_dir(tmp)
@@ -530,7 +608,10 @@ def _prune(ckpt_dir: Path, keep: int, written: Path) -> None:
 
     Failures only warn: the new checkpoint is already durable.
     """
-    complete = [p for p in _complete_or_not(ckpt_dir) if (p / MANIFEST_FILE).is_file()]
+    # another run's checkpoint copied in is neither counted nor deleted: keep applies to this run's own
+    own = manifest_run_uid(written)
+    complete = [p for p in _complete_or_not(ckpt_dir) if (p / MANIFEST_FILE).is_file()
+                and (own is None or manifest_run_uid(p) in (own, None))]
     for path in complete[keep:]:
         if path == written:
             continue

@@ -15,7 +15,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -27,8 +27,9 @@ from constraints.config import ConstraintConfig
 from constraints.measures import discrepancy_metrics, measure_constraint
 from constraints.penalties import constraint_names
 from dcmdp.async_rollout import RolloutWorker, screen_stale
-from dcmdp.checkpoint import (RunFolderError, RunFolderLock, SignalCheckpointer, capture_rng, clear_run_folder,
-                              load_checkpoint, load_resume_checkpoint, restore_rng, run_in_folder, save_checkpoint)
+from dcmdp.checkpoint import (RunFolderError, RunFolderLock, SignalCheckpointer, capture_rng, checkpoint_run_uid,
+                              clear_run_folder, load_checkpoint, load_resume_checkpoint, new_run_uid, read_run_file,
+                              restore_rng, run_in_folder, save_checkpoint, write_config_yaml, write_run_file)
 from dcmdp.config import ConfigError, RunConfig, flatten, resume_conflicts, to_yaml
 from dcmdp import distributed
 from dcmdp.dual import DualState, dual_step, init_state, penalty_spec
@@ -86,6 +87,8 @@ class Setup:
     checkpointed_step: int = 0
     # True from a step's first parameter update until its end: the weights are then between two steps.
     mid_update: bool = False
+    # This run's identity (``<output_dir>/run.json``), carried by its checkpoints.
+    run_uid: str = ""
 
 
 @dataclass
@@ -379,11 +382,26 @@ def setup(cfg: RunConfig) -> Setup:
         raise
 
 
-def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> tuple[Optional[Path], Optional[dict]]:
+@dataclass
+class _Start:
+    """Where a run starts: the checkpoint it continues (None: a fresh run) and whose run that is."""
+
+    resume: Optional[Path] = None
+    state: Optional[dict] = None
+    # The run identity this process logs under (``<output_dir>/run.json`` and every checkpoint).
+    uid: str = ""
+    # The checkpoint is another run's, named explicitly: a new MLflow run, linked to that one.
+    foreign: bool = False
+    # The MLflow run of an earlier run this folder held before ``overwrite=true`` cleared it.
+    replaced_run_id: Optional[str] = None
+
+
+def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> _Start:
     """The checkpoint to continue from and its payload, checked against ``cfg`` before any file or MLflow run is
     touched; for a fresh run, refuse (or with ``overwrite``, clear) a folder that holds an earlier run."""
     found = load_resume_checkpoint(out / "checkpoints", cfg.checkpoint.resume) if d.main else None
     resume = d.from_main(found[0] if found is not None else None)
+    owner = read_run_file(out)
     if resume is None:
         if cfg.checkpoint.resume and cfg.checkpoint.resume != "auto":
             raise FileNotFoundError(f"checkpoint.resume={cfg.checkpoint.resume!r}: no checkpoint there")
@@ -396,7 +414,8 @@ def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> tuple[Optio
                                  f"output_dir")
         if earlier and d.main:
             clear_run_folder(out)
-        return None, None
+        # the folder's earlier run, if its MLflow run is still RUNNING, was killed (the folder's lock is ours now)
+        return _Start(uid=new_run_uid(), replaced_run_id=owner.get("run_id"))
     state = found[1] if found is not None else load_checkpoint(resume)
     saved = state.get("config")
     if saved is None:
@@ -406,14 +425,41 @@ def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> tuple[Optio
         raise ConfigError(f"cannot resume from {resume}: the config differs from the checkpoint's in "
                           f"{'; '.join(conflicts)}. Resume with the checkpoint's values, or start a new run in "
                           f"another output_dir; nothing was changed")
+    if cfg.steps < int(state["step"]):
+        raise ConfigError(f"config error at 'steps': steps={cfg.steps} is below the step of the checkpoint it resumes "
+                          f"({int(state['step'])}, {resume}); a run cannot go back: set steps >= "
+                          f"{int(state['step'])}; nothing was changed")
     if "model" in state and d.world > 1:
         raise RunFolderError(f"checkpoint {resume} was written by a single-process run; resume it with world size 1 "
                              f"(without torchrun), or start the {d.world}-rank run afresh")
-    return resume, state
+    uid = checkpoint_run_uid(state)
+    if uid is None or uid == owner.get("uid"):
+        return _Start(resume, state, uid=uid or owner.get("uid") or new_run_uid())
+    whose = (f"run {uid} (MLflow run {state.get('run_id')}"
+             f"{', written in ' + state['run']['output_dir'] if state['run'].get('output_dir') else ''})")
+    inside = Path(resume).resolve().parent == (out / "checkpoints").resolve()
+    if cfg.checkpoint.resume == "auto" or inside:
+        raise RunFolderError(f"checkpoint {resume} belongs to another {whose}, not to the run of output_dir {out}"
+                             f"{' (run ' + owner['uid'] + ')' if owner.get('uid') else ''}: "
+                             + ("checkpoint.resume=auto continues a folder's own run only; "
+                                if cfg.checkpoint.resume == "auto" else "")
+                             + "to start a new run from it, move it out of checkpoints/ and name it: "
+                             "checkpoint.resume=<its path> (a new MLflow run, linked to that one); nothing was changed")
+    earlier = d.from_main(run_in_folder(out) if d.main else None)
+    if earlier and not cfg.overwrite:
+        raise RunFolderError(f"output_dir {out} already holds a run ({earlier}), and checkpoint {resume} belongs to "
+                             f"another {whose}: start from it in another output_dir, or clear this one with "
+                             f"overwrite=true; nothing was changed")
+    if earlier and d.main:
+        clear_run_folder(out)
+    log.warning("checkpoint %s belongs to another %s: starting a new MLflow run from its step %d, linked to that run "
+                "(tag dcmdp.resumed_from_run)", resume, whose, int(state["step"]))
+    return _Start(resume, state, uid=new_run_uid(), foreign=True, replaced_run_id=owner.get("run_id"))
 
 
 def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFolderLock]) -> Setup:
-    resume, state = _resume_state(cfg, out, d)
+    start = _resume_state(cfg, out, d)
+    resume, state = start.resume, start.state
     policy = build_policy(cfg, out, d=d, progress=show_bar(cfg))
     screen_task_prompts(policy, cfg.rollout.max_new_tokens)
     model = policy.model = distributed.shard_model(policy.model, cfg, d)
@@ -435,7 +481,7 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
         if scaler is not None and state.get("scaler") is not None:
             scaler.load_state_dict(state["scaler"])
         dual, history = DualState.from_state_dict(state["dual"]), list(state["history"])
-        start_step, run_id = int(state["step"]), state["run_id"]
+        start_step, run_id = int(state["step"]), None if start.foreign else state["run_id"]
         bad_steps = int(state.get("guard", {}).get("consecutive_bad_steps", 0))
         distributed.restore_rank_rng(state, d)
         # the engine must sample from the trainer's weights, not the cold start's, from the first new rollout
@@ -443,20 +489,27 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
         accuracy_before = state.get("accuracy_before")
         log.info("resumed from %s at step %d (MLflow run %s)", resume, start_step, run_id)
     tracker = Tracker(cfg.tracking, out) if d.main else NoTracker()
+    parent = ({"run_id": state.get("run_id"), "uid": checkpoint_run_uid(state), "checkpoint": str(resume)}
+              if start.foreign else None)
     tracker.start(flatten(cfg), run_id=run_id,
                   tags={"model.preset": cfg.model.preset, "dcmdp.version": _version(),
-                        "dcmdp.output_dir": str(out.resolve()), **provenance_tags()})
-    if resume is not None and d.main:
+                        "dcmdp.output_dir": str(out.resolve()), "dcmdp.run_uid": start.uid, **provenance_tags(),
+                        **({"dcmdp.resumed_from_run": str(parent["run_id"]), "dcmdp.resumed_from": str(resume)}
+                           if parent else {})})
+    if d.main:
+        write_run_file(out, start.uid, tracker.run_id, parent)
+        if start.replaced_run_id and start.replaced_run_id != tracker.run_id:
+            tracker.end_stale_run(start.replaced_run_id)
+    if resume is not None and d.main and not start.foreign:
         # the steps between the checkpoint and the crash were logged once already: they are not logged again
         tracker.skip_logged(after_step=start_step)
     if d.main:  # written once the run has started cleanly: a run that failed to start leaves the old one
-        (out / "config.yaml").write_text(to_yaml(cfg, public=True))
-    tracker.log_artifact(out / "config.yaml")
+        tracker.log_artifact(write_config_yaml(out, to_yaml(cfg, public=True), [f.name for f in fields(RunConfig)]))
     scoring = learner.ScoringSpec(temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
                                   moe=policy.moe, shard=d.shard, micro_batch_tokens=cfg.algo.micro_batch_tokens)
     return Setup(cfg, policy, scoring, optimizer, scheduler, dual, tracker, constraint_names(cfg.dual.constraints),
                  history, start_step, bad_steps, dist=d, lock=lock, accuracy_before=accuracy_before, scaler=scaler,
-                 done_step=start_step, checkpointed_step=start_step)
+                 done_step=start_step, checkpointed_step=start_step, run_uid=start.uid)
 
 
 def checkpoint(s: Setup, step: int) -> Path:
@@ -470,6 +523,7 @@ def checkpoint(s: Setup, step: int) -> Path:
                "dual": s.dual.state_dict(), "engine_version": s.policy.engine.version, "run_id": s.tracker.run_id,
                "history": s.history, "rng": capture_rng(), "guard": {"consecutive_bad_steps": s.bad_steps},
                "config": flatten(s.cfg), "accuracy_before": s.accuracy_before,
+               "run": {"uid": s.run_uid, "output_dir": str(Path(s.cfg.output_dir).resolve())},
                "scaler": s.scaler.state_dict() if s.scaler is not None else None}
     ckpt_dir = Path(s.cfg.output_dir) / "checkpoints"
     if s.dist.world > 1:

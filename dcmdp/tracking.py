@@ -750,6 +750,22 @@ class Tracker:
                 pass  # not empty, or already gone: not ours to remove
         return self.run_id  # type: ignore[return-value]
 
+    def end_stale_run(self, run_id: str) -> None:
+        """Mark ``run_id`` KILLED if the store still shows it RUNNING: the run this folder held before
+        ``overwrite=true`` cleared it. Its process is gone (the folder's run lock is ours), so a RUNNING status only
+        means it was killed (``kill -9``, power loss) before it could end the run. Never raises."""
+        if not run_id or run_id.startswith(LOCAL_ID_PREFIX):
+            return
+        try:
+            client = self._sender._client()
+            if client.get_run(run_id).info.status == "RUNNING":
+                client.set_terminated(run_id, status="KILLED")
+                logger.warning("MLflow run %s of the earlier run in %s was left RUNNING (its process was killed): "
+                               "marked KILLED", run_id, self.output_dir)
+        except Exception as exc:
+            logger.warning("could not check the earlier MLflow run %s at %s: %s", run_id, redact(self.tracking_uri),
+                           redact(str(exc))[:300])
+
     def skip_logged(self, after_step: int) -> int:
         """Read which metrics the store holds for this run at steps > ``after_step``; ``log_metrics`` leaves those
         (key, step) pairs out. A run resumed from the checkpoint of ``after_step`` repeats the steps that ran
@@ -967,6 +983,9 @@ class NoTracker:
         pass
 
     def flush(self) -> None:
+        pass
+
+    def end_stale_run(self, *args, **kwargs) -> None:
         pass
 
     def finish(self, *args, **kwargs) -> None:
