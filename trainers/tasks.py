@@ -55,6 +55,7 @@ JSONL files are read as UTF-8 with an optional byte-order mark.
 from __future__ import annotations
 
 import copy
+import decimal
 import hashlib
 import importlib
 import importlib.util
@@ -346,13 +347,23 @@ def _load_jsonl(path: str | os.PathLike, parse: Callable[[Any, str], Example], t
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{task} task file not found: {path!r}")
     examples = []
-    with open(path, encoding="utf-8-sig") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        head = f.read(4)
+        f.seek(0)
+        if head[:2] == b"\x1f\x8b" or head[:4] in (b"PK\x03\x04", b"BZh9", b"\xfd7zX"):
+            raise ValueError(f"{path}: a compressed file (it starts with the bytes {head!r}); decompress it: the task "
+                             f"reads JSON lines as plain UTF-8 text")
+        for lineno, raw in enumerate(f, start=1):
             try:
+                # a byte-order mark may open the file; each line is decoded alone, so a bad byte names its line
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                if not line.strip():
+                    continue
                 examples.append(parse(json.loads(line), f"{path}:{lineno}"))
             except ValueError as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+                if isinstance(exc, UnicodeDecodeError):
+                    exc = ValueError(f"not UTF-8 ({exc.reason}: byte {raw[exc.start:exc.start + 1]!r} at column "
+                                     f"{exc.start + 1}); save the file as UTF-8")
                 msg = f"{path}:{lineno}: malformed {task} example: {exc}"
                 if on_error == "raise":
                     raise ValueError(msg) from exc
@@ -524,6 +535,11 @@ def load_reward(spec: str) -> RewardFunction:
         raise _reward_error(spec, f"{target!r} has no {name!r} (its functions: {', '.join(found) or 'none'})")
     if not callable(fn):
         raise _reward_error(spec, f"{name!r} in {target!r} is a {type(fn).__name__}, not a function")
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        raise _reward_error(spec, f"{name!r} is an async function: its calls return awaitables, not numbers; make it "
+                                  f"a plain def (run any awaits inside it with asyncio.run)")
+    if inspect.isgeneratorfunction(fn):
+        raise _reward_error(spec, f"{name!r} is a generator function (it yields): a reward must return one number")
     try:
         inspect.signature(fn).bind("prompt", "completion", {})
     except TypeError as exc:
@@ -614,6 +630,9 @@ class JsonlTask:
             raise ValueError("config error at 'task.path': task 'jsonl' needs a JSON-lines file of prompts "
                              "(one {\"prompt\": ...} object per line)")
         for key, path in (("task.path", cfg.path), ("task.eval_path", cfg.eval_path)):
+            if path and os.path.exists(path) and not os.path.isfile(path):
+                what = "a directory" if os.path.isdir(path) else "not a regular file (a device, a pipe or a socket)"
+                raise ValueError(f"config error at '{key}': {os.path.abspath(path)} is {what}; name a JSON-lines file")
             if path and not os.path.isfile(path):
                 raise ValueError(f"config error at '{key}': file not found: {os.path.abspath(path)}")
         if not cfg.reward:
@@ -644,8 +663,8 @@ class JsonlTask:
     def reward(self, completion: str, example: Example) -> Any:
         record = example.record if isinstance(example, RecordExample) else {"prompt": example.prompt}
         # a deep copy: a reward that edits a nested value of its example must not change the data set
-        return call_with_timeout(self._reward, (example.prompt, completion, copy.deepcopy(record)),
-                                 self.cfg.reward_timeout)
+        return _guarded(self.reward_name, self._reward, (example.prompt, completion, copy.deepcopy(record)),
+                        self.cfg.reward_timeout)
 
     def check_demonstrations(self) -> None:
         """ValueError unless every record has a ``"completion"`` (the cold start trains on them)."""
@@ -722,11 +741,43 @@ def call_with_timeout(fn: Callable[..., Any], args: tuple, seconds: float) -> An
     return box["value"]
 
 
+# the process state a reward might change by mistake and that the run depends on: restored after every call
+_GUARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)
+_warned_side_effects: set[tuple[str, str]] = set()
+
+
+def _guarded(name: str, fn: Callable[..., Any], args: tuple, seconds: float) -> Any:
+    """``call_with_timeout`` of a user's reward, then undo what it must not change: the working directory (the run's
+    relative paths: checkpoints, the output folder) and the SIGINT / SIGTERM / SIGQUIT handlers (which keep the run
+    interruptible and checkpoint it on a stop). Each change is restored and warned about once per reward and kind."""
+    cwd = os.getcwd()
+    handlers = {s: signal.getsignal(s) for s in _GUARDED_SIGNALS} if threading.current_thread() is \
+        threading.main_thread() else {}
+    try:
+        return call_with_timeout(fn, args, seconds)
+    finally:
+        changed = []
+        if os.getcwd() != cwd:
+            os.chdir(cwd)
+            changed.append(("working directory", "os.chdir"))
+        for s, handler in handlers.items():
+            if signal.getsignal(s) is not handler:
+                signal.signal(s, handler)
+                changed.append((f"{signal.Signals(s).name} handler", "signal.signal"))
+        for what, how in changed:
+            if (name, what) not in _warned_side_effects:
+                _warned_side_effects.add((name, what))
+                log.warning("reward %s changed the process's %s (%s); restored after each call: a reward must not "
+                            "change process state the run depends on", name, what, how)
+
+
 def _as_number(value: Any) -> tuple[Optional[float], Optional[str]]:
     """(the reward as a float, None) or (None, why it is not usable): a finite real number; bool counts as 0 or 1,
     and numpy scalars (``np.bool_``, ``np.float32``, ...) as the Python values they hold."""
     if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
         value = value.item()
+    if isinstance(value, decimal.Decimal):
+        value = float(value)
     if not isinstance(value, numbers.Real):
         return None, f"returned {type(value).__name__} {repr(value)[:40]}, not a number"
     number = float(value)
