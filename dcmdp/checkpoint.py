@@ -362,6 +362,9 @@ def verify_checkpoint(path: str | Path) -> tuple[bool, str]:
         return False, f"{MANIFEST_FILE} lists no {STATE_FILE}"
     total = 0
     for name, meta in files.items():
+        # a manifest names files inside its checkpoint only: an edited one must not make us read elsewhere
+        if not isinstance(name, str) or name.startswith(("/", "\\")) or ".." in Path(name).parts:
+            return False, f"{MANIFEST_FILE} names a file outside the checkpoint: {name!r}"
         try:
             expected_bytes, expected_sha = int(meta["bytes"]), str(meta["sha256"])
         except (KeyError, TypeError, ValueError):
@@ -402,6 +405,12 @@ def find_resume_checkpoint(ckpt_dir: str | Path, resume: Optional[str]) -> Optio
     path = Path(resume)
     if not path.exists():
         raise CheckpointError(f"resume checkpoint {path} does not exist")
+    if path.is_file() and path.name in (STATE_FILE, MANIFEST_FILE):
+        raise CheckpointError(f"resume checkpoint {path} is a file of a checkpoint: name its folder, "
+                              f"checkpoint.resume={path.parent}")
+    if path.is_dir() and not (path / MANIFEST_FILE).exists() and (steps := _complete_or_not(path)):
+        raise CheckpointError(f"resume checkpoint {path} is a folder of checkpoints, not one checkpoint: name one "
+                              f"(newest: {steps[0]}), or use checkpoint.resume=auto for an output_dir's own")
     ok, why = verify_checkpoint(path)
     if not ok:
         raise CheckpointError(f"resume checkpoint {path} is not valid: {why}")

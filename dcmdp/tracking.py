@@ -280,6 +280,9 @@ class _Segment:
             seg.offset = int(json.loads(seg.sent_path.read_text())["offset"])
         except FileNotFoundError:
             seg.offset = 0
+        except (ValueError, KeyError, TypeError) as exc:  # damaged: where sending stopped is unknown
+            fh.close()
+            raise _UnreadableProgress(f"{seg.sent_path} ({type(exc).__name__}: {exc})") from None
         if seg.files_dir.is_dir():
             seg._n_files = sum(1 for _ in seg.files_dir.iterdir())
         return seg
@@ -361,6 +364,10 @@ def _segments(buffer_dir: Path) -> list[Path]:
 
 # --------------------------------------------------------------------------------------------------
 # Sending records.
+
+
+class _UnreadableProgress(Exception):
+    """A segment's ``.sent`` file (how far it was sent) cannot be read."""
 
 
 class _Blocked(Exception):
@@ -620,7 +627,14 @@ def sync_report(buffer_dir: str | Path, tracking_uri: Optional[str] = None) -> S
     senders: dict[str, _Sender] = {}
     report = SyncReport()
     for path in _segments(buffer_dir):
-        seg = _Segment.open_existing(path)
+        try:
+            seg = _Segment.open_existing(path)
+        except _UnreadableProgress as exc:
+            logger.warning("segment %s: its progress file %s is unreadable; skipped", path, exc)
+            report.remaining.append(f"{path}: its progress file {exc} is unreadable, so where sending stopped is "
+                                    f"unknown; delete that file to send the whole segment again (records sent "
+                                    f"before are then sent twice)")
+            continue
         if seg is None:
             logger.info("segment %s is in use by a running tracker; skipped", path)
             report.remaining.append(f"{path}: in use by a running tracker (sent by it, or by a sync once it ends)")

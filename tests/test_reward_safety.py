@@ -143,3 +143,63 @@ def test_a_reward_that_calls_sys_exit_is_reported_as_such(tmp_path, monkeypatch,
     with caplog.at_level(logging.WARNING):
         assert score_completions(task, ["7", "7"], task.eval_set()) == ([0.0, 0.0], 2)
     assert "(first: exited (sys.exit(3)): a reward must return a number" in caplog.records[-1].getMessage()
+
+
+MORE_REWARDS = '''
+import decimal, os, signal
+
+async def coro(prompt, completion, example):
+    return 1.0
+
+def gen(prompt, completion, example):
+    yield 1.0
+
+def exact(prompt, completion, example):
+    return decimal.Decimal("0.25")
+
+def wanders(prompt, completion, example):
+    os.chdir("/")
+    return 1.0
+
+def deafens(prompt, completion, example):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return 1.0
+'''
+
+
+@pytest.mark.parametrize("fn, why", [("coro", "is an async function"), ("gen", "is a generator function")])
+def test_an_async_or_generator_reward_is_a_config_error(tmp_path, monkeypatch, fn, why):
+    (tmp_path / "more.py").write_text(MORE_REWARDS)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=f"config error at 'task.reward': 'more.py:{fn}': '{fn}' {why}"):
+        tasks.load_reward(f"more.py:{fn}")
+
+
+def _more(tmp_path, monkeypatch, fn):
+    task = _task(tmp_path, monkeypatch, "np_float")
+    (tmp_path / "more.py").write_text(MORE_REWARDS)
+    task._reward, task.reward_name = tasks.load_reward(f"more.py:{fn}"), f"more.py:{fn}"
+    return task
+
+
+def test_a_decimal_reward_is_a_number(tmp_path, monkeypatch):
+    task = _more(tmp_path, monkeypatch, "exact")
+    assert score_completions(task, ["7"], task.eval_set()[:1]) == ([0.25], 0)
+
+
+def test_a_reward_that_changes_the_working_directory_or_the_signal_handlers_is_undone(tmp_path, monkeypatch, caplog):
+    """A reward that chdirs would move every relative path of the run (checkpoints, outputs); one that ignores
+    SIGINT / SIGTERM would make the run deaf. Both are restored after each call, with one warning each."""
+    task = _more(tmp_path, monkeypatch, "wanders")
+    with caplog.at_level(logging.WARNING):
+        assert score_completions(task, ["7", "7"], task.eval_set()) == ([1.0, 1.0], 0)
+    assert Path.cwd() == tmp_path
+    assert caplog.text.count("reward more.py:wanders changed the process's working directory (os.chdir)") == 1
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    task = _more(tmp_path, monkeypatch, "deafens")
+    with caplog.at_level(logging.WARNING):
+        assert score_completions(task, ["7", "7"], task.eval_set()) == ([1.0, 1.0], 0)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+    assert "changed the process's SIGINT handler (signal.signal)" in caplog.text
+    assert "changed the process's SIGTERM handler (signal.signal)" in caplog.text
