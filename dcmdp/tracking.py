@@ -576,9 +576,14 @@ class _Sender:
 
 def _read_run_map(buffer_dir: Path) -> dict[str, str]:
     try:
-        return json.loads((buffer_dir / "runs.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        found = json.loads((buffer_dir / "runs.json").read_bytes())
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError) as exc:  # unreadable (a failing disk, damaged bytes): the tracker must still start
+        logger.warning("cannot read %s (%s); buffered records that name a placeholder run id may not be sendable",
+                       buffer_dir / "runs.json", exc)
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def _write_run_map(buffer_dir: Path, new: dict[str, str]) -> None:
@@ -715,6 +720,9 @@ class Tracker:
         self._outage = False
         self._warned_values = False
         self._finished = False
+        # records that could be neither sent nor buffered (the buffer's disk failed), and whether it fails now
+        self._lost = 0
+        self._buffer_failing = False
         # (key, step) pairs the store already holds for a resumed run (``skip_logged``): not logged again
         self._logged: set[tuple[str, int]] = set()
 
@@ -867,6 +875,9 @@ class Tracker:
                            self.run_id, self._segment.path)
             self._segment.close()
             self._segment = None
+        if self._lost:
+            logger.error("%d tracking records of run %s were lost: the store did not answer and the buffer in %s "
+                         "could not be written", self._lost, self.run_id, self.buffer_dir)
 
     def __enter__(self) -> "Tracker":
         return self
@@ -921,9 +932,18 @@ class Tracker:
                 self._segment.append(rec)
                 self._buffered += rec["t"] == "metric"
         except OSError as exc:
-            # The disk itself fails: nothing more can be done without stopping the run.
-            logger.error("cannot write the tracking buffer in %s: %s; %d records lost", self.buffer_dir, exc,
-                         len(records))
+            # The disk itself fails: nothing more can be done without stopping the run. One line, not one per step:
+            # a full disk must not bury the error that matters (a checkpoint that cannot be written) in repeats
+            self._lost += len(records)
+            if not self._buffer_failing:
+                logger.error("cannot write the tracking buffer in %s: %s; these metrics are lost until it can be "
+                             "written again (the count is given at the end of the run)", self.buffer_dir, exc)
+            self._buffer_failing = True
+            return
+        if self._buffer_failing:
+            logger.warning("the tracking buffer in %s can be written again; %d records were lost meanwhile",
+                           self.buffer_dir, self._lost)
+        self._buffer_failing = False
 
     def _try_drain(self) -> None:
         seg = self._segment

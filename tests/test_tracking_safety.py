@@ -116,3 +116,54 @@ def test_a_buffer_line_of_bytes_that_are_not_utf8_is_skipped_and_never_blocks_th
     client = MlflowClient(store)
     [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert run.info.status == "FINISHED" and run.data.metrics == {"m": 2.0, "n": 3.0}
+
+
+def _closed_port() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_an_unwritable_buffer_during_an_outage_is_one_error_and_a_count_not_one_per_step(tmp_path, caplog):
+    """What a full disk does to the tracker: every step's metrics can be neither sent nor buffered. One error when it
+    starts and the count at the end, so a checkpoint error that follows is not buried in repeats."""
+    import logging
+
+    (tmp_path / "disk").write_text("")  # a buffer folder under a file: every write fails, as on a full disk
+    buffer_dir = tmp_path / "disk" / "buffer"
+    with caplog.at_level(logging.WARNING):
+        tracker = Tracker(TrackingConfig(uri=f"http://{_closed_port()}", buffer_dir=str(buffer_dir),
+                                         async_log=False), tmp_path)
+        tracker.start({"p": "1"})
+        for step in range(1, 6):
+            tracker.log_metrics({"m": float(step)}, step=step)
+        tracker.finish()
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 2 and errors[0].startswith(f"cannot write the tracking buffer in {buffer_dir}")
+    assert errors[1].startswith("8 tracking records of run ") and not any(r.exc_info for r in caplog.records)
+
+
+def test_a_password_in_the_uri_is_not_in_the_outage_warning(tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        tracker = Tracker(TrackingConfig(uri=f"http://me:hunter22secret@{_closed_port()}",
+                                         buffer_dir=str(tmp_path / "b"), async_log=False), tmp_path)
+        tracker.start({"p": "1"})
+        tracker.finish()
+    assert "MLflow tracking at http://me:***@127.0.0.1:" in caplog.text and "hunter22secret" not in caplog.text
+
+
+def test_a_damaged_segment_header_is_reported_not_a_crash(tmp_path):
+    buffer_dir = tmp_path / "buffer"
+    tracker = Tracker(TrackingConfig(uri=f"http://{_closed_port()}", buffer_dir=str(buffer_dir), async_log=False),
+                      tmp_path)
+    tracker.start({"p": "1"})
+    tracker.finish()
+    [segment] = buffer_dir.glob("*.jsonl")
+    data = segment.read_bytes()
+    segment.write_bytes(b"\xff\xfe" + data[2:])
+    report = sync_report(buffer_dir)
+    assert report.remaining == [f"{segment}: names no tracking URI; pass one with --tracking-uri"]
