@@ -21,7 +21,8 @@ from mlflow.tracking import MlflowClient
 from dcmdp.config import load_config
 from dcmdp.loop import train
 from dcmdp.policy import screen_task_prompts
-from trainers.config import TaskConfig
+from trainers.config import ModelConfig, TaskConfig
+from trainers.models import build_model
 from trainers.tasks import JsonlTask, RewardRangeError
 from trainers.tokenizer import build_char_tokenizer
 
@@ -70,9 +71,12 @@ def test_a_fatal_error_after_a_finished_step_checkpoints_it_first(tmp_path, monk
     assert _runs(out) == ["FAILED"]
 
 
-def _policy(task, context: int = 128):
-    return SimpleNamespace(task=task, tokenizer=build_char_tokenizer(),
-                           model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=context)))
+def _policy(task):
+    """The task with the tiny-dense model (a context of 128 positions) and its character tokenizer."""
+    tokenizer = build_char_tokenizer()
+    model = build_model(ModelConfig(preset="tiny-dense"), len(tokenizer), seed=0)
+    assert model.config.max_position_embeddings == 128
+    return SimpleNamespace(task=task, tokenizer=tokenizer, model=model)
 
 
 def test_training_and_held_out_prompts_too_long_for_the_context_are_skipped_at_load(tmp_path, monkeypatch, caplog):
