@@ -135,3 +135,30 @@ def test_overwrite_after_a_kill_marks_the_old_mlflow_run_killed_and_keeps_the_us
     assert runs[old_id].info.status == "KILLED" and runs[summary.run_id].info.status == "FINISHED"
     assert (out / "config.yaml").read_text() == mine
     assert (out / "config.resolved.yaml").read_text().startswith(CONFIG_HEADER)
+
+
+def test_another_runs_checkpoint_named_for_a_folder_with_its_own_run_needs_overwrite(run_a, tmp_path):
+    state = torch.load(run_a / "checkpoints" / "step_00000002" / "state.pt", weights_only=False)
+    state["run"] = {"uid": "f" * 32, "output_dir": "/elsewhere/out"}
+    other = save_checkpoint(tmp_path / "other", 2, state, keep=1)
+    out = tmp_path / "e"
+    shutil.copytree(run_a, out)
+    before = _digest(out)
+    with pytest.raises(RunFolderError, match=rf"output_dir {out} already holds a run \(checkpoints up to step 2 and "
+                                             rf"summary.json\), and checkpoint {other} belongs to another run "
+                                             rf"f{{32}} \(MLflow run \w+, written in /elsewhere/out\)"):
+        train(load_config(None, _overrides(out, f"checkpoint.resume={other}", "steps=3")))
+    assert _digest(out) == before
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_marked_killed_by_the_next_run(run_a, tmp_path):
+    """No checkpoint and no summary: the next run needs no overwrite, and the dead run's MLflow run is ended."""
+    out = tmp_path / "f"
+    shutil.copytree(run_a, out)
+    shutil.rmtree(out / "checkpoints")
+    (out / "summary.json").unlink()
+    [old_id] = _runs(out)
+    _client(out).update_run(old_id, status="RUNNING")
+    summary = train(load_config(None, _overrides(out, "steps=1")))
+    runs = _runs(out)
+    assert runs[old_id].info.status == "KILLED" and runs[summary.run_id].info.status == "FINISHED"
