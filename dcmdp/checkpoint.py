@@ -22,6 +22,7 @@ One writer per ``ckpt_dir`` (rank 0): a second writer's temporary directory woul
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -37,10 +38,11 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from pathlib import Path
 from types import FrameType
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -144,6 +146,83 @@ def clear_run_folder(folder: str | Path) -> None:
         log.warning("overwrite=true: removed %s of the earlier run", path)
 
 
+RUN_FILE = "run.json"
+
+
+def new_run_uid() -> str:
+    """A fresh run identity: kept in ``<output_dir>/run.json`` and in every checkpoint of the run."""
+    return uuid.uuid4().hex
+
+
+def read_run_file(folder: str | Path) -> dict[str, Any]:
+    """``<folder>/run.json`` (``uid``, ``run_id`` of the run that owns the folder); {} when absent or unreadable."""
+    try:
+        data = json.loads((Path(folder) / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_run_file(folder: str | Path, uid: str, run_id: Optional[str], parent: Optional[dict] = None) -> None:
+    """Record which run owns ``folder`` (atomically: a crash leaves the old file or the new one)."""
+    body = {"uid": uid, "run_id": run_id, **({"resumed_from": parent} if parent else {})}
+    tmp = Path(folder) / f".{RUN_FILE}.tmp"
+    tmp.write_text(json.dumps(body, indent=2) + "\n")
+    os.replace(tmp, Path(folder) / RUN_FILE)
+
+
+CONFIG_FILE, CONFIG_FALLBACK = "config.yaml", "config.resolved.yaml"
+# First line of every config.yaml a run writes: how a later run knows the file is its to replace.
+CONFIG_HEADER = "# dcmdp: the resolved config of the run in this folder (written by dcmdp train; replaced by the next run)"
+
+
+def write_config_yaml(folder: str | Path, text: str, schema_keys: Iterable[str]) -> Path:
+    """Write the run's resolved config to ``<folder>/config.yaml`` and return its path, unless a file there was not
+    written by a run (no ``CONFIG_HEADER``, and not a full resolved config: some of ``schema_keys`` missing at top
+    level), e.g. the user's own config kept in the output folder: that file is left as it is and the config goes
+    to ``config.resolved.yaml``, with a warning."""
+    folder = Path(folder)
+    path = folder / CONFIG_FILE
+    if path.exists() and not _written_by_a_run(path, set(schema_keys)):
+        log.warning("%s was not written by a run (your own config?): left as it is; this run's resolved config is "
+                    "in %s", path, folder / CONFIG_FALLBACK)
+        path = folder / CONFIG_FALLBACK
+    tmp = folder / f".{path.name}.tmp"
+    tmp.write_text(f"{CONFIG_HEADER}\n{text}")
+    os.replace(tmp, path)
+    return path
+
+
+def _written_by_a_run(path: Path, schema_keys: set[str]) -> bool:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    if text.startswith(CONFIG_HEADER):
+        return True
+    import yaml  # a config.yaml of an earlier dcmdp: the whole resolved config, without the header
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return False
+    return isinstance(data, dict) and schema_keys <= set(data)
+
+
+def checkpoint_run_uid(payload: dict[str, Any]) -> Optional[str]:
+    """The run identity a checkpoint payload carries (None for checkpoints written before identities)."""
+    run = payload.get("run")
+    return run.get("uid") if isinstance(run, dict) else None
+
+
+def manifest_run_uid(path: str | Path) -> Optional[str]:
+    """The run identity in a checkpoint's manifest, read without loading ``state.pt`` (None when absent)."""
+    try:
+        return json.loads((Path(path) / MANIFEST_FILE).read_text()).get("run_uid")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def capture_rng() -> dict[str, Any]:
     """RNG states of python ``random``, the numpy global generator, torch CPU and (if available) every CUDA device.
 
@@ -244,7 +323,7 @@ def _write_and_publish(tmp: Path, ckpt_dir: str | Path, step: int, payload: dict
             if name != STATE_FILE:
                 files[name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
         manifest = {"format_version": FORMAT_VERSION, "step": int(step), "files": files,
-                    "payload_keys": sorted(map(str, payload)),
+                    "payload_keys": sorted(map(str, payload)), "run_uid": checkpoint_run_uid(payload),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         _write_file(tmp / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
         _fsync_dir(tmp)
@@ -283,6 +362,9 @@ def verify_checkpoint(path: str | Path) -> tuple[bool, str]:
         return False, f"{MANIFEST_FILE} lists no {STATE_FILE}"
     total = 0
     for name, meta in files.items():
+        # a manifest names files inside its checkpoint only: an edited one must not make us read elsewhere
+        if not isinstance(name, str) or name.startswith(("/", "\\")) or ".." in Path(name).parts:
+            return False, f"{MANIFEST_FILE} names a file outside the checkpoint: {name!r}"
         try:
             expected_bytes, expected_sha = int(meta["bytes"]), str(meta["sha256"])
         except (KeyError, TypeError, ValueError):
@@ -323,6 +405,12 @@ def find_resume_checkpoint(ckpt_dir: str | Path, resume: Optional[str]) -> Optio
     path = Path(resume)
     if not path.exists():
         raise CheckpointError(f"resume checkpoint {path} does not exist")
+    if path.is_file() and path.name in (STATE_FILE, MANIFEST_FILE):
+        raise CheckpointError(f"resume checkpoint {path} is a file of a checkpoint: name its folder, "
+                              f"checkpoint.resume={path.parent}")
+    if path.is_dir() and not (path / MANIFEST_FILE).exists() and (steps := _complete_or_not(path)):
+        raise CheckpointError(f"resume checkpoint {path} is a folder of checkpoints, not one checkpoint: name one "
+                              f"(newest: {steps[0]}), or use checkpoint.resume=auto for an output_dir's own")
     ok, why = verify_checkpoint(path)
     if not ok:
         raise CheckpointError(f"resume checkpoint {path} is not valid: {why}")
@@ -365,31 +453,62 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} verified but could not be loaded: {exc}") from exc
 
 
+class ForcedStop(KeyboardInterrupt):
+    """A second SIGINT/SIGTERM, or a SIGQUIT, inside the training loop: stop now, not at the end of the step."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 class SignalCheckpointer:
-    """Context manager that turns SIGINT/SIGTERM into a flag the training loop polls.
+    """Context manager that turns SIGINT/SIGTERM into a flag the training loop polls, and a repeated one (or a
+    SIGQUIT) into an immediate stop.
 
-    Inside the ``with`` block a signal only sets ``requested`` (and records ``signum``, ``count``): the
-    handler does no I/O and takes no lock. The loop checks ``requested`` after each step, saves a
-    checkpoint and leaves the block; on exit the previous handlers are restored.
+    Inside the ``with`` block a first SIGINT/SIGTERM only sets ``requested`` (and records ``signum``, ``count``): the
+    handler does no I/O and takes no lock. The loop checks ``requested`` after each step, saves a checkpoint and
+    leaves the block; on exit the previous handlers are restored.
 
-    Repeated signals are counted and otherwise ignored, whether they arrive during a step or during the
-    save: the save is never interrupted half-way (schedulers send SIGTERM, wait a grace period, then
-    SIGKILL, so the hard stop still comes from outside). To force-stop by hand use SIGQUIT (Ctrl-\\) or
-    SIGKILL, which are left alone. Must be entered from the main thread (a python rule for handlers).
+    A second SIGINT/SIGTERM, or a SIGQUIT (Ctrl-\\), raises ``ForcedStop`` (a KeyboardInterrupt) where the loop
+    is: a step that never ends (a hung reward, a stuck engine) cannot make the run deaf, and the caller ends the
+    MLflow run KILLED and checkpoints the last completed step. While ``hold()`` is active (a checkpoint being
+    written) signals are only counted, so a save is never interrupted half-way; a forced stop requested then is
+    raised when the save is done. Must be entered from the main thread (a python rule for handlers).
     """
 
-    def __init__(self, signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM)):
+    def __init__(self, signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM), force: Iterable[int] = (signal.SIGQUIT,)):
         self.signals = tuple(signals)
+        self.force = tuple(force)
         self.requested = False
         self.signum: Optional[int] = None
         self.count = 0
+        self._holding = 0
+        self._forced: Optional[int] = None
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
-        if not self.requested:
+        first = not self.requested
+        if first:
             self.signum = signum
         self.requested = True
         self.count += 1
+        if signum in self.force or not first:
+            if self._holding:
+                self._forced = signum
+            else:
+                raise ForcedStop(signum)
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Signals only counted inside: a checkpoint being written is never cut short."""
+        self._holding += 1
+        try:
+            yield
+        finally:
+            self._holding -= 1
+        if not self._holding and self._forced is not None:
+            signum, self._forced = self._forced, None
+            raise ForcedStop(signum)
 
     @property
     def signal_name(self) -> Optional[str]:
@@ -398,7 +517,7 @@ class SignalCheckpointer:
     def __enter__(self) -> "SignalCheckpointer":
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("SignalCheckpointer must be entered from the main thread")
-        for s in self.signals:
+        for s in self.signals + self.force:
             self._previous[s] = signal.getsignal(s)
             signal.signal(s, self._handle)
         return self
@@ -498,7 +617,10 @@ def _prune(ckpt_dir: Path, keep: int, written: Path) -> None:
 
     Failures only warn: the new checkpoint is already durable.
     """
-    complete = [p for p in _complete_or_not(ckpt_dir) if (p / MANIFEST_FILE).is_file()]
+    # another run's checkpoint copied in is neither counted nor deleted: keep applies to this run's own
+    own = manifest_run_uid(written)
+    complete = [p for p in _complete_or_not(ckpt_dir) if (p / MANIFEST_FILE).is_file()
+                and (own is None or manifest_run_uid(p) in (own, None))]
     for path in complete[keep:]:
         if path == written:
             continue

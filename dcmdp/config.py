@@ -20,6 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from constraints.config import ConstraintConfig
+from dcmdp import redact  # noqa: F401  (remembers the values a config reads from the environment)
 from trainers.config import RENAMED_KEYS as TRAINER_RENAMED_KEYS
 from trainers.config import AlgoConfig, ColdStartConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig
 
@@ -300,6 +301,7 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
+        _check_not_empty(p)
         try:
             layers.append(OmegaConf.load(p))
         except Exception as exc:  # yaml errors carry line numbers
@@ -388,6 +390,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"config error at 'steps': must be >= 0, got {cfg.steps}")
     if cfg.seed < 0:  # numpy seeds only from non-negative integers
         raise ConfigError(f"config error at 'seed': must be >= 0, got {cfg.seed}")
+    _check_run_basics(cfg)
     if cfg.optim.weight_decay < 0:
         raise ConfigError(f"config error at 'optim.weight_decay': must be >= 0, got {cfg.optim.weight_decay}")
     if cfg.checkpoint.keep < 1:
@@ -445,6 +448,8 @@ def _validate_registries(cfg: RunConfig) -> None:
     one_of(cfg.algo.is_mode, IS_MODES, "algo.is_mode")
     one_of(cfg.algo.advantage, ADVANTAGES, "algo.advantage")
     one_of(cfg.dual.rule, DUAL_RULES, "dual.rule")
+    _check_coupling_feasible(cfg, DUAL_RULES[cfg.dual.rule])
+    _check_response_fits(cfg, PRESETS[cfg.model.preset])
     one_of(cfg.dual.penalty, PENALTIES, "dual.penalty")
     one_of(cfg.dual.measure_at, ("rollout", "updates"), "dual.measure_at")
     for i, c in enumerate(cfg.dual.constraints):
@@ -648,8 +653,11 @@ def _validate_rollout_quantization(cfg: RunConfig, presets: dict, engine: Engine
                               f"{problem}")
 
 
-def to_yaml(cfg: RunConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+def to_yaml(cfg: RunConfig, *, public: bool = False) -> str:
+    """The resolved config as YAML; ``public``: with the values read from the environment and URI passwords shown as
+    ``***`` (what a run writes to its folder and to MLflow)."""
+    text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    return redact.redact(text) if public else text
 
 
 def flatten(cfg: RunConfig) -> dict[str, str]:
@@ -667,7 +675,7 @@ def flatten(cfg: RunConfig) -> dict[str, str]:
             out[prefix[:-1]] = str(node)
 
     walk(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True), "")
-    return out
+    return redact.redact_values(out)
 
 
 # Keys a resumed run must share with its checkpoint: the model's shape and weights, and the dual state's layout
@@ -705,3 +713,73 @@ def resume_conflicts(saved: dict[str, str], cfg: RunConfig) -> list[str]:
             out.append(f"{key}: {saved[key]!r} in the checkpoint, {now[key]!r} now")
     return out
 
+
+
+def _check_not_empty(path: Path) -> None:
+    """A config file with no setting (empty, or comments only) is a mistake, not a request for the default run."""
+    import yaml
+
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"cannot parse config file {path}: line {line} is not UTF-8 ({exc.reason} at byte "
+                          f"{exc.start}); save the file as UTF-8") from None
+    try:
+        empty = yaml.safe_load(text) is None
+    except yaml.YAMLError:
+        return  # the loader reports it with its line
+    if empty:
+        raise ConfigError(f"config file {path} holds no setting (it is empty or only comments); give a config with "
+                          f"at least one key, or leave the file out to run the defaults")
+
+
+# numpy's legacy seeding takes 32-bit seeds
+MAX_SEED = 2**32 - 1
+
+
+def _check_run_basics(cfg: RunConfig) -> None:
+    if cfg.seed > MAX_SEED:
+        raise ConfigError(f"config error at 'seed': must be <= {MAX_SEED} (2^32 - 1), got {cfg.seed}")
+    if cfg.cold_start.seed is not None and not 0 <= cfg.cold_start.seed <= MAX_SEED:
+        raise ConfigError(f"config error at 'cold_start.seed': must be in [0, {MAX_SEED}], got {cfg.cold_start.seed}")
+    if not cfg.output_dir.strip():
+        raise ConfigError("config error at 'output_dir': empty; name a folder for the run (an empty one would write "
+                          "into the working directory)")
+
+
+def _check_coupling_feasible(cfg: RunConfig, rule: Any) -> None:
+    """The coupled limits A lambda <= b must hold at lambda_init (where every run starts), checked before anything is
+    built (the dual state is made after the model)."""
+    import numpy as np
+
+    c = cfg.dual.coupling
+    if not c.A or not rule.projects or len(c.A) != len(c.b):
+        return
+    lam = rule.initial_lambda(cfg.dual).numpy()
+    A, b = np.asarray(c.A, dtype=np.float64), np.asarray(c.b, dtype=np.float64)
+    bad = np.flatnonzero(A @ lam > b + 1e-9)
+    if bad.size:
+        i = int(bad[0])
+        raise ConfigError(f"config error at 'dual.coupling.b[{i}]': the coupled limit row {i} (A[{i}] lambda <= "
+                          f"b[{i}] = {b[i]:g}) fails at lambda_init {lam.tolist()} (A[{i}] lambda = "
+                          f"{float(A[i] @ lam):g}): raise b[{i}] or lower the constraints' lambda_init")
+
+
+def _check_response_fits(cfg: RunConfig, preset: Any) -> None:
+    """rollout.max_new_tokens must leave room for a prompt in the model's context (max_position_embeddings, from
+    model.path's config.json or the preset), checked before anything is built."""
+    import json
+
+    context = None
+    if cfg.model.path:
+        try:
+            context = json.loads((Path(cfg.model.path) / "config.json").read_text()).get("max_position_embeddings")
+        except (OSError, ValueError, AttributeError):
+            return  # the model loader names a missing or bad model.path
+    elif not preset.needs_path:
+        context = preset.make_config(128).max_position_embeddings
+    if isinstance(context, int) and cfg.rollout.max_new_tokens >= context:
+        raise ConfigError(f"config error at 'rollout.max_new_tokens': {cfg.rollout.max_new_tokens} new tokens leave no "
+                          f"room for a prompt in the context of model.preset={cfg.model.preset!r} ({context} "
+                          f"positions); use at most {context - 1}, less the longest prompt")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dcmdp.checkpoint import find_resume_checkpoint, load_checkpoint
-from dcmdp.config import RunConfig
+from dcmdp.config import ConfigError, RunConfig, resume_conflicts
 from dcmdp.cpu import apply_threads
 
 
@@ -45,6 +45,16 @@ def evaluate_checkpoint(cfg: RunConfig, checkpoint: str = "auto") -> EvalResult:
 
     path = resolve_checkpoint(cfg, checkpoint)
     state = load_checkpoint(path)
+    # the model the checkpoint's weights need, named before a model is built (a mismatch would end in a raw
+    # load_state_dict traceback listing hundreds of keys)
+    model_conflicts = [c for c in resume_conflicts(state.get("config") or {}, cfg) if c.startswith("model.")]
+    if model_conflicts:
+        raise ConfigError(f"checkpoint {path} holds weights of another model than the config's: "
+                          f"{'; '.join(model_conflicts)}; evaluate it with the checkpoint's values (e.g. the run's "
+                          f"config.yaml)")
+    if "model" not in state:
+        raise ConfigError(f"checkpoint {path} holds sharded weights (a torchrun run): evaluate it under torchrun with "
+                          f"the same world size")
     seed_everything(cfg.seed)
     logging.getLogger("dcmdp").info("%s", apply_threads(cfg.threads))
     with tempfile.TemporaryDirectory(prefix="dcmdp_eval_") as tmp:

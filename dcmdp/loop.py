@@ -15,7 +15,7 @@ import logging
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -27,17 +27,18 @@ from constraints.config import ConstraintConfig
 from constraints.measures import discrepancy_metrics, measure_constraint
 from constraints.penalties import constraint_names
 from dcmdp.async_rollout import RolloutWorker, screen_stale
-from dcmdp.checkpoint import (RunFolderError, RunFolderLock, SignalCheckpointer, capture_rng, clear_run_folder,
-                              load_checkpoint, load_resume_checkpoint, restore_rng, run_in_folder, save_checkpoint)
+from dcmdp.checkpoint import (RunFolderError, RunFolderLock, SignalCheckpointer, capture_rng, checkpoint_run_uid,
+                              clear_run_folder, load_checkpoint, load_resume_checkpoint, new_run_uid, read_run_file,
+                              restore_rng, run_in_folder, save_checkpoint, write_config_yaml, write_run_file)
 from dcmdp.config import ConfigError, RunConfig, flatten, load_config, resume_conflicts, to_yaml
 from dcmdp import distributed
 from dcmdp.cpu import apply_threads
 from dcmdp.dual import DualState, dual_step, init_state, penalty_spec
 from dcmdp.plots import plot_dual
-from dcmdp.tracking import (NoTracker, Tracker, check_tracking_uri, provenance_tags, resolve_tracking_uri,
-                            tracking_uri_source)
+from dcmdp.redact import redact
+from dcmdp.tracking import NoTracker, Tracker, check_tracking_config, provenance_tags
 from dcmdp.policy import (Policy, build_policy, decode_responses, encode_prompts, held_out_accuracy, held_out_examples,
-                          seed_everything, step_seed)
+                          screen_task_prompts, seed_everything, step_seed)
 from trainers import guards, learner
 from trainers.advantages import ADVANTAGES
 from trainers.batch import Rollout
@@ -67,6 +68,15 @@ class RunState:
     no_signal_steps: int = 0
     # (step, perf_counter) of the previous console line: its s/step is the mean since then.
     line_mark: tuple[int, float] = (0, 0.0)
+
+    # The last step whose update, dual step and logging all finished, and the last step checkpointed: an error
+    # later than ``done_step`` checkpoints it first (``_checkpoint_before_failing``).
+    done_step: int = 0
+    checkpointed_step: int = 0
+    # True from a step's first parameter update until its end: the weights are then between two steps.
+    mid_update: bool = False
+    # This run's identity (``<output_dir>/run.json``), carried by its checkpoints.
+    run_uid: str = ""
 
 
 @dataclass
@@ -211,12 +221,32 @@ def train(cfg: RunConfig) -> Summary:
     try:
         return _train(s, t_start)
     except BaseException as exc:
+        _checkpoint_before_failing(s, exc)
         # never leave the MLflow run RUNNING; the guard and the signal stop have ended it already (a no-op then)
         s.tracker.finish("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
         raise
     finally:
         if s.lock is not None:
             s.lock.release()
+
+
+def _checkpoint_before_failing(s: Setup, exc: BaseException) -> None:
+    """Save the last completed step before an error ends the run, so that no finished step is lost to it. Not when
+    the error came in the middle of a step's updates (the weights are then part-way between two steps), nor under
+    torchrun (a sharded save needs every rank, and the failing one may be alone)."""
+    if s.state.done_step <= s.state.checkpointed_step or s.dist.world > 1:
+        return
+    if s.state.mid_update:
+        log.error("%s during the update of step %d: no checkpoint of that step is consistent; the last one is of "
+                  "step %d", type(exc).__name__, s.state.done_step + 1, s.state.checkpointed_step)
+        return
+    try:
+        path = checkpoint(s, s.state.done_step)
+    except Exception as save_exc:  # the original error is the one to report
+        log.error("could not checkpoint step %d before stopping: %s", s.state.done_step, save_exc)
+        return
+    log.error("%s after step %d: checkpoint of step %d written to %s before stopping (resume with "
+              "checkpoint.resume=auto)", type(exc).__name__, s.state.done_step, s.state.done_step, path)
 
 
 def _train(s: Setup, t_start: float) -> Summary:
@@ -241,7 +271,8 @@ def _train(s: Setup, t_start: float) -> Summary:
             if s.state.bad_steps >= cfg.guard.max_bad_steps:
                 _stop_bad_run(s, step + 1)
             if stop.requested or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):
-                checkpoint(s, step + 1)
+                with stop.hold():
+                    checkpoint(s, step + 1)
             if stop.requested:
                 log.warning("%s received: checkpoint written at step %d, stopping", stop.signal_name, step + 1)
                 s.tracker.finish("KILLED")
@@ -274,6 +305,7 @@ def _train_step(s: Setup, step: int, bar) -> None:
                                 if kept and train_logp_BT is not None else
                                 (torch.full((len(s.names),), float("nan"), dtype=torch.float64), {}))
     t3 = time.perf_counter()
+    s.state.mid_update = kept
     result = learner.update(
         s.policy.model, s.optim, batch, scoring=s.scoring, penalty=penalty_spec(s.state.dual, cfg.dual), cfg=cfg.algo,
         generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 2)), forward=old.forward) if kept else None
@@ -304,6 +336,7 @@ def _train_step(s: Setup, step: int, bar) -> None:
         metrics["eval/accuracy"] = evaluate(s, seed=cfg.seed)
     metrics = {k: float(v) for k, v in metrics.items()}
     s.state.history.append(metrics)
+    s.state.done_step, s.state.mid_update = step + 1, False
     if step == s.state.start_step and step > 0:
         # the engine got the trainer's weights at resume: a spike here would mean it did not
         log.info("first step after resume (step %d): %s", step + 1, ", ".join(
@@ -426,7 +459,7 @@ def setup(cfg: RunConfig, *, owns_folder: bool = True) -> Setup:
         log.info("%s", why_threads)
     out = Path(cfg.output_dir)
     # an unusable URI would keep nothing but buffered metrics: refuse it before anything is written
-    check_tracking_uri(resolve_tracking_uri(cfg.tracking, out), tracking_uri_source(cfg.tracking))
+    check_tracking_config(cfg.tracking, out)
     lock, error = None, None
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -448,11 +481,26 @@ def setup(cfg: RunConfig, *, owns_folder: bool = True) -> Setup:
         raise
 
 
-def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> tuple[Optional[Path], Optional[dict]]:
+@dataclass
+class _Start:
+    """Where a run starts: the checkpoint it continues (None: a fresh run) and whose run that is."""
+
+    resume: Optional[Path] = None
+    state: Optional[dict] = None
+    # The run identity this process logs under (``<output_dir>/run.json`` and every checkpoint).
+    uid: str = ""
+    # The checkpoint is another run's, named explicitly: a new MLflow run, linked to that one.
+    foreign: bool = False
+    # The MLflow run of an earlier run this folder held before ``overwrite=true`` cleared it.
+    replaced_run_id: Optional[str] = None
+
+
+def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> _Start:
     """The checkpoint to continue from and its payload, checked against ``cfg`` before any file or MLflow run is
     touched; for a fresh run, refuse (or with ``overwrite``, clear) a folder that holds an earlier run."""
     found = load_resume_checkpoint(out / "checkpoints", cfg.checkpoint.resume) if d.main else None
     resume = d.from_main(found[0] if found is not None else None)
+    owner = read_run_file(out)
     if resume is None:
         if cfg.checkpoint.resume and cfg.checkpoint.resume != "auto":
             raise FileNotFoundError(f"checkpoint.resume={cfg.checkpoint.resume!r}: no checkpoint there")
@@ -465,7 +513,8 @@ def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> tuple[Optio
                                  f"output_dir")
         if earlier and d.main:
             clear_run_folder(out)
-        return None, None
+        # the folder's earlier run, if its MLflow run is still RUNNING, was killed (the folder's lock is ours now)
+        return _Start(uid=new_run_uid(), replaced_run_id=owner.get("run_id"))
     state = found[1] if found is not None else load_checkpoint(resume)
     saved = state.get("config")
     if saved is None:
@@ -475,16 +524,44 @@ def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> tuple[Optio
         raise ConfigError(f"cannot resume from {resume}: the config differs from the checkpoint's in "
                           f"{'; '.join(conflicts)}. Resume with the checkpoint's values, or start a new run in "
                           f"another output_dir; nothing was changed")
+    if cfg.steps < int(state["step"]):
+        raise ConfigError(f"config error at 'steps': steps={cfg.steps} is below the step of the checkpoint it resumes "
+                          f"({int(state['step'])}, {resume}); a run cannot go back: set steps >= "
+                          f"{int(state['step'])}; nothing was changed")
     if "model" in state and d.world > 1:
         raise RunFolderError(f"checkpoint {resume} was written by a single-process run; resume it with world size 1 "
                              f"(without torchrun), or start the {d.world}-rank run afresh")
-    return resume, state
+    uid = checkpoint_run_uid(state)
+    if uid is None or uid == owner.get("uid"):
+        return _Start(resume, state, uid=uid or owner.get("uid") or new_run_uid())
+    whose = (f"run {uid} (MLflow run {state.get('run_id')}"
+             f"{', written in ' + state['run']['output_dir'] if state['run'].get('output_dir') else ''})")
+    inside = Path(resume).resolve().parent == (out / "checkpoints").resolve()
+    if cfg.checkpoint.resume == "auto" or inside:
+        raise RunFolderError(f"checkpoint {resume} belongs to another {whose}, not to the run of output_dir {out}"
+                             f"{' (run ' + owner['uid'] + ')' if owner.get('uid') else ''}: "
+                             + ("checkpoint.resume=auto continues a folder's own run only; "
+                                if cfg.checkpoint.resume == "auto" else "")
+                             + "to start a new run from it, move it out of checkpoints/ and name it: "
+                             "checkpoint.resume=<its path> (a new MLflow run, linked to that one); nothing was changed")
+    earlier = d.from_main(run_in_folder(out) if d.main else None)
+    if earlier and not cfg.overwrite:
+        raise RunFolderError(f"output_dir {out} already holds a run ({earlier}), and checkpoint {resume} belongs to "
+                             f"another {whose}: start from it in another output_dir, or clear this one with "
+                             f"overwrite=true; nothing was changed")
+    if earlier and d.main:
+        clear_run_folder(out)
+    log.warning("checkpoint %s belongs to another %s: starting a new MLflow run from its step %d, linked to that run "
+                "(tag dcmdp.resumed_from_run)", resume, whose, int(state["step"]))
+    return _Start(resume, state, uid=new_run_uid(), foreign=True, replaced_run_id=owner.get("run_id"))
 
 
 def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFolderLock], owns_folder: bool = True
            ) -> Setup:
-    resume, state = _resume_state(cfg, out, d) if owns_folder else (None, None)
+    start = _resume_state(cfg, out, d) if owns_folder else None
+    resume, state = (start.resume, start.state) if start is not None else (None, None)
     policy = build_policy(cfg, out, d=d, progress=show_bar(cfg))
+    screen_task_prompts(policy, cfg.rollout.max_new_tokens)
     model = policy.model = distributed.shard_model(policy.model, cfg, d)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
@@ -504,7 +581,7 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
         if scaler is not None and state.get("scaler") is not None:
             scaler.load_state_dict(state["scaler"])
         dual, history = DualState.from_state_dict(state["dual"]), list(state["history"])
-        start_step, run_id = int(state["step"]), state["run_id"]
+        start_step, run_id = int(state["step"]), None if start.foreign else state["run_id"]
         bad_steps = int(state.get("guard", {}).get("consecutive_bad_steps", 0))
         distributed.restore_rank_rng(state, d)
         # the engine must sample from the trainer's weights, not the cold start's, from the first new rollout
@@ -512,20 +589,28 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
         accuracy_before = state.get("accuracy_before")
         log.info("resumed from %s at step %d (MLflow run %s)", resume, start_step, run_id)
     tracker = Tracker(cfg.tracking, out) if d.main else NoTracker()
+    parent = ({"run_id": state.get("run_id"), "uid": checkpoint_run_uid(state), "checkpoint": str(resume)}
+              if start.foreign else None)
     tracker.start(flatten(cfg), run_id=run_id,
                   tags={"model.preset": cfg.model.preset, "dcmdp.version": _version(),
-                        "dcmdp.output_dir": str(out.resolve()), **provenance_tags()})
-    if resume is not None and d.main:
+                        "dcmdp.output_dir": str(out.resolve()), "dcmdp.run_uid": start.uid, **provenance_tags(),
+                        **({"dcmdp.resumed_from_run": str(parent["run_id"]), "dcmdp.resumed_from": str(resume)}
+                           if parent else {})})
+    if d.main:
+        write_run_file(out, start.uid, tracker.run_id, parent)
+        if start.replaced_run_id and start.replaced_run_id != tracker.run_id:
+            tracker.end_stale_run(start.replaced_run_id)
+    if resume is not None and d.main and not start.foreign:
         # the steps between the checkpoint and the crash were logged once already: they are not logged again
         tracker.skip_logged(after_step=start_step)
     if d.main and owns_folder:  # written once the run has started cleanly: a run that failed to start leaves the old one
-        (out / "config.yaml").write_text(to_yaml(cfg))
-        tracker.log_artifact(out / "config.yaml")
+        tracker.log_artifact(write_config_yaml(out, to_yaml(cfg, public=True), [f.name for f in fields(RunConfig)]))
     scoring = learner.ScoringSpec(temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
                                   lm_head_kernel=cfg.model.lm_head_kernel, moe=policy.moe, shard=d.shard,
                                   micro_batch_tokens=cfg.algo.micro_batch_tokens)
     optim = learner.OptimStep(optimizer, scheduler, scaler, cfg.optim.grad_clip)
-    run_state = RunState(dual, history, start_step, bad_steps, accuracy_before)
+    run_state = RunState(dual, history, start_step, bad_steps, accuracy_before, done_step=start_step,
+                         checkpointed_step=start_step, run_uid=start.uid if start is not None else "")
     return Setup(cfg, policy, scoring, optim, tracker, constraint_names(cfg.dual.constraints), run_state, dist=d,
                  lock=lock)
 
@@ -541,13 +626,17 @@ def checkpoint(s: Setup, step: int) -> Path:
                "dual": s.state.dual.state_dict(), "engine_version": s.policy.engine.version, "run_id": s.tracker.run_id,
                "history": s.state.history, "rng": capture_rng(), "guard": {"consecutive_bad_steps": s.state.bad_steps},
                "config": flatten(s.cfg), "accuracy_before": s.state.accuracy_before,
+               "run": {"uid": s.state.run_uid, "output_dir": str(Path(s.cfg.output_dir).resolve())},
                "scaler": s.optim.scaler.state_dict() if s.optim.scaler is not None else None}
     ckpt_dir = Path(s.cfg.output_dir) / "checkpoints"
     if s.dist.world > 1:
         payload = {k: v for k, v in payload.items() if k not in ("model", "optimizer")}
-        return distributed.save_sharded_checkpoint(ckpt_dir, step, payload, s.policy.model, s.optim.optimizer,
+        path = distributed.save_sharded_checkpoint(ckpt_dir, step, payload, s.policy.model, s.optim.optimizer,
                                                    keep=s.cfg.checkpoint.keep, d=s.dist)
-    return save_checkpoint(ckpt_dir, step, payload, keep=s.cfg.checkpoint.keep)
+    else:
+        path = save_checkpoint(ckpt_dir, step, payload, keep=s.cfg.checkpoint.keep)
+    s.state.checkpointed_step = step
+    return path
 
 
 def rollout_phase(policy: Policy, cfg: RunConfig, step: int) -> tuple[list[Example], Rollout]:
@@ -649,8 +738,8 @@ def finish(s: Setup, acc_before: float, acc_after: float, seconds: float) -> Sum
     warnings = end_of_run_warnings(constraints, cfg.dual.rule, acc_after, getattr(s.policy.task, "chance_accuracy", 0.0),
                                    len(s.state.eval_examples or ()))
     summary = Summary(acc_before, acc_after, {n: float(v) for n, v in zip(s.names, s.state.dual.lambda_C)}, mean_disc,
-                      cfg.steps, s.tracker.run_id, s.tracker.tracking_uri, str(out), seconds, s.state.start_step,
-                      constraints, warnings)
+                      cfg.steps, s.tracker.run_id, redact(s.tracker.tracking_uri), str(out), seconds,
+                      s.state.start_step, constraints, warnings)
     if s.dist.main:
         for w in warnings:
             log.warning("%s", w)

@@ -114,6 +114,35 @@ def held_out_examples(policy: Policy) -> list[Example]:
     return screen_prompt_chars(policy.tokenizer, policy.model, policy.task.eval_set(), "held-out")
 
 
+def screen_task_prompts(policy: Policy, max_new_tokens: int) -> None:
+    """Drop, at load, every prompt of a file-based task (one with ``train_set``) that cannot fit the context with
+    ``max_new_tokens`` response tokens: first by its length in characters (``screen_prompt_chars``, before
+    tokenising), then by its token count. One warning per split names the count and the longest; a split left
+    empty is a ValueError before the first step. Without this a single long training prompt ends a run at the
+    step that happens to draw it."""
+    task = policy.task
+    if not hasattr(task, "train_set"):
+        return
+    limit = getattr(getattr(policy.model, "config", None), "max_position_embeddings", None)
+    for what, examples, keep in (("training", task.train_set(), task.keep_train),
+                                 ("held-out", task.eval_set(), task.keep_eval)):
+        fit = screen_prompt_chars(policy.tokenizer, policy.model, examples, what)
+        if limit:
+            sizes = [len(encode_prompt(policy.tokenizer, ex.prompt)) for ex in fit]
+            longer = [n for n in sizes if n + max_new_tokens > limit]
+            if longer:
+                log.warning("%d of %d %s prompts skipped: with rollout.max_new_tokens=%d they need more than the "
+                            "model's context of %d positions (the longest has %d tokens)", len(longer), len(examples),
+                            what, max_new_tokens, limit, max(longer))
+                fit = [ex for ex, n in zip(fit, sizes) if n + max_new_tokens <= limit]
+        if not fit:
+            raise ValueError(f"every one of the {len(examples)} {what} prompts of task {task.name!r} is too long for "
+                             f"the model's context of {limit} positions with rollout.max_new_tokens={max_new_tokens}: "
+                             f"shorten the prompts or lower rollout.max_new_tokens")
+        if len(fit) < len(examples):
+            keep(fit)
+
+
 def held_out_accuracy(policy: Policy, examples: list[Example], max_new_tokens: int, seed: int) -> float:
     """Mean reward of one sampled response (the rollout engine's settings) per held-out example."""
     if not examples:

@@ -50,6 +50,7 @@ import json
 import logging
 import os
 import queue
+import re
 import shlex
 import shutil
 import subprocess
@@ -63,6 +64,7 @@ from typing import IO, Any, Iterable, Iterator, Optional
 from urllib.parse import quote, unquote, urlparse
 
 from dcmdp.config import ConfigError, TrackingConfig
+from dcmdp.redact import redact
 
 logger = logging.getLogger(__name__)
 
@@ -112,17 +114,52 @@ def sqlite_store_file(uri: str) -> Optional[Path]:
 
 
 def check_tracking_uri(uri: str, source: str) -> None:
-    """Raise ConfigError naming ``source`` (the config key or variable the URI came from) when no MLflow tracking
-    store serves the URI's scheme: such a run would create no run, log no params, and buffer its metrics for a
-    ``dcmdp sync`` that could never send them."""
+    """Raise ConfigError naming ``source`` (the config key or variable the URI came from) when MLflow would not
+    track to the URI: no store serves its scheme, or it is a file store (``file://`` or a plain path), which
+    MLflow 3 refuses to open unless ``MLFLOW_ALLOW_FILE_STORE`` is set. Such a run would create no run, log no
+    params, and buffer its metrics for a ``dcmdp sync`` that could never send them."""
+    from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
     from mlflow.tracking._tracking_service.utils import _tracking_store_registry as registry
 
+    scheme = urlparse(uri).scheme
+    file_store = scheme in ("", "file") or (len(scheme) == 1 and uri[1:3] in (":\\", ":/"))  # a Windows drive
+    usable = sorted(s for s in getattr(registry, "_registry", {}) if s and s != "file")
+    hint = f"use one of the schemes {', '.join(repr(s) for s in usable)}, e.g. sqlite:///path/to/mlflow.db"
+    if file_store and not MLFLOW_ALLOW_FILE_STORE.get():
+        raise ConfigError(f"config error at '{source}': {redact(uri)!r} is a file store, which MLflow "
+                          f"{_mlflow_version()} refuses to open (maintenance mode; MLFLOW_ALLOW_FILE_STORE=true "
+                          f"overrides it); {hint}")
     try:
         registry.get_store_builder(uri)
     except Exception:
-        schemes = ", ".join(repr(s) for s in sorted(getattr(registry, "_registry", {})) if s)
-        raise ConfigError(f"config error at '{source}': MLflow cannot use the tracking URI {uri!r} (scheme "
-                          f"{urlparse(uri).scheme!r}); use one of the schemes {schemes}, or a local path") from None
+        raise ConfigError(f"config error at '{source}': MLflow cannot use the tracking URI {redact(uri)!r} (scheme "
+                          f"{scheme!r}); {hint}") from None
+
+
+def check_tracking_config(cfg: TrackingConfig, output_dir: str | Path) -> None:
+    """What MLflow will refuse later, refused before the run starts (ConfigError naming the key): the tracking URI
+    (``check_tracking_uri``), an experiment or run name MLflow rejects, and a parent run id that is not a run id."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.validation import _validate_experiment_name
+
+    check_tracking_uri(resolve_tracking_uri(cfg, output_dir), tracking_uri_source(cfg))
+    try:
+        _validate_experiment_name(cfg.experiment)
+    except MlflowException as exc:
+        raise ConfigError(f"config error at 'tracking.experiment': {exc.message}") from None
+    if not cfg.experiment.strip():
+        raise ConfigError(f"config error at 'tracking.experiment': a blank name ({cfg.experiment!r}) is no name")
+    if cfg.run_name is not None and len(cfg.run_name) > 250:  # MLflow keeps run names of up to 250 characters
+        raise ConfigError(f"config error at 'tracking.run_name': {len(cfg.run_name)} characters; MLflow keeps at "
+                          f"most 250")
+    if cfg.parent_run_id is not None and not re.fullmatch(r"[0-9a-zA-Z_\-]{1,256}", cfg.parent_run_id):
+        raise ConfigError(f"config error at 'tracking.parent_run_id': {cfg.parent_run_id!r} is not an MLflow run id")
+
+
+def _mlflow_version() -> str:
+    from importlib.metadata import version
+
+    return version("mlflow")
 
 
 def tracking_uri_source(cfg: TrackingConfig) -> str:
@@ -246,6 +283,9 @@ class _Segment:
             seg.offset = int(json.loads(seg.sent_path.read_text())["offset"])
         except FileNotFoundError:
             seg.offset = 0
+        except (ValueError, KeyError, TypeError) as exc:  # damaged: where sending stopped is unknown
+            fh.close()
+            raise _UnreadableProgress(f"{seg.sent_path} ({type(exc).__name__}: {exc})") from None
         if seg.files_dir.is_dir():
             seg._n_files = sum(1 for _ in seg.files_dir.iterdir())
         return seg
@@ -271,7 +311,11 @@ class _Segment:
     def header(self) -> dict:
         with open(self.path, "rb") as f:
             line = f.readline()
-        return json.loads(line) if line.endswith(b"\n") else {}
+        try:
+            header = json.loads(line) if line.endswith(b"\n") else {}
+        except ValueError:  # damaged bytes in the header: the segment then names no URI (sync says so)
+            return {}
+        return header if isinstance(header, dict) else {}
 
     def pending(self) -> Iterator[tuple[int, dict]]:
         """(end offset, record) of every complete unsent line; a torn last line is not a record."""
@@ -284,8 +328,10 @@ class _Segment:
                     break
                 self.scanned = pos
                 try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
+                    record = json.loads(line)  # bytes: a line that is not UTF-8 raises UnicodeDecodeError
+                except ValueError:  # JSONDecodeError and UnicodeDecodeError: one bad line never blocks the rest
+                    record = None
+                if not isinstance(record, dict) or not isinstance(record.get("t"), str):
                     logger.warning("skipping an unreadable line in %s at byte %d", self.path, pos - len(line))
                     self.unreadable += 1
                     continue
@@ -323,6 +369,10 @@ def _segments(buffer_dir: Path) -> list[Path]:
 # Sending records.
 
 
+class _UnreadableProgress(Exception):
+    """A segment's ``.sent`` file (how far it was sent) cannot be read."""
+
+
 class _Blocked(Exception):
     """A record refers to a placeholder run that no earlier record creates yet."""
 
@@ -352,6 +402,9 @@ class _Sender:
 
     def __post_init__(self) -> None:
         self.run_map.update(_read_run_map(self.buffer_dir))
+        if redact(self.tracking_uri) != self.tracking_uri:
+            # MLflow prints "View run ... at: <url>" with the URI's credentials: a secret must not reach the console
+            os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
         self._sqlite_file = sqlite_store_file(self.tracking_uri)
         self._sqlite_seen = False
 
@@ -529,9 +582,14 @@ class _Sender:
 
 def _read_run_map(buffer_dir: Path) -> dict[str, str]:
     try:
-        return json.loads((buffer_dir / "runs.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        found = json.loads((buffer_dir / "runs.json").read_bytes())
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError) as exc:  # unreadable (a failing disk, damaged bytes): the tracker must still start
+        logger.warning("cannot read %s (%s); buffered records that name a placeholder run id may not be sendable",
+                       buffer_dir / "runs.json", exc)
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def _write_run_map(buffer_dir: Path, new: dict[str, str]) -> None:
@@ -580,7 +638,14 @@ def sync_report(buffer_dir: str | Path, tracking_uri: Optional[str] = None) -> S
     senders: dict[str, _Sender] = {}
     report = SyncReport()
     for path in _segments(buffer_dir):
-        seg = _Segment.open_existing(path)
+        try:
+            seg = _Segment.open_existing(path)
+        except _UnreadableProgress as exc:
+            logger.warning("segment %s: its progress file %s is unreadable; skipped", path, exc)
+            report.remaining.append(f"{path}: its progress file {exc} is unreadable, so where sending stopped is "
+                                    f"unknown; delete that file to send the whole segment again (records sent "
+                                    f"before are then sent twice)")
+            continue
         if seg is None:
             logger.info("segment %s is in use by a running tracker; skipped", path)
             report.remaining.append(f"{path}: in use by a running tracker (sent by it, or by a sync once it ends)")
@@ -661,6 +726,9 @@ class Tracker:
         self._outage = False
         self._warned_values = False
         self._finished = False
+        # records that could be neither sent nor buffered (the buffer's disk failed), and whether it fails now
+        self._lost = 0
+        self._buffer_failing = False
         # (key, step) pairs the store already holds for a resumed run (``skip_logged``): not logged again
         self._logged: set[tuple[str, int]] = set()
 
@@ -710,6 +778,22 @@ class Tracker:
                 pass  # not empty, or already gone: not ours to remove
         return self.run_id  # type: ignore[return-value]
 
+    def end_stale_run(self, run_id: str) -> None:
+        """Mark ``run_id`` KILLED if the store still shows it RUNNING: the run this folder held before
+        ``overwrite=true`` cleared it. Its process is gone (the folder's run lock is ours), so a RUNNING status only
+        means it was killed (``kill -9``, power loss) before it could end the run. Never raises."""
+        if not run_id or run_id.startswith(LOCAL_ID_PREFIX):
+            return
+        try:
+            client = self._sender._client()
+            if client.get_run(run_id).info.status == "RUNNING":
+                client.set_terminated(run_id, status="KILLED")
+                logger.warning("MLflow run %s of the earlier run in %s was left RUNNING (its process was killed): "
+                               "marked KILLED", run_id, self.output_dir)
+        except Exception as exc:
+            logger.warning("could not check the earlier MLflow run %s at %s: %s", run_id, redact(self.tracking_uri),
+                           redact(str(exc))[:300])
+
     def skip_logged(self, after_step: int) -> int:
         """Read which metrics the store holds for this run at steps > ``after_step``; ``log_metrics`` leaves those
         (key, step) pairs out. A run resumed from the checkpoint of ``after_step`` repeats the steps that ran
@@ -727,7 +811,8 @@ class Tracker:
                                     if m.step > after_step)
         except Exception as exc:
             logger.warning("could not read the metrics of run %s at %s (%s); steps after %d that ran before the "
-                           "restart may appear twice", self.run_id, self.tracking_uri, str(exc)[:300], after_step)
+                           "restart may appear twice", self.run_id, redact(self.tracking_uri), redact(str(exc))[:300],
+                           after_step)
             return 0
         if self._logged:
             steps = sorted({step for _, step in self._logged})
@@ -792,10 +877,13 @@ class Tracker:
         self._emit([{"t": "end", "run": self.run_id, "status": status, "end_time": _now_ms()}], force=True)
         if self._segment is not None:
             logger.warning("MLflow at %s is unreachable: %d metrics of run %s stay buffered in %s; send them with "
-                           "`dcmdp sync` (dcmdp.tracking.sync_buffer)", self.tracking_uri, self._buffered,
+                           "`dcmdp sync` (dcmdp.tracking.sync_buffer)", redact(self.tracking_uri), self._buffered,
                            self.run_id, self._segment.path)
             self._segment.close()
             self._segment = None
+        if self._lost:
+            logger.error("%d tracking records of run %s were lost: the store did not answer and the buffer in %s "
+                         "could not be written", self._lost, self.run_id, self.buffer_dir)
 
     def __enter__(self) -> "Tracker":
         return self
@@ -850,9 +938,18 @@ class Tracker:
                 self._segment.append(rec)
                 self._buffered += rec["t"] == "metric"
         except OSError as exc:
-            # The disk itself fails: nothing more can be done without stopping the run.
-            logger.error("cannot write the tracking buffer in %s: %s; %d records lost", self.buffer_dir, exc,
-                         len(records))
+            # The disk itself fails: nothing more can be done without stopping the run. One line, not one per step:
+            # a full disk must not bury the error that matters (a checkpoint that cannot be written) in repeats
+            self._lost += len(records)
+            if not self._buffer_failing:
+                logger.error("cannot write the tracking buffer in %s: %s; these metrics are lost until it can be "
+                             "written again (the count is given at the end of the run)", self.buffer_dir, exc)
+            self._buffer_failing = True
+            return
+        if self._buffer_failing:
+            logger.warning("the tracking buffer in %s can be written again; %d records were lost meanwhile",
+                           self.buffer_dir, self._lost)
+        self._buffer_failing = False
 
     def _try_drain(self) -> None:
         seg = self._segment
@@ -877,14 +974,15 @@ class Tracker:
         if not self._outage:
             logger.warning("MLflow tracking at %s failed (%s: %s); training goes on and metrics are buffered in %s "
                            "until the store answers (sent on a later call, at finish, or by `dcmdp sync`)",
-                           self.tracking_uri, type(exc).__name__, str(exc)[:300], self.buffer_dir)
+                           redact(self.tracking_uri), type(exc).__name__, redact(str(exc))[:300], self.buffer_dir)
             self._outage = True
         self._retry_at = time.monotonic() + self._interval
         self._interval = min(2 * self._interval, self._max_interval)
 
     def _recovered(self, sent: int) -> None:
         if self._outage:
-            logger.warning("MLflow tracking at %s answers again; %d buffered metrics sent", self.tracking_uri, sent)
+            logger.warning("MLflow tracking at %s answers again; %d buffered metrics sent", redact(self.tracking_uri),
+                           sent)
         self._outage = False
         self._interval = self._retry_interval
         self._retry_at = 0.0
@@ -925,6 +1023,9 @@ class NoTracker:
         pass
 
     def flush(self) -> None:
+        pass
+
+    def end_stale_run(self, *args, **kwargs) -> None:
         pass
 
     def finish(self, *args, **kwargs) -> None:

@@ -29,6 +29,7 @@ from trainers.batch import Rollout
 from trainers.config import AlgoConfig, ModelConfig, RolloutConfig, TaskConfig
 from trainers.engines.torch_engine import TorchEngine
 from trainers.models import build_model, save_model_dir
+from trainers import tasks
 from trainers.tasks import TASKS
 from trainers.tokenizer import build_char_tokenizer, load_tokenizer
 from fsutil import unprivileged
@@ -369,3 +370,91 @@ def test_a_config_typo_is_reported_before_torch_is_imported():
     assert json.loads(done.stdout) == {"rcs": [2, 2], "torch": False}, done.stdout + done.stderr
     assert "unknown config key 'algo.minibatchs'; did you mean 'minibatches'?" in done.stderr
     assert "config error at 'optim.lr': must be a finite number, got inf" in done.stderr
+
+
+# ------------------------------------------------------------------------------- config, caught before anything runs
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n"])
+def test_an_empty_config_file_is_an_error_not_the_default_run(tmp_path, capsys, text):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    assert cli.main(["train", str(path), f"output_dir={tmp_path / 'out'}"]) == 2
+    assert f"config file {path} holds no setting (it is empty or only comments)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_config_file_that_is_not_utf8_names_its_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_bytes("steps: 2\nrun_name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=rf"cannot parse config file {path}: line 2 is not UTF-8"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("seed=4294967296", "config error at 'seed': must be <= 4294967295 (2^32 - 1), got 4294967296"),
+    ("cold_start.seed=4294967296", "config error at 'cold_start.seed': must be in [0, 4294967295]"),
+    ("output_dir=''", "config error at 'output_dir': empty; name a folder for the run"),
+    ("output_dir='  '", "config error at 'output_dir': empty"),
+    ("rollout.max_new_tokens=100000", "config error at 'rollout.max_new_tokens': 100000 new tokens leave no room for "
+                                      "a prompt in the context of model.preset='tiny-dense' (128 positions)"),
+    ("task.reward_timeout=0", "config error at 'task.reward_timeout': must be a finite number of seconds > 0"),
+])
+def test_out_of_range_run_values_exit_2_naming_the_key_before_anything_is_built(override, needle, tmp_path, capsys):
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    rc = cli.main(["train", "model.preset=tiny-dense", f"output_dir={out}", override])
+    assert rc == 2 and needle in capsys.readouterr().err
+    assert time.monotonic() - t0 < 15 and not out.exists()
+
+
+def test_an_infeasible_dual_coupling_names_the_row_before_anything_is_built(tmp_path, capsys):
+    rc = cli.main(["train", f"output_dir={tmp_path / 'out'}", "dual.coupling.A=[[1.0]]", "dual.coupling.b=[-1.0]"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "config error at 'dual.coupling.b[0]': the coupled limit row 0 (A[0] lambda <= b[0] = -1) " \
+                       "fails at lambda_init [0.1]" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_of_a_moe_checkpoint_with_a_dense_preset_names_the_preset(tmp_path, capsys):
+    from dcmdp.checkpoint import save_checkpoint
+    from dcmdp.config import flatten
+
+    saved = flatten(load_config(None, ["model.preset=tiny-moe"]))
+    path = save_checkpoint(tmp_path / "ckpt", 3, {"step": 3, "model": {}, "config": saved, "engine_version": 3}, keep=1)
+    rc = cli.main(["eval", "model.preset=tiny-dense", "cold_start.steps=0", f"output_dir={tmp_path}",
+                   "--checkpoint", str(path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"checkpoint {path} holds weights of another model than the config's: model.preset: " \
+                       f"'tiny-moe' in the checkpoint, 'tiny-dense' now" in err
+    assert "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------------------------- data files
+
+
+def test_a_latin1_jsonl_file_names_the_file_and_line(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"prompt": "1+1=", "answer": 2}\n' + '{"prompt": "caf\xe9", "answer": 1}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"{path}:2: malformed jsonl example: not UTF-8 \(invalid continuation byte: "
+                                         rf"byte b'\\xe9' at column 16\); save the file as UTF-8"):
+        tasks._load_jsonl(path, tasks.parse_jsonl_record, "jsonl")
+    # with on_error=skip the line is dropped with a warning and the rest is read
+    assert len(tasks._load_jsonl(path, tasks.parse_jsonl_record, "jsonl", on_error="skip")) == 1
+
+
+def test_a_compressed_jsonl_file_says_so(tmp_path):
+    import gzip
+
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(gzip.compress(b'{"prompt": "1+1="}\n'))
+    with pytest.raises(ValueError, match=rf"{path}: a compressed file .*decompress it"):
+        tasks._load_jsonl(path, tasks.parse_jsonl_record, "jsonl")
+
+
+@pytest.mark.parametrize("kind", ["directory", "device"])
+def test_a_task_path_that_is_not_a_regular_file_is_a_config_error(tmp_path, kind):
+    path = tmp_path if kind == "directory" else Path("/dev/zero")  # reading /dev/zero would never end
+    what = "a directory" if kind == "directory" else "not a regular file"
+    with pytest.raises(ConfigError, match=f"config error at 'task.path': {path} is {what}"):
+        load_config(None, ["task.name=jsonl", f"task.path={path}", "task.reward=x.py:score"])

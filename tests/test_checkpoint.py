@@ -336,10 +336,14 @@ def test_signal_checkpointer_sets_a_flag_and_restores_the_previous_handlers():
         with SignalCheckpointer() as stop:
             assert not stop.requested and stop.signal_name is None
             os.kill(os.getpid(), signal.SIGTERM)
-            os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt: counted only
-            deadline = time.monotonic() + 5
-            while stop.count < 2 and time.monotonic() < deadline:
-                time.sleep(0.001)
+            # a second signal while a checkpoint is written is counted, and stops the loop once the save ended
+            with pytest.raises(KeyboardInterrupt, match="SIGINT"):
+                with stop.hold():
+                    os.kill(os.getpid(), signal.SIGINT)
+                    deadline = time.monotonic() + 5
+                    while stop.count < 2 and time.monotonic() < deadline:
+                        time.sleep(0.001)
+                    assert stop.count == 2
             assert (stop.requested, stop.signum, stop.signal_name, stop.count) == (True, signal.SIGTERM, "SIGTERM", 2)
         assert signal.getsignal(signal.SIGINT) is previous_int
         os.kill(os.getpid(), signal.SIGTERM)
@@ -384,14 +388,18 @@ with SignalCheckpointer() as stop:
         if step == 3:
             (marks / "ready").touch()
         time.sleep(0.002)
-    (marks / "saving").touch()
-    # 8 MB of extra state so the save takes a moment while the second signal arrives.
-    save_checkpoint({str(ckpt)!r}, step, {{"step": step, "model": model.state_dict(), "optimizer":
-                    optimizer.state_dict(), "extra": torch.zeros(2_000_000), "signal": stop.signal_name}}, keep=2)
-    deadline = time.monotonic() + 20
-    while stop.count < 2 and time.monotonic() < deadline:
-        time.sleep(0.005)
-    (marks / "count").write_text(str(stop.count))
+    try:
+        with stop.hold():
+            (marks / "saving").touch()
+            # 8 MB of extra state so the save takes a moment while the second signal arrives.
+            save_checkpoint({str(ckpt)!r}, step, {{"step": step, "model": model.state_dict(), "optimizer":
+                            optimizer.state_dict(), "extra": torch.zeros(2_000_000), "signal": stop.signal_name}}, keep=2)
+            deadline = time.monotonic() + 20
+            while stop.count < 2 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            (marks / "count").write_text(str(stop.count))
+    except KeyboardInterrupt:  # the second signal stops the loop, once the save has ended
+        print("forced stop after the save")
 print("handler restored:", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
 """)
     proc = subprocess.Popen([sys.executable, str(script)], env=_env(), cwd=REPO, stdout=subprocess.PIPE,
@@ -407,7 +415,7 @@ print("handler restored:", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, err
-    assert "handler restored: True" in out
+    assert "handler restored: True" in out and "forced stop after the save" in out
     assert (marks / "count").read_text() == "2"
     [path] = list(ckpt.iterdir())
     payload = load_checkpoint(path)

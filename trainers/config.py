@@ -192,8 +192,13 @@ class TaskConfig:
     # Training prompts by step, e.g. [{until_step: 50, digits: 3}, {until_step: 100, digits: 5}, {digits: 8}]: each
     # phase draws with its digits (generated tasks); evaluation and the cold start keep `digits` / `min_digits`.
     curriculum: list[CurriculumPhase] = field(default_factory=list)
+    # Seconds one call of the `jsonl` reward function may take; a call that runs longer counts as a reward error
+    # (reward/errors) and the sample gets 0.
+    reward_timeout: float = 30.0
 
     def check(self, prefix: str = "task") -> None:
+        _require(0 < self.reward_timeout < float("inf"), f"{prefix}.reward_timeout",
+                 f"must be a finite number of seconds > 0, got {self.reward_timeout}")
         _require(self.digits >= 1, f"{prefix}.digits", f"must be >= 1, got {self.digits}")
         _require(1 <= self.min_digits <= self.digits, f"{prefix}.min_digits",
                  f"must be in [1, digits={self.digits}], got {self.min_digits}")

@@ -44,13 +44,18 @@ library (``pip install 'dcmdp[math]'``), imported when the task is built.
 reward function the config names (``task.reward``), imported by the CLI on every rank; see ``JsonlTask`` and
 docs/custom_tasks.md.
 
-Every caller scores completions through ``score_completions``: a reward that raises or returns anything but a
-finite number gives 0.0 for that sample, counted (``reward/errors``) and logged, and never stops a run.
+Every caller scores completions through ``score_completions``: a reward that raises, exits, runs past
+``task.reward_timeout`` or returns anything but a finite number gives 0.0 for that sample, counted
+(``reward/errors``) and logged, and never stops a run. A ``jsonl`` reward outside [0, 1] is an error naming the
+function and the example (``RewardRangeError``): ``eval/accuracy`` is the mean reward and ``reward/accuracy``
+counts rewards > 0.5, so a value outside [0, 1] is a mistake the run cannot report truthfully.
 JSONL files are read as UTF-8 with an optional byte-order mark.
 """
 
 from __future__ import annotations
 
+import copy
+import decimal
 import hashlib
 import importlib
 import importlib.util
@@ -61,8 +66,10 @@ import math
 import numbers
 import os
 import random
+import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol
 
@@ -340,13 +347,23 @@ def _load_jsonl(path: str | os.PathLike, parse: Callable[[Any, str], Example], t
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{task} task file not found: {path!r}")
     examples = []
-    with open(path, encoding="utf-8-sig") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        head = f.read(4)
+        f.seek(0)
+        if head[:2] == b"\x1f\x8b" or head[:4] in (b"PK\x03\x04", b"BZh9", b"\xfd7zX"):
+            raise ValueError(f"{path}: a compressed file (it starts with the bytes {head!r}); decompress it: the task "
+                             f"reads JSON lines as plain UTF-8 text")
+        for lineno, raw in enumerate(f, start=1):
             try:
+                # a byte-order mark may open the file; each line is decoded alone, so a bad byte names its line
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                if not line.strip():
+                    continue
                 examples.append(parse(json.loads(line), f"{path}:{lineno}"))
             except ValueError as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+                if isinstance(exc, UnicodeDecodeError):
+                    exc = ValueError(f"not UTF-8 ({exc.reason}: byte {raw[exc.start:exc.start + 1]!r} at column "
+                                     f"{exc.start + 1}); save the file as UTF-8")
                 msg = f"{path}:{lineno}: malformed {task} example: {exc}"
                 if on_error == "raise":
                     raise ValueError(msg) from exc
@@ -413,6 +430,20 @@ class MathTask:
 
     def sample(self, rng: random.Random, n: int) -> list[Example]:
         return [rng.choice(self._train) for _ in range(n)]
+
+    def train_set(self) -> list[Example]:
+        """Every training example (``sample`` draws from these)."""
+        return list(self._train)
+
+    def keep_train(self, examples: list[Example]) -> None:
+        """Train on ``examples`` only (a non-empty subset of ``train_set``, e.g. the prompts that fit the context)."""
+        if not examples:
+            raise ValueError(f"{self.cfg.path}: no training example left")
+        self._train = list(examples)
+
+    def keep_eval(self, examples: list[Example]) -> None:
+        """Hold out ``examples`` only (a subset of ``eval_set``)."""
+        self._eval = list(examples)
 
     def eval_set(self) -> list[Example]:
         return list(self._eval)
@@ -504,6 +535,11 @@ def load_reward(spec: str) -> RewardFunction:
         raise _reward_error(spec, f"{target!r} has no {name!r} (its functions: {', '.join(found) or 'none'})")
     if not callable(fn):
         raise _reward_error(spec, f"{name!r} in {target!r} is a {type(fn).__name__}, not a function")
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        raise _reward_error(spec, f"{name!r} is an async function: its calls return awaitables, not numbers; make it "
+                                  f"a plain def (run any awaits inside it with asyncio.run)")
+    if inspect.isgeneratorfunction(fn):
+        raise _reward_error(spec, f"{name!r} is a generator function (it yields): a reward must return one number")
     try:
         inspect.signature(fn).bind("prompt", "completion", {})
     except TypeError as exc:
@@ -564,9 +600,10 @@ class JsonlTask:
     the last ``cfg.eval_size`` lines of ``cfg.path``); ``sample`` draws training records with replacement.
 
     Reward: ``cfg.reward`` names ``function(prompt: str, completion: str, example: dict) -> float``: the record's
-    prompt, the decoded response (no EOS or padding), and a shallow copy of the record. The value is
-    used as it is (group advantages need no scale); ``reward/accuracy`` counts rewards > 0.5 and the held-out
-    score (``eval/accuracy``) is the mean reward. Failures: see ``score_completions``.
+    prompt, the decoded response (no EOS or padding), and a deep copy of the record (a reward that changes it
+    changes nothing). The value must lie in [0, 1] (numpy scalars and bools are numbers);
+    ``reward/accuracy`` counts rewards > 0.5 and the held-out score (``eval/accuracy``) is the mean reward.
+    Each call may take at most ``cfg.reward_timeout`` seconds. Failures: see ``score_completions``.
 
     Cold start: trains on every record's ``"completion"``; a record without one stops it with a ValueError
     (``check_demonstrations``). The cache key of the cold start covers the files' bytes (``data_digest``).
@@ -593,6 +630,9 @@ class JsonlTask:
             raise ValueError("config error at 'task.path': task 'jsonl' needs a JSON-lines file of prompts "
                              "(one {\"prompt\": ...} object per line)")
         for key, path in (("task.path", cfg.path), ("task.eval_path", cfg.eval_path)):
+            if path and os.path.exists(path) and not os.path.isfile(path):
+                what = "a directory" if os.path.isdir(path) else "not a regular file (a device, a pipe or a socket)"
+                raise ValueError(f"config error at '{key}': {os.path.abspath(path)} is {what}; name a JSON-lines file")
             if path and not os.path.isfile(path):
                 raise ValueError(f"config error at '{key}': file not found: {os.path.abspath(path)}")
         if not cfg.reward:
@@ -603,12 +643,28 @@ class JsonlTask:
     def sample(self, rng: random.Random, n: int) -> list[Example]:
         return [rng.choice(self._train) for _ in range(n)]
 
+    def train_set(self) -> list[Example]:
+        """Every training example (``sample`` draws from these)."""
+        return list(self._train)
+
+    def keep_train(self, examples: list[Example]) -> None:
+        """Train on ``examples`` only (a non-empty subset of ``train_set``, e.g. the prompts that fit the context)."""
+        if not examples:
+            raise ValueError(f"{self.cfg.path}: no training example left")
+        self._train = list(examples)
+
+    def keep_eval(self, examples: list[Example]) -> None:
+        """Hold out ``examples`` only (a subset of ``eval_set``)."""
+        self._eval = list(examples)
+
     def eval_set(self) -> list[Example]:
         return list(self._eval)
 
     def reward(self, completion: str, example: Example) -> Any:
         record = example.record if isinstance(example, RecordExample) else {"prompt": example.prompt}
-        return self._reward(example.prompt, completion, dict(record))
+        # a deep copy: a reward that edits a nested value of its example must not change the data set
+        return _guarded(self.reward_name, self._reward, (example.prompt, completion, copy.deepcopy(record)),
+                        self.cfg.reward_timeout)
 
     def check_demonstrations(self) -> None:
         """ValueError unless every record has a ``"completion"`` (the cold start trains on them)."""
@@ -636,13 +692,103 @@ def check_task_config(cfg: TaskConfig) -> None:
         check(cfg)
 
 
-def _not_a_reward(value: Any) -> Optional[str]:
-    """Why ``value`` is not a usable reward, None when it is (a finite real number; bool counts as 0 or 1)."""
+class RewardTimeout(BaseException):
+    """A reward call ran past its time limit. A BaseException, so that a reward's own ``except Exception`` around
+    its work cannot swallow the stop."""
+
+
+class RewardRangeError(ValueError):
+    """A reward returned a number outside the range its task documents ([0, 1] for task ``jsonl``)."""
+
+
+def call_with_timeout(fn: Callable[..., Any], args: tuple, seconds: float) -> Any:
+    """``fn(*args)``, or RewardTimeout after ``seconds``.
+
+    In the main thread a SIGALRM timer interrupts the call at its next Python bytecode (a busy loop, a sleep or a
+    blocking read all stop); the previous SIGALRM handler and timer (with its remaining time) are restored. A call stuck inside C code that
+    never returns to Python is stopped only when that code returns. Elsewhere (signals reach only the main thread)
+    the call runs in a daemon thread that is abandoned when it runs past ``seconds``."""
+    if threading.current_thread() is threading.main_thread():
+        def alarm(signum: int, frame: Any) -> None:
+            raise RewardTimeout(seconds)
+
+        previous = signal.signal(signal.SIGALRM, alarm)
+        outer_delay, outer_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+        start = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            if outer_delay > 0:  # an outer timer (a test runner's, a user's) keeps its deadline
+                signal.setitimer(signal.ITIMER_REAL, max(outer_delay - (time.monotonic() - start), 1e-3),
+                                 outer_interval)
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as exc:
+            box["error"] = exc
+
+    worker = threading.Thread(target=run, name="dcmdp-reward", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise RewardTimeout(seconds)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+# the process state a reward might change by mistake and that the run depends on: restored after every call
+_GUARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)
+_warned_side_effects: set[tuple[str, str]] = set()
+
+
+def _guarded(name: str, fn: Callable[..., Any], args: tuple, seconds: float) -> Any:
+    """``call_with_timeout`` of a user's reward, then undo what it must not change: the working directory (the run's
+    relative paths: checkpoints, the output folder) and the SIGINT / SIGTERM / SIGQUIT handlers (which keep the run
+    interruptible and checkpoint it on a stop). Each change is restored and warned about once per reward and kind."""
+    cwd = os.getcwd()
+    handlers = {s: signal.getsignal(s) for s in _GUARDED_SIGNALS} if threading.current_thread() is \
+        threading.main_thread() else {}
+    try:
+        return call_with_timeout(fn, args, seconds)
+    finally:
+        changed = []
+        if os.getcwd() != cwd:
+            os.chdir(cwd)
+            changed.append(("working directory", "os.chdir"))
+        for s, handler in handlers.items():
+            if signal.getsignal(s) is not handler:
+                signal.signal(s, handler)
+                changed.append((f"{signal.Signals(s).name} handler", "signal.signal"))
+        for what, how in changed:
+            if (name, what) not in _warned_side_effects:
+                _warned_side_effects.add((name, what))
+                log.warning("reward %s changed the process's %s (%s); restored after each call: a reward must not "
+                            "change process state the run depends on", name, what, how)
+
+
+def _as_number(value: Any) -> tuple[Optional[float], Optional[str]]:
+    """(the reward as a float, None) or (None, why it is not usable): a finite real number; bool counts as 0 or 1,
+    and numpy scalars (``np.bool_``, ``np.float32``, ...) as the Python values they hold."""
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
+        value = value.item()
+    if isinstance(value, decimal.Decimal):
+        value = float(value)
     if not isinstance(value, numbers.Real):
-        return f"returned {type(value).__name__} {repr(value)[:40]}, not a number"
-    if not math.isfinite(float(value)):
-        return f"returned {float(value)}"
-    return None
+        return None, f"returned {type(value).__name__} {repr(value)[:40]}, not a number"
+    number = float(value)
+    if not math.isfinite(number):
+        return None, f"returned {number}"
+    return number, None
+
+
+# a reward that times out this many times in a row in one batch is not called again for the batch's other samples:
+# a reward that hangs on every sample then costs this many timeouts per step, and the run stays responsive
+MAX_TIMEOUTS_IN_A_ROW = 3
 
 
 # reward names whose first failure has been logged with its traceback (once per process)
@@ -650,30 +796,46 @@ _TRACEBACK_SHOWN: set[str] = set()
 
 
 def score_completions(task: Task, completions: list[str], examples: list[Example]) -> tuple[list[float], int]:
-    """``task.reward`` of each completion, and the number of errors: a reward that raises (any Exception) or
-    returns anything but a finite real number gives that sample 0.0, and one warning per call names the reward,
-    the count and the first failure (the first one in the process with its traceback). Never raises for a reward's
-    failure: one bad sample should not end a run, and a reward that always fails shows in ``reward/errors``."""
+    """``task.reward`` of each completion, and the number of errors: a reward that raises (any Exception), exits
+    (``sys.exit``), runs past its timeout (task ``jsonl``: ``task.reward_timeout``) or returns anything but a finite
+    real number gives that sample 0.0, and one warning per call names the reward, the count and the first failure
+    (the first one in the process with its traceback). After ``MAX_TIMEOUTS_IN_A_ROW`` timeouts in a row the batch's
+    remaining samples are not scored (0.0, counted). Never raises for a reward's failure: one bad sample should not
+    end a run, and a reward that always fails shows in ``reward/errors``. Raises RewardRangeError when a ``jsonl``
+    reward returns a number outside [0, 1] (a mistake in the function, not a bad sample)."""
     if len(completions) != len(examples):
         raise ValueError(f"{len(completions)} completions for {len(examples)} examples")
+    name = getattr(task, "reward_name", None) or f"of task {getattr(task, 'name', type(task).__name__)!r}"
+    checks_range = getattr(task, "reward_name", None) is not None
     rewards: list[float] = []
-    errors, first, first_exc = 0, "", None
+    errors, first, first_exc, timeouts = 0, "", None, 0
     for completion, example in zip(completions, examples):
-        exc = None
-        try:
-            value = task.reward(completion, example)
-            why = _not_a_reward(value)
-        except Exception as e:
-            value, why, exc = None, f"raised {type(e).__name__}: {e}", e
+        exc, value = None, None
+        if timeouts >= MAX_TIMEOUTS_IN_A_ROW:
+            why = f"not called: it timed out on {timeouts} samples in a row"
+        else:
+            try:
+                value, why = _as_number(task.reward(completion, example))
+            except RewardTimeout as e:
+                why = f"timed out after {e.args[0]:g} s (task.reward_timeout)"
+            except SystemExit as e:
+                why = f"exited (sys.exit({e.code!r})): a reward must return a number, not end the process"
+            except Exception as e:
+                why, exc = f"raised {type(e).__name__}: {e}", e
+            timeouts = timeouts + 1 if why is not None and why.startswith("timed out") else 0
+        if why is None and checks_range and not 0.0 <= value <= 1.0:
+            where = getattr(example, "source", "") or "a held-out or generated example"
+            raise RewardRangeError(f"reward {name} returned {value!r} for the example at {where} (prompt "
+                                   f"{example.prompt[:60]!r}): rewards must lie in [0, 1] (eval/accuracy is the mean "
+                                   f"reward, reward/accuracy counts rewards > 0.5); rescale the function's values")
         if why is None:
-            rewards.append(float(value))
+            rewards.append(value)
             continue
         rewards.append(0.0)
         errors += 1
         if errors == 1:
             first, first_exc = f"{why} on prompt {example.prompt[:60]!r}", exc
     if errors:
-        name = getattr(task, "reward_name", None) or f"of task {getattr(task, 'name', type(task).__name__)!r}"
         show = first_exc is not None and name not in _TRACEBACK_SHOWN
         if show:
             _TRACEBACK_SHOWN.add(name)
