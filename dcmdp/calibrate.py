@@ -247,8 +247,8 @@ def measure_updates(s: Setup, batch: learner.ScoredBatch, examples, targets: Seq
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
     try:
-        result = learner.update(model, optimizer, None, scored, scoring=s.scoring,
-                                penalty=penalty_spec(s.dual, cfg.dual), cfg=cfg.algo, grad_clip=cfg.optim.grad_clip,
+        result = learner.update(model, learner.OptimStep(optimizer, grad_clip=cfg.optim.grad_clip), scored,
+                                scoring=s.scoring, penalty=penalty_spec(s.state.dual, cfg.dual), cfg=cfg.algo,
                                 generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 2)))
         values_C = constraint_values(targets, scored, result.trained_logp_BT)
     finally:

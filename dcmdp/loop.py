@@ -558,8 +558,8 @@ def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> _Start:
 
 def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFolderLock], owns_folder: bool = True
            ) -> Setup:
-    start = _resume_state(cfg, out, d) if owns_folder else None
-    resume, state = (start.resume, start.state) if start is not None else (None, None)
+    start = _resume_state(cfg, out, d) if owns_folder else _Start()
+    resume, state = start.resume, start.state
     policy = build_policy(cfg, out, d=d, progress=show_bar(cfg))
     screen_task_prompts(policy, cfg.rollout.max_new_tokens)
     model = policy.model = distributed.shard_model(policy.model, cfg, d)
@@ -596,7 +596,7 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
                         "dcmdp.output_dir": str(out.resolve()), "dcmdp.run_uid": start.uid, **provenance_tags(),
                         **({"dcmdp.resumed_from_run": str(parent["run_id"]), "dcmdp.resumed_from": str(resume)}
                            if parent else {})})
-    if d.main:
+    if d.main and owns_folder:
         write_run_file(out, start.uid, tracker.run_id, parent)
         if start.replaced_run_id and start.replaced_run_id != tracker.run_id:
             tracker.end_stale_run(start.replaced_run_id)
@@ -610,7 +610,7 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
                                   micro_batch_tokens=cfg.algo.micro_batch_tokens)
     optim = learner.OptimStep(optimizer, scheduler, scaler, cfg.optim.grad_clip)
     run_state = RunState(dual, history, start_step, bad_steps, accuracy_before, done_step=start_step,
-                         checkpointed_step=start_step, run_uid=start.uid if start is not None else "")
+                         checkpointed_step=start_step, run_uid=start.uid)
     return Setup(cfg, policy, scoring, optim, tracker, constraint_names(cfg.dual.constraints), run_state, dist=d,
                  lock=lock)
 
