@@ -26,12 +26,13 @@ from tqdm.auto import tqdm
 from constraints.config import ConstraintConfig
 from constraints.measures import discrepancy_metrics, measure_constraint
 from constraints.penalties import constraint_names
-from dcmdp.async_rollout import RolloutWorker, screen_stale
+from dcmdp.async_rollout import RolloutWorker, staleness_plan
 from dcmdp.checkpoint import (RunFolderError, RunFolderLock, SignalCheckpointer, capture_rng, clear_run_folder,
                               load_checkpoint, load_resume_checkpoint, restore_rng, run_in_folder, save_checkpoint)
 from dcmdp.config import ConfigError, RunConfig, flatten, resume_conflicts, to_yaml
 from dcmdp import distributed
 from dcmdp.dual import DualState, dual_step, init_state, penalty_spec
+from dcmdp.dual import batch_tolerances, bound_in_force, staleness_step, with_staleness
 from dcmdp.plots import plot_dual
 from dcmdp.tracking import (NoTracker, Tracker, check_tracking_uri, provenance_tags, resolve_tracking_uri,
                             tracking_uri_source)
@@ -198,19 +199,25 @@ def _train_step(s: Setup, step: int, bar) -> None:
     floor_C = measured_C if _sampled_by_current_weights(s, rollout, step) else torch.full_like(measured_C, float("nan"))
     if result is not None and cfg.dual.measure_at == "updates":
         measured_C = constraint_values(cfg.dual.constraints, batch, result.trained_logp_BT)
+    tolerance_C = batch_tolerances(s.dual, floor_C, cfg.dual)
     s.dual, dual_metrics = dual_step(s.dual, measured_C, cfg.dual, floor_C=floor_C)
+    if cfg.async_rollout.is_auto:  # the staleness bound, the dual's second action
+        s.dual, staleness_metrics = staleness_step(s.dual, measured_C, tolerance_C, cfg.async_rollout.auto)
+        dual_metrics.update(staleness_metrics)
     t5 = time.perf_counter()
     if s.worker is None:
         s.policy.engine.load_weights(s.policy.model.state_dict(), version=step + 1)
     else:
-        s.worker.publish(s.policy.model.state_dict(), version=step + 1)
+        s.worker.publish(s.policy.model.state_dict(), version=step + 1, bound=_bound(s))
     t6 = time.perf_counter()
     metrics = {**reward_metrics, **disc_metrics, **dual_metrics, **(result.metrics() if result is not None else {})}
     metrics.update(guard_metrics)
     metrics.update(old_metrics)
-    metrics.update(_guard_step(s, step, metrics, kept))
+    metrics.update(_guard_step(s, step, metrics, kept or async_metrics.get("async/dropped_batches", 0) > 0))
     metrics.update(_timings(rollout, t0, t1, t2, t3, t4, t5, t6))
     metrics.update(async_metrics)
+    if s.worker is not None:
+        metrics["time/trainer_idle_frac"] = (t1 - t0) / max(t6 - t0, 1e-9)
     if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
         metrics["eval/accuracy"] = evaluate(s, seed=cfg.seed)
     metrics = {k: float(v) for k, v in metrics.items()}
@@ -433,7 +440,7 @@ def checkpoint(s: Setup, step: int) -> Path:
     s.tracker.flush()  # the metrics of the steps this checkpoint covers are stored or on disk before it exists
     if s.worker is not None:
         # the engine then holds version ``step``, and the rollout schedule restarts there, as on resume
-        s.worker.drain(s.policy.model.state_dict(), step)
+        s.worker.drain(s.policy.model.state_dict(), step, bound=_bound(s))
     payload = {"step": step, "model": s.policy.model.state_dict(), "optimizer": s.optimizer.state_dict(),
                "scheduler": s.scheduler.state_dict() if s.scheduler is not None else None,
                "dual": s.dual.state_dict(), "engine_version": s.policy.engine.version, "run_id": s.tracker.run_id,
@@ -468,18 +475,29 @@ def _next_rollout(s: Setup, step: int) -> tuple[list[Example], Rollout, Optional
     """The batch of ``step``: sampled here, or taken from the rollout worker with its staleness screen."""
     if s.worker is None:
         return (*rollout_phase(s.policy, s.cfg, step), None, {})
-    batch = s.worker.get(step)
-    fresh_B, metrics = screen_stale(batch.rollout.version_B, step, s.cfg.async_rollout.max_staleness)
-    return batch.examples, batch.rollout, fresh_B, {**metrics, **batch.timings()}
+    a = s.cfg.async_rollout
+    bound = _bound(s) if a.is_auto else a.cap()
+    batch, fresh_B, metrics = s.worker.take(step, bound, a.too_stale, s.policy.model.state_dict())
+    plan = s.worker.staleness_of
+    if a.forced != "off":
+        metrics["async/staleness_forced"] = float(plan(step))
+    return batch.examples, batch.rollout, fresh_B, metrics
+
+
+def _bound(s: Setup) -> Optional[int]:
+    """The staleness bound the controller sets now (max_staleness: auto), None otherwise."""
+    return bound_in_force(s.dual, s.cfg.async_rollout.auto) if s.cfg.async_rollout.is_auto else None
 
 
 def _rollout_worker(s: Setup) -> Optional[RolloutWorker]:
     cfg = s.cfg.async_rollout
     if not cfg.enabled:
         return None
+    if cfg.is_auto:
+        s.dual = with_staleness(s.dual, cfg.auto)
     return RolloutWorker(s.policy.engine, lambda step: rollout_phase(s.policy, s.cfg, step), start=s.start_step,
-                         stop=s.cfg.steps, max_staleness=cfg.max_staleness, threads=cfg.threads,
-                         state_dict=s.policy.model.state_dict())
+                         stop=s.cfg.steps, cap=cfg.cap(), threads=cfg.threads, state_dict=s.policy.model.state_dict(),
+                         staleness_of=staleness_plan(cfg, s.cfg.seed), bound=_bound(s))
 
 
 def reward_phase(policy: Policy, examples: list[Example], rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
