@@ -213,7 +213,7 @@ def _train_step(s: Setup, step: int, bar) -> None:
     metrics = {**reward_metrics, **disc_metrics, **dual_metrics, **(result.metrics() if result is not None else {})}
     metrics.update(guard_metrics)
     metrics.update(old_metrics)
-    metrics.update(_guard_step(s, step, metrics, kept or async_metrics.get("async/dropped_batches", 0) > 0))
+    metrics.update(_guard_step(s, step, metrics, kept, stale_drop=async_metrics.get("async/dropped_batches", 0) > 0))
     metrics.update(_timings(rollout, t0, t1, t2, t3, t4, t5, t6))
     metrics.update(async_metrics)
     if s.worker is not None:
@@ -292,11 +292,14 @@ def screen_phase(algo: AlgoConfig, rollout: Rollout, rewards_B: torch.Tensor, fr
     return guards.mask_rows(rollout, keep_B), advantages_B, keep_B, {**metrics, **adv_guard, **adv_metrics}
 
 
-def _guard_step(s: Setup, step: int, metrics: dict[str, float], kept: bool) -> dict[str, float]:
-    """Count the step as bad (every sample dropped, or an update skipped), warn, and report guard/ metrics."""
+def _guard_step(s: Setup, step: int, metrics: dict[str, float], kept: bool, stale_drop: bool = False
+                ) -> dict[str, float]:
+    """Count the step as bad (every sample dropped, or an update skipped), warn, and report guard/ metrics. A batch
+    dropped whole as too stale (``stale_drop``, async_rollout.too_stale=drop) is not bad (its samples were fine) and
+    leaves the count of bad steps in a row as it was."""
     skipped = metrics.get("guard/skipped_updates", 0.0)
-    bad = not kept or skipped > 0
-    s.bad_steps = s.bad_steps + 1 if bad else 0
+    bad = (not kept and not stale_drop) or skipped > 0
+    s.bad_steps = s.bad_steps + 1 if bad else s.bad_steps if stale_drop else 0
     dropped = {k: v for k, v in metrics.items() if k.startswith("guard/bad_") and v > 0}
     if dropped or bad:
         what = ", ".join(f"{int(v)} for a non-finite {k.removeprefix('guard/bad_').removesuffix('_samples')}"
