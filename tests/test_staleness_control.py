@@ -223,21 +223,26 @@ def test_auto_with_min_equal_max_is_the_fixed_bound_bit_for_bit(tmp_path):
 
 def test_auto_bound_moves_with_d_hat_and_resumes_exactly(tmp_path):
     cache = tmp_path / "cache"
-    # c_s far below the drift of a stale batch: nu climbs and the bound falls from 3 (nu_0 = 0) to 0
+    # c_s inside the range of this run's D-hat (about 5e-6 to 7e-6 here), a large step: the bound moves both ways
+    c_s, lr = 6e-6, 3.0
     on = ("async_rollout.max_staleness=auto", "async_rollout.auto.min=0", "async_rollout.auto.max=3",
-          "async_rollout.auto.nu_init=0", "async_rollout.auto.lr=0.5", "async_rollout.auto.tolerance=1e-5",
+          "async_rollout.auto.nu_init=0.5", f"async_rollout.auto.lr={lr}", f"async_rollout.auto.tolerance={c_s}",
           "dual.measure_at=updates", "checkpoint.every=4")
     full = _run(tmp_path / "full", cache, 10, *on)
     h = full["history"]
-    assert h[0]["async/bound"] == 3 and h[-1]["async/bound"] < 3
-    assert all(x["async/staleness_max"] <= x["async/bound"] for x in h)
-    # nu by the rule from the logged D-hat, in float64
-    nu = 0.0
+    # nu by the rule from the logged D-hat, in float64; s = floor(3 (1 - nu) + 0.5); nu_0 = 0.5 -> s_0 = 2
+    nu, bound = 0.5, 2
     for x in h:
         d = x["dual/measured/abs_prob_diff"]
-        nu = nu if not math.isfinite(d) else min(max(nu + 0.5 * (d - 1e-5) / 1e-5, 0.0), 1.0)
+        assert x["async/bound"] == bound and x["async/staleness_max"] <= bound
+        nu = nu if not math.isfinite(d) else min(max(nu + lr * (d - c_s) / c_s, 0.0), 1.0)
         assert x["async/nu"] == pytest.approx(nu, rel=1e-12, abs=1e-15)
-        assert x["async/bound_next"] == math.floor(3 * (1 - nu) + 0.5)
+        new_bound = math.floor(3 * (1 - nu) + 0.5)
+        assert x["async/bound_next"] == new_bound
+        # the right way: up (or held at max) inside c_s, down (or held at min) beyond it
+        assert new_bound >= bound if d < c_s else new_bound <= bound
+        bound = new_bound
+    assert len({x["async/bound"] for x in h}) > 1, "the bound never moved: the test no longer exercises the rule"
     assert full["dual"]["staleness"]["nu"] == pytest.approx(nu, rel=1e-12, abs=1e-15)
     # stop at a checkpoint (step 8) and resume: the continuation is the uninterrupted run, bitwise
     part = tmp_path / "part"
