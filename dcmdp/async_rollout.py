@@ -242,12 +242,13 @@ class RolloutWorker:
         self._next = start
         # Version of the trainer's weights: the last one published.
         self._trainer_version = start
-        self._published: dict[int, dict[str, Tensor]] = {}
+        # Snapshots of the versions some batch left still needs (the start's too: a forced lag may go back to it).
+        self._published: dict[int, dict[str, Tensor]] = {start: snapshot(state_dict)}
         # Bound b_v published with each version v >= start (bound schedule only).
         self._bounds: dict[int, int] = {} if bound is None else {start: int(bound)}
         self._ready: dict[int, RolloutBatch] = {}
         # (version, snapshot) of the weights in the engine, to put them back after an evaluation.
-        self._loaded = (start, snapshot(state_dict))
+        self._loaded = (start, self._published[start])
         self._error: Optional[BaseException] = None
         self._error_step: Optional[int] = None
         self._stopping = False
@@ -360,8 +361,8 @@ class RolloutWorker:
                 raise ValueError(f"draining at version {version}: the bound schedule needs its bound")
             self._bounds = {version: int(bound)}
         self._ready = {k: b for k, b in self._ready.items() if b.version == self.version_for(k)}
-        self._published.clear()
         snap = snapshot(state_dict)
+        self._published = {version: snap}
         if self.engine.version != version:
             self.engine.load_weights(snap, version=version)
         self._loaded = (version, snap)
