@@ -95,7 +95,7 @@ class AsyncRolloutConfig:
     too_stale: str = "wait"
     # Forced staleness per batch, capped at max_staleness (a testbed knob): off | schedule | power_law | geometric.
     forced: str = "off"
-    # Phases of forced: schedule, e.g. [{until_step: 50, staleness: 0}, {until_step: 150, staleness: 8}, {staleness: 2}].
+    # Phases of forced: schedule, e.g. [{until_step: 50, staleness: 0}, {until_step: 150, staleness: 8}, {staleness: 2}]
     schedule: list[StalenessPhase] = field(default_factory=list)
     # The law of forced: power_law.
     power_law: PowerLawConfig = field(default_factory=PowerLawConfig)
