@@ -199,7 +199,7 @@ def _train_step(s: Setup, step: int, bar) -> None:
     floor_C = measured_C if _sampled_by_current_weights(s, rollout, step) else torch.full_like(measured_C, float("nan"))
     if result is not None and cfg.dual.measure_at == "updates":
         measured_C = constraint_values(cfg.dual.constraints, batch, result.trained_logp_BT)
-    tolerance_C = batch_tolerances(s.dual, floor_C, cfg.dual)
+    tolerance_C = batch_tolerances(s.dual, floor_C, cfg.dual) if cfg.async_rollout.is_auto else None
     s.dual, dual_metrics = dual_step(s.dual, measured_C, cfg.dual, floor_C=floor_C)
     if cfg.async_rollout.is_auto:  # the staleness bound, the dual's second action
         s.dual, staleness_metrics = staleness_step(s.dual, measured_C, tolerance_C, cfg.async_rollout.auto)

@@ -6,6 +6,7 @@ seeds, so everything but wall-clock timings is deterministic and compared exactl
 """
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from dcmdp.dual import (DualState, bound_in_force, init_state, staleness_bound, 
 from dcmdp.loop import train
 from tests.test_metrics_doc import documented_patterns
 
+REPO = Path(__file__).parents[1]
 AUTO_ONLY = ("async/nu", "async/bound_next", "async/staleness_tolerance")
 
 
@@ -199,7 +201,7 @@ def test_bad_staleness_configs_raise_with_the_key(overrides, match):
 
 
 def test_bad_range_exits_2_from_the_command_line(capsys):
-    code = main(["train", "configs/default.yaml", "async_rollout.enabled=true", "async_rollout.max_staleness=auto",
+    code = main(["train", str(REPO / "configs" / "default.yaml"), "async_rollout.enabled=true", "async_rollout.max_staleness=auto",
                  "async_rollout.auto.min=4", "async_rollout.auto.max=2"])
     assert code == 2
     assert "async_rollout.auto" in capsys.readouterr().err
