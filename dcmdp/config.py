@@ -21,6 +21,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from constraints.config import ConstraintConfig
 from dcmdp import redact  # noqa: F401  (remembers the values a config reads from the environment)
+from dcmdp.async_config import AsyncRolloutConfig
 from trainers.config import RENAMED_KEYS as TRAINER_RENAMED_KEYS
 from trainers.config import AlgoConfig, ColdStartConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig
 
@@ -38,27 +39,6 @@ RENAMED_KEYS = {
     "dual.enabled": "dual.rule=off (for dual.enabled=false; dual.enabled=true was the default, dual.rule=projected)",
     "dual.fixed": "dual.rule=fixed (for dual.fixed=true; lambda held at lambda_init)",
 }
-
-
-@dataclass
-class AsyncRolloutConfig:
-    """The rollout worker thread of ``dcmdp.async_rollout`` (defined here: reading a config imports no torch)."""
-
-    # Sample rollouts in a worker thread while the trainer trains (false: in the loop, between the updates).
-    enabled: bool = False
-    # Batch k is sampled with the weights of step max(k0, k - max_staleness); 0 reproduces the synchronous run.
-    max_staleness: int = 0
-    # torch intra-op threads of the rollout worker (0: the trainer's count).
-    threads: int = 0
-
-    def check(self, prefix: str = "async_rollout") -> None:
-        if self.max_staleness < 0:
-            raise ValueError(f"config error at '{prefix}.max_staleness': must be >= 0, got {self.max_staleness}")
-        if self.threads < 0:
-            raise ValueError(f"config error at '{prefix}.threads': must be >= 0, got {self.threads}")
-        if self.max_staleness > 0 and not self.enabled:
-            raise ValueError(f"config error at '{prefix}.max_staleness': {self.max_staleness} needs the rollout "
-                             f"worker; set {prefix}.enabled=true")
 
 
 @dataclass
@@ -409,6 +389,7 @@ def validate(cfg: RunConfig) -> None:
             if not c.tolerance > 0:
                 raise ConfigError(f"config error at 'dual.constraints[{i}].tolerance': dual.relative=true divides the "
                                   f"violation by c, which must be > 0 (got {c.tolerance})")
+    _validate_staleness_control(cfg)
     if cfg.dual.coupling.A or cfg.dual.coupling.b:
         n = len(cfg.dual.constraints)
         if len(cfg.dual.coupling.A) != len(cfg.dual.coupling.b) or any(len(r) != n for r in cfg.dual.coupling.A):
@@ -416,6 +397,20 @@ def validate(cfg: RunConfig) -> None:
                               f"(rows = len(b), columns = number of constraints)")
     _validate_registries(cfg)
     _validate_modes(cfg)
+
+
+def _validate_staleness_control(cfg: RunConfig) -> None:
+    """``async_rollout.max_staleness: auto`` bounds the D-hat of one of the dual's constraints."""
+    a = cfg.async_rollout
+    if not a.is_auto:
+        return
+    n = len(cfg.dual.constraints)
+    if not a.auto.constraint < n:
+        raise ConfigError(f"config error at 'async_rollout.auto.constraint': {a.auto.constraint} names no constraint "
+                          f"(dual.constraints has {n})")
+    if a.auto.tolerance is None and not cfg.dual.constraints[a.auto.constraint].tolerance > 0:
+        raise ConfigError(f"config error at 'async_rollout.auto.tolerance': the staleness step divides by c_s, and "
+                          f"dual.constraints[{a.auto.constraint}].tolerance is not > 0; set async_rollout.auto.tolerance")
 
 
 def _validate_registries(cfg: RunConfig) -> None:

@@ -34,6 +34,10 @@ lambda_bar_k = (lambda_0 + ... + lambda_k) / (k + 1), the averaged dual iterate 
 lambda_k. lambda_bar settles at the level of penalty the run's drift has asked for on average, and does not let go
 when D_hat falls inside c late in a run (DESIGN.md §9; stress benchmark, profile ``average``).
 
+Staleness bound (``async_rollout.max_staleness: auto``, DESIGN.md §10): a second multiplier nu on "D_hat of the
+batches trained <= c_s", whose action is the rollout worker's staleness bound instead of a penalty; see
+``staleness_step``. Its state ({"nu"}) lives in ``DualState.staleness`` and is checkpointed with the rest.
+
 Pi is the Euclidean projection onto the box [lambda_min_i, lambda_max_i], intersected with the coupled
 limits A lambda <= b when ``cfg.coupling`` has rows (a small QP solved with cvxpy). A non-finite
 measurement never moves its multiplier: that lambda and its PID state stay as they were (also under
@@ -55,6 +59,7 @@ from constraints.penalties import constraint_names
 from trainers.learner import PenaltySpec
 
 if TYPE_CHECKING:  # the config imports this module's registry to validate names: no import at run time
+    from dcmdp.async_config import StalenessAutoConfig
     from dcmdp.config import DualConfig
 
 _F64 = torch.float64
@@ -79,6 +84,9 @@ class DualState:
     # (C,) running mean of the multipliers over the run, lambda_bar_k = mean(lambda_0, ..., lambda_k) (k = steps);
     # the penalty carries it under ``cfg.average``. None in states written before it existed: lambda_C stands in.
     lambda_avg_C: Optional[Tensor] = None
+    # State of the staleness controller (``staleness_step``, async_rollout.max_staleness: auto): {"nu": float};
+    # None without the controller, and in states written before it existed (the controller then starts afresh).
+    staleness: Optional[dict[str, Any]] = None
 
     def lambda_avg(self) -> Tensor:
         """(C,) lambda_bar_k, the running mean of lambda_0..lambda_k (lambda_C for a state without one)."""
@@ -89,7 +97,8 @@ class DualState:
         # NaN (no floor yet) as None: JSON-safe, and equal to itself when two states are compared
         floor = [] if self.floor_C is None else [x if math.isfinite(x) else None for x in self.floor_C.tolist()]
         return {"lambda_C": self.lambda_C.tolist(), "rule": copy.deepcopy(self.rule), "steps": int(self.steps),
-                "skipped": int(self.skipped), "floor_C": floor, "lambda_avg_C": self.lambda_avg().tolist()}
+                "skipped": int(self.skipped), "floor_C": floor, "lambda_avg_C": self.lambda_avg().tolist(),
+                "staleness": copy.deepcopy(self.staleness)}
 
     @classmethod
     def from_state_dict(cls, d: dict[str, Any]) -> "DualState":
@@ -102,7 +111,7 @@ class DualState:
         # states written before the running mean existed: it restarts from the current lambda
         avg = _vec(d["lambda_avg_C"]) if d.get("lambda_avg_C") else lam.clone()
         return cls(lambda_C=lam, rule=copy.deepcopy(rule), steps=int(d["steps"]), skipped=int(d["skipped"]),
-                   floor_C=floor, lambda_avg_C=avg)
+                   floor_C=floor, lambda_avg_C=avg, staleness=copy.deepcopy(d.get("staleness")))
 
 
 def _vec(v: Any) -> Tensor:
@@ -420,3 +429,77 @@ def dual_step(state: DualState, measured_C: Tensor, cfg: DualConfig,
         metrics[f"dual/tolerance/{name}"] = c
         metrics[f"dual/violation/{name}"] = d - c
     return new, metrics
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The staleness bound as the dual's second action (DESIGN.md §10; async_rollout.max_staleness: auto)
+
+
+def staleness_bound(nu: float, auto: StalenessAutoConfig) -> int:
+    """s = round(s_max - (s_max - s_min) nu / nu_max): the bound the controller sets for multiplier ``nu``.
+
+    The best response of the system's Lagrangian to nu. With u = (s - s_min) / (s_max - s_min) in [0, 1] the share of
+    the allowed asynchrony used, the throughput gain is taken as u - u^2 / 2 (concave: overlap saturates once the
+    rollouts hide behind the updates) and the drift of the stale batches as linear in u, priced at nu / nu_max.
+    argmax_u [u - u^2 / 2 - (nu / nu_max) u] = 1 - nu / nu_max, inside [0, 1] for nu in [0, nu_max]; the bound is
+    that u rounded half up to an integer staleness. nu = 0 (no drift pressure): s_max; nu = nu_max: s_min.
+    """
+    u = 1.0 - float(nu) / float(auto.nu_max)
+    return auto.min + int(math.floor((auto.max - auto.min) * u + 0.5))
+
+
+def staleness_nu_step(nu: float, measured: float, tolerance: float, auto: StalenessAutoConfig) -> float:
+    """nu <- Pi_[0, nu_max](nu + eta_s (D_hat - c_s) / c_s), eta_s = auto.lr: projected ascent on the multiplier of
+    the staleness constraint D_hat_stale <= c_s, in units of c_s (the relative step of DESIGN.md §9, so one eta_s
+    serves every measure). A non-finite D_hat leaves nu unchanged."""
+    if not math.isfinite(measured):
+        return float(nu)
+    c = max(float(tolerance), _RELATIVE_MIN_C)
+    return min(max(float(nu) + auto.lr * (float(measured) - c) / c, 0.0), float(auto.nu_max))
+
+
+def staleness_init(auto: StalenessAutoConfig) -> dict[str, Any]:
+    """nu_0 = auto.nu_init, or nu_max (the run starts at the bound s_min) when unset."""
+    return {"nu": float(auto.nu_max if auto.nu_init is None else auto.nu_init)}
+
+
+def with_staleness(state: DualState, auto: StalenessAutoConfig) -> DualState:
+    """``state`` with the staleness controller's state, initialised when it has none (a fresh run, or a checkpoint
+    written without the controller)."""
+    return state if state.staleness is not None else replace(state, staleness=staleness_init(auto))
+
+
+def bound_in_force(state: DualState, auto: StalenessAutoConfig) -> int:
+    """The staleness bound that ``state``'s nu sets (``staleness_bound``)."""
+    return staleness_bound(with_staleness(state, auto).staleness["nu"], auto)
+
+
+def batch_tolerances(state: DualState, floor_C: Tensor, cfg: DualConfig) -> Tensor:
+    """(C,) the tolerances ``dual_step(state, ..., floor_C=floor_C)`` holds this batch to (an automatic tolerance
+    without a floor yet takes this batch's floor first)."""
+    floor_C = torch.as_tensor(floor_C, dtype=_F64).detach().cpu().reshape(-1)
+    return tolerances(_seed_floor(state, floor_C, cfg), cfg)
+
+
+def staleness_step(state: DualState, measured_C: Tensor, tolerance_C: Tensor,
+                   auto: StalenessAutoConfig) -> tuple[DualState, dict[str, float]]:
+    """One step of the staleness controller from this batch's D_hat (the dual step's input: under
+    ``dual.measure_at: updates`` pi_theta against mu, i.e. the engines' floor plus the drift since the weights that
+    sampled the batch) of constraint ``auto.constraint``, against c_s = auto.tolerance or that constraint's tolerance
+    in force (``tolerance_C``).
+
+    The constraint is "D_hat of the batches trained <= c_s", its multiplier nu moves by ``staleness_nu_step`` and its
+    action is the bound ``staleness_bound(nu)``: the bound rises while D_hat stays inside c_s and falls when it
+    exceeds it. A batch at staleness 0 measures the floor and the updates' drift only; if that alone exceeds c_s, nu
+    climbs to nu_max and the bound stays at s_min (no asynchrony can help). The lambda rule is untouched. The new
+    bound applies to the batches that the weights of the next version sample, and to every batch the trainer takes
+    from then on. Metrics: async/nu (after the step), async/bound_next (the bound it sets), async/staleness_tolerance.
+    """
+    state = with_staleness(state, auto)
+    i = auto.constraint
+    d = float(torch.as_tensor(measured_C, dtype=_F64).reshape(-1)[i])
+    c = float(auto.tolerance) if auto.tolerance is not None else float(torch.as_tensor(tolerance_C).reshape(-1)[i])
+    nu = staleness_nu_step(state.staleness["nu"], d, c, auto)
+    new = replace(state, staleness={**state.staleness, "nu": nu})
+    return new, {"async/nu": nu, "async/bound_next": float(staleness_bound(nu, auto)),
+                 "async/staleness_tolerance": c}

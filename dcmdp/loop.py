@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from constraints.config import ConstraintConfig
 from constraints.measures import discrepancy_metrics, measure_constraint
 from constraints.penalties import constraint_names
-from dcmdp.async_rollout import RolloutWorker, screen_stale
+from dcmdp.async_rollout import RolloutWorker, staleness_plan
 from dcmdp.checkpoint import (RunFolderError, RunFolderLock, SignalCheckpointer, capture_rng, checkpoint_run_uid,
                               clear_run_folder, load_checkpoint, load_resume_checkpoint, new_run_uid, read_run_file,
                               restore_rng, run_in_folder, save_checkpoint, write_config_yaml, write_run_file)
@@ -34,6 +34,7 @@ from dcmdp.config import ConfigError, RunConfig, flatten, load_config, resume_co
 from dcmdp import distributed
 from dcmdp.cpu import apply_threads
 from dcmdp.dual import DualState, dual_step, init_state, penalty_spec
+from dcmdp.dual import batch_tolerances, bound_in_force, staleness_step, with_staleness
 from dcmdp.plots import plot_dual
 from dcmdp.redact import redact
 from dcmdp.tracking import NoTracker, Tracker, check_tracking_config, provenance_tags
@@ -318,20 +319,26 @@ def _train_step(s: Setup, step: int, bar) -> None:
     floor_C = measured_C if _sampled_by_current_weights(s, rollout, step) else torch.full_like(measured_C, float("nan"))
     if result is not None and cfg.dual.measure_at == "updates":
         measured_C = constraint_values(cfg.dual.constraints, batch, result.trained_logp_BT)
+    tolerance_C = batch_tolerances(s.state.dual, floor_C, cfg.dual) if cfg.async_rollout.is_auto else None
     s.state.dual, dual_metrics = dual_step(s.state.dual, measured_C, cfg.dual, floor_C=floor_C)
+    if cfg.async_rollout.is_auto:  # the staleness bound, the dual's second action
+        s.state.dual, staleness_metrics = staleness_step(s.state.dual, measured_C, tolerance_C, cfg.async_rollout.auto)
+        dual_metrics.update(staleness_metrics)
     t5 = time.perf_counter()
     if s.worker is None:
         s.policy.engine.load_weights(s.policy.model.state_dict(), version=step + 1)
     else:
-        s.worker.publish(s.policy.model.state_dict(), version=step + 1)
+        s.worker.publish(s.policy.model.state_dict(), version=step + 1, bound=_bound(s))
     t6 = time.perf_counter()
     metrics = {**reward_metrics, **disc_metrics, **dual_metrics, **(result.metrics() if result is not None else {})}
     metrics.update(guard_metrics)
     metrics.update(old_metrics)
-    metrics.update(_guard_step(s, step, metrics, kept))
+    metrics.update(_guard_step(s, step, metrics, kept, stale_drop=async_metrics.get("async/dropped_batches", 0) > 0))
     metrics.update(_timings(rollout, t0, t1, t2, t3, t4, t5, t6))
     metrics.update(async_metrics)
     metrics["rollout/precision_bits"] = PRECISION_BITS[cfg.rollout.precision_at(step)]
+    if s.worker is not None:
+        metrics["time/trainer_idle_frac"] = (t1 - t0) / max(t6 - t0, 1e-9)
     if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
         metrics["eval/accuracy"] = evaluate(s, seed=cfg.seed)
     metrics = {k: float(v) for k, v in metrics.items()}
@@ -411,11 +418,14 @@ def screen_phase(algo: AlgoConfig, rollout: Rollout, rewards_B: torch.Tensor, fr
     return guards.mask_rows(rollout, keep_B), advantages_B, keep_B, {**metrics, **adv_guard, **adv_metrics}
 
 
-def _guard_step(s: Setup, step: int, metrics: dict[str, float], kept: bool) -> dict[str, float]:
-    """Count the step as bad (every sample dropped, or an update skipped), warn, and report guard/ metrics."""
+def _guard_step(s: Setup, step: int, metrics: dict[str, float], kept: bool, stale_drop: bool = False
+                ) -> dict[str, float]:
+    """Count the step as bad (every sample dropped, or an update skipped), warn, and report guard/ metrics. A batch
+    dropped whole as too stale (``stale_drop``, async_rollout.too_stale=drop) is not bad (its samples were fine) and
+    leaves the count of bad steps in a row as it was."""
     skipped = metrics.get("guard/skipped_updates", 0.0)
-    bad = not kept or skipped > 0
-    s.state.bad_steps = s.state.bad_steps + 1 if bad else 0
+    bad = (not kept and not stale_drop) or skipped > 0
+    s.state.bad_steps = s.state.bad_steps + 1 if bad else s.state.bad_steps if stale_drop else 0
     dropped = {k: v for k, v in metrics.items() if k.startswith("guard/bad_") and v > 0}
     if dropped or bad:
         what = ", ".join(f"{int(v)} for a non-finite {k.removeprefix('guard/bad_').removesuffix('_samples')}"
@@ -620,7 +630,7 @@ def checkpoint(s: Setup, step: int) -> Path:
     s.tracker.flush()  # the metrics of the steps this checkpoint covers are stored or on disk before it exists
     if s.worker is not None:
         # the engine then holds version ``step``, and the rollout schedule restarts there, as on resume
-        s.worker.drain(s.policy.model.state_dict(), step)
+        s.worker.drain(s.policy.model.state_dict(), step, bound=_bound(s))
     payload = {"step": step, "model": s.policy.model.state_dict(), "optimizer": s.optim.optimizer.state_dict(),
                "scheduler": s.optim.scheduler.state_dict() if s.optim.scheduler is not None else None,
                "dual": s.state.dual.state_dict(), "engine_version": s.policy.engine.version, "run_id": s.tracker.run_id,
@@ -662,18 +672,29 @@ def _next_rollout(s: Setup, step: int) -> tuple[list[Example], Rollout, Optional
     """The batch of ``step``: sampled here, or taken from the rollout worker with its staleness screen."""
     if s.worker is None:
         return (*rollout_phase(s.policy, s.cfg, step), None, {})
-    batch = s.worker.get(step)
-    fresh_B, metrics = screen_stale(batch.rollout.version_B, step, s.cfg.async_rollout.max_staleness)
-    return batch.examples, batch.rollout, fresh_B, {**metrics, **batch.timings()}
+    a = s.cfg.async_rollout
+    bound = _bound(s) if a.is_auto else a.cap()
+    batch, fresh_B, metrics = s.worker.take(step, bound, a.too_stale, s.policy.model.state_dict())
+    plan = s.worker.staleness_of
+    if a.forced != "off":
+        metrics["async/staleness_forced"] = float(plan(step))
+    return batch.examples, batch.rollout, fresh_B, metrics
+
+
+def _bound(s: Setup) -> Optional[int]:
+    """The staleness bound the controller sets now (max_staleness: auto), None otherwise."""
+    return bound_in_force(s.state.dual, s.cfg.async_rollout.auto) if s.cfg.async_rollout.is_auto else None
 
 
 def _rollout_worker(s: Setup) -> Optional[RolloutWorker]:
     cfg = s.cfg.async_rollout
     if not cfg.enabled:
         return None
+    if cfg.is_auto:
+        s.state.dual = with_staleness(s.state.dual, cfg.auto)
     return RolloutWorker(s.policy.engine, lambda step: rollout_phase(s.policy, s.cfg, step), start=s.state.start_step,
-                         stop=s.cfg.steps, max_staleness=cfg.max_staleness, threads=cfg.threads,
-                         state_dict=s.policy.model.state_dict())
+                         stop=s.cfg.steps, cap=cfg.cap(), threads=cfg.threads, state_dict=s.policy.model.state_dict(),
+                         staleness_of=staleness_plan(cfg, s.cfg.seed), bound=_bound(s))
 
 
 def reward_phase(policy: Policy, examples: list[Example], rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
