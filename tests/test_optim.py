@@ -153,3 +153,36 @@ def test_unknown_precision_is_a_config_error_exit_2(tmp_path, capsys):
     assert rc == 2, err
     assert "'optim.precision'" in err and "bf8" in err and "bf16_kahan" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("precision", ["bf16_kahan"])
+def test_training_run_in_bf16_resumes_bit_for_bit(precision, tmp_path):
+    """A tiny-moe run trains bfloat16 parameters with the chosen optimiser, checkpoints its state (moments,
+    compensation, the rounding generator) and a run resumed from step 4 repeats steps 5-6 exactly."""
+    import os
+    import subprocess
+    import sys
+
+    from dcmdp.checkpoint import find_resume_checkpoint, load_checkpoint
+
+    def args(out, *extra):
+        return [sys.executable, "-m", "dcmdp.cli", "train", "model.preset=tiny-moe", "rollout.precision=int8",
+                "cold_start.steps=5", f"cold_start.cache_dir={tmp_path / 'cache'}", "algo.prompts_per_step=4",
+                "algo.samples_per_prompt=2", "algo.minibatches=2", "task.eval_size=8", "steps=6",
+                "checkpoint.every=2", "checkpoint.keep=3", "threads=1", "progress=false", f"output_dir={out}",
+                f"optim.precision={precision}", *extra]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(args(tmp_path / "ref"), check=True, env=env, timeout=300, capture_output=True)
+    ref = load_checkpoint(find_resume_checkpoint(tmp_path / "ref" / "checkpoints", "auto"))
+    assert all(v.dtype == torch.bfloat16 for v in ref["model"].values() if v.is_floating_point())
+    first = next(iter(ref["optimizer"]["state"].values()))
+    assert first["exp_avg"].dtype == torch.bfloat16 and "compensation" in first
+    done = subprocess.run(args(tmp_path / "run", f"checkpoint.resume={tmp_path}/ref/checkpoints/step_00000004"),
+                          env=env, timeout=300, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = load_checkpoint(find_resume_checkpoint(tmp_path / "run" / "checkpoints", "auto"))
+    strip = lambda h: {k: v for k, v in h.items() if not k.startswith(("time/", "throughput/"))}  # noqa: E731
+    assert [strip(h) for h in run["history"]] == [strip(h) for h in ref["history"]]
+    for name, w in ref["model"].items():
+        assert torch.equal(w, run["model"][name]), name
