@@ -33,10 +33,17 @@ What differs from the recipe files, and why:
 Everything else is the recipe (bfloat16 parameters, fp32 LM head, activation checkpointing, bf16 rollouts,
 PPO-clip 0.2 / 0.28 with TIS 5, 4 mini-batches, the projected dual on abs_prob_diff, R3 on the MoE).
 
+**The optimiser's precision.** The recipes train float32 master weights (``optim.precision: fp32``), 16 B per
+parameter with gradient and AdamW state: a one-layer model needs ~31-36 GB, more than this 24 GiB machine has.
+``--precision bf16_stochastic`` / ``bf16_kahan`` adds ``optim.precision=...`` to every run (``trainers.optim``:
+bfloat16 parameters and moments, 8 / 10 B per parameter). The page also tabulates the bytes per parameter of
+each precision, measured from the tensors' storage after one step (``optimizer_bytes_per_param``).
+
 Usage (one heavy process at a time; about 25 minutes for the four runs on 2 cores):
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/real_shapes.py [--recipes qwen3-8b,qwen3-30b-a3b]
-        [--engines torch,vllm] [--workdir /tmp/dcmdp_real_shapes] [--out benchmarks/results/real_shapes]
+        [--engines torch,vllm] [--precision fp32|bf16_stochastic|bf16_kahan] [--workdir /tmp/dcmdp_real_shapes]
+        [--out benchmarks/results/real_shapes]
 """
 
 from __future__ import annotations
@@ -129,8 +136,14 @@ def build_model_dir(recipe: str, path: Path, *, context: int = 1024, seed: int =
     return {"params": total, "active_params": active}
 
 
-def memory_estimate(recipe: str, engine: str, context: int = 1024) -> dict[str, float]:
+def memory_estimate(recipe: str, engine: str, context: int = 1024, precision: str = "fp32") -> dict[str, float]:
     """GB the ``dcmdp train`` process needs at its peak, term by term (decimal GB, 1e9 bytes).
+
+    ``precision`` (``optim.precision``): with ``bf16_*`` parameters, gradients and the two moments are bfloat16
+    (2 B each), ``bf16_kahan`` adds a bfloat16 compensation buffer, the step's float32 temporaries are chunked
+    (``trainers.optim.CHUNK``: negligible), autocast copies nothing, and the fp32 LM head casts its weight to a
+    float32 copy whose float32 gradient lives until the backward casts it down (8 B per head parameter).
+    For ``fp32`` (the recipes' own):
 
     ``model.dtype: bfloat16`` trains float32 master weights under bfloat16 autocast (``trainers.models.param_dtype``):
     parameters and gradients float32 (4 B each); AdamW keeps exp_avg and exp_avg_sq in the parameter dtype, and its
@@ -147,12 +160,17 @@ def memory_estimate(recipe: str, engine: str, context: int = 1024) -> dict[str, 
         cls = Qwen3MoeForCausalLM if isinstance(config, Qwen3MoeConfig) else Qwen3ForCausalLM
         total, _ = param_counts(cls(config))
     w16, w32 = total * 2 / 1e9, total * 4 / 1e9
+    head = config.vocab_size * config.hidden_size * 8 / 1e9
     kv_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
     kv = min(max(kv_token * context, kv_token * context * 256), 4 * GIB) / 1e9
-    terms = {"weights": w32, "grads": w32, "adamw_state": 2 * w32,
-             "transient": w32 + w16,  # AdamW's foreach temporary + autocast's bfloat16 weight copies
-             "engine_weights": w16, "kv_cache": kv if engine == "vllm" else 0.0,
-             "base": 2.5 if engine == "vllm" else 1.0}
+    if precision == "fp32":
+        terms = {"weights": w32, "grads": w32, "adamw_state": 2 * w32,
+                 "transient": w32 + w16}  # AdamW's foreach temporary + autocast's bfloat16 weight copies
+    else:
+        terms = {"weights": w16, "grads": w16, "adamw_state": 2 * w16 + (w16 if precision == "bf16_kahan" else 0.0),
+                 "transient": head}
+    terms |= {"engine_weights": w16, "kv_cache": kv if engine == "vllm" else 0.0,
+              "base": 2.5 if engine == "vllm" else 1.0}
     terms["total"] = sum(terms.values())
     return terms
 
@@ -237,6 +255,27 @@ class _Head(torch.nn.Module):
         return self.head
 
 
+def optimizer_bytes_per_param(seed: int = 0) -> dict[str, dict[str, float]]:
+    """Per ``optim.precision``: bytes per parameter of the parameters, their gradients and the optimiser state
+    (``trainers.optim.state_bytes_per_param``: tensor storage sizes) after one step on the tiny-moe preset with
+    random gradients."""
+    from trainers.config import OptimConfig
+    from trainers.models import model_from_config
+    from trainers.optim import PRECISIONS, build_optimizer, precision_param_dtype, state_bytes_per_param
+
+    out = {}
+    for name in PRECISIONS:
+        model = model_from_config(get_preset("tiny-moe").make_config(128), seed=seed, dtype="float32")
+        if (dtype := precision_param_dtype(name)) is not None:
+            model.to(dtype)
+        optimizer = build_optimizer(model.parameters(), OptimConfig(precision=name), seed=seed)
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+        out[name] = state_bytes_per_param(optimizer)
+    return out
+
+
 def mem_available_gb() -> float:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -301,10 +340,12 @@ def run_recipe(recipe: str, engine: str, model_dir: Path, out: Path, *, context:
     """``dcmdp train configs/<recipe>.yaml <overrides>`` in a child process; its peak RSS from ``os.wait4``."""
     args = [str(ROOT / ".venv" / "bin" / "dcmdp"), "train", f"configs/{recipe}.yaml",
             *overrides(recipe, model_dir, out, engine, threads=threads, extra=extra)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CACHE_ROOT": str(out.parent / "vllm_cache")}
+    # PYTHONPATH: the child runs this checkout's dcmdp, not the one the console script was installed from
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CACHE_ROOT": str(out.parent / "vllm_cache"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     command = f"OMP_NUM_THREADS={threads} " + " ".join(shlex.quote(a) for a in
                                                        [".venv/bin/dcmdp", *args[1:]])
-    estimate = memory_estimate(recipe, engine, context)["total"]
+    estimate = memory_estimate(recipe, engine, context, precision_of(extra))["total"]
     available = mem_available_gb()
     out.mkdir(parents=True, exist_ok=True)
     log_path = out.parent / f"{recipe}_{engine}.log"
@@ -321,6 +362,12 @@ def run_recipe(recipe: str, engine: str, model_dir: Path, out: Path, *, context:
         return result
     result.steps, result.changed_fraction, result.compared_elements = _history_and_changes(out, model_dir)
     return result
+
+
+def precision_of(extra: tuple[str, ...] | list[str]) -> str:
+    """The ``optim.precision`` an override list selects (the recipes' ``fp32`` when none does)."""
+    found = [o.split("=", 1)[1] for o in extra if o.startswith("optim.precision=")]
+    return found[-1] if found else "fp32"
 
 
 def error_from_log(log_path: Path, returncode: int) -> str:
@@ -413,6 +460,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--keep-runs", action="store_true", help="keep the run folders (checkpoints are ~9 GB each)")
     p.add_argument("--extra", default="", help="space-separated overrides appended to every run "
                    "(e.g. model.gradient_checkpointing=false)")
+    p.add_argument("--precision", default=None, help="optim.precision of every run (fp32, bf16_stochastic, "
+                   "bf16_kahan; trainers.optim): appended to --extra")
     p.add_argument("--activations", action="store_true", help="also measure the bytes autograd saves per token for "
                    "one real-width layer and the fp32 LM-head chain (saved_bytes_per_token)")
     p.add_argument("--merge", action="store_true", help="keep the runs already in <out>.json that this invocation "
@@ -422,6 +471,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     recipes = [r for r in ns.recipes.split(",") if r]
     engines = [e for e in ns.engines.split(",") if e]
+    extra = tuple(ns.extra.split()) + ((f"optim.precision={ns.precision}",) if ns.precision else ())
     torch.set_num_threads(ns.threads)
     counts: dict[str, dict] = {}
     for recipe in recipes:
@@ -445,13 +495,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     results: list[RunResult] = []
     for recipe in recipes:
         for engine in engines:
-            est = memory_estimate(recipe, engine, ns.context)
+            est = memory_estimate(recipe, engine, ns.context, precision_of(extra))
             print(f"\n{recipe} / {engine}: estimated peak {est['total']:.1f} GB ("
                   + ", ".join(f"{k} {v:.2f}" for k, v in est.items() if k != "total")
                   + f"); available now {mem_available_gb():.1f} GB", flush=True)
             out = work / f"run_{recipe}_{engine}"
             r = run_recipe(recipe, engine, work / f"{recipe}-1layer", out, context=ns.context, threads=ns.threads,
-                           extra=tuple(ns.extra.split()))
+                           extra=extra)
             results.append(r)
             print(f"  exit {r.returncode}, wall {r.wall_s:.0f} s, peak RSS {r.peak_rss_gb:.2f} GB"
                   + (f", error: {r.error}" if r.error else ""), flush=True)
@@ -470,24 +520,28 @@ def main(argv: Optional[list[str]] = None) -> int:
         results = sorted(kept + results, key=lambda r: (order.get((r.recipe, r.engine), 99), r.extra))
     text = table(results, counts)
     print("\n" + text)
-    write_results(Path(ns.out), results, counts, ns, text, acts, earlier_invocations)
+    write_results(Path(ns.out), results, counts, ns, text, acts, earlier_invocations, optimizer_bytes_per_param())
     return 0 if all(r.returncode == 0 for r in results) else 1
 
 
 def write_results(prefix: Path, results: list[RunResult], counts: dict, ns, text: str, acts: dict,
-                  earlier_invocations: tuple[dict, ...] | list[dict] = ()) -> None:
+                  earlier_invocations: tuple[dict, ...] | list[dict] = (),
+                  optim_bytes: Optional[dict[str, dict[str, float]]] = None) -> None:
     """<prefix>.json and <prefix>.md; ``earlier_invocations`` (date, command) are the --merge'd runs' own."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
     command = (f"OMP_NUM_THREADS={ns.threads} .venv/bin/python benchmarks/real_shapes.py --recipes {ns.recipes} "
                f"--engines '{ns.engines}' --context {ns.context} --threads {ns.threads}"
-               + (f" --extra '{ns.extra}'" if ns.extra else "") + (" --merge" if ns.merge else "")
+               + (f" --extra '{ns.extra}'" if ns.extra else "")
+               + (f" --precision {ns.precision}" if getattr(ns, "precision", None) else "")
+               + (" --merge" if ns.merge else "")
                + (" --activations" if ns.activations else ""))
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     info = {"date": date, "machine": machine(), "versions": versions(), "command": command,
             "invocations": [*earlier_invocations, {"date": date, "command": command}],
             "context": ns.context, "models": counts, "saved_bytes_per_token": acts,
-            "estimates_gb": {f"{r.recipe}/{r.engine}": memory_estimate(r.recipe, r.engine, ns.context)
-                             for r in results},
+            "estimates_gb": {f"{r.recipe}/{r.engine}/{precision_of(r.extra)}":
+                             memory_estimate(r.recipe, r.engine, ns.context, precision_of(r.extra)) for r in results},
+            "optimizer_bytes_per_param": optim_bytes or {},
             "runs": [{**asdict(r), "steps": [{k: s.get(k) for k in STEP_KEYS if k in s} for s in r.steps]}
                      for r in results]}
     prefix.with_suffix(".json").write_text(json.dumps(info, indent=2))
@@ -505,6 +559,16 @@ def write_results(prefix: Path, results: list[RunResult], counts: dict, ns, text
                   "checkpointed layer input (bf16) |", "|---|---|---|---|"]
         lines += [f"| {r} | {a['layer_bytes_per_token']:,.0f} | {a['head_bytes_per_token']:,.0f} | "
                   f"{a['layer_input_bytes_per_token']:,.0f} |" for r, a in acts.items()]
+        lines += [""]
+    if optim_bytes:
+        from trainers.optim import PRECISIONS
+
+        lines += ["Bytes per parameter by `optim.precision` (`trainers.optim`; storage sizes of the tensors after "
+                  "one AdamW step on the tiny-moe preset, `optimizer_bytes_per_param`):", "",
+                  "| optim.precision | parameter | gradient | optimiser state | parameter + state | total | what |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {k} | {b['param']:.2f} | {b['grad']:.2f} | {b['state']:.2f} | {b['param+state']:.2f} | "
+                  f"{b['total']:.2f} | {PRECISIONS[k].about} |" for k, b in optim_bytes.items()]
         lines += [""]
     prefix.with_suffix(".md").write_text("\n".join(lines))
 

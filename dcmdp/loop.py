@@ -45,6 +45,7 @@ from trainers.advantages import ADVANTAGES
 from trainers.batch import Rollout
 from trainers.config import PRECISION_BITS, AlgoConfig
 from trainers.models import compute_dtype
+from trainers.optim import build_optimizer, precision_param_dtype
 from trainers.tasks import Example, score_completions
 
 log = logging.getLogger("dcmdp")
@@ -572,9 +573,11 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
     resume, state = start.resume, start.state
     policy = build_policy(cfg, out, d=d, progress=show_bar(cfg))
     screen_task_prompts(policy, cfg.rollout.max_new_tokens)
+    if (dtype := precision_param_dtype(cfg.optim.precision)) is not None:
+        # after the cold start (cached at the model's own dtype) and after the engine copied the weights
+        policy.model.to(dtype)
     model = policy.model = distributed.shard_model(policy.model, cfg, d)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                  weight_decay=cfg.optim.weight_decay)
+    optimizer = build_optimizer(model.parameters(), cfg.optim, seed=cfg.seed)
     # float16 compute needs dynamic loss scaling: small gradients underflow in float16 without it
     scaler = (torch.amp.GradScaler(next(model.parameters()).device.type) if compute_dtype(model) == torch.float16
               else None)

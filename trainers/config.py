@@ -469,6 +469,8 @@ class OptimConfig:
     grad_clip: float = 1.0
     # Linear warm-up steps of the LR schedule (then constant).
     warmup_steps: int = 0
+    # Parameter and AdamW-state precision: fp32 | bf16_stochastic | bf16_kahan (trainers.optim.PRECISIONS).
+    precision: str = "fp32"
 
     def check(self, prefix: str = "optim") -> None:
         _require(self.lr > 0, f"{prefix}.lr", f"must be > 0, got {self.lr}")
@@ -476,3 +478,7 @@ class OptimConfig:
                  f"need two values in [0, 1), got {list(self.betas)}")
         _require(self.grad_clip >= 0, f"{prefix}.grad_clip", "must be >= 0")
         _require(self.warmup_steps >= 0, f"{prefix}.warmup_steps", "must be >= 0")
+        from trainers.optim import PRECISIONS
+
+        _require(self.precision in PRECISIONS, f"{prefix}.precision",
+                 f"got {self.precision!r}, expected one of {', '.join(PRECISIONS)}")
