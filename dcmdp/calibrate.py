@@ -48,6 +48,7 @@ from dcmdp.dual import penalty_spec
 from dcmdp.loop import Setup, constraint_values, measure_phase, reward_phase, rollout_phase, screen_phase, setup
 from dcmdp.policy import Policy, step_seed
 from trainers import learner
+from trainers.optim import build_optimizer
 
 log = logging.getLogger("dcmdp")
 
@@ -244,8 +245,7 @@ def measure_updates(s: Setup, batch: learner.ScoredBatch, examples, targets: Seq
     rewards_B, _ = reward_phase(s.policy, examples, batch.rollout)
     rollout, advantages_B, _, _ = screen_phase(cfg.algo, batch.rollout, rewards_B)
     scored = learner.score_old(model, rollout, advantages_B, cfg.algo, s.scoring)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                  weight_decay=cfg.optim.weight_decay)
+    optimizer = build_optimizer(model.parameters(), cfg.optim, seed=cfg.seed)
     try:
         result = learner.update(model, learner.OptimStep(optimizer, grad_clip=cfg.optim.grad_clip), scored,
                                 scoring=s.scoring, penalty=penalty_spec(s.state.dual, cfg.dual), cfg=cfg.algo,
