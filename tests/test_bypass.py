@@ -102,7 +102,7 @@ def test_the_loop_skips_the_pi_old_pass_and_measures_the_updates(tmp_path, monke
                              "algo.samples_per_prompt=4", f"algo.minibatches={minibatches}", "algo.old_logp=rollout",
                              "algo.routing_replay=r3", "rollout.precision=bf16", "task.eval_size=8",
                              f"output_dir={tmp_path / 'run'}", f"cold_start.cache_dir={tmp_path / 'cache'}",
-                             "progress=false", "threads=1", f"tracking.uri=file:{tmp_path / 'mlruns'}"])
+                             "progress=false", "threads=1", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"])
     summary = train(cfg)
     from dcmdp.checkpoint import find_resume_checkpoint, load_checkpoint
 

@@ -113,7 +113,7 @@ def test_a_float16_run_trains_and_checkpoints_its_scaler(tmp_path):
                              "cold_start.steps=10", "steps=3", "algo.prompts_per_step=4", "algo.samples_per_prompt=4",
                              "algo.minibatches=2", "task.eval_size=8", f"output_dir={tmp_path / 'run'}",
                              f"cold_start.cache_dir={tmp_path / 'cache'}", "progress=false", "threads=1",
-                             f"tracking.uri=file:{tmp_path / 'mlruns'}"])
+                             f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"])
     train(cfg)
     state = load_checkpoint(find_resume_checkpoint(tmp_path / "run" / "checkpoints", "auto"))
     assert state["scaler"]["scale"] > 0
