@@ -19,8 +19,8 @@ demands (``select.min_inside_frac``), so a proposed c is one tune can select eve
 
 The proposal measures what the config constrains. Under ``dual.measure_at: updates`` the dual step's D-hat is
 pi_theta at each mini-batch update vs mu: the floor plus the drift of the batch's N updates. Each batch then also
-runs the config's N updates (its optimiser at the full learning rate, lambda at lambda_init) on a copy of the
-weights, which are put back before the next batch, and c comes from those values ("at the updates" rows). A
+runs the config's N updates (its optimiser at the full learning rate, built once for all batches, lambda at
+lambda_init) on a copy of the weights, which are put back before the next batch, and c comes from those values ("at the updates" rows). A
 constraint with an automatic tolerance (``floor_slack``) has its c replaced by floor x (1 + floor_slack) from the
 first batch on, so the snippet proposes floor_slack = c / mean floor - 1 for it (and c as the first batch's
 tolerance). Calibrate writes only calibration.txt / .yaml and a new MLflow run into output_dir: it takes no lock
@@ -189,10 +189,11 @@ def calibrate(cfg: RunConfig, batches: int = 8, slack: float = 0.25, measures: S
         s.tracker.set_tags({"dcmdp.kind": "calibrate"})
         per_key: dict[str, list[float]] = {}
         kept = []
+        optimizer = build_optimizer(s.policy.model.parameters(), cfg.optim, seed=cfg.seed) if at_updates else None
         for n in range(batches):
             values, batch, examples = measure_batch(s.policy, s.scoring, cfg, targets, n)
             if at_updates:
-                values.update(measure_updates(s, batch, examples, targets, n))
+                values.update(measure_updates(s, batch, examples, targets, n, optimizer))
             for k, v in values.items():
                 per_key.setdefault(k, []).append(v)
             s.tracker.log_metrics(values, step=n + 1)
@@ -234,18 +235,19 @@ def _updates_key(i: int, c: ConstraintConfig) -> str:
     return _constraint_key(i, c) + "/at_updates"
 
 
-def measure_updates(s: Setup, batch: learner.ScoredBatch, examples, targets: Sequence[ConstraintConfig], step: int
-                    ) -> dict[str, float]:
+def measure_updates(s: Setup, batch: learner.ScoredBatch, examples, targets: Sequence[ConstraintConfig], step: int,
+                    optimizer: torch.optim.Optimizer) -> dict[str, float]:
     """D-hat at the updates (``dual.measure_at: updates``) of one batch: the config's N mini-batch updates on a copy
-    of the weights (its optimiser, full learning rate, lambda at lambda_init), each token's log-prob at the update
-    that trained on it vs mu. The weights are put back afterwards, so every batch starts from the same ones."""
+    of the weights (``optimizer``: the config's, at the full learning rate, one for all batches; lambda at
+    lambda_init), each token's log-prob at the update that trained on it vs mu. The weights are put back afterwards,
+    so every batch starts from the same ones; the optimiser's moments carry over, as in a run: a fresh AdamW's first
+    steps move every weight by about lr and would overstate the drift a run's updates make."""
     cfg = s.cfg
     model = s.policy.model
     saved = copy.deepcopy(model.state_dict())
     rewards_B, _ = reward_phase(s.policy, examples, batch.rollout)
     rollout, advantages_B, _, _ = screen_phase(cfg.algo, batch.rollout, rewards_B)
     scored = learner.score_old(model, rollout, advantages_B, cfg.algo, s.scoring)
-    optimizer = build_optimizer(model.parameters(), cfg.optim, seed=cfg.seed)
     try:
         result = learner.update(model, learner.OptimStep(optimizer, grad_clip=cfg.optim.grad_clip), scored,
                                 scoring=s.scoring, penalty=penalty_spec(s.state.dual, cfg.dual), cfg=cfg.algo,

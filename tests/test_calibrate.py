@@ -161,3 +161,24 @@ def test_calibrate_after_a_run_in_its_folder_takes_no_lock_and_keeps_its_checkpo
     bad = subprocess.run([sys.executable, "-m", "dcmdp.cli", "calibrate", "--batches", "1", "--bogus", "x=1"],
                          env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unrecognized arguments: --bogus" in bad.stderr
+
+
+def test_at_the_updates_one_optimiser_carries_its_moments_across_the_batches(tmp_path, monkeypatch):
+    """A fresh AdamW's first steps move every weight by about lr (m / sqrt(v) = +-1 after bias correction), which
+    overstated a run's drift ~2x on the default config; calibrate builds the config's optimiser once, so after
+    BATCHES batches of N updates each every trained parameter's AdamW step count is BATCHES x N."""
+    import dcmdp.calibrate as calibrate_module
+
+    built, real = [], calibrate_module.build_optimizer
+
+    def keep(params, cfg, *, seed):  # the real optimiser, kept to read its state afterwards
+        built.append(real(params, cfg, seed=seed))
+        return built[-1]
+
+    monkeypatch.setattr(calibrate_module, "build_optimizer", keep)
+    over = [*_overrides(tmp_path, "int8"), "algo.minibatches=2", "optim.lr=5e-3", "dual.penalty=mean",
+            "dual.measure_at=updates", "dual.constraints=[{measure: abs_prob_diff, floor_slack: 1.0, lambda_init: 10}]"]
+    calibrate(load_config(None, over), batches=BATCHES, slack=SLACK)
+    (optimizer,) = built
+    steps = {int(st["step"]) for st in optimizer.state.values()}
+    assert steps == {BATCHES * 2}
