@@ -210,6 +210,10 @@ def finished_run(cfg: RunConfig) -> Optional[str]:
         return None
     if done.get("steps") != cfg.steps or resume_conflicts(saved, cfg):
         return None
+    # a folder whose later checkpoints were removed (or a copy taken mid-run) resumes from its latest one
+    steps = [int(p.name[5:]) for p in (out / "checkpoints").glob("step_*") if p.name[5:].isdigit()]
+    if steps and max(steps) < cfg.steps:
+        return None
     summary = Summary(**{k: v for k, v in done.items() if k in Summary.__dataclass_fields__})
     summary.constraints = {k: ConstraintSummary(**v) for k, v in (done.get("constraints") or {}).items()}
     return "\n".join([f"{out} holds this run, finished at step {cfg.steps} (summary.json): nothing to train. Train "
