@@ -1,45 +1,12 @@
 """The Qwen3-8B and Qwen3-30B-A3B recipes at their real widths, one decoder layer deep, on CPU.
 
-Builds one-layer versions of both recipes' models with the published shapes (``trainers.models`` presets
-``qwen3-8b`` / ``qwen3-30b-a3b``: hidden size, query / KV heads, head_dim 128, intermediate sizes, 128 experts
-top-8 for the MoE, vocabulary 151936), random bfloat16 weights, saved in Hugging Face layout with a tokenizer
-to a local directory, then runs two RL steps of each recipe through ``dcmdp train`` with the torch engine and
-with the vLLM engine, one process at a time, recording per run the step times (the loop's ``time/*`` metrics),
-the peak RSS of the ``dcmdp`` process (``os.wait4`` of the child: vLLM runs in that process) and checks that
-the run trained and synced.
-
-What differs from the recipe files, and why:
-
-- **One layer, a shorter context.** ``num_hidden_layers=1``; ``max_position_embeddings`` is set to
-  ``--context`` (1024 by default, the real value is 40960). No tensor's shape depends on it (RoPE is computed
-  from the positions); only vLLM reads it: on CPU the engine sizes its KV cache for 256 sequences of the full
-  context, capped at 4 GiB (``trainers.engines.vllm_engine._kv_cache_bytes``), memory this 24 GiB machine
-  does not have next to the trainer.
-- **The tokenizer.** The real presets load the tokenizer from ``model.path`` (``trainers.tokenizer.
-  load_tokenizer``: a Hugging Face tokenizer directory with an EOS token) and need ``len(tokenizer) <=
-  vocab_size``. The real Qwen3 tokenizer cannot be downloaded here, and the project's character tokenizer
-  has 101 ids, so a model sampling from 151936 logits would emit ids it cannot decode. ``build_tokenizer``
-  writes the character tokenizer's 101 ids (same specials, same ids) followed by filler tokens up to exactly
-  151936: every sampled id decodes, prompts encode one token per character as in the tiny recipes.
-- **Batch and lengths:** 2 prompts x 2 samples, 16 new tokens, 2 steps, tensor parallel size 1, a 2-problem
-  held-out set (``tests/data/math_sample.jsonl``).
-- **A gradient that is not zero.** A random model never answers a math problem, so every reward and every
-  group advantage is 0, the recipe's loss (PPO-clip with TIS and the hinge penalty, whose tokens are all
-  inside the tolerance) has a zero gradient and AdamW leaves the weights untouched; and at the recipe's
-  lr = 1e-6 a bfloat16 weight of magnitude ~0.02 (ulp 1.2e-4) would not move anyway. ``algo.entropy_coef=0.01``
-  and ``optim.lr=1e-3`` make step 1 change the weights, so that step 2's discrepancy tests the weight sync.
-  They change no tensor's size and no phase's work: time and memory are the recipe's.
-
-Everything else is the recipe (bfloat16 parameters, fp32 LM head, activation checkpointing, bf16 rollouts,
-PPO-clip 0.2 / 0.28 with TIS 5, 4 mini-batches, the projected dual on abs_prob_diff, R3 on the MoE).
-
-**The optimiser's precision.** The recipes train float32 master weights (``optim.precision: fp32``), 16 B per
-parameter with gradient and AdamW state: a one-layer model needs ~31-36 GB, more than this 24 GiB machine has.
-``--precision bf16_stochastic`` / ``bf16_kahan`` adds ``optim.precision=...`` to every run (``trainers.optim``:
-bfloat16 parameters and moments, 8 / 10 B per parameter). The page also tabulates the bytes per parameter of
-each precision, measured from the tensors' storage after one step (``optimizer_bytes_per_param``).
-
-Usage (one heavy process at a time; about 25 minutes for the four runs on 2 cores):
+One-layer models with the presets' shapes (``trainers.models`` ``qwen3-8b`` / ``qwen3-30b-a3b``), random bf16
+weights and a character tokenizer padded to the full vocabulary (``build_tokenizer``), run two RL steps of each
+recipe through ``dcmdp train`` with the torch and the vLLM engine, one process at a time; per run: the step times
+(``time/*``), the peak RSS of the child (``os.wait4``) and that it trained and synced. Departures from the recipe
+(``overrides``): one layer, ``max_position_embeddings = --context``, 2 prompts x 2 samples, 16 new tokens,
+``algo.entropy_coef=0.01`` and ``optim.lr=1e-3`` so that step 1 moves the weights; ``--precision`` sets
+``optim.precision`` (bytes per parameter tabulated by ``optimizer_bytes_per_param``).
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/real_shapes.py [--recipes qwen3-8b,qwen3-30b-a3b]
         [--engines torch,vllm] [--precision fp32|bf16_stochastic|bf16_kahan] [--workdir /tmp/dcmdp_real_shapes]

@@ -1,42 +1,12 @@
 """Training throughput: ``dcmdp train`` vs TRL's ``GRPOTrainer`` on the same model, task, batch and CPU.
 
-Workloads (``WORKLOADS``, one table row each): ``long-small-moe`` and ``long-tiny-moe``, responses of 29 to 91
-tokens of uneven length (``long_addition`` from ``configs/stress.yaml``: 3 to 8 digit sums written digit by
-digit with carries, the model cold-started by that config's supervised phase, cached), and ``short-tiny-moe``,
-the 8-token workload of ``configs/default.yaml`` (2-digit addition). In each, both sides start from one model
-directory (cold start from ``trainers.coldstart``, saved with the project's character tokenizer by
-``save_model_dir``), see the same prompts in the same order (each step's prompts are drawn exactly as
-``dcmdp.loop.rollout_phase`` draws them), sample ``samples`` completions per prompt at temperature 1 with at
-most ``max_new_tokens`` tokens, score them with the same ``Task.reward`` and take one AdamW step per rollout
-batch (same lr, betas, weight decay, grad-norm clip, constant schedule, same advantage normalisation).
-
-- dcmdp: ``python -m dcmdp.cli train CONFIG`` with the config's DCMDP constraint (hinge penalty, projected dual
-  step on abs_prob_diff), off-policy N = 1 (``algo.minibatches=1``), the embedded torch rollout engine in
-  fp32, ``model.path`` = the shared directory, every speed switch at its default. Per-step times come from the
-  run's MLflow store (``time/rollout``, ``time/old_logp``, ``time/measure``, ``time/update``, ``time/dual``,
-  ``time/sync``, see ``dcmdp.loop._timings``); the step period is the gap between consecutive steps' metric
-  timestamps, so logging, progress and everything else between steps is included.
-- ``--variant NAME=KEY=VALUE,KEY=VALUE``: a further dcmdp side with these overrides (a speed switch off, say),
-  alternated with the others, so that what a switch pays is measured side by side.
-- TRL: ``benchmarks/_trl_runner.py`` in ``.venv-trl`` (``bash benchmarks/setup_trl.sh``), GRPOConfig with
-  num_generations = G, one generation batch of P x G completions per optimizer step
-  (per_device_train_batch_size = P x G, gradient_accumulation_steps = steps_per_generation = num_iterations
-  = 1), beta 0 (no KL, no reference model), loss_type ``dapo`` (token sum / tokens of the batch, dcmdp's
-  normalisation), clip 0.2 / 0.28, use_vllm False, report_to none, fp32, no gradient checkpointing.
-  Phase times come from timing wrappers around GRPOTrainer's methods; the step period is the gap between
-  consecutive ``on_step_end`` callbacks.
-
-Throughput of a run: response tokens (EOS included) of the timed steps / their summed step periods; the
-first ``--warmup`` steps of every run are not timed. The sides alternate (A B, then B A, ...) for
-``--repeats`` repetitions; the table gives medians over repetitions and the median of the per-repetition
-ratios dcmdp / TRL with their range.
-
-Limits (``measure_limits``, at the benchmark's thread count, in this process before the runs): the best fp32
-matmul rate (n x n x n, 2 n^3 FLOPs) and the memory bandwidth of a large copy (read + write bytes). Against
-them: the train step's achieved FLOP/s, 6 N_active (prompt + response tokens) per step (``mfu_gpu.py``'s
-formula without the attention term, small at these lengths) over the training phases' seconds, and the decode's
-achieved bytes/s, an upper bound: every decode forward reads every non-embedding weight (with a batch of
-rows every expert is hit) and each live row's KV cache, over the generation phase's seconds.
+Per workload (``WORKLOADS``) both sides start from one model directory, see the same prompts in the same order,
+sample at temperature 1, score with the same ``Task.reward`` and take one AdamW step per rollout batch. dcmdp
+runs ``python -m dcmdp.cli train`` (step times from its MLflow store); TRL runs ``benchmarks/_trl_runner.py`` in
+``.venv-trl`` (``bash benchmarks/setup_trl.sh``). ``--variant NAME=KEY=VALUE,...`` adds a dcmdp side with
+overrides. Throughput = response tokens of the timed steps / their summed step periods (first ``--warmup``
+steps untimed); sides alternate for ``--repeats`` repetitions, medians reported. ``measure_limits`` gives the
+fp32 matmul rate and copy bandwidth the achieved FLOP/s (6 N_active tokens) and decode bytes/s are set against.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trl_throughput.py            # full, writes results/
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trl_throughput.py --smoke    # seconds, dcmdp side only
