@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks._page import command, env_lines  # noqa: E402
+from benchmarks._page import command, env_lines, git_head  # noqa: E402
 from benchmarks.overheads import write_results  # noqa: E402
 from dcmdp.calibrate import floor_stats  # noqa: E402
 from dcmdp.loop import measure_phase  # noqa: E402
@@ -298,15 +298,6 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _code_version() -> str:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT).stdout.rstrip()
-
-    dirty = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
-    return f"git {git('rev-parse', '--short', 'HEAD') or 'unknown'}" + (
-        f", uncommitted changes in: {', '.join(dirty)}" if dirty else "")
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", nargs="+", default=["tiny-dense", "tiny-moe"])
@@ -357,7 +348,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                  else "not run" + ("" if args.vllm else " (--no-vllm)"))
     header = [
         "# Training-inference discrepancy: precision x engine x dense/MoE x routing replay x trainer numerics", "",
-        *env_lines(cmd), f"- code: {_code_version()}", f"- vllm: {vllm_line}",
+        *env_lines(cmd), f"- code: git {git_head()}", f"- vllm: {vllm_line}",
         "- models (seed %d, 2-digit addition): %s" % (args.seed, "; ".join(f"{k}: {v}" for k, v in models.items())),
         f"- {args.batches} batches x {args.prompts} prompts x {args.samples} samples, up to {args.max_new_tokens} new "
         f"tokens, temperature {TEMP}; same weights in both engines; fp32 LM head in every trainer",

@@ -36,6 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from benchmarks._page import cpu_model  # noqa: E402
+
 from trainers.models import get_preset, param_counts, save_model_dir  # noqa: E402
 
 RECIPES = ("qwen3-8b", "qwen3-30b-a3b")
@@ -399,20 +401,11 @@ def versions() -> dict[str, str]:
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = "?"
     try:
         mem = f"{int(open('/proc/meminfo').readline().split()[1]) / (1 << 20):.1f} GiB RAM"
     except (OSError, ValueError, IndexError):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, {mem}, {platform.platform()}"
+        mem = "?"
+    return f"{cpu_model()}, {os.cpu_count()} cores, {mem}, {platform.platform()}"
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks._page import rel  # noqa: E402
+from benchmarks._page import cpu_model, rel  # noqa: E402
 from dcmdp.config import TrackingConfig, load_config  # noqa: E402
 from dcmdp.policy import encode_prompt  # noqa: E402
 from dcmdp.tracking import Tracker  # noqa: E402
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
             log_times[f"async_log={async_log}"].append(statistics.median(calls))
 
     result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "machine": f"{bench._cpu_model()}, {os.cpu_count()} logical CPUs (shared with other jobs)",
+              "machine": f"{cpu_model()}, {os.cpu_count()} logical CPUs (shared with other jobs)",
               "torch": torch.__version__, "rounds": args.rounds, "model_dir": rel(model_dir),
               "response_tokens": int(ref.response_mask_BT.sum()), "rows": len(ref),
               "generation": speedups(gen_times, base_gen), "logp_max_abs_diff": logp_diff,

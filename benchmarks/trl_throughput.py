@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from benchmarks._reading import reading_lines  # noqa: E402
+from benchmarks._page import cpu_model, git_head, reading_lines  # noqa: E402
 from dcmdp.config import load_config  # noqa: E402
 from dcmdp.policy import encode_prompt  # noqa: E402
 from dcmdp.policy import step_seed  # noqa: E402
@@ -368,19 +368,19 @@ def main(argv: list[str] | None = None) -> dict:
             per_workload[name] = report(w, args, runs, coldstart_info, model_dir, costs, limits)
             per_workload[name]["invocation"] = {
                 "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                "git": _git_head(), "command": benchmark_command(args, variants)}
+                "git": git_head(), "command": benchmark_command(args, variants)}
             for done in per_workload.values():
                 relimit({"limits": limits, "workloads": {"w": done}}, limits)
             # written after every workload, so that an interrupted invocation keeps the finished rows
             result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                      "machine": f"{_cpu_model()}, {platform.machine()}, {os.cpu_count()} logical CPUs "
+                      "machine": f"{cpu_model()}, {platform.machine()}, {os.cpu_count()} logical CPUs "
                                  "(shared with other jobs)",
                       "args": vars(args), "variants": {k: list(v) for k, v in variants.items()},
                       "versions": {"dcmdp_env": {"python": platform.python_version(), "torch": torch.__version__,
                                                  "transformers": transformers.__version__},
                                    "trl_env": next((r["trl_versions"] for r in per_workload.values()
                                                     if r["trl_versions"]), None)},
-                      "git": _git_head(), "limits": limits, "workloads": per_workload}
+                      "git": git_head(), "limits": limits, "workloads": per_workload}
             write_results(result, out_dir)
         print(json.dumps({n: r["summary"].get("ratio", r["summary"]["dcmdp"]) for n, r in per_workload.items()},
                          indent=2))
@@ -428,28 +428,6 @@ def benchmark_command(args, variants: dict[str, tuple[str, ...]]) -> str:
     extra = "".join(f" --variant {k}={','.join(o)}" for k, o in variants.items())
     return (f"OMP_NUM_THREADS={args.threads} .venv/bin/python benchmarks/trl_throughput.py --workloads "
             f"{args.workloads} --repeats {args.repeats} --threads {args.threads}{extra}")
-
-
-def _git_head() -> str:
-    """The commit the benchmark runs, with a note when tracked files differ from it."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
-    return f"{head} + uncommitted changes" if dirty else head
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
