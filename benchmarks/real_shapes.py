@@ -106,21 +106,12 @@ def build_model_dir(recipe: str, path: Path, *, context: int = 1024, seed: int =
 
 
 def memory_estimate(recipe: str, engine: str, context: int = 1024, precision: str = "fp32") -> dict[str, float]:
-    """GB the ``dcmdp train`` process needs at its peak, term by term (decimal GB, 1e9 bytes).
+    """GB the ``dcmdp train`` process needs at its peak, term by term (decimal GB).
 
-    ``precision`` (``optim.precision``): with ``bf16_*`` parameters, gradients and the two moments are bfloat16
-    (2 B each), ``bf16_kahan`` adds a bfloat16 compensation buffer, the step's float32 temporaries are chunked
-    (``trainers.optim.CHUNK``: negligible), autocast copies nothing, and the fp32 LM head casts its weight to a
-    float32 copy whose float32 gradient lives until the backward casts it down (8 B per head parameter).
-    For ``fp32`` (the recipes' own):
-
-    ``model.dtype: bfloat16`` trains float32 master weights under bfloat16 autocast (``trainers.models.param_dtype``):
-    parameters and gradients float32 (4 B each); AdamW keeps exp_avg and exp_avg_sq in the parameter dtype, and its
-    foreach step holds one more parameter-sized temporary (sqrt(exp_avg_sq)); autocast caches a bfloat16 copy of
-    every weight it casts in a forward (2 B); the fp32 LM head's float32 weight and gradient are the master ones;
-    the torch engine is a copy of the model at bf16; vLLM holds its own bf16 weights and its KV cache
-    (2 x layers x kv_heads x head_dim x 2 B per token, for 256 sequences of ``context``, capped at 4 GiB).
-    ``base`` is the interpreter with torch, transformers, MLflow (and vLLM) imported, measured order of magnitude.
+    fp32 (the recipes'): float32 master weights and gradients, two AdamW moments, AdamW's foreach temporary and
+    autocast's bf16 weight copies; ``bf16_*`` (``trainers.optim``): all of those bfloat16 (``bf16_kahan`` adds a
+    compensation buffer) plus the fp32 LM head's float32 weight + gradient. Plus the engine's bf16 copy, vLLM's KV
+    cache (2 layers kv_heads head_dim 2 B per token, 256 sequences of ``context``, capped at 4 GiB) and ``base``.
     """
     config = one_layer_config(recipe, context)
     with torch.device("meta"):
@@ -145,15 +136,9 @@ def memory_estimate(recipe: str, engine: str, context: int = 1024, precision: st
 
 
 def saved_bytes_per_token(recipe: str, tokens: tuple[int, int] = (256, 512), seed: int = 0) -> dict[str, float]:
-    """Bytes autograd saves per token for the backward: one real-width decoder layer (bf16, sdpa, the MoE's
-    grouped_mm experts) and the fp32 LM-head chain at the real vocabulary (``trainers.scoring``: logits,
-    log-softmax at temperature 1, the gathered token, the entropy). Measured with ``saved_tensors_hooks`` at two
-    sequence lengths of one unpadded sequence; the difference over the token difference removes the per-call
-    terms (weights, the head's float32 weight copy). No activation checkpointing.
-
-    The layer is measured inside a one-layer model with a 1024-token vocabulary (its embedding saves only the ids);
-    the final norm's saved tensors come with it (a few KB per token). The head chain uses hidden size 64: per token
-    it saves V-sized rows, whose size does not depend on H, plus the H-sized input (added back at the real H).
+    """Bytes autograd saves per token for the backward (``saved_tensors_hooks``): one real-width decoder layer
+    and the fp32 LM-head chain at the real vocabulary, the difference between two sequence lengths over their
+    token difference (per-call terms cancel); the head chain at hidden size 64, its H-sized input added back.
     """
     from transformers import Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
