@@ -38,3 +38,31 @@ def env_lines(cmd: str) -> list[str]:
             f"{os.cpu_count()} logical CPUs (shared with other jobs), torch threads {torch.get_num_threads()}",
             f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
             f"transformers {transformers.__version__}", f"- command: `{cmd}`"]
+
+
+def git_head() -> str:
+    """The commit the benchmark runs, with a note when tracked files differ from it."""
+    import subprocess
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return f"{head} + uncommitted changes" if dirty else head
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo."""
+    try:
+        return next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
+def reading_lines(page: Path) -> list[str]:
+    """A blank line and the hand-written reading ``<name>_reading.md`` next to ``page``, or nothing without one."""
+    path = Path(page).with_name(Path(page).stem + "_reading.md")
+    return ["", path.read_text().rstrip()] if path.exists() else []

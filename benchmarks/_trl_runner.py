@@ -1,27 +1,10 @@
 """TRL side of benchmarks/trl_throughput.py: one GRPOTrainer run, per-step timings printed as JSON.
 
-Runs inside ``.venv-trl`` (``benchmarks/setup_trl.sh``) as a subprocess of the benchmark, never in the
-project's ``.venv``. It imports only ``trainers.config`` and ``trainers.tasks`` from the repository (pure
-Python, no torch), so the reward is the very ``Task.reward`` the dcmdp run uses.
-
-Input: ``--spec spec.json`` written by the benchmark::
-
-    {"model_dir", "task": {TaskConfig fields}, "prompts": [[prompt, answer], ...] in step order,
-     "prompts_per_step", "samples_per_prompt", "max_new_tokens", "steps", "lr", "betas", "weight_decay",
-     "grad_clip", "clip_low", "clip_high", "std_normalize", "temperature", "threads", "seed"}
-
-Output: ``--out result.json`` with ``prompts_seen`` (the distinct prompts of every step, for the
-benchmark to check against its own) and ``steps``, one record per optimizer step: ``end`` (perf_counter at on_step_end),
-``tokens`` (completion tokens of the step, EOS included, as TRL's completion mask counts them) and
-``time/*`` phases measured by timing wrappers around GRPOTrainer's own methods:
-
-- ``time/generate``: ``_generate`` (prompt tokenisation, ``model.generate``, EOS masking).
-- ``time/score``: the rest of ``_generate_and_score_completions`` (padding, decoding, reward, advantages;
-  no old log-prob pass: with num_iterations = steps_per_generation = 1 TRL uses logp.detach() as pi_old).
-- ``time/loss_forward``: ``compute_loss`` (policy forward with entropies and the loss).
-- ``time/backward``: the rest of ``training_step`` (``accelerator.backward``).
-- ``time/optimizer``: from the end of ``training_step`` to ``on_step_end`` (grad-norm clip, AdamW step,
-  scheduler, zero_grad).
+Runs inside ``.venv-trl`` as a subprocess of the benchmark; imports only ``trainers.config`` and
+``trainers.tasks`` from the repository, so the reward is the dcmdp run's ``Task.reward``. Reads ``--spec``
+(written by the benchmark), writes ``--out`` with ``prompts_seen`` and one record per optimizer step: ``end``,
+``tokens`` and the ``time/*`` phases (generate, score, loss_forward, backward, optimizer) timed by wrappers
+around GRPOTrainer's methods.
 """
 
 from __future__ import annotations

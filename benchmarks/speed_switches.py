@@ -1,15 +1,8 @@
 """What each speed switch pays, alternated in one process: the phase it acts on, with the switch on and off.
 
-On the long workload of ``benchmarks/trl_throughput.py`` (``long-small-moe``: the small-moe model cold-started on
-``long_addition``, 16 prompts x 8 samples, up to 96 new tokens, one torch thread), ``--rounds`` rounds, each timing
-every variant once in turn; a variant's speed-up is the median over rounds of (time off) / (time on).
-
-- generation (``trainers.engines.torch_engine``): ``rollout.torch.drop_finished`` x ``rollout.torch.gqa_decode``,
-  the same prompts and seed; tokens must be equal across variants (checked) and log mu is compared;
-- training step (``learner.score_on_policy`` + ``learner.update``, N = 1, AdamW at lr 0 so that every round sees
-  the same weights): ``algo.micro_batch_tokens`` (0 vs 4096) x ``model.gqa_attention``, on one rollout batch;
-- logging (``dcmdp.tracking.Tracker.log_metrics``, 60 metrics per step into a local sqlite store, 50 ms of work
-  between steps): ``tracking.async_log``, the seconds a step spends in the call.
+On trl_throughput.py's ``long-small-moe`` workload, ``--rounds`` rounds each time every variant once; speed-up =
+median (time off) / (time on). Generation: ``rollout.torch.drop_finished`` x ``gqa_decode`` (tokens checked
+equal); training step: ``algo.micro_batch_tokens`` x ``model.gqa_attention``; logging: ``tracking.async_log``.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/speed_switches.py            # writes results/speed_switches.md
 """
@@ -32,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks._page import rel  # noqa: E402
+from benchmarks._page import cpu_model, rel  # noqa: E402
 from dcmdp.config import TrackingConfig, load_config  # noqa: E402
 from dcmdp.policy import encode_prompt  # noqa: E402
 from dcmdp.tracking import Tracker  # noqa: E402
@@ -138,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
             log_times[f"async_log={async_log}"].append(statistics.median(calls))
 
     result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "machine": f"{bench._cpu_model()}, {os.cpu_count()} logical CPUs (shared with other jobs)",
+              "machine": f"{cpu_model()}, {os.cpu_count()} logical CPUs (shared with other jobs)",
               "torch": torch.__version__, "rounds": args.rounds, "model_dir": rel(model_dir),
               "response_tokens": int(ref.response_mask_BT.sum()), "rows": len(ref),
               "generation": speedups(gen_times, base_gen), "logp_max_abs_diff": logp_diff,

@@ -1,42 +1,12 @@
 """Training throughput: ``dcmdp train`` vs TRL's ``GRPOTrainer`` on the same model, task, batch and CPU.
 
-Workloads (``WORKLOADS``, one table row each): ``long-small-moe`` and ``long-tiny-moe``, responses of 29 to 91
-tokens of uneven length (``long_addition`` from ``configs/stress.yaml``: 3 to 8 digit sums written digit by
-digit with carries, the model cold-started by that config's supervised phase, cached), and ``short-tiny-moe``,
-the 8-token workload of ``configs/default.yaml`` (2-digit addition). In each, both sides start from one model
-directory (cold start from ``trainers.coldstart``, saved with the project's character tokenizer by
-``save_model_dir``), see the same prompts in the same order (each step's prompts are drawn exactly as
-``dcmdp.loop.rollout_phase`` draws them), sample ``samples`` completions per prompt at temperature 1 with at
-most ``max_new_tokens`` tokens, score them with the same ``Task.reward`` and take one AdamW step per rollout
-batch (same lr, betas, weight decay, grad-norm clip, constant schedule, same advantage normalisation).
-
-- dcmdp: ``python -m dcmdp.cli train CONFIG`` with the config's DCMDP constraint (hinge penalty, projected dual
-  step on abs_prob_diff), off-policy N = 1 (``algo.minibatches=1``), the embedded torch rollout engine in
-  fp32, ``model.path`` = the shared directory, every speed switch at its default. Per-step times come from the
-  run's MLflow store (``time/rollout``, ``time/old_logp``, ``time/measure``, ``time/update``, ``time/dual``,
-  ``time/sync``, see ``dcmdp.loop._timings``); the step period is the gap between consecutive steps' metric
-  timestamps, so logging, progress and everything else between steps is included.
-- ``--variant NAME=KEY=VALUE,KEY=VALUE``: a further dcmdp side with these overrides (a speed switch off, say),
-  alternated with the others, so that what a switch pays is measured side by side.
-- TRL: ``benchmarks/_trl_runner.py`` in ``.venv-trl`` (``bash benchmarks/setup_trl.sh``), GRPOConfig with
-  num_generations = G, one generation batch of P x G completions per optimizer step
-  (per_device_train_batch_size = P x G, gradient_accumulation_steps = steps_per_generation = num_iterations
-  = 1), beta 0 (no KL, no reference model), loss_type ``dapo`` (token sum / tokens of the batch, dcmdp's
-  normalisation), clip 0.2 / 0.28, use_vllm False, report_to none, fp32, no gradient checkpointing.
-  Phase times come from timing wrappers around GRPOTrainer's methods; the step period is the gap between
-  consecutive ``on_step_end`` callbacks.
-
-Throughput of a run: response tokens (EOS included) of the timed steps / their summed step periods; the
-first ``--warmup`` steps of every run are not timed. The sides alternate (A B, then B A, ...) for
-``--repeats`` repetitions; the table gives medians over repetitions and the median of the per-repetition
-ratios dcmdp / TRL with their range.
-
-Limits (``measure_limits``, at the benchmark's thread count, in this process before the runs): the best fp32
-matmul rate (n x n x n, 2 n^3 FLOPs) and the memory bandwidth of a large copy (read + write bytes). Against
-them: the train step's achieved FLOP/s, 6 N_active (prompt + response tokens) per step (``mfu_gpu.py``'s
-formula without the attention term, small at these lengths) over the training phases' seconds, and the decode's
-achieved bytes/s, an upper bound: every decode forward reads every non-embedding weight (with a batch of
-rows every expert is hit) and each live row's KV cache, over the generation phase's seconds.
+Per workload (``WORKLOADS``) both sides start from one model directory, see the same prompts in the same order,
+sample at temperature 1, score with the same ``Task.reward`` and take one AdamW step per rollout batch. dcmdp
+runs ``python -m dcmdp.cli train`` (step times from its MLflow store); TRL runs ``benchmarks/_trl_runner.py`` in
+``.venv-trl`` (``bash benchmarks/setup_trl.sh``). ``--variant NAME=KEY=VALUE,...`` adds a dcmdp side with
+overrides. Throughput = response tokens of the timed steps / their summed step periods (first ``--warmup``
+steps untimed); sides alternate for ``--repeats`` repetitions, medians reported. ``measure_limits`` gives the
+fp32 matmul rate and copy bandwidth the achieved FLOP/s (6 N_active tokens) and decode bytes/s are set against.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trl_throughput.py            # full, writes results/
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trl_throughput.py --smoke    # seconds, dcmdp side only
@@ -67,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from benchmarks._reading import reading_lines  # noqa: E402
+from benchmarks._page import cpu_model, git_head, reading_lines  # noqa: E402
 from dcmdp.config import load_config  # noqa: E402
 from dcmdp.policy import encode_prompt  # noqa: E402
 from dcmdp.policy import step_seed  # noqa: E402
@@ -398,19 +368,19 @@ def main(argv: list[str] | None = None) -> dict:
             per_workload[name] = report(w, args, runs, coldstart_info, model_dir, costs, limits)
             per_workload[name]["invocation"] = {
                 "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                "git": _git_head(), "command": benchmark_command(args, variants)}
+                "git": git_head(), "command": benchmark_command(args, variants)}
             for done in per_workload.values():
                 relimit({"limits": limits, "workloads": {"w": done}}, limits)
             # written after every workload, so that an interrupted invocation keeps the finished rows
             result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                      "machine": f"{_cpu_model()}, {platform.machine()}, {os.cpu_count()} logical CPUs "
+                      "machine": f"{cpu_model()}, {platform.machine()}, {os.cpu_count()} logical CPUs "
                                  "(shared with other jobs)",
                       "args": vars(args), "variants": {k: list(v) for k, v in variants.items()},
                       "versions": {"dcmdp_env": {"python": platform.python_version(), "torch": torch.__version__,
                                                  "transformers": transformers.__version__},
                                    "trl_env": next((r["trl_versions"] for r in per_workload.values()
                                                     if r["trl_versions"]), None)},
-                      "git": _git_head(), "limits": limits, "workloads": per_workload}
+                      "git": git_head(), "limits": limits, "workloads": per_workload}
             write_results(result, out_dir)
         print(json.dumps({n: r["summary"].get("ratio", r["summary"]["dcmdp"]) for n, r in per_workload.items()},
                          indent=2))
@@ -458,28 +428,6 @@ def benchmark_command(args, variants: dict[str, tuple[str, ...]]) -> str:
     extra = "".join(f" --variant {k}={','.join(o)}" for k, o in variants.items())
     return (f"OMP_NUM_THREADS={args.threads} .venv/bin/python benchmarks/trl_throughput.py --workloads "
             f"{args.workloads} --repeats {args.repeats} --threads {args.threads}{extra}")
-
-
-def _git_head() -> str:
-    """The commit the benchmark runs, with a note when tracked files differ from it."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
-    return f"{head} + uncommitted changes" if dirty else head
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
