@@ -400,7 +400,31 @@ def _import_math_verify():
     return math_verify
 
 
-class MathTask:
+class _FileSplits:
+    """The train / held-out lists of a task read from a file (``self._train``, ``self._eval``, ``self.cfg.path``)."""
+
+    def sample(self, rng: random.Random, n: int) -> list[Example]:
+        return [rng.choice(self._train) for _ in range(n)]
+
+    def train_set(self) -> list[Example]:
+        """Every training example (``sample`` draws from these)."""
+        return list(self._train)
+
+    def keep_train(self, examples: list[Example]) -> None:
+        """Train on ``examples`` only (a non-empty subset of ``train_set``, e.g. the prompts that fit the context)."""
+        if not examples:
+            raise ValueError(f"{self.cfg.path}: no training example left")
+        self._train = list(examples)
+
+    def keep_eval(self, examples: list[Example]) -> None:
+        """Hold out ``examples`` only (a subset of ``eval_set``)."""
+        self._eval = list(examples)
+
+    def eval_set(self) -> list[Example]:
+        return list(self._eval)
+
+
+class MathTask(_FileSplits):
     """Math word problems from JSONL, answers checked for mathematical equivalence with math-verify.
 
     Split: ``cfg.eval_path`` holds the evaluation set if given (training then drops any prompt that also
@@ -427,26 +451,6 @@ class MathTask:
         self._train, self._eval = _split(cfg, load_math_jsonl(cfg.path),
                                          load_math_jsonl(cfg.eval_path) if cfg.eval_path else None)
         self._gold: dict[str, list] = {}
-
-    def sample(self, rng: random.Random, n: int) -> list[Example]:
-        return [rng.choice(self._train) for _ in range(n)]
-
-    def train_set(self) -> list[Example]:
-        """Every training example (``sample`` draws from these)."""
-        return list(self._train)
-
-    def keep_train(self, examples: list[Example]) -> None:
-        """Train on ``examples`` only (a non-empty subset of ``train_set``, e.g. the prompts that fit the context)."""
-        if not examples:
-            raise ValueError(f"{self.cfg.path}: no training example left")
-        self._train = list(examples)
-
-    def keep_eval(self, examples: list[Example]) -> None:
-        """Hold out ``examples`` only (a subset of ``eval_set``)."""
-        self._eval = list(examples)
-
-    def eval_set(self) -> list[Example]:
-        return list(self._eval)
 
     def _timeout(self) -> Optional[int]:
         return 5 if threading.current_thread() is threading.main_thread() else None
@@ -591,7 +595,7 @@ def _file_digest(paths: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
-class JsonlTask:
+class JsonlTask(_FileSplits):
     """Your own task: prompts from a JSON-lines file, scored by your reward function (docs/custom_tasks.md).
 
     Data: one JSON object per line (``parse_jsonl_record``): ``"prompt"`` (a string), an optional
@@ -639,26 +643,6 @@ class JsonlTask:
             raise ValueError("config error at 'task.reward': task 'jsonl' needs a reward function: "
                              "task.reward=module:function or task.reward=path/to/file.py:function")
         load_reward(cfg.reward)
-
-    def sample(self, rng: random.Random, n: int) -> list[Example]:
-        return [rng.choice(self._train) for _ in range(n)]
-
-    def train_set(self) -> list[Example]:
-        """Every training example (``sample`` draws from these)."""
-        return list(self._train)
-
-    def keep_train(self, examples: list[Example]) -> None:
-        """Train on ``examples`` only (a non-empty subset of ``train_set``, e.g. the prompts that fit the context)."""
-        if not examples:
-            raise ValueError(f"{self.cfg.path}: no training example left")
-        self._train = list(examples)
-
-    def keep_eval(self, examples: list[Example]) -> None:
-        """Hold out ``examples`` only (a subset of ``eval_set``)."""
-        self._eval = list(examples)
-
-    def eval_set(self) -> list[Example]:
-        return list(self._eval)
 
     def reward(self, completion: str, example: Example) -> Any:
         record = example.record if isinstance(example, RecordExample) else {"prompt": example.prompt}
