@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -18,6 +19,32 @@ def _split_config_args(args: Sequence[str]) -> tuple[Optional[str], list[str]]:
     if args and "=" not in args[0]:
         return args[0], list(args[1:])
     return None, list(args)
+
+
+def _int_at_least(low: int):
+    """An argparse type: an integer >= ``low``, so a bad count exits 2 with the option's name before torch loads."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _finite_at_least(low: float):
+    """An argparse type: a finite number >= ``low`` (nan and inf are refused: ``nan >= 0`` is false only by accident)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number >= {low:g}, got {text!r}") from None
+        if not math.isfinite(value) or value < low:
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {low:g}, got {text}")
+        return value
+    return parse
 
 
 def default_run_name(path: Optional[str], output_dir: str) -> str:
@@ -120,8 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("calibrate", help="measure the discrepancy floor with identical weights and propose c: "
                        "dcmdp calibrate [CONFIG.yaml] [key=value ...]")
     c.add_argument("args", nargs="*", help="a YAML config file and/or dotlist overrides")
-    c.add_argument("--batches", type=int, default=8, help="rollout batches to measure (default: 8)")
-    c.add_argument("--slack", type=float, default=0.25, help="c = floor x (1 + slack) (default: 0.25)")
+    c.add_argument("--batches", type=_int_at_least(1), default=8, help="rollout batches to measure (default: 8)")
+    c.add_argument("--slack", type=_finite_at_least(0.0), default=0.25, help="c = floor x (1 + slack) (default: 0.25)")
     c.add_argument("--measures", default="", help="comma-separated measures for the snippet (default: the "
                    "config's dual.constraints)")
     c.add_argument("--out", default=None, help="write the YAML snippet here (default: print it)")
@@ -133,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("tune_file", help="tune file: base, overrides, space, sampler, trials, study, storage, select, "
                    "prune, workers, output_dir (see dcmdp/tune.py)")
     u.add_argument("overrides", nargs="*", help="dotlist overrides of the base run config, after the tune file's")
-    u.add_argument("--workers", type=int, default=None, help="trials at once (default: the tune file's workers)")
+    u.add_argument("--workers", type=_int_at_least(1), default=None, help="trials at once (default: the tune file's workers)")
     u.set_defaults(func=_cmd_tune)
 
     e = sub.add_parser("eval", help="held-out accuracy of a checkpoint: dcmdp eval [CONFIG.yaml] [key=value ...] "
