@@ -495,8 +495,13 @@ class _Sweep:
         url = cfg.storage or f"sqlite:///{(self.out / 'study.db').resolve()}"
         self.lock = _StudyLock(url)
         with self.lock():  # two processes creating one sqlite file's tables at once would collide
-            self.storage = RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, engine_kwargs={
-                "connect_args": {"timeout": 120}} if url.startswith("sqlite") else None)
+            try:
+                self.storage = RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, engine_kwargs={
+                    "connect_args": {"timeout": 120}} if url.startswith("sqlite") else None)
+            except Exception as exc:  # sqlalchemy's errors: a damaged file, a wrong URL, a driver missing
+                where = "storage" if cfg.storage else "storage (default <output_dir>/study.db)"
+                raise ConfigError(f"tune config error at '{where}': cannot open the study database {url}: "
+                                  f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from None
         self.started = 0
         self.stopping = False
         self.procs: set[subprocess.Popen] = set()
