@@ -115,12 +115,14 @@ def _cmd_report(ns: argparse.Namespace) -> int:
 
 
 def _cmd_sync(ns: argparse.Namespace) -> int:
-    """Exit code 0 only when nothing is left unsent; otherwise 1, with one line per buffer file that remains."""
+    """Exit code 0 only when nothing is left unsent; otherwise 1, with one line per buffer file that remains; 2 for a
+    buffer folder that is missing or a file (a mistyped argument, not a failed send)."""
     from dcmdp.tracking import check_tracking_uri, sync_report
 
     if not Path(ns.buffer_dir).is_dir():
-        raise FileNotFoundError(f"tracking buffer folder {ns.buffer_dir} does not exist (the folder is named in the "
-                                f"warning printed when buffering started; default <output_dir>/tracking_buffer)")
+        state = "is a file, not a folder" if Path(ns.buffer_dir).exists() else "does not exist"
+        raise ConfigError(f"tracking buffer folder {ns.buffer_dir} {state} (the folder is named in the warning "
+                          f"printed when buffering started; default <output_dir>/tracking_buffer)")
     if ns.tracking_uri:
         check_tracking_uri(ns.tracking_uri, "--tracking-uri")
     report = sync_report(ns.buffer_dir, tracking_uri=ns.tracking_uri)
