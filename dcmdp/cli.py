@@ -100,6 +100,9 @@ def _cmd_tune(ns: argparse.Namespace) -> int:
 
 
 def _cmd_eval(ns: argparse.Namespace) -> int:
+    if ns.checkpoint != "auto" and not Path(ns.checkpoint).exists():
+        raise ConfigError(f"--checkpoint {ns.checkpoint} does not exist; name a checkpoint folder "
+                          f"(<output_dir>/checkpoints/step_N), or auto for the newest one in output_dir")
     cfg = _load(ns)
     from dcmdp.evaluation import evaluate_checkpoint
     print(evaluate_checkpoint(cfg, ns.checkpoint).line())
