@@ -477,3 +477,17 @@ def test_bad_command_options_exit_2_naming_the_option_before_torch_loads(argv, n
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
     assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
     assert time.monotonic() - t0 < 20 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("option, needle", [
+    (["--measures", "kl_k33"], "config error at '--measures': unknown 'kl_k33'; did you mean 'kl_k3'?"),
+    (["--measures", "ess"], "config error at '--measures': 'ess' cannot be a constraint"),
+    (["--out", "{tmp}"], "config error at '--out': {tmp} is a folder, or its folder does not exist"),
+    (["--out", "{tmp}/no_dir/c.yaml"], "config error at '--out': {tmp}/no_dir/c.yaml is a folder"),
+])
+def test_calibrate_checks_measures_and_out_before_measuring(option, needle, tmp_path, capsys):
+    out = tmp_path / "run"
+    option = [o.format(tmp=tmp_path) for o in option]
+    rc = cli.main(["calibrate", "model.preset=tiny-dense", f"output_dir={out}", *option])
+    assert rc == 2 and needle.format(tmp=tmp_path) in capsys.readouterr().err
+    assert not out.exists()  # nothing was measured: no MLflow store in the folder
