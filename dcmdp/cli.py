@@ -47,6 +47,13 @@ def _finite_at_least(low: float):
     return parse
 
 
+def _non_empty(text: str) -> str:
+    """An argparse type: a path that is not blank (an empty one would write into, or read, the working directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty; name a path")
+    return text
+
+
 def default_run_name(path: Optional[str], output_dir: str) -> str:
     """The MLflow run name when tracking.run_name is unset: the config file's stem and the output folder,
     ``default/outputs-default`` (``defaults`` without a config file)."""
@@ -166,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--slack", type=_finite_at_least(0.0), default=0.25, help="c = floor x (1 + slack) (default: 0.25)")
     c.add_argument("--measures", default="", help="comma-separated measures for the snippet (default: the "
                    "config's dual.constraints)")
-    c.add_argument("--out", default=None, help="write the YAML snippet here (default: print it)")
+    c.add_argument("--out", type=_non_empty, default=None, help="write the YAML snippet here (default: print it)")
     c.set_defaults(func=_cmd_calibrate)
 
     u = sub.add_parser("tune", help="sweep dual settings in an Optuna study (grid, TPE or GP; pruning) as nested "
@@ -181,13 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="held-out accuracy of a checkpoint: dcmdp eval [CONFIG.yaml] [key=value ...] "
                        "--checkpoint PATH|auto")
     e.add_argument("args", nargs="*", help="the run's YAML config and/or dotlist overrides (output_dir=... for auto)")
-    e.add_argument("--checkpoint", default="auto", help="a checkpoint directory, or auto: the newest valid one in "
+    e.add_argument("--checkpoint", type=_non_empty, default="auto", help="a checkpoint directory, or auto: the newest valid one in "
                    "<output_dir>/checkpoints (default: auto)")
     e.set_defaults(func=_cmd_eval)
 
     r = sub.add_parser("report", help="compare MLflow runs: tables + plots of lambda, discrepancy, accuracy")
     r.add_argument("runs", nargs="+", help="run ids or an experiment name")
-    r.add_argument("--out", default="report", help="output folder (default: ./report)")
+    r.add_argument("--out", type=_non_empty, default="report", help="output folder (default: ./report)")
     r.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")
     r.set_defaults(func=_cmd_report)
 
