@@ -221,6 +221,13 @@ def _check(cfg: TuneConfig) -> None:
         raise ConfigError("tune config error at 'space': give at least one key with a list of values or a range")
     if cfg.workers < 1:
         raise ConfigError(f"tune config error at 'workers': must be >= 1, got {cfg.workers}")
+    if not cfg.output_dir.strip():
+        raise ConfigError("tune config error at 'output_dir': empty; name a folder for the study")
+    for part in (Path(cfg.output_dir), *Path(cfg.output_dir).parents):  # the first existing one must be a folder
+        if part.exists():
+            if not part.is_dir():
+                raise ConfigError(f"tune config error at 'output_dir': {str(part)!r} is a file, not a folder")
+            break
     if not 0 <= s.min_inside_frac <= 1:
         raise ConfigError(f"tune config error at 'select.min_inside_frac': must be in [0, 1], got {s.min_inside_frac}")
     if s.warmup_steps < 0 or s.collapse_window < 1 or not 0 <= s.collapse_drop_frac <= 1:

@@ -425,3 +425,18 @@ def test_a_damaged_study_database_is_a_config_error_naming_storage(tmp_path):
     assert f"tune config error at 'storage': cannot open the study database sqlite:///{bad}: DatabaseError" \
            in proc.stderr and "Traceback" not in proc.stderr
     assert bad.read_text() == "not a database"
+
+
+def test_a_tune_output_dir_that_is_a_file_or_empty_is_a_config_error(tmp_path):
+    (tmp_path / "a_file").write_text("keep me")
+    path = tmp_path / "t.yaml"
+    space = {"dual.constraints[0].lr": [0.1, 0.2]}
+    for out, needle in [(tmp_path / "a_file", "'output_dir': '{f}' is a file, not a folder"),
+                        (tmp_path / "a_file" / "sub", "'output_dir': '{f}' is a file, not a folder"),
+                        (" ", "'output_dir': empty; name a folder for the study")]:
+        path.write_text(yaml.safe_dump({"base": str(ROOT / "configs/tiny-dense.yaml"), "space": space,
+                                        "output_dir": str(out)}))
+        with pytest.raises(ConfigError) as err:
+            load_tune_config(path, [])
+        assert needle.format(f=tmp_path / "a_file") in str(err.value)
+    assert (tmp_path / "a_file").read_text() == "keep me"
