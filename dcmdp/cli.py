@@ -50,7 +50,7 @@ def _finite_at_least(low: float):
 def _non_empty(text: str) -> str:
     """An argparse type: a path that is not blank (an empty one would write into, or read, the working directory)."""
     if not text.strip():
-        raise argparse.ArgumentTypeError("empty; name a path")
+        raise argparse.ArgumentTypeError("empty; give a value (a path, or a URI for --tracking-uri)")
     return text
 
 
@@ -195,12 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="compare MLflow runs: tables + plots of lambda, discrepancy, accuracy")
     r.add_argument("runs", nargs="+", help="run ids or an experiment name")
     r.add_argument("--out", type=_non_empty, default="report", help="output folder (default: ./report)")
-    r.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")
+    r.add_argument("--tracking-uri", type=_non_empty, default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")
     r.set_defaults(func=_cmd_report)
 
     y = sub.add_parser("sync", help="send metrics buffered while the tracking server was unreachable")
     y.add_argument("buffer_dir", help="the run's buffer folder (printed in the warning when buffering started)")
-    y.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the buffered run's)")
+    y.add_argument("--tracking-uri", type=_non_empty, default=None, help="MLflow tracking URI (default: the buffered run's)")
     y.set_defaults(func=_cmd_sync)
     return p
 

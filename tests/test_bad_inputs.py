@@ -468,9 +468,11 @@ def test_a_task_path_that_is_not_a_regular_file_is_a_config_error(tmp_path, kind
     (["calibrate", "--slack", "-1"], "argument --slack: must be a finite number >= 0, got -1"),
     (["calibrate", "--slack", "nan"], "argument --slack: must be a finite number >= 0, got nan"),
     (["tune", "tune.yaml", "--workers", "0"], "argument --workers: must be >= 1, got 0"),
-    (["report", "dcmdp", "--out", ""], "argument --out: empty; name a path"),
-    (["eval", "--checkpoint", " "], "argument --checkpoint: empty; name a path"),
-    (["calibrate", "--out", ""], "argument --out: empty; name a path"),
+    (["report", "dcmdp", "--out", ""], "argument --out: empty; give a value"),
+    (["eval", "--checkpoint", " "], "argument --checkpoint: empty; give a value"),
+    (["calibrate", "--out", ""], "argument --out: empty; give a value"),
+    (["report", "dcmdp", "--tracking-uri", ""], "argument --tracking-uri: empty; give a value"),
+    (["sync", ".", "--tracking-uri", " "], "argument --tracking-uri: empty; give a value"),
 ])
 def test_bad_command_options_exit_2_naming_the_option_before_torch_loads(argv, needle, tmp_path):
     # a subprocess: the exit code and the time are the process's own; PYTHONPATH makes it import this tree's code
