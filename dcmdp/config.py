@@ -743,8 +743,12 @@ def _check_run_basics(cfg: RunConfig) -> None:
                           "into the working directory)")
     # the first existing folder on the path must be a folder: a file there failed only after the model was built
     for part in (Path(cfg.output_dir), *Path(cfg.output_dir).parents):
-        if part.exists():
-            if not part.is_dir():
+        try:
+            exists, is_dir = part.exists(), part.is_dir()
+        except OSError:  # a folder this user cannot search: the writability check at start names it
+            break
+        if exists:
+            if not is_dir:
                 raise ConfigError(f"config error at 'output_dir': {str(part)!r} is a file, not a folder; name a "
                                   f"folder for the run")
             break

@@ -224,8 +224,12 @@ def _check(cfg: TuneConfig) -> None:
     if not cfg.output_dir.strip():
         raise ConfigError("tune config error at 'output_dir': empty; name a folder for the study")
     for part in (Path(cfg.output_dir), *Path(cfg.output_dir).parents):  # the first existing one must be a folder
-        if part.exists():
-            if not part.is_dir():
+        try:
+            exists, is_dir = part.exists(), part.is_dir()
+        except OSError:  # a folder this user cannot search: the writability check at start names it
+            break
+        if exists:
+            if not is_dir:
                 raise ConfigError(f"tune config error at 'output_dir': {str(part)!r} is a file, not a folder")
             break
     if not 0 <= s.min_inside_frac <= 1:
