@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -18,6 +19,39 @@ def _split_config_args(args: Sequence[str]) -> tuple[Optional[str], list[str]]:
     if args and "=" not in args[0]:
         return args[0], list(args[1:])
     return None, list(args)
+
+
+def _int_at_least(low: int):
+    """An argparse type: an integer >= ``low``, so a bad count exits 2 with the option's name before torch loads."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _finite_at_least(low: float):
+    """An argparse type: a finite number >= ``low`` (nan and inf are refused: ``nan >= 0`` is false only by accident)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number >= {low:g}, got {text!r}") from None
+        if not math.isfinite(value) or value < low:
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {low:g}, got {text}")
+        return value
+    return parse
+
+
+def _non_empty(text: str) -> str:
+    """An argparse type: a path that is not blank (an empty one would write into, or read, the working directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty; give a value (a path, or a URI for --tracking-uri)")
+    return text
 
 
 def default_run_name(path: Optional[str], output_dir: str) -> str:
@@ -52,8 +86,18 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
 def _cmd_calibrate(ns: argparse.Namespace) -> int:
     cfg = _load(ns, "calibrate")
+    from constraints.measures import _NOT_A_CONSTRAINT, MEASURES
     from dcmdp.calibrate import calibrate
-    measures = [m for m in ns.measures.split(",") if m] if ns.measures else []
+    from dcmdp.config import _nearest
+    measures = [m.strip() for m in ns.measures.split(",") if m.strip()] if ns.measures else []
+    for m in measures:  # checked before the measuring, which takes minutes on a real model
+        if m not in MEASURES:
+            raise ConfigError(f"config error at '--measures': unknown {m!r}{_nearest(m, list(MEASURES))}")
+        if m in _NOT_A_CONSTRAINT:
+            raise ConfigError(f"config error at '--measures': {m!r} cannot be a constraint: {_NOT_A_CONSTRAINT[m]}")
+    if ns.out and (Path(ns.out).is_dir() or not Path(ns.out).resolve().parent.is_dir()):
+        raise ConfigError(f"config error at '--out': {ns.out} is a folder, or its folder does not exist; name a "
+                          f"file in an existing folder for the snippet")
     result = calibrate(cfg, batches=ns.batches, slack=ns.slack, measures=measures)
     print(result.table())
     snippet = result.snippet()
@@ -73,6 +117,9 @@ def _cmd_tune(ns: argparse.Namespace) -> int:
 
 
 def _cmd_eval(ns: argparse.Namespace) -> int:
+    if ns.checkpoint != "auto" and not Path(ns.checkpoint).exists():
+        raise ConfigError(f"--checkpoint {ns.checkpoint} does not exist; name a checkpoint folder "
+                          f"(<output_dir>/checkpoints/step_N), or auto for the newest one in output_dir")
     cfg = _load(ns)
     from dcmdp.evaluation import evaluate_checkpoint
     print(evaluate_checkpoint(cfg, ns.checkpoint).line())
@@ -88,12 +135,14 @@ def _cmd_report(ns: argparse.Namespace) -> int:
 
 
 def _cmd_sync(ns: argparse.Namespace) -> int:
-    """Exit code 0 only when nothing is left unsent; otherwise 1, with one line per buffer file that remains."""
+    """Exit code 0 only when nothing is left unsent; otherwise 1, with one line per buffer file that remains; 2 for a
+    buffer folder that is missing or a file (a mistyped argument, not a failed send)."""
     from dcmdp.tracking import check_tracking_uri, sync_report
 
     if not Path(ns.buffer_dir).is_dir():
-        raise FileNotFoundError(f"tracking buffer folder {ns.buffer_dir} does not exist (the folder is named in the "
-                                f"warning printed when buffering started; default <output_dir>/tracking_buffer)")
+        state = "is a file, not a folder" if Path(ns.buffer_dir).exists() else "does not exist"
+        raise ConfigError(f"tracking buffer folder {ns.buffer_dir} {state} (the folder is named in the warning "
+                          f"printed when buffering started; default <output_dir>/tracking_buffer)")
     if ns.tracking_uri:
         check_tracking_uri(ns.tracking_uri, "--tracking-uri")
     report = sync_report(ns.buffer_dir, tracking_uri=ns.tracking_uri)
@@ -120,11 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("calibrate", help="measure the discrepancy floor with identical weights and propose c: "
                        "dcmdp calibrate [CONFIG.yaml] [key=value ...]")
     c.add_argument("args", nargs="*", help="a YAML config file and/or dotlist overrides")
-    c.add_argument("--batches", type=int, default=8, help="rollout batches to measure (default: 8)")
-    c.add_argument("--slack", type=float, default=0.25, help="c = floor x (1 + slack) (default: 0.25)")
+    c.add_argument("--batches", type=_int_at_least(1), default=8, help="rollout batches to measure (default: 8)")
+    c.add_argument("--slack", type=_finite_at_least(0.0), default=0.25, help="c = floor x (1 + slack) (default: 0.25)")
     c.add_argument("--measures", default="", help="comma-separated measures for the snippet (default: the "
                    "config's dual.constraints)")
-    c.add_argument("--out", default=None, help="write the YAML snippet here (default: print it)")
+    c.add_argument("--out", type=_non_empty, default=None, help="write the YAML snippet here (default: print it)")
     c.set_defaults(func=_cmd_calibrate)
 
     u = sub.add_parser("tune", help="sweep dual settings in an Optuna study (grid, TPE or GP; pruning) as nested "
@@ -133,25 +182,25 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("tune_file", help="tune file: base, overrides, space, sampler, trials, study, storage, select, "
                    "prune, workers, output_dir (see dcmdp/tune.py)")
     u.add_argument("overrides", nargs="*", help="dotlist overrides of the base run config, after the tune file's")
-    u.add_argument("--workers", type=int, default=None, help="trials at once (default: the tune file's workers)")
+    u.add_argument("--workers", type=_int_at_least(1), default=None, help="trials at once (default: the tune file's workers)")
     u.set_defaults(func=_cmd_tune)
 
     e = sub.add_parser("eval", help="held-out accuracy of a checkpoint: dcmdp eval [CONFIG.yaml] [key=value ...] "
                        "--checkpoint PATH|auto")
     e.add_argument("args", nargs="*", help="the run's YAML config and/or dotlist overrides (output_dir=... for auto)")
-    e.add_argument("--checkpoint", default="auto", help="a checkpoint directory, or auto: the newest valid one in "
+    e.add_argument("--checkpoint", type=_non_empty, default="auto", help="a checkpoint directory, or auto: the newest valid one in "
                    "<output_dir>/checkpoints (default: auto)")
     e.set_defaults(func=_cmd_eval)
 
     r = sub.add_parser("report", help="compare MLflow runs: tables + plots of lambda, discrepancy, accuracy")
     r.add_argument("runs", nargs="+", help="run ids or an experiment name")
-    r.add_argument("--out", default="report", help="output folder (default: ./report)")
-    r.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")
+    r.add_argument("--out", type=_non_empty, default="report", help="output folder (default: ./report)")
+    r.add_argument("--tracking-uri", type=_non_empty, default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")
     r.set_defaults(func=_cmd_report)
 
     y = sub.add_parser("sync", help="send metrics buffered while the tracking server was unreachable")
     y.add_argument("buffer_dir", help="the run's buffer folder (printed in the warning when buffering started)")
-    y.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the buffered run's)")
+    y.add_argument("--tracking-uri", type=_non_empty, default=None, help="MLflow tracking URI (default: the buffered run's)")
     y.set_defaults(func=_cmd_sync)
     return p
 

@@ -741,6 +741,17 @@ def _check_run_basics(cfg: RunConfig) -> None:
     if not cfg.output_dir.strip():
         raise ConfigError("config error at 'output_dir': empty; name a folder for the run (an empty one would write "
                           "into the working directory)")
+    # the first existing folder on the path must be a folder: a file there failed only after the model was built
+    for part in (Path(cfg.output_dir), *Path(cfg.output_dir).parents):
+        try:
+            exists, is_dir = part.exists(), part.is_dir()
+        except OSError:  # a folder this user cannot search: the writability check at start names it
+            break
+        if exists:
+            if not is_dir:
+                raise ConfigError(f"config error at 'output_dir': {str(part)!r} is a file, not a folder; name a "
+                                  f"folder for the run")
+            break
 
 
 def _check_coupling_feasible(cfg: RunConfig, rule: Any) -> None:

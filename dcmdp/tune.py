@@ -221,6 +221,17 @@ def _check(cfg: TuneConfig) -> None:
         raise ConfigError("tune config error at 'space': give at least one key with a list of values or a range")
     if cfg.workers < 1:
         raise ConfigError(f"tune config error at 'workers': must be >= 1, got {cfg.workers}")
+    if not cfg.output_dir.strip():
+        raise ConfigError("tune config error at 'output_dir': empty; name a folder for the study")
+    for part in (Path(cfg.output_dir), *Path(cfg.output_dir).parents):  # the first existing one must be a folder
+        try:
+            exists, is_dir = part.exists(), part.is_dir()
+        except OSError:  # a folder this user cannot search: the writability check at start names it
+            break
+        if exists:
+            if not is_dir:
+                raise ConfigError(f"tune config error at 'output_dir': {str(part)!r} is a file, not a folder")
+            break
     if not 0 <= s.min_inside_frac <= 1:
         raise ConfigError(f"tune config error at 'select.min_inside_frac': must be in [0, 1], got {s.min_inside_frac}")
     if s.warmup_steps < 0 or s.collapse_window < 1 or not 0 <= s.collapse_drop_frac <= 1:
@@ -495,8 +506,13 @@ class _Sweep:
         url = cfg.storage or f"sqlite:///{(self.out / 'study.db').resolve()}"
         self.lock = _StudyLock(url)
         with self.lock():  # two processes creating one sqlite file's tables at once would collide
-            self.storage = RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, engine_kwargs={
-                "connect_args": {"timeout": 120}} if url.startswith("sqlite") else None)
+            try:
+                self.storage = RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, engine_kwargs={
+                    "connect_args": {"timeout": 120}} if url.startswith("sqlite") else None)
+            except Exception as exc:  # sqlalchemy's errors: a damaged file, a wrong URL, a driver missing
+                where = "storage" if cfg.storage else "storage (default <output_dir>/study.db)"
+                raise ConfigError(f"tune config error at '{where}': cannot open the study database {url}: "
+                                  f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from None
         self.started = 0
         self.stopping = False
         self.procs: set[subprocess.Popen] = set()

@@ -186,10 +186,12 @@ def test_all_masked_responses_give_a_finite_zero_update():
 def test_output_directory_under_a_file(tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("keep me")
-    rc = cli.main(["train", *_overrides(blocker / "run")])
-    err = capsys.readouterr().err
-    assert rc == 1 and f"output_dir='{blocker / 'run'}' is not a writable directory" in err
-    assert blocker.read_text() == "keep me"
+    for out in (blocker / "run", blocker):
+        t0 = time.monotonic()
+        rc = cli.main(["train", *_overrides(out)])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"config error at 'output_dir': '{blocker}' is a file, not a folder" in err
+        assert time.monotonic() - t0 < 15 and blocker.read_text() == "keep me"
 
 
 def test_read_only_output_directory(tmp_path):
@@ -458,3 +460,39 @@ def test_a_task_path_that_is_not_a_regular_file_is_a_config_error(tmp_path, kind
     what = "a directory" if kind == "directory" else "not a regular file"
     with pytest.raises(ConfigError, match=f"config error at 'task.path': {path} is {what}"):
         load_config(None, ["task.name=jsonl", f"task.path={path}", "task.reward=x.py:score"])
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["calibrate", "--batches", "0"], "argument --batches: must be >= 1, got 0"),
+    (["calibrate", "--batches", "two"], "argument --batches: must be an integer >= 1, got 'two'"),
+    (["calibrate", "--slack", "-1"], "argument --slack: must be a finite number >= 0, got -1"),
+    (["calibrate", "--slack", "nan"], "argument --slack: must be a finite number >= 0, got nan"),
+    (["tune", "tune.yaml", "--workers", "0"], "argument --workers: must be >= 1, got 0"),
+    (["report", "dcmdp", "--out", ""], "argument --out: empty; give a value"),
+    (["eval", "--checkpoint", " "], "argument --checkpoint: empty; give a value"),
+    (["calibrate", "--out", ""], "argument --out: empty; give a value"),
+    (["report", "dcmdp", "--tracking-uri", ""], "argument --tracking-uri: empty; give a value"),
+    (["sync", ".", "--tracking-uri", " "], "argument --tracking-uri: empty; give a value"),
+])
+def test_bad_command_options_exit_2_naming_the_option_before_torch_loads(argv, needle, tmp_path):
+    # a subprocess: the exit code and the time are the process's own; PYTHONPATH makes it import this tree's code
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "dcmdp.cli", *argv, f"output_dir={tmp_path / 'out'}"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+    assert time.monotonic() - t0 < 20 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("option, needle", [
+    (["--measures", "kl_k33"], "config error at '--measures': unknown 'kl_k33'; did you mean 'kl_k3'?"),
+    (["--measures", "ess"], "config error at '--measures': 'ess' cannot be a constraint"),
+    (["--out", "{tmp}"], "config error at '--out': {tmp} is a folder, or its folder does not exist"),
+    (["--out", "{tmp}/no_dir/c.yaml"], "config error at '--out': {tmp}/no_dir/c.yaml is a folder"),
+])
+def test_calibrate_checks_measures_and_out_before_measuring(option, needle, tmp_path, capsys):
+    out = tmp_path / "run"
+    option = [o.format(tmp=tmp_path) for o in option]
+    rc = cli.main(["calibrate", "model.preset=tiny-dense", f"output_dir={out}", *option])
+    assert rc == 2 and needle.format(tmp=tmp_path) in capsys.readouterr().err
+    assert not out.exists()  # nothing was measured: no MLflow store in the folder

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +40,12 @@ def test_eval_without_a_checkpoint_is_a_clear_error(tmp_path):
     cfg = load_config(None, _overrides(tmp_path / "empty", tmp_path / "cache"))
     with pytest.raises(FileNotFoundError, match="no valid checkpoint"):
         evaluate_checkpoint(cfg, "auto")
+
+
+def test_eval_of_a_checkpoint_path_that_does_not_exist_exits_2_naming_the_option(tmp_path):
+    # this tree's code in the subprocess; exit 2 before torch loads (1 is for a checkpoint that fails to load)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "dcmdp.cli", "eval", f"output_dir={tmp_path}", "--checkpoint",
+                           str(tmp_path / "nope")], env=env, timeout=60, capture_output=True, text=True)
+    assert proc.returncode == 2 and f"--checkpoint {tmp_path / 'nope'} does not exist" in proc.stderr, proc.stderr
+    assert "resume checkpoint" not in proc.stderr

@@ -80,9 +80,12 @@ class _Answer500(http.server.BaseHTTPRequestHandler):
 
 
 def test_sync_exits_non_zero_and_says_what_remains(tmp_path, capsys, mlflow_server):
-    # a folder that does not exist
-    assert cli.main(["sync", str(tmp_path / "nope")]) == 1
+    # a folder that does not exist, or a file: a mistyped argument exits 2 (1 is for records left unsent)
+    assert cli.main(["sync", str(tmp_path / "nope")]) == 2
     assert f"tracking buffer folder {tmp_path / 'nope'} does not exist" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("x")
+    assert cli.main(["sync", str(tmp_path / "a_file")]) == 2
+    assert f"tracking buffer folder {tmp_path / 'a_file'} is a file, not a folder" in capsys.readouterr().err
     # a server answering 500 to everything: nothing is sent, the segment stays
     buffer_dir = tmp_path / "run" / "buffer"
     _buffered_run(buffer_dir)

@@ -410,3 +410,33 @@ def test_a_pruned_trial_whose_run_is_still_running_is_ended_killed(tmp_path):
         _Sweep._tag_child(SimpleNamespace(tracking_uri=uri), run_id, "PRUNED", 3, end="KILLED")
     assert client.get_run(running).info.status == "KILLED" and client.get_run(done).info.status == "FINISHED"
     assert client.get_run(running).data.tags["dcmdp.tune.state"] == "PRUNED"
+
+
+def test_a_damaged_study_database_is_a_config_error_naming_storage(tmp_path):
+    bad = tmp_path / "study.db"
+    bad.write_text("not a database")
+    spec = {"base": str(ROOT / "configs/tiny-dense.yaml"), "space": {"dual.constraints[0].lr": [0.1, 0.2]},
+            "storage": f"sqlite:///{bad}", "output_dir": str(tmp_path / "tune")}
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(spec))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # this tree's code in the subprocess
+    proc = subprocess.run([sys.executable, "-m", "dcmdp.cli", "tune", str(tmp_path / "t.yaml")], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"tune config error at 'storage': cannot open the study database sqlite:///{bad}: DatabaseError" \
+           in proc.stderr and "Traceback" not in proc.stderr
+    assert bad.read_text() == "not a database"
+
+
+def test_a_tune_output_dir_that_is_a_file_or_empty_is_a_config_error(tmp_path):
+    (tmp_path / "a_file").write_text("keep me")
+    path = tmp_path / "t.yaml"
+    space = {"dual.constraints[0].lr": [0.1, 0.2]}
+    for out, needle in [(tmp_path / "a_file", "'output_dir': '{f}' is a file, not a folder"),
+                        (tmp_path / "a_file" / "sub", "'output_dir': '{f}' is a file, not a folder"),
+                        (" ", "'output_dir': empty; name a folder for the study")]:
+        path.write_text(yaml.safe_dump({"base": str(ROOT / "configs/tiny-dense.yaml"), "space": space,
+                                        "output_dir": str(out)}))
+        with pytest.raises(ConfigError) as err:
+            load_tune_config(path, [])
+        assert needle.format(f=tmp_path / "a_file") in str(err.value)
+    assert (tmp_path / "a_file").read_text() == "keep me"
