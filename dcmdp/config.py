@@ -741,17 +741,23 @@ def _check_run_basics(cfg: RunConfig) -> None:
     if not cfg.output_dir.strip():
         raise ConfigError("config error at 'output_dir': empty; name a folder for the run (an empty one would write "
                           "into the working directory)")
-    # the first existing folder on the path must be a folder: a file there failed only after the model was built
-    for part in (Path(cfg.output_dir), *Path(cfg.output_dir).parents):
+    # a file where the folder would be failed only after the model was built
+    if (blocker := file_in_the_way(cfg.output_dir)) is not None:
+        raise ConfigError(f"config error at 'output_dir': {str(blocker)!r} is a file, not a folder; name a "
+                          f"folder for the run")
+
+
+def file_in_the_way(folder: str) -> Optional[Path]:
+    """The first existing path on the way to ``folder`` (itself, then its parents) when it is a file, not a folder;
+    None when that path is a folder, or cannot be searched (the writability check at start names it)."""
+    for part in (Path(folder), *Path(folder).parents):
         try:
             exists, is_dir = part.exists(), part.is_dir()
-        except OSError:  # a folder this user cannot search: the writability check at start names it
-            break
+        except OSError:
+            return None
         if exists:
-            if not is_dir:
-                raise ConfigError(f"config error at 'output_dir': {str(part)!r} is a file, not a folder; name a "
-                                  f"folder for the run")
-            break
+            return None if is_dir else part
+    return None
 
 
 def _check_coupling_feasible(cfg: RunConfig, rule: Any) -> None:

@@ -87,7 +87,8 @@ from omegaconf.errors import OmegaConfBaseException
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
-from dcmdp.config import ConfigError, RunConfig, TrackingConfig, load_config, to_yaml, validate, yaml_value
+from dcmdp.config import (ConfigError, RunConfig, TrackingConfig, file_in_the_way, load_config, to_yaml, validate,
+                          yaml_value)
 from dcmdp.tracking import LOCAL_ID_PREFIX, Tracker, resolve_tracking_uri
 
 log = logging.getLogger("dcmdp.tune")
@@ -223,15 +224,8 @@ def _check(cfg: TuneConfig) -> None:
         raise ConfigError(f"tune config error at 'workers': must be >= 1, got {cfg.workers}")
     if not cfg.output_dir.strip():
         raise ConfigError("tune config error at 'output_dir': empty; name a folder for the study")
-    for part in (Path(cfg.output_dir), *Path(cfg.output_dir).parents):  # the first existing one must be a folder
-        try:
-            exists, is_dir = part.exists(), part.is_dir()
-        except OSError:  # a folder this user cannot search: the writability check at start names it
-            break
-        if exists:
-            if not is_dir:
-                raise ConfigError(f"tune config error at 'output_dir': {str(part)!r} is a file, not a folder")
-            break
+    if (blocker := file_in_the_way(cfg.output_dir)) is not None:
+        raise ConfigError(f"tune config error at 'output_dir': {str(blocker)!r} is a file, not a folder")
     if not 0 <= s.min_inside_frac <= 1:
         raise ConfigError(f"tune config error at 'select.min_inside_frac': must be in [0, 1], got {s.min_inside_frac}")
     if s.warmup_steps < 0 or s.collapse_window < 1 or not 0 <= s.collapse_drop_frac <= 1:
