@@ -47,6 +47,7 @@ the coupling projection, which then treats it as fixed) and the entry is counted
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -119,7 +120,20 @@ def _vec(v: Any) -> Tensor:
 
 
 def _per_constraint(cfg: DualConfig, field: str) -> Tensor:
-    return torch.tensor([float(getattr(c, field)) for c in cfg.constraints], dtype=_F64)
+    """(C,) float64 of one field of every constraint (None as NaN); shared between calls, never written in place."""
+    return _vector(tuple(math.nan if getattr(c, field) is None else float(getattr(c, field)) for c in cfg.constraints))
+
+
+@functools.lru_cache(maxsize=256)
+def _vector(values: tuple[float, ...]) -> Tensor:
+    # one dual step reads five per-constraint fields: building each tensor anew cost more than the step's arithmetic
+    return torch.tensor(values, dtype=_F64)
+
+
+def _finite(x: Tensor) -> Tensor:
+    """torch.isfinite for float tensors: x - x is 0 exactly where x is finite (NaN for inf and NaN). Two kernels
+    where torch.isfinite dispatches several, which counts on the dual's (C,) vectors."""
+    return (x - x) == 0
 
 
 def _has_auto_tolerance(cfg: DualConfig) -> bool:
@@ -159,10 +173,8 @@ def tolerances(state: DualState, cfg: DualConfig) -> Tensor:
     fixed_C = _per_constraint(cfg, "tolerance")
     if state.floor_C is None or not _has_auto_tolerance(cfg):
         return fixed_C
-    slack_C = torch.tensor([float("nan") if c.floor_slack is None else float(c.floor_slack) for c in cfg.constraints],
-                           dtype=_F64)
-    auto_C = state.floor_C * (1 + slack_C)
-    return torch.where(torch.isfinite(auto_C), auto_C, fixed_C)
+    auto_C = state.floor_C * (1 + _per_constraint(cfg, "floor_slack"))
+    return torch.where(_finite(auto_C), auto_C, fixed_C)
 
 
 def constraints_in_force(state: DualState, cfg: DualConfig) -> list:
@@ -202,12 +214,13 @@ def update_floor(state: DualState, floor_measured_C: Tensor, cfg: DualConfig) ->
     if not _has_auto_tolerance(cfg):  # every F_i stays NaN
         return state if state.floor_C is not None else replace(state, floor_C=old_C)
     x_C = torch.as_tensor(floor_measured_C, dtype=_F64).detach().cpu().reshape(-1)
-    auto_C = torch.tensor([c.floor_slack is not None for c in cfg.constraints], dtype=torch.bool)
-    held_C = torch.tensor([c.floor_steps is not None and state.steps > c.floor_steps for c in cfg.constraints],
-                          dtype=torch.bool) & torch.isfinite(old_C)
+    old_finite_C = _finite(old_C)
+    auto_C = _per_constraint(cfg, "floor_slack") >= 0  # NaN (no automatic tolerance) compares False
+    passed_C = _vector(tuple(float(c.floor_steps is not None and state.steps > c.floor_steps)
+                             for c in cfg.constraints)) > 0
     a_C = _per_constraint(cfg, "floor_ema")
-    ema_C = torch.where(torch.isfinite(old_C), a_C * old_C + (1 - a_C) * x_C, x_C)
-    new_C = torch.where(auto_C & ~held_C & torch.isfinite(x_C), ema_C, old_C)
+    ema_C = torch.where(old_finite_C, a_C * old_C + (1 - a_C) * x_C, x_C)
+    new_C = torch.where(auto_C & ~(passed_C & old_finite_C) & _finite(x_C), ema_C, old_C)
     return replace(state, floor_C=new_C)
 
 
@@ -265,7 +278,7 @@ def projected_step(lambda_C: Tensor, rule_state: dict[str, Any], measured_C: Ten
 
     Non-finite D_hat_i: lambda_i unchanged (held fixed in the projection). No state of its own.
     """
-    finite_C = torch.isfinite(measured_C)
+    finite_C = _finite(measured_C)
     eta_C = _per_constraint(cfg, "lr")
     step_C = torch.where(finite_C, eta_C * (measured_C - tolerance_C), 0.0)
     return _project(lambda_C + step_C, cfg, fixed_C=~finite_C), rule_state
@@ -404,7 +417,7 @@ def dual_step(state: DualState, measured_C: Tensor, cfg: DualConfig,
     # floor (e.g. 0.005 against 0.047 under noisy rollouts) one relative step would throw lambda to ~4
     state = _seed_floor(state, floor_now_C, cfg)
     tolerance_C = tolerances(state, cfg)
-    n_skipped = int((~torch.isfinite(measured_C)).sum())
+    n_skipped = sum(not math.isfinite(x) for x in measured_C.tolist())
     if cfg.relative:
         # an automatic tolerance can reach 0 (e.g. routing_mismatch under R3): any excess then counts fully
         scale_C = tolerance_C.clamp_min(_RELATIVE_MIN_C)
