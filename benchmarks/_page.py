@@ -7,6 +7,7 @@ import datetime
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -66,3 +67,37 @@ def reading_lines(page: Path) -> list[str]:
     """A blank line and the hand-written reading ``<name>_reading.md`` next to ``page``, or nothing without one."""
     path = Path(page).with_name(Path(page).stem + "_reading.md")
     return ["", path.read_text().rstrip()] if path.exists() else []
+
+
+LOADED_CORES = 0.25
+"""Other jobs' mean CPU use (cores) above which a timing is "measured under load" and no headline ratio is drawn."""
+
+
+class OtherLoad:
+    """The CPU the rest of the machine used while the block ran, in cores (``.cores``): machine busy CPU-seconds
+    from /proc/stat minus this process's and its finished children's, over the wall time. None off Linux."""
+
+    def __enter__(self) -> "OtherLoad":
+        self.cores: Optional[float] = None
+        self._start = time.perf_counter(), _machine_busy_s(), _own_cpu_s()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        t0, busy0, own0 = self._start
+        wall, busy = time.perf_counter() - t0, _machine_busy_s()
+        if busy is not None and busy0 is not None:
+            self.cores = max(0.0, (busy - busy0 - (_own_cpu_s() - own0)) / max(wall, 1e-9))
+
+
+def _machine_busy_s() -> Optional[float]:
+    try:
+        fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # user .. steal; guest time is inside user
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from benchmarks._page import cpu_model, git_head, reading_lines  # noqa: E402
+from benchmarks._page import LOADED_CORES, OtherLoad, cpu_model, git_head, reading_lines  # noqa: E402
 from dcmdp.config import load_config  # noqa: E402
 from dcmdp.policy import encode_prompt  # noqa: E402
 from dcmdp.policy import step_seed  # noqa: E402
@@ -358,10 +358,12 @@ def main(argv: list[str] | None = None) -> dict:
             for rep in range(args.repeats):
                 for side in (sides if rep % 2 == 0 else sides[::-1]):
                     tag = f"{name}-{side}-{rep}"
-                    if side == "trl":
-                        runs[side].append(run_trl(w, args, model_dir, work, tag, prompts))
-                    else:
-                        runs[side].append(run_dcmdp(w, args, model_dir, work, tag, variants.get(side, ())))
+                    with OtherLoad() as load:
+                        if side == "trl":
+                            runs[side].append(run_trl(w, args, model_dir, work, tag, prompts))
+                        else:
+                            runs[side].append(run_dcmdp(w, args, model_dir, work, tag, variants.get(side, ())))
+                    runs[side][-1]["other_cores"] = load.cores
                     print(f"{name} repetition {rep + 1}/{args.repeats}: {side} done", file=sys.stderr, flush=True)
             costs = model_costs(model_dir, w, prompts)
             limits = best_limits(limits, measure_limits(args.threads))
@@ -373,8 +375,7 @@ def main(argv: list[str] | None = None) -> dict:
                 relimit({"limits": limits, "workloads": {"w": done}}, limits)
             # written after every workload, so that an interrupted invocation keeps the finished rows
             result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                      "machine": f"{cpu_model()}, {platform.machine()}, {os.cpu_count()} logical CPUs "
-                                 "(shared with other jobs)",
+                      "machine": f"{cpu_model()}, {platform.machine()}, {os.cpu_count()} logical CPUs",
                       "args": vars(args), "variants": {k: list(v) for k, v in variants.items()},
                       "versions": {"dcmdp_env": {"python": platform.python_version(), "torch": torch.__version__,
                                                  "transformers": transformers.__version__},
@@ -421,6 +422,7 @@ def report(w: Workload, args, runs: dict[str, list[dict]], coldstart_info: dict,
             "commands": {side: " ".join(rs[0]["command"]) for side, rs in runs.items() if rs},
             "trl_versions": runs["trl"][0]["versions"] if runs.get("trl") else None,
             "summary": summary, "limits": limit_rows, "per_run": per_run,
+            "other_cores": {side: [r.get("other_cores") for r in rs] for side, rs in runs.items()},
             "steps": {side: [r["steps"] for r in rs] for side, rs in runs.items()}}
 
 
@@ -477,16 +479,35 @@ def markdown(result: dict, page: Optional[Path] = None) -> str:
         s = r["summary"]
         ratio = s.get("ratio")
         target = TARGETS.get(name)
+        loaded = other_load(r)
         verdict = "-" if target is None or not ratio else \
             f">= {target}: {'met' if ratio['tokens_per_s'] >= target else 'not met'}"
+        if loaded is None or loaded > LOADED_CORES:
+            ratio, verdict = None, "not quoted: measured under load" if loaded is not None else "load not measured"
         lines.append(f"| {name} | {_fmt(s['dcmdp']['tokens_per_s'])} | {_fmt(s.get('trl', {}).get('tokens_per_s'))} | "
                      f"{_range(ratio) if ratio else '-'} | {_fmt(ratio and ratio['steps_per_s'])} | {verdict} |")
+    lines += ["", f"Load: other jobs used {'; '.join(_load_text(n, r) for n, r in result['workloads'].items())} cores "
+              f"during the runs (mean per run, max over the runs of a workload; /proc/stat less the benchmark's own "
+              f"processes). A ratio measured with more than {LOADED_CORES} cores in use elsewhere is not quoted: "
+              "load slows the two sides unequally."]
     if page is not None:
         lines += reading_lines(page)
     for name, r in result["workloads"].items():
         lines += ["", *workload_section(name, r)]
-    lines += ["", NOTES]
+    settings = ROOT / "benchmarks" / "results" / "trl_throughput_settings.md"
+    lines += ["", settings.read_text().rstrip()]
     return "\n".join(lines) + "\n"
+
+
+def other_load(r: dict) -> Optional[float]:
+    """The largest mean CPU use by other jobs (cores) over a workload's runs; None when it was not measured."""
+    cores = [c for side in r.get("other_cores", {}).values() for c in side]
+    return None if not cores or None in cores else max(cores)
+
+
+def _load_text(name: str, r: dict) -> str:
+    load = other_load(r)
+    return f"{name} {'not measured' if load is None else f'at most {load:.2f}'}"
 
 
 def workload_section(name: str, r: dict) -> list[str]:
@@ -522,12 +543,14 @@ def workload_section(name: str, r: dict) -> list[str]:
             lines.append(f"{k[6:]} / TRL tokens/s: median {_range(ratio)}.")
         elif k.startswith("speedup_over/"):
             lines.append(f"dcmdp / {k[13:]} tokens/s (what the switch pays): median {_range(ratio)}.")
-    lines += ["", "| repetition (order) | " + " | ".join(f"{k} tokens/s" for k in sides) + " |",
+    load = r.get("other_cores", {})
+    lines += ["", "| repetition (order) | " + " | ".join(f"{k} tokens/s (other jobs, cores)" for k in sides) + " |",
               "|---|" + "---|" * len(sides)]
     for i in range(len(r["per_run"]["dcmdp"])):
         order = sides if i % 2 == 0 else sides[::-1]
-        lines.append(f"| {i + 1} ({', '.join(order)}) | " + " | ".join(
-            _fmt(r["per_run"][k][i]["tokens_per_s"]) if i < len(r["per_run"][k]) else "-" for k in sides) + " |")
+        cells = [f"{_fmt(r['per_run'][k][i]['tokens_per_s'])} ({_fmt(load[k][i] if i < len(load.get(k, ())) else None, 2)})"
+                 if i < len(r["per_run"][k]) else "-" for k in sides]
+        lines.append(f"| {i + 1} ({', '.join(order)}) | " + " | ".join(cells) + " |")
     lines += ["", "Where a step's time goes (median seconds per step over timed steps, then over repetitions; "
               "rows side by side are the closest counterparts):", "",
               "| dcmdp phase | s | TRL phase | s |", "|---|---|---|---|"]
@@ -555,40 +578,6 @@ def workload_section(name: str, r: dict) -> list[str]:
 
 def _trl_sum(t: Optional[dict], *keys: str) -> Optional[float]:
     return sum(t.get(k, 0.0) for k in keys) if t else None
-
-
-NOTES = """Settings matched, and where they differ:
-
-- Same model directory and tokenizer, same kernels (sdpa attention, grouped_mm MoE experts; dcmdp calls SDPA with
-  `enable_gqa` instead of copying the KV heads, `model.gqa_attention` / `rollout.torch.gqa_decode`, bitwise the
-  same forward values), fp32 everywhere,
-  same prompts in the same order, same reward function (`Task.reward`), same AdamW (lr, betas, weight decay 0,
-  grad-norm clip 1.0, constant lr), temperature 1, top-p 1, no top-k, no KL term (TRL beta 0).
-- Loss normalisation: dcmdp divides the token sum by the mini-batch's response tokens; TRL `loss_type="dapo"`
-  divides by the active tokens of the global accumulated batch: with one mini-batch and no gradient
-  accumulation these are the same. Advantages: group-centred on both sides, divided by the group std where the
-  config says so (`algo.std_normalize`; TRL `scale_rewards="group"` or `"none"`).
-- log pi_old: at N = 1 both sides take it from the training forward (dcmdp `learner.score_on_policy`, TRL
-  logp.detach() with num_iterations = 1), so neither runs the model a second time.
-- What dcmdp does that TRL does not: the truncated-IS weights pi_old / mu (`tis`), the
-  discrepancy measures and the hinge penalty with its dual step (DCMDP on), a separate rollout engine whose
-  weights are synced after every step, MLflow logging of ~60 metrics per step, and a held-out eval before and
-  after the run (outside the timed steps).
-- Generation: dcmdp's embedded engine runs its own KV-cached decode loop (one forward per token for the rows
-  still decoding: `rollout.torch.drop_finished`, finished rows leave the batch; grouped KV heads read in place,
-  `rollout.torch.gqa_decode`); TRL calls `model.generate`, which
-  keeps feeding finished rows padding until every row has stopped. Both count response tokens with the EOS
-  token.
-- Limit columns: train GFLOP/s = 6 N_active (prompt + response tokens) per step / the training phases'
-  seconds (dcmdp: time/old_logp + time/update; TRL: loss_forward + backward + optimizer); decode GB/s = (one
-  read of every non-embedding weight per decode step, max_new_tokens steps, plus each response token's KV
-  reads) / the generation phase's seconds, an upper bound on the bytes a decode moves. These models'
-  weights (a few MB) sit in the CPU caches, so DRAM bandwidth is not what bounds their decode.
-- Threads: one torch thread per side (`OMP_NUM_THREADS=1`, `threads=1`): the machine's two cores are shared
-  with other jobs, and a second thread per side would only add contention.
-- Timing: wall-clock periods between consecutive step ends, so everything a step costs is in; processes,
-  imports and model loading are outside. The 2-core machine is shared with other jobs, so single numbers
-  move; the sides were alternated and compared as per-repetition ratios."""
 
 
 if __name__ == "__main__":

@@ -52,6 +52,34 @@ def test_trl_throughput_smoke(tmp_path):
     saved = json.loads((tmp_path / "trl_throughput.json").read_text())
     assert saved["workloads"]["smoke"]["summary"]["dcmdp"] == d
     assert "| response tokens / s (median) |" in (tmp_path / "trl_throughput.md").read_text()
+    # every run carries the CPU other jobs used meanwhile, and the page states it
+    assert all(c is not None and c >= 0 for c in run["other_cores"]["dcmdp"])
+    assert "Load: other jobs used smoke at most" in (tmp_path / "trl_throughput.md").read_text()
+
+
+def test_other_load_counts_a_process_it_did_not_start_and_not_its_own_children():
+    """benchmarks/_page.OtherLoad: a spinning process started before the block counts as other load (about one
+    core while the block sleeps), a child the block runs and waits for does not."""
+    import subprocess
+    import sys
+    import time
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks._page import OtherLoad
+
+    spin = "import time\nt = time.time()\nwhile time.time() - t < {}: pass"
+    other = subprocess.Popen([sys.executable, "-c", spin.format(3.0)])
+    try:
+        time.sleep(0.3)  # past the interpreter's start
+        with OtherLoad() as load:
+            time.sleep(1.5)
+    finally:
+        other.wait()
+    assert load.cores is not None and 0.7 <= load.cores <= (__import__("os").cpu_count() or 1)
+    with OtherLoad() as own:
+        subprocess.run([sys.executable, "-c", spin.format(1.5)], check=True)
+    # the waited-for child's ~1.5 CPU-seconds are the block's own: only the machine's other jobs remain
+    assert own.cores is not None and own.cores < load.cores
 
 
 def _load_benchmark(name: str):
