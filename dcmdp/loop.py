@@ -342,6 +342,8 @@ def _train_step(s: Setup, step: int, bar) -> None:
     metrics.update(_timings(rollout, t0, t1, t2, t3, t4, t5, t6))
     metrics.update(async_metrics)
     metrics["rollout/precision_bits"] = PRECISION_BITS[cfg.rollout.precision_at(step)]
+    if cfg.task.curriculum:
+        metrics["task/digits"] = float(cfg.task.phase_at(step).digits)
     if s.worker is not None:
         metrics["time/trainer_idle_frac"] = (t1 - t0) / max(t6 - t0, 1e-9)
     if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:

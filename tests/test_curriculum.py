@@ -74,3 +74,17 @@ def test_curriculum_needs_a_generated_task(tmp_path):
     with pytest.raises(ConfigError, match="task.curriculum"):
         load_config(None, ["task.name=math", f"task.path={tmp_path / 'x.jsonl'}", f"output_dir={tmp_path}",
                            "task.curriculum=[{until_step: 2, digits: 1}, {digits: 2}]"])
+
+
+def test_run_logs_the_curriculum_phase_digits(tmp_path):
+    """A run with a curriculum logs task/digits every step (the phase's digits), so lambda can be read against it."""
+    from mlflow.tracking import MlflowClient
+
+    from dcmdp.loop import train
+
+    summary = train(load_config(None, [
+        "model.preset=tiny-dense", "task.name=addition", "task.digits=3", "cold_start.steps=0", "task.eval_size=8",
+        "algo.prompts_per_step=4", "algo.samples_per_prompt=2", "rollout.max_new_tokens=2", "threads=1", "steps=3",
+        "progress=false", f"output_dir={tmp_path / 'run'}", "task.curriculum=[{until_step: 2, digits: 1}, {digits: 3}]"]))
+    hist = MlflowClient(tracking_uri=summary.tracking_uri).get_metric_history(summary.run_id, "task/digits")
+    assert [m.value for m in sorted(hist, key=lambda m: m.step)] == [1.0, 1.0, 3.0]
