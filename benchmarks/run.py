@@ -12,7 +12,8 @@ checkpoint, so a folder of finished cells copied in renders without training. Th
 Collapse, any of: a non-finite update; the final held-out accuracy below half of the run's peak (step 0
 included); the mean reward accuracy over the last W = max(5, steps / 20) steps below half of the best W-step
 running mean after the LR warm-up. Methods named ``dcmdp*`` are tested against the best other method of their
-cell (Welch's t-test on final and on late accuracy).
+cell (Welch's t-test on final and on late accuracy). An experiment with a ``reference`` method also gets each
+method's end-to-end tokens/s as a ratio to the reference's at the same seed, and a throughput-accuracy plot.
 """
 
 from __future__ import annotations
@@ -44,11 +45,16 @@ from benchmarks._page import command, rel  # noqa: E402
 EXPERIMENTS = ROOT / "benchmarks" / "experiments"
 # per-step metrics kept in history.json (the checkpoint's history has every metric)
 KEEP_PREFIXES = ("reward/", "eval/", "discrepancy/", "dual/", "penalty/", "policy/", "guard/", "loss/", "routing/",
-                 "async/", "is/", "clip/", "time/step")
+                 "async/", "is/", "clip/", "time/", "throughput/", "rollout/", "task/", "response/")
 # plumbing every cell gets last: one thread, resumable checkpoints
 CELL_PLUMBING = ("threads=1", "progress=false", "checkpoint.every=25", "checkpoint.keep=1", "checkpoint.resume=auto")
 DIAGNOSTICS = ("policy/approx_kl", "policy/entropy", "clip/frac", "routing/mismatch", "penalty/loss",
-               "is/weight_max_raw")
+               "is/weight_max_raw", "async/bound", "async/staleness_mean", "time/trainer_idle_frac",
+               "time/rollout_idle_frac")
+# what a scenario changes within a run, drawn under lambda: the first of these that varies over the run
+SCHEDULE_KEYS = {"rollout/precision_bits": "rollout bits", "task/digits": "training digits",
+                 "async/staleness_forced": "forced staleness", "async/bound": "staleness bound",
+                 "response/length_mean": "response length"}
 
 
 # ------------------------------------------------------------------------------------------- experiment files
@@ -86,6 +92,8 @@ class Experiment:
     profiles: dict[str, Profile]
     cell_name: str = "{level}__{method}__N{N}__seed{seed}"
     late_from: float = 0.6
+    # the method whose end-to-end tokens/s the others' are a ratio to, seed by seed (empty: no throughput section)
+    reference: str = ""
 
     def cells(self, profile: str) -> list[tuple[str, str, int, int]]:
         """(level, method, N, seed) of every run: per block, largest N first, then seed-major, without repeats."""
@@ -156,7 +164,8 @@ def load_experiment(spec: str | Path) -> Experiment:
         raise ExperimentError(f"{spec}: no such experiment file (known: {known})")
     where = rel(path)
     raw = _entry(yaml.safe_load(path.read_text()), where,
-                 {"about", "base", "overrides", "levels", "methods", "profiles", "cell_name", "late_from"})
+                 {"about", "base", "overrides", "levels", "methods", "profiles", "cell_name", "late_from",
+                  "reference"})
     for key in ("base", "levels", "methods", "profiles"):
         if key not in raw:
             raise ExperimentError(f"{where}: missing key {key!r}")
@@ -184,9 +193,11 @@ def load_experiment(spec: str | Path) -> Experiment:
     abouts = {f"{kind}.{name}": v["about"] for kind in ("levels", "methods", "profiles")
               for name, v in raw[kind].items()}
     labels = {name: str(v.get("label", name)) for name, v in raw["methods"].items()}
+    if raw.get("reference", "") and raw["reference"] not in methods:
+        raise ExperimentError(f"{where}.reference: no method {raw['reference']!r} (known: {sorted(methods)})")
     return Experiment(path.stem, raw["about"], ROOT / raw["base"], _strings(raw.get("overrides"), f"{where}.overrides"),
                       levels, methods, abouts, labels, profiles, raw.get("cell_name", Experiment.cell_name),
-                      float(raw.get("late_from", Experiment.late_from)))
+                      float(raw.get("late_from", Experiment.late_from)), str(raw.get("reference", "")))
 
 
 # ------------------------------------------------------------------------------------------- worker processes
@@ -372,7 +383,8 @@ class Run:
     peak: float
     late: float  # mean of the evaluations from late_from of the steps on
     extra: dict[str, float] = field(default_factory=dict)
-    finished: float = math.nan  # when the run finished (its summary's mtime, seconds since the epoch)
+    finished: float = math.nan
+    schedule: dict[str, list[float]] = field(default_factory=dict)  # per-step values of the SCHEDULE_KEYS logged  # when the run finished (its summary's mtime, seconds since the epoch)
 
 
 def collapse_check(eval_acc: Sequence[float], reward_acc: Sequence[float], nonfinite: int,
@@ -407,6 +419,11 @@ def load_run(out: Path, level: str, method: str, n: int, seed: int, warmup: int,
         return [float(h.get(key, math.nan)) for h in history]
 
     extra = {k: float(np.nanmean(series(k))) for k in DIAGNOSTICS if any(k in h for h in history)}
+    if all("time/step" in h and "throughput/response_tokens_per_s" in h for h in history) and history:
+        # end to end: the response tokens of every step over the steps' wall time (waits for rollouts included)
+        step_s = np.asarray(series("time/step"))
+        extra["tokens_per_s"] = float((np.asarray(series("throughput/response_tokens_per_s")) * step_s).sum()
+                                      / step_s.sum())
     # the constraint's metric name: abs_prob_diff, or abs_prob_diff_p90 for a quantile constraint
     name = next((k.removeprefix("dual/lambda/") for h in history for k in h if k.startswith("dual/lambda/")),
                 "abs_prob_diff")
@@ -418,7 +435,13 @@ def load_run(out: Path, level: str, method: str, n: int, seed: int, warmup: int,
                series(f"dual/measured/{name}"), series(f"dual/tolerance/{name}"), series(lam_key),
                series("discrepancy/abs_prob_diff"), series("discrepancy/kl_k3"), float(summary["seconds"]),
                eval_acc[-1], max(eval_acc), late,
-               extra, (out / "summary.json").stat().st_mtime)
+               extra, (out / "summary.json").stat().st_mtime,
+               {k: series(k) for k in SCHEDULE_KEYS if any(k in h for h in history)})
+
+
+def _varies(x: Sequence[float]) -> bool:
+    a = np.asarray(x, dtype=np.float64)
+    return np.unique(a[np.isfinite(a)]).size > 1
 
 
 def _mean_sd(x: Sequence[float]) -> tuple[float, float]:
@@ -587,7 +610,94 @@ def plot(exp: Experiment, runs: list[Run], cells: list[dict], prefix: Path) -> l
         fig.suptitle(f"{dual[-1]} at {last}, N = {n}"), fig.tight_layout()
         paths.append(prefix.with_name(prefix.name + "_dual.png"))
         fig.savefig(paths[-1], dpi=120), plt.close(fig)
+    if any(r.schedule for r in runs):
+        paths.append(lambda_figure(runs, levels, methods, color, n, prefix.with_name(prefix.name + "_lambda.png")))
     return paths
+
+
+def lambda_figure(runs: list[Run], levels: Sequence[str], methods: Sequence[str], color: dict, n: int,
+                  path: Path) -> Path:
+    """Per level (a column): lambda over the steps, the D-hat the dual was fed and what the level changes within
+    the run (the first of ``SCHEDULE_KEYS`` that varies in one of its runs), means over seeds per method, at the
+    largest N."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, len(levels), figsize=(4.6 * len(levels), 8), sharex="col", squeeze=False)
+    for j, level in enumerate(levels):
+        ax_l, ax_d, ax_s = axes[:, j]
+        here = [r for r in runs if (r.level, r.n) == (level, n)]
+        key = next((k for k in SCHEDULE_KEYS if any(_varies(r.schedule.get(k, ())) for r in here)), None)
+        for method in methods:
+            rs = [r for r in here if r.method == method and r.lambdas]
+            if not rs or len({len(r.lambdas) for r in rs}) != 1:
+                continue
+            steps = np.arange(1, len(rs[0].lambdas) + 1)
+            width = 2.2 if is_dcmdp(method) else 1.0
+            ax_l.plot(steps, np.nanmean([r.lambdas for r in rs], axis=0), color=color[method], lw=width, label=method)
+            ax_d.plot(steps, np.nanmean([r.measured for r in rs], axis=0), color=color[method], lw=width)
+            if key and all(len(r.schedule.get(key, ())) == len(steps) for r in rs):
+                ax_s.plot(steps, np.nanmean([r.schedule[key] for r in rs], axis=0), color=color[method], lw=width)
+        ax_l.set_title(level), ax_l.set_ylabel("λ (mean over seeds)"), ax_l.grid(alpha=0.3)
+        ax_d.set_yscale("log"), ax_d.set_ylabel("D̂ fed to the dual"), ax_d.grid(alpha=0.3)
+        ax_s.set_ylabel(SCHEDULE_KEYS[key] if key else "-")
+        ax_s.set_xlabel("RL step"), ax_s.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110), plt.close(fig)
+    return path
+
+
+def throughput_rows(exp: Experiment, runs: list[Run]) -> list[dict]:
+    """Per (level, method, N): end-to-end tokens/s as a ratio to ``exp.reference`` at the same level, N and seed
+    (mean ± sd over the seeds both ran), idle shares, the mean bound and late accuracy; [] without a reference."""
+    ref = {(r.level, r.n, r.seed): r.extra.get("tokens_per_s", math.nan) for r in runs if r.method == exp.reference}
+    out = []
+    for key in dict.fromkeys((r.level, r.method, r.n) for r in runs):
+        rs = [r for r in runs if (r.level, r.method, r.n) == key]
+        ratios = [r.extra.get("tokens_per_s", math.nan) / ref[(r.level, r.n, r.seed)] for r in rs
+                  if (r.level, r.n, r.seed) in ref]
+        if not exp.reference or not ratios:
+            continue
+        mean = {k: float(np.nanmean([r.extra.get(k, math.nan) for r in rs])) for k in
+                ("tokens_per_s", "time/trainer_idle_frac", "time/rollout_idle_frac", "async/bound")}
+        out.append({"level": key[0], "method": key[1], "N": key[2], "ratio": _mean_sd(ratios), "late":
+                    _mean_sd([r.late for r in rs]), "collapses": sum(r.collapsed for r in rs), "seeds": len(rs), **mean})
+    return out
+
+
+def throughput_lines(exp: Experiment, rows: list[dict]) -> list[str]:
+    def pm(x: tuple[float, float], fmt: str) -> str:
+        return f"{x[0]:{fmt}} ± {x[1]:{fmt}}"
+
+    return ["", f"End-to-end throughput (response tokens of every step over the steps' wall time, rollout waits "
+            f"included) as a ratio to {exp.reference} at the same level, N and seed, mean ± sd over seeds; idle "
+            "shares are means over steps (trainer: waiting for a batch; rollout worker: waiting for weights):", "",
+            *_md_table(("level", "N", "method", "tokens/s", f"ratio to {exp.reference}", "trainer idle",
+                        "rollout idle", "mean bound", "late held-out acc", "collapses"),
+                       [(r["level"], r["N"], r["method"], f"{r['tokens_per_s']:.0f}", pm(r["ratio"], ".2f"),
+                         f"{r['time/trainer_idle_frac']:.0%}", f"{r['time/rollout_idle_frac']:.0%}",
+                         f"{r['async/bound']:.2f}", pm(r["late"], ".3f"), f"{r['collapses']}/{r['seeds']}")
+                        for r in rows])]
+
+
+def front_figure(exp: Experiment, rows: list[dict], path: Path) -> Path:
+    """Late accuracy against throughput (ratio to the reference), one point per method with ± sd bars, a panel
+    per (level, N)."""
+    import matplotlib.pyplot as plt
+
+    keys = list(dict.fromkeys((r["level"], r["N"]) for r in rows))
+    fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4.5), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for k, r in enumerate(x for x in rows if (x["level"], x["N"]) == key):
+            ax.errorbar(r["ratio"][0], 100 * r["late"][0], xerr=r["ratio"][1], yerr=100 * r["late"][1], fmt="o",
+                        color=f"C{k % 10}", capsize=3, ms=7 if is_dcmdp(r["method"]) else 5,
+                        label=exp.labels.get(r["method"], r["method"]))
+        ax.set_xlabel(f"end-to-end tokens/s, ratio to {exp.reference}")
+        ax.set_ylabel("late held-out accuracy, %"), ax.set_title(f"{key[0]}, N = {key[1]}")
+        ax.grid(alpha=0.3), ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120), plt.close(fig)
+    return path
 
 
 # ------------------------------------------------------------------------------------------- the page
@@ -608,6 +718,9 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
     prefix.parent.mkdir(parents=True, exist_ok=True)
     rows = welch(cells)
     pngs = plot(exp, runs, cells, prefix)
+    speed = throughput_rows(exp, runs)
+    if speed:
+        pngs.append(front_figure(exp, speed, prefix.with_name(prefix.name + "_front.png")))
     with open(prefix.with_suffix(".csv"), "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["level", "method", "N", "seed", "acc_before", "final", "late", "peak", "collapsed",
@@ -619,11 +732,14 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
     prefix.with_suffix(".json").write_text(json.dumps(
         {"experiment": exp.name, "profile": profile_name, "base": rel(exp.base), "overrides": list(exp.overrides),
          "profile_overrides": list(profile.overrides), "levels": {lv: exp.levels[lv] for lv in levels},
-         "methods": {m: exp.methods[m] for m in methods}, "cells": cells, "welch": rows,
+         "methods": {m: exp.methods[m] for m in methods}, "cells": cells, "welch": rows, "throughput": speed,
          "runs": [{"level": r.level, "method": r.method, "N": r.n, "seed": r.seed, "eval_steps": r.eval_steps,
-                   "eval_acc": r.eval_acc, "collapsed": r.collapsed, "collapse_reason": r.collapse_reason}
+                   "eval_acc": r.eval_acc, "collapsed": r.collapsed, "collapse_reason": r.collapse_reason,
+                   "lambda": [float(f"{x:.4g}") for x in r.lambdas],
+                   "schedule": {k: [float(f"{x:.4g}") for x in v] for k, v in r.schedule.items()},
+                   "tokens_per_s": r.extra.get("tokens_per_s")}
                   for r in runs]}, indent=1))
-    lines = table(cells)
+    lines = table(cells) + (throughput_lines(exp, speed) if speed else [])
     trained = (f"{wall_s / 60:.0f} min wall over the invocations that trained the runs; " if wall_s is not None
                else "no run trained here: every run folder was copied in; ")
     header = [

@@ -233,7 +233,7 @@ def test_experiment_smoke(smoke_run):
     level, method, n, _ = cells[0]
     assert f"| {n} | {level} |" in md and "Welch" in md and f"benchmarks/experiments/{exp.name}.yaml" in md
     assert str(run.ROOT) not in md  # repository-relative paths only
-    for suffix in ("_accuracy.png", "_curves.png", "_dual.png"):
+    for suffix in ("_accuracy.png", "_curves.png", "_dual.png", "_lambda.png"):
         assert prefix.with_name(prefix.name + suffix).stat().st_size > 0
     first = exp.cell_dir(bench, *cells[0]) / "summary.json"
     mtime = first.stat().st_mtime
@@ -261,6 +261,34 @@ def test_stability_smoke_dual(smoke_run):
                 prev = max(0.0, prev + 1.0 * (h["dual/measured/abs_prob_diff"] - 2.7e-3))
                 assert abs(got - prev) < 1e-9
             assert all(h["routing/mismatch"] == 0.0 for h in history)  # R3: no route differs between the engines
+
+
+@pytest.mark.parametrize("smoke_run", ["staleness"], indirect=True)
+def test_staleness_smoke_throughput_section(smoke_run):
+    """The staleness experiment's page: end-to-end tokens/s re-derived from each run's steps, as a ratio to the
+    synchronous reference at the same seed (exactly 1 for the reference), the bound each setting held, and the
+    throughput-accuracy plot."""
+    import json
+
+    run, exp, prefix, bench = smoke_run
+    assert exp.reference == "bound_0"
+    saved = json.loads(prefix.with_suffix(".json").read_text())
+    speed = {r["method"]: r for r in saved["throughput"]}
+    tokens = {}
+    for (level, method, n, seed), history in _histories(exp, bench).items():
+        step_s = [h["time/step"] for h in history]
+        tokens[method] = sum(h["throughput/response_tokens_per_s"] * t for h, t in zip(history, step_s)) / sum(step_s)
+        assert abs(speed[method]["tokens_per_s"] - tokens[method]) <= 1e-9 * tokens[method]
+        bounds = [h["async/bound"] for h in history]
+        if method.startswith("bound_"):
+            assert bounds == [float(method.split("_")[1])] * 3
+        else:  # auto starts at its min (nu_init = nu_max) and stays within its range
+            assert bounds[0] == 0.0 and all(0 <= b <= 8 for b in bounds)
+    for method, r in speed.items():
+        assert abs(r["ratio"][0] - tokens[method] / tokens["bound_0"]) <= 1e-9
+    assert speed["bound_0"]["ratio"] == [1.0, 0.0]
+    assert "ratio to bound_0" in prefix.with_suffix(".md").read_text()
+    assert prefix.with_name(prefix.name + "_front.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("smoke_run", ["stress"], indirect=True)
