@@ -424,7 +424,7 @@ def token_quantiles(name: str, logp_train_BT: Tensor, logp_rollout_BT: Tensor, m
     if measure.token is None:
         raise ValueError(f"measure {name!r} has no per-token form to take quantiles of")
     train_BT, rollout_BT, valid_BT = _clean(logp_train_BT, logp_rollout_BT, mask_BT)
-    values = measure.token(train_BT, rollout_BT)[valid_BT].sort().values
+    values = measure.token(train_BT, rollout_BT).masked_select(valid_BT).sort().values
     n = values.numel()
     if n == 0:
         return torch.zeros(len(qs), dtype=torch.float64, device=values.device)
@@ -449,6 +449,8 @@ def discrepancy_metrics(logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT:
     'discrepancy/extreme_rate_2'; ess as 'is/ess_frac'; 'routing/mismatch' only when both engines' routes are
     given), and for each measure named in ``quantiles_of`` that has a per-token form, '<metric_key>_p50',
     '_p90', '_p99' (``token_quantiles``)."""
+    # cast and clean once: every measure's own _clean then finds float64 inputs (no copy)
+    logp_train_BT, logp_rollout_BT, mask_BT = _clean(logp_train_BT, logp_rollout_BT, mask_BT)
     keys, values = [], []
     for name, m in MEASURES.items():
         if m.kind == "routing":
