@@ -36,7 +36,7 @@ def env_lines(cmd: str) -> list[str]:
 
     return [f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
             f"- machine: {platform.machine()} ({torch.backends.cpu.get_cpu_capability()} kernels), "
-            f"{os.cpu_count()} logical CPUs (shared with other jobs), torch threads {torch.get_num_threads()}",
+            f"{os.cpu_count()} logical CPUs, torch threads {torch.get_num_threads()}",
             f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
             f"transformers {transformers.__version__}", f"- command: `{cmd}`"]
 
@@ -49,7 +49,9 @@ def git_head() -> str:
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
     try:
-        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+        # result pages a benchmark writes as it goes are not code changes
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results")
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
     return f"{head} + uncommitted changes" if dirty else head

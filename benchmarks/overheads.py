@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from transformers import Qwen3MoeConfig  # noqa: E402
 
-from benchmarks._page import command, env_lines  # noqa: E402
+from benchmarks._page import OtherLoad, command, env_lines  # noqa: E402
 from dcmdp.config import load_config  # noqa: E402
 from dcmdp.loop import Setup, _train_step, rollout_phase, setup  # noqa: E402
 from trainers import learner  # noqa: E402
@@ -192,11 +192,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                         *args.overrides])
         s = setup(cfg)
         try:
-            rows = [model_row(cfg.model.preset, s, args.steps, args.warmup, args.repeats)]
-            if args.larger:
-                swap_model(s, model_from_config(larger_moe_config(len(s.policy.tokenizer)), seed=cfg.seed))
-                rows.append(model_row("larger-moe (h256, L4, E32 top-4)", s, args.larger_steps, args.warmup,
-                                      args.larger_repeats))
+            with OtherLoad() as load:
+                rows = [model_row(cfg.model.preset, s, args.steps, args.warmup, args.repeats)]
+                if args.larger:
+                    swap_model(s, model_from_config(larger_moe_config(len(s.policy.tokenizer)), seed=cfg.seed))
+                    rows.append(model_row("larger-moe (h256, L4, E32 top-4)", s, args.larger_steps, args.warmup,
+                                          args.larger_repeats))
         finally:
             s.tracker.finish()
             s.policy.engine.close()
@@ -217,9 +218,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "mini-batch of a fresh rollout",
         "- larger-moe: random init swapped into the same Setup (same tokenizer, task, batch, config); its responses "
         "run to the token limit more often, hence more tokens per step", "",
-        "Targets: controller share <= 1%, R3 / none <= 1.03. Timings are on a shared 2-core CPU: ratios are "
-        "taken within one step (share) or from alternated pairs (R3) so that load drifts hit both sides; "
-        "the IQR of the R3 ratio is machine noise.", ""]
+        f"- load: other jobs used {'an unmeasured share of the CPU' if load.cores is None else f'{load.cores:.2f} cores'}"
+        " on average while the steps ran (/proc/stat less this process)", "",
+        "Targets: controller share <= 1%, R3 / none <= 1.03. Ratios are taken within one step (share) or from "
+        "alternated pairs (R3) so that load drifts hit both sides; the IQR of the R3 ratio is machine noise.", ""]
     if len(rows) == 2:
         (a, b), (ra, rb) = (r["controller"] for r in rows), rows
         header += [f"Scale: the controller's work follows the response tokens ({a['tokens']:.0f} -> "
