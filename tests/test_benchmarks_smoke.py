@@ -116,47 +116,6 @@ def test_overheads_smoke(tmp_path):
     assert "| controller share" in out.read_text().splitlines()[-3] and out.with_suffix(".png").stat().st_size > 0
 
 
-def test_discrepancy_smoke(tmp_path):
-    """benchmarks/discrepancy.py on random-init tiny models: fp32 rollouts match the fp32 trainer, bf16 do not; the
-    fp16 trainer scores the same rollouts; fp32_router rows come with their paired table."""
-    bench = _load_benchmark("discrepancy")
-    out = tmp_path / "discrepancy.md"
-    rows = bench.main(["--presets", "tiny-dense", "tiny-moe", "--precisions", "fp32", "bf16", "--batches", "2",
-                       "--prompts", "3", "--samples", "2", "--cold-start-steps", "0", "--cache-dir",
-                       str(tmp_path / "cache"), "--fp16-train-precisions", "fp32", "--fp32-router-precisions", "bf16",
-                       "--no-vllm", "--out", str(out)])
-    by = {(r["model"], r["precision"], r["trainer"], r["fp32_router"], r["replay"]): r for r in rows}
-    moe = [("tiny-moe", p, t, f, m) for p, t, f in (("fp32", "fp32", False), ("fp32", "fp16", False),
-                                                    ("bf16", "fp32", False), ("bf16", "fp32", True))
-           for m in ("none", "r3")]
-    assert set(by) == {("tiny-dense", "fp32", "fp32", None, "none"), ("tiny-dense", "fp32", "fp16", None, "none"),
-                       ("tiny-dense", "bf16", "fp32", None, "none"), *moe}
-    kl = {k: r["stats"]["discrepancy/kl_k3"][0] for k, r in by.items()}
-    for model, flag in (("tiny-dense", None), ("tiny-moe", False)):
-        fp32 = kl[(model, "fp32", "fp32", flag, "none")]
-        # identical weights and fp32 on both sides: only float rounding (log-probs agree to ~1e-6)
-        assert fp32 < 1e-10
-        # bf16 weights in the engine: a discrepancy orders of magnitude above the fp32 floor
-        assert kl[(model, "bf16", "fp32", flag, "none")] > 1e3 * fp32
-        # the fp16 trainer scores the very same fp32 rollouts, and its float16 forwards round
-        fp16 = by[(model, "fp32", "fp16", flag, "none")]
-        assert fp16["tokens"] == by[(model, "fp32", "fp32", flag, "none")]["tokens"]
-        assert kl[(model, "fp32", "fp16", flag, "none")] > 1e3 * fp32
-    for r in rows:
-        assert len(r["values"]["discrepancy/kl_k3"]) == 2  # one value per batch
-        mean, lo, hi = r["stats"]["discrepancy/kl_k3"]
-        assert lo <= mean <= hi
-    # dense models report no routes; R3 replays the rollout's routes, so their mismatch is 0 by construction
-    assert "routing/mismatch" not in by[("tiny-dense", "bf16", "fp32", None, "none")]["values"]
-    for flag in (False, True):
-        assert by[("tiny-moe", "bf16", "fp32", flag, "r3")]["values"]["routing/mismatch"] == [0.0, 0.0]
-    text = out.read_text()
-    assert "| tiny-moe | torch | bf16 | fp32 | on | r3 |" in text
-    assert "| tiny-dense | torch | fp32 | fp16 | - | none |" in text
-    assert "\n| bf16 | fp32 | " in text  # the fp32_router on vs off row
-    assert "\n| tiny-moe | torch | fp32 | r3 | " in text  # the fp16 vs fp32 trainer row
-
-
 def test_mfu_dry_run(tmp_path, capsys):
     """benchmarks/mfu_gpu.py --cpu-dry-run: the FLOP formula by hand and against torch's FLOP counter."""
     import torch
