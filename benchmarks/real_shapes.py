@@ -43,7 +43,7 @@ from trainers.models import get_preset, param_counts, save_model_dir  # noqa: E4
 RECIPES = ("qwen3-8b", "qwen3-30b-a3b")
 ENGINES = ("torch", "vllm")
 VOCAB = 151936
-DATA = ROOT / "tests" / "data" / "math_sample.jsonl"
+DATA = "tests/data/math_sample.jsonl"  # repository-relative: runs start in the repository root
 GIB = 1 << 30
 # Beyond the recipe: see the module docstring ("A gradient that is not zero").
 SYNC_PROBE = ("algo.entropy_coef=0.01", "optim.lr=1e-3")

@@ -32,7 +32,8 @@ what the constraint bounds, not of the floor; the loop passes NaN for it and F s
 Averaged multiplier (``cfg.average``): the rule moves lambda_k as always, and the penalty carries the running mean
 lambda_bar_k = (lambda_0 + ... + lambda_k) / (k + 1), the averaged dual iterate of primal-dual methods, instead of
 lambda_k. lambda_bar settles at the level of penalty the run's drift has asked for on average, and does not let go
-when D_hat falls inside c late in a run (DESIGN.md §9; stress benchmark, profile ``average``).
+when D_hat falls inside c late in a run (DESIGN.md §9; measured in benchmarks/results/LOG.md, the entry on the
+averaged multiplier).
 
 Staleness bound (``async_rollout.max_staleness: auto``, DESIGN.md §10): a second multiplier nu on "D_hat of the
 batches trained <= c_s", whose action is the rollout worker's staleness bound instead of a penalty; see
