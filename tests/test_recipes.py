@@ -67,9 +67,11 @@ def test_recipe_runs_with_vllm_engine(name, model_dirs, tmp_path):
 
 def _real_shapes():
     import importlib.util
+    import sys
 
     spec = importlib.util.spec_from_file_location("real_shapes", ROOT / "benchmarks" / "real_shapes.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
     spec.loader.exec_module(module)
     return module
 
