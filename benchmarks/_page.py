@@ -65,6 +65,12 @@ def cpu_model() -> str:
         return platform.processor() or "unknown CPU"
 
 
+def md_table(head: Sequence[str], rows: Sequence[Sequence]) -> list[str]:
+    """A markdown table: the header row, the separator and one row per entry of ``rows``."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+            *("| " + " | ".join(map(str, r)) + " |" for r in rows)]
+
+
 def reading_lines(page: Path) -> list[str]:
     """A blank line and the hand-written reading ``<name>_reading.md`` next to ``page``, or nothing without one."""
     path = Path(page).with_name(Path(page).stem + "_reading.md")

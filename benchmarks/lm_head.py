@@ -26,6 +26,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks._page import md_table  # noqa: E402
+
 from trainers import lm_head  # noqa: E402
 from trainers.lm_head import ROW_CHUNK, VOCAB_CHUNK  # noqa: E402
 from trainers.scoring import fused_lm_head_logprobs, lm_head_logits, tempered_logp  # noqa: E402
@@ -175,8 +177,8 @@ def memory_table(rows: list[dict]) -> list[str]:
     lines = ["", f"Peak memory of forward + backward at N {r0['N']} tokens, hidden {r0['H']}, float32 operands: one "
                  f"(N, V) float32 tensor is {r0['nv_fp32_mib']:.0f} MiB, the float32 weight gradient "
                  f"{r0['vh_fp32_mib']:.0f} MiB.", "",
-             "| head | peak MiB | peak / (N, V) float32 tensor |", "|---|---:|---:|"]
-    lines += [f"| {r['head']} | {r['peak_mib']:.0f} | {r['peak_mib'] / r['nv_fp32_mib']:.2f} |" for r in rows]
+             *md_table(("head", "peak MiB", "peak / (N, V) float32 tensor"),
+                       [(r["head"], f"{r['peak_mib']:.0f}", f"{r['peak_mib'] / r['nv_fp32_mib']:.2f}") for r in rows])]
     return lines
 
 

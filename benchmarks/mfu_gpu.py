@@ -31,6 +31,8 @@ import transformers  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 from transformers import Qwen3Config  # noqa: E402
 
+from benchmarks._page import md_table  # noqa: E402
+
 from trainers.models import ATTN_IMPLEMENTATION, model_from_config  # noqa: E402
 from trainers.scoring import response_logprobs  # noqa: E402
 
@@ -174,10 +176,9 @@ def table(rows: list[dict]) -> list[str]:
                          f"{m['mfu']:.1%} | {m['max_memory_gib']:.1f} |")
     checks = [r for r in rows if "counted_flops" in r]
     if checks:
-        lines += ["", "| shape | formula FLOPs / step | counted (FlopCounterMode) | counted / formula |",
-                  "|---|---:|---:|---:|"]
-        lines += [f"| {r['shape']} | {r['flops_per_step']:.4g} | {r['counted_flops']:.4g} | "
-                  f"{r['counted_flops'] / r['flops_per_step']:.4f} |" for r in checks]
+        lines += ["", *md_table(("shape", "formula FLOPs / step", "counted (FlopCounterMode)", "counted / formula"),
+                                [(r["shape"], f"{r['flops_per_step']:.4g}", f"{r['counted_flops']:.4g}",
+                                  f"{r['counted_flops'] / r['flops_per_step']:.4f}") for r in checks])]
     return lines
 
 

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks._page import cpu_model  # noqa: E402
+from benchmarks._page import cpu_model, md_table  # noqa: E402
 
 from trainers.models import get_preset, param_counts, save_model_dir  # noqa: E402
 
@@ -81,24 +81,31 @@ def build_tokenizer(vocab_size: int = VOCAB):
                                    clean_up_tokenization_spaces=False, padding_side="left", model_max_length=1 << 20)
 
 
+def _bf16_model(config):
+    """The Qwen3 (MoE or dense) model of ``config``, built directly in bfloat16 from the global generator."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return _model_class(config)(config)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def _model_class(config):
+    from transformers import Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM if isinstance(config, Qwen3MoeConfig) else Qwen3ForCausalLM
+
+
 def build_model_dir(recipe: str, path: Path, *, context: int = 1024, seed: int = 0) -> dict:
     """Random bfloat16 one-layer model of ``recipe`` + tokenizer saved to ``path``; returns its parameter counts.
 
     Built directly in bfloat16 (the recipe's ``model.dtype``): a float32 build of ~1.4e9 parameters would
     need 5.7 GB more for a moment.
     """
-    from transformers import Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = one_layer_config(recipe, context)
-    cls = Qwen3MoeForCausalLM if isinstance(config, Qwen3MoeConfig) else Qwen3ForCausalLM
-    default = torch.get_default_dtype()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            model = cls(config)
-        finally:
-            torch.set_default_dtype(default)
+        model = _bf16_model(one_layer_config(recipe, context))
     total, active = param_counts(model)
     save_model_dir(model, build_tokenizer(), path)
     del model
@@ -115,10 +122,7 @@ def memory_estimate(recipe: str, engine: str, context: int = 1024, precision: st
     """
     config = one_layer_config(recipe, context)
     with torch.device("meta"):
-        from transformers import Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-        cls = Qwen3MoeForCausalLM if isinstance(config, Qwen3MoeConfig) else Qwen3ForCausalLM
-        total, _ = param_counts(cls(config))
+        total, _ = param_counts(_model_class(config)(config))
     w16, w32 = total * 2 / 1e9, total * 4 / 1e9
     head = config.vocab_size * config.hidden_size * 8 / 1e9
     kv_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
@@ -140,8 +144,6 @@ def saved_bytes_per_token(recipe: str, tokens: tuple[int, int] = (256, 512), see
     and the fp32 LM-head chain at the real vocabulary, the difference between two sequence lengths over their
     token difference (per-call terms cancel); the head chain at hidden size 64, its H-sized input added back.
     """
-    from transformers import Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
     from trainers.models import _set_kernels
     from trainers.scoring import lm_head_logits, tempered_logp
 
@@ -164,14 +166,8 @@ def saved_bytes_per_token(recipe: str, tokens: tuple[int, int] = (256, 512), see
 
     config = one_layer_config(recipe, max(tokens) + 1)
     config.vocab_size = 1024
-    cls = Qwen3MoeForCausalLM if isinstance(config, Qwen3MoeConfig) else Qwen3ForCausalLM
-    default = torch.get_default_dtype()
     torch.manual_seed(seed)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        model = _set_kernels(cls(config))
-    finally:
-        torch.set_default_dtype(default)
+    model = _set_kernels(_bf16_model(config))
     model.train()
     layer = {}
     for n in tokens:
@@ -297,8 +293,8 @@ def run_recipe(recipe: str, engine: str, model_dir: Path, out: Path, *, context:
     # PYTHONPATH: the child runs this checkout's dcmdp, not the one the console script was installed from
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CACHE_ROOT": str(out.parent / "vllm_cache"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    command = f"OMP_NUM_THREADS={threads} " + " ".join(shlex.quote(a) for a in
-                                                       [".venv/bin/dcmdp", *args[1:]])
+    shown = [".venv/bin/dcmdp", *args[1:]]
+    command = f"OMP_NUM_THREADS={threads} " + " ".join(shlex.quote(a) for a in shown)
     estimate = memory_estimate(recipe, engine, context, precision_of(extra))["total"]
     available = mem_available_gb()
     out.mkdir(parents=True, exist_ok=True)
@@ -500,21 +496,19 @@ def write_results(prefix: Path, results: list[RunResult], counts: dict, ns, text
     lines += ["", text, ""]
     if acts:
         lines += ["Bytes autograd saves per token (no activation checkpointing; `saved_bytes_per_token`):", "",
-                  "| recipe | one decoder layer (bf16) | fp32 LM-head chain (logits, log-softmax, entropy) | "
-                  "checkpointed layer input (bf16) |", "|---|---|---|---|"]
-        lines += [f"| {r} | {a['layer_bytes_per_token']:,.0f} | {a['head_bytes_per_token']:,.0f} | "
-                  f"{a['layer_input_bytes_per_token']:,.0f} |" for r, a in acts.items()]
-        lines += [""]
+                  *md_table(("recipe", "one decoder layer (bf16)", "fp32 LM-head chain (logits, log-softmax, entropy)",
+                             "checkpointed layer input (bf16)"),
+                            [(r, f"{a['layer_bytes_per_token']:,.0f}", f"{a['head_bytes_per_token']:,.0f}",
+                              f"{a['layer_input_bytes_per_token']:,.0f}") for r, a in acts.items()]), ""]
     if optim_bytes:
         from trainers.optim import PRECISIONS
 
         lines += ["Bytes per parameter by `optim.precision` (`trainers.optim`; storage sizes of the tensors after "
                   "one AdamW step on the tiny-moe preset, `optimizer_bytes_per_param`):", "",
-                  "| optim.precision | parameter | gradient | optimiser state | parameter + state | total | what |",
-                  "|---|---|---|---|---|---|---|"]
-        lines += [f"| {k} | {b['param']:.2f} | {b['grad']:.2f} | {b['state']:.2f} | {b['param+state']:.2f} | "
-                  f"{b['total']:.2f} | {PRECISIONS[k].about} |" for k, b in optim_bytes.items()]
-        lines += [""]
+                  *md_table(("optim.precision", "parameter", "gradient", "optimiser state", "parameter + state",
+                             "total", "what"),
+                            [(k, *(f"{b[x]:.2f}" for x in ("param", "grad", "state", "param+state", "total")),
+                              PRECISIONS[k].about) for k, b in optim_bytes.items()]), ""]
     prefix.with_suffix(".md").write_text("\n".join(lines))
 
 

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from benchmarks._page import command, rel  # noqa: E402
+from benchmarks._page import command, md_table, rel  # noqa: E402
 
 EXPERIMENTS = ROOT / "benchmarks" / "experiments"
 # per-step metrics kept in history.json (the checkpoint's history has every metric)
@@ -509,13 +509,8 @@ def welch(cells: list[dict]) -> list[dict]:
     return out
 
 
-def _md_table(head: Sequence[str], rows: list[Sequence]) -> list[str]:
-    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
-            *("| " + " | ".join(map(str, r)) + " |" for r in rows)]
-
-
 def table(cells: list[dict]) -> list[str]:
-    return _md_table(
+    return md_table(
         ("N", "level", "kl_k3 at start", "method", "final held-out acc", "late held-out acc", "peak held-out acc",
          "collapses", "mean abs_prob_diff", "steps inside c", "mean λ", "final λ"),
         [(c["N"], c["level"], f"{c['kl_k3_start']:.2e}", c["method"], f"{c['final']:.3f} ± {c['final_sd']:.3f}",
@@ -525,7 +520,7 @@ def table(cells: list[dict]) -> list[str]:
 
 
 def welch_table(rows: list[dict]) -> list[str]:
-    return _md_table(
+    return md_table(
         ("N", "level", "DCMDP config", "its final acc", "best baseline", "its final acc", "difference", "Welch p",
          "best by late acc", "late difference", "late Welch p", "seeds"),
         [(r["N"], r["level"], r["method"], f"{r['dcmdp']:.3f}", r["best_baseline"], f"{r['baseline']:.3f}",
@@ -672,7 +667,7 @@ def throughput_lines(exp: Experiment, rows: list[dict]) -> list[str]:
     return ["", f"End-to-end throughput (response tokens of every step over the steps' wall time, rollout waits "
             f"included) as a ratio to {exp.reference} at the same level, N and seed, mean ± sd over seeds; idle "
             "shares are means over steps (trainer: waiting for a batch; rollout worker: waiting for weights):", "",
-            *_md_table(("level", "N", "method", "tokens/s", f"ratio to {exp.reference}", "trainer idle",
+            *md_table(("level", "N", "method", "tokens/s", f"ratio to {exp.reference}", "trainer idle",
                         "rollout idle", "mean bound", "late held-out acc", "collapses"),
                        [(r["level"], r["N"], r["method"], f"{r['tokens_per_s']:.0f}", pm(r["ratio"], ".2f"),
                          f"{r['time/trainer_idle_frac']:.0%}", f"{r['time/rollout_idle_frac']:.0%}",
@@ -763,12 +758,12 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
         "and peak, mean ± sd over seeds; kl_k3 at start = pi_old vs mu over the first 5 steps; steps inside c = "
         "share of steps with the D̂ fed to the dual <= the tolerance in force; λ = the multiplier the penalty "
         "carried", "",
-        *_md_table(("level", "overrides", "about"), [(lv, f"`{' '.join(exp.levels[lv])}`" if exp.levels[lv] else "-",
+        *md_table(("level", "overrides", "about"), [(lv, f"`{' '.join(exp.levels[lv])}`" if exp.levels[lv] else "-",
                                                       exp.abouts[f"levels.{lv}"]) for lv in levels]), "",
-        *_md_table(("method", "overrides", "about"),
+        *md_table(("method", "overrides", "about"),
                    [(m, f"`{' '.join(exp.methods[m])}`", exp.abouts[f"methods.{m}"]) for m in methods]), ""]
     extra_keys = sorted({k for c in cells for k in c["extra"]})
-    diag = ["", "Diagnostics (means over steps and seeds):", "", *_md_table(
+    diag = ["", "Diagnostics (means over steps and seeds):", "", *md_table(
         ("N", "level", "method", *extra_keys),
         [(c["N"], c["level"], c["method"], *("-" if not np.isfinite(c["extra"].get(k, math.nan))
                                              else f"{c['extra'][k]:.3g}" for k in extra_keys)) for c in cells])]
