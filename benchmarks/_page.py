@@ -92,9 +92,12 @@ class OtherLoad:
 
     def __exit__(self, *exc) -> None:
         t0, busy0, own0 = self._start
-        wall, busy = time.perf_counter() - t0, _machine_busy_s()
-        if busy is not None and busy0 is not None:
-            self.cores = max(0.0, (busy - busy0 - (_own_cpu_s() - own0)) / max(wall, 1e-9))
+        busy = _machine_busy_s()
+        # wall seconds, this process tree's CPU-seconds and the machine's busy CPU-seconds over the block
+        self.wall_s, self.own_s = time.perf_counter() - t0, _own_cpu_s() - own0
+        self.busy_s = None if busy is None or busy0 is None else busy - busy0
+        if self.busy_s is not None:
+            self.cores = max(0.0, (self.busy_s - self.own_s) / max(self.wall_s, 1e-9))
 
 
 def _machine_busy_s() -> Optional[float]:
