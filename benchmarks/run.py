@@ -703,7 +703,7 @@ def _utc(t: float) -> str:
 
 
 def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: list[dict], prefix: Path, cmd: str,
-                  wall_s: Optional[float]) -> list[str]:
+                  wall_s: Optional[float], expected: Optional[int] = None) -> list[str]:
     import torch
     import transformers
 
@@ -741,6 +741,8 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
         f"# {exp.name}, {profile_name} profile", "",
         f"- experiment: {exp.about} (`benchmarks/experiments/{exp.name}.yaml`)",
         f"- profile: {profile.about}",
+        *([f"- in progress: {len(runs)} of the profile's {expected} runs have finished; the tables hold those"]
+          if expected is not None and len(runs) < expected else []),
         f"- date: written {_utc(time.time())}; run summaries dated {_utc(min(r.finished for r in runs))} to "
         f"{_utc(max(r.finished for r in runs))} (a run folder copied without its dates carries the copy's)",
         f"- machine: {platform.machine()} ({torch.backends.cpu.get_cpu_capability()} kernels), {os.cpu_count()} "
@@ -778,7 +780,7 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
 
 
 def run(exp: Experiment, profile_name: str, bench_dir: Path, results_prefix: Path, workers: int,
-        cmd: str) -> list[dict]:
+        cmd: str, train: bool = True) -> list[dict]:
     from dcmdp.config import load_config
 
     bench_dir.mkdir(parents=True, exist_ok=True)
@@ -788,14 +790,14 @@ def run(exp: Experiment, profile_name: str, bench_dir: Path, results_prefix: Pat
         overrides = exp.cell_overrides(profile_name, level, method, n, seed, out)
         configs.append((seed, load_config(exp.base, overrides)))  # a bad override fails here, before anything trains
         jobs.append(((level, method, n, seed), out, overrides))
-    todo = [out for _, out, _ in jobs if not finished(out)]
+    todo = [out for _, out, _ in jobs if not finished(out)] if train else []
     if todo:
         warm_cold_starts(exp.base, configs)
         template = mlflow_template(bench_dir)
         for _, out, ov in jobs:
             prepare(out, exp.base, ov, template)
-    print(f"{len(jobs) - len(todo)} of {len(jobs)} runs already finished; training {len(todo)} with {workers} "
-          f"workers", flush=True)
+    done = sum(finished(out) for _, out, _ in jobs)
+    print(f"{done} of {len(jobs)} runs already finished; training {len(todo)} with {workers} workers", flush=True)
     t0 = time.perf_counter()
     failed = train_missing(todo, bench_dir, workers) if todo else []
     wall_file = bench_dir / "wall_seconds.txt"
@@ -809,7 +811,7 @@ def run(exp: Experiment, profile_name: str, bench_dir: Path, results_prefix: Pat
         raise SystemExit(f"no run of {exp.name}/{profile_name} finished: see {bench_dir}/*/log.txt")
     cells = aggregate(runs, list(dict.fromkeys((lv, m, n) for lv, m, n, _ in
                                                sorted(exp.cells(profile_name), key=lambda c: c[2]))))
-    lines = write_results(exp, profile_name, runs, cells, results_prefix, cmd, wall)
+    lines = write_results(exp, profile_name, runs, cells, results_prefix, cmd, wall, len(jobs))
     print("\n" + "\n".join(lines))
     if failed:
         raise SystemExit(f"{len(failed)} runs failed: {', '.join(p.name for p in failed)}")
@@ -827,6 +829,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict] | None:
     ap.add_argument("--headline", default=None, metavar="M1,M2,...",
                     help="render <results>_headline.png (one panel, these methods) from the page's JSON, and exit")
     ap.add_argument("--list", action="store_true", help="print the experiment's profiles with their about, and exit")
+    ap.add_argument("--no-train", action="store_true",
+                    help="train nothing: write the page from the runs that finished (a profile in progress)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # worker mode (see Worker)
     args = ap.parse_args(argv)
     if args.serve:
@@ -853,7 +857,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict] | None:
         print(accuracy_figure(exp, cells, args.headline.split(","), [max(c["N"] for c in cells)],
                               results.with_name(results.name + "_headline.png")))
         return None
-    return run(exp, args.profile, bench.resolve(), results.resolve(), args.workers, command("run.py", argv))
+    return run(exp, args.profile, bench.resolve(), results.resolve(), args.workers, command("run.py", argv),
+               train=not args.no_train)
 
 
 if __name__ == "__main__":

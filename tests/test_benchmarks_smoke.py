@@ -301,6 +301,14 @@ def test_stress_smoke_dual_and_assembled_page(smoke_run, tmp_path):
     assert "no run trained here" in md2 and not (assembled / "wall_seconds.txt").exists()
     assert md2.split("Welch")[0].split("| N | level")[1] == md.split("Welch")[0].split("| N | level")[1]
 
+    # a profile in progress: --no-train writes the page from the finished runs and trains none of the others
+    partial, page3 = tmp_path / "partial", tmp_path / "stress_partial"
+    first, *rest = exp.cells("smoke")
+    shutil.copytree(exp.cell_dir(bench, *first), exp.cell_dir(partial, *first))
+    run.main(["stress", "--profile", "smoke", "--no-train", "--bench-dir", str(partial), "--results", str(page3)])
+    assert f"in progress: 1 of the profile's {len(rest) + 1} runs have finished" in page3.with_suffix(".md").read_text()
+    assert not any(exp.cell_dir(partial, *cell).exists() for cell in rest)
+
 
 def test_method_and_profile_from_yaml_only(tmp_path):
     """A method that extends another and a profile, written in a new experiment file, run on the smoke settings."""
