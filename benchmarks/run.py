@@ -780,12 +780,18 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
 
 
 def run(exp: Experiment, profile_name: str, bench_dir: Path, results_prefix: Path, workers: int,
-        cmd: str, train: bool = True) -> list[dict]:
+        cmd: str, train: bool = True, levels: Optional[Sequence[str]] = None) -> list[dict]:
+    """Train the profile's missing runs (those at ``levels`` only, when given) and write its page."""
     from dcmdp.config import load_config
+
+    unknown = sorted(set(levels or ()) - {c[0] for c in exp.cells(profile_name)})
+    if unknown:
+        raise SystemExit(f"error: profile {profile_name!r} has no level {', '.join(unknown)}")
+    cells_here = [c for c in exp.cells(profile_name) if levels is None or c[0] in levels]
 
     bench_dir.mkdir(parents=True, exist_ok=True)
     jobs, configs = [], []
-    for level, method, n, seed in exp.cells(profile_name):
+    for level, method, n, seed in cells_here:
         out = exp.cell_dir(bench_dir, level, method, n, seed)
         overrides = exp.cell_overrides(profile_name, level, method, n, seed, out)
         configs.append((seed, load_config(exp.base, overrides)))  # a bad override fails here, before anything trains
@@ -810,7 +816,7 @@ def run(exp: Experiment, profile_name: str, bench_dir: Path, results_prefix: Pat
     if not runs:
         raise SystemExit(f"no run of {exp.name}/{profile_name} finished: see {bench_dir}/*/log.txt")
     cells = aggregate(runs, list(dict.fromkeys((lv, m, n) for lv, m, n, _ in
-                                               sorted(exp.cells(profile_name), key=lambda c: c[2]))))
+                                               sorted(cells_here, key=lambda c: c[2]))))
     lines = write_results(exp, profile_name, runs, cells, results_prefix, cmd, wall, len(jobs))
     print("\n" + "\n".join(lines))
     if failed:
@@ -829,6 +835,9 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict] | None:
     ap.add_argument("--headline", default=None, metavar="M1,M2,...",
                     help="render <results>_headline.png (one panel, these methods) from the page's JSON, and exit")
     ap.add_argument("--list", action="store_true", help="print the experiment's profiles with their about, and exit")
+    ap.add_argument("--levels", default=None, metavar="L1,L2,...",
+                    help="only the profile's runs at these levels (a long profile run in parts; the last part's page "
+                         "holds its levels, an invocation without --levels all of them)")
     ap.add_argument("--no-train", action="store_true",
                     help="train nothing: write the page from the runs that finished (a profile in progress)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # worker mode (see Worker)
@@ -858,7 +867,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict] | None:
                               results.with_name(results.name + "_headline.png")))
         return None
     return run(exp, args.profile, bench.resolve(), results.resolve(), args.workers, command("run.py", argv),
-               train=not args.no_train)
+               train=not args.no_train, levels=args.levels.split(",") if args.levels else None)
 
 
 if __name__ == "__main__":

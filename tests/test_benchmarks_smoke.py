@@ -309,6 +309,15 @@ def test_stress_smoke_dual_and_assembled_page(smoke_run, tmp_path):
     assert f"in progress: 1 of the profile's {len(rest) + 1} runs have finished" in page3.with_suffix(".md").read_text()
     assert not any(exp.cell_dir(partial, *cell).exists() for cell in rest)
 
+    # a profile in parts: --levels keeps the runs at those levels (here rendered from the finished folder)
+    page4 = tmp_path / "stress_fp32"
+    run.main(["stress", "--profile", "smoke", "--levels", "fp32", "--bench-dir", str(assembled), "--results", str(page4)])
+    rows = page4.with_suffix(".csv").read_text().splitlines()[1:]
+    assert rows and all(r.startswith("fp32,") for r in rows)
+    with pytest.raises(SystemExit, match="no level int8"):
+        run.main(["stress", "--profile", "smoke", "--levels", "int8", "--bench-dir", str(assembled),
+                  "--results", str(page4)])
+
 
 def test_method_and_profile_from_yaml_only(tmp_path):
     """A method that extends another and a profile, written in a new experiment file, run on the smoke settings."""
