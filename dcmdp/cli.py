@@ -21,28 +21,19 @@ def _split_config_args(args: Sequence[str]) -> tuple[Optional[str], list[str]]:
     return None, list(args)
 
 
-def _int_at_least(low: int):
-    """An argparse type: an integer >= ``low``, so a bad count exits 2 with the option's name before torch loads."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    return parse
+def _at_least(low: float, kind: type = float):
+    """An argparse type: an integer (``kind=int``) or a finite number >= ``low``, so a bad value exits 2 with the
+    option's name before torch loads (nan and inf are refused: ``nan >= 0`` is false only by accident)."""
+    what = "an integer" if kind is int else "a number"
 
-
-def _finite_at_least(low: float):
-    """An argparse type: a finite number >= ``low`` (nan and inf are refused: ``nan >= 0`` is false only by accident)."""
-    def parse(text: str) -> float:
+    def parse(text: str):
         try:
-            value = float(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a number >= {low:g}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"must be {what} >= {low:g}, got {text!r}") from None
         if not math.isfinite(value) or value < low:
-            raise argparse.ArgumentTypeError(f"must be a finite number >= {low:g}, got {text}")
+            finite = "" if kind is int else "a finite number "
+            raise argparse.ArgumentTypeError(f"must be {finite}>= {low:g}, got {text if kind is float else value}")
         return value
     return parse
 
@@ -169,8 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("calibrate", help="measure the discrepancy floor with identical weights and propose c: "
                        "dcmdp calibrate [CONFIG.yaml] [key=value ...]")
     c.add_argument("args", nargs="*", help="a YAML config file and/or dotlist overrides")
-    c.add_argument("--batches", type=_int_at_least(1), default=8, help="rollout batches to measure (default: 8)")
-    c.add_argument("--slack", type=_finite_at_least(0.0), default=0.25, help="c = floor x (1 + slack) (default: 0.25)")
+    c.add_argument("--batches", type=_at_least(1, int), default=8, help="rollout batches to measure (default: 8)")
+    c.add_argument("--slack", type=_at_least(0.0), default=0.25, help="c = floor x (1 + slack) (default: 0.25)")
     c.add_argument("--measures", default="", help="comma-separated measures for the snippet (default: the "
                    "config's dual.constraints)")
     c.add_argument("--out", type=_non_empty, default=None, help="write the YAML snippet here (default: print it)")
@@ -182,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("tune_file", help="tune file: base, overrides, space, sampler, trials, study, storage, select, "
                    "prune, workers, output_dir (see dcmdp/tune.py)")
     u.add_argument("overrides", nargs="*", help="dotlist overrides of the base run config, after the tune file's")
-    u.add_argument("--workers", type=_int_at_least(1), default=None, help="trials at once (default: the tune file's workers)")
+    u.add_argument("--workers", type=_at_least(1, int), default=None, help="trials at once (default: the tune file's workers)")
     u.set_defaults(func=_cmd_tune)
 
     e = sub.add_parser("eval", help="held-out accuracy of a checkpoint: dcmdp eval [CONFIG.yaml] [key=value ...] "
