@@ -89,7 +89,7 @@ def test_other_load_counts_a_process_it_did_not_start_and_not_its_own_children()
     assert load.cores * load.wall_s >= spun - 2 * tick
     with OtherLoad() as own:
         subprocess.run([sys.executable, "-c", spin.format(1.0)], check=True)
-    assert own.own_s >= 1.0  # the waited-for child's CPU is the block's own, not other load
+    assert own.own_s >= 1.0 - 2 * tick  # the waited-for child's CPU is the block's own, not other load
     assert own.busy_s >= own.own_s - 2 * tick  # and the machine's count saw it
 
 
