@@ -8,6 +8,7 @@ not selected is an error naming both (``MODE_SELECTORS``, ``_validate_modes``).
 
 from __future__ import annotations
 
+import bisect
 import difflib
 import functools
 import math
@@ -23,7 +24,8 @@ from constraints.config import ConstraintConfig
 from dcmdp import redact  # noqa: F401  (remembers the values a config reads from the environment)
 from dcmdp.async_config import AsyncRolloutConfig
 from trainers.config import RENAMED_KEYS as TRAINER_RENAMED_KEYS
-from trainers.config import AlgoConfig, ColdStartConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig
+from trainers.config import (PRECISION_BITS, AlgoConfig, ColdStartConfig, ModelConfig, OptimConfig, RolloutConfig,
+                             TaskConfig)
 
 if TYPE_CHECKING:
     from trainers.engines import EngineCapabilities
@@ -73,6 +75,41 @@ class CouplingConfig:
     b: list[float] = field(default_factory=list)
 
 
+# What a batch's context is under per-context multipliers (``dual.context.by``).
+CONTEXT_KINDS = ("none", "staleness", "precision", "digits")
+
+
+@dataclass
+class ContextConfig:
+    # Per-context multipliers: one set of multipliers (and rule state) per context of the batch, each moved only by
+    # the batches of its context (dcmdp.dual.enter_context). none | staleness (the batch's mean staleness, bucketed
+    # by `edges`) | precision (the rollout precision in force at the step) | digits (the task's digits in force at
+    # the step, rollout.precision_schedule / task.curriculum). none: one set for the run (the default).
+    by: str = "none"
+    # Staleness buckets: context i holds mean staleness s with edges[i-1] <= s < edges[i] (strictly increasing).
+    edges: list[float] = field(default_factory=list)
+
+    def check(self, prefix: str = "dual.context") -> None:
+        if self.by not in CONTEXT_KINDS:
+            raise ValueError(f"config error at '{prefix}.by': unknown context {self.by!r}; known: "
+                             f"{', '.join(CONTEXT_KINDS)}")
+        if self.edges and self.by != "staleness":
+            raise ValueError(f"config error at '{prefix}.edges': buckets the staleness; set {prefix}.by=staleness "
+                             f"or edges: []")
+        if any(not b > a for a, b in zip(self.edges, self.edges[1:])):
+            raise ValueError(f"config error at '{prefix}.edges': must be strictly increasing, got {list(self.edges)}")
+
+    def key(self, staleness_mean: float, precision: str, digits: int) -> tuple[str, float]:
+        """(context key, its value as a metric) of a batch: the staleness bucket's index, the precision's name
+        (metric: its bits) or the digits."""
+        if self.by == "staleness":
+            i = bisect.bisect_right(list(self.edges), staleness_mean)
+            return f"staleness{i}", float(i)
+        if self.by == "precision":
+            return precision, float(PRECISION_BITS[precision])
+        return f"digits{digits}", float(digits)
+
+
 @dataclass
 class DualConfig:
     # Dual update rule: projected | pid | fixed (lambda held at lambda_init: the fixed-coefficient baseline) | off
@@ -102,6 +139,8 @@ class DualConfig:
     # level the run's drift asked for and does not let go when D-hat falls inside c late. Logged as dual/lambda_avg/*.
     # Off by default: under very stale rollouts it cost accuracy against lambda itself (stress benchmark, average).
     average: bool = False
+    # Per-context multipliers (a batch's staleness bucket, rollout precision or task digits): see ContextConfig.
+    context: ContextConfig = field(default_factory=ContextConfig)
 
 
 @dataclass
@@ -360,6 +399,7 @@ def validate(cfg: RunConfig) -> None:
         cfg.algo.check()
         cfg.optim.check()
         cfg.dual.pid.check()
+        cfg.dual.context.check()
         cfg.dist.check()
         cfg.async_rollout.check()
         for i, c in enumerate(cfg.dual.constraints):
@@ -390,6 +430,13 @@ def validate(cfg: RunConfig) -> None:
                 raise ConfigError(f"config error at 'dual.constraints[{i}].tolerance': dual.relative=true divides the "
                                   f"violation by c, which must be > 0 (got {c.tolerance})")
     _validate_staleness_control(cfg)
+    if cfg.dual.context.by != "none" and cfg.dual.average:
+        raise ConfigError("config error at 'dual.average': the running mean of the multipliers spans the run, not a "
+                          "context; use dual.average=false with dual.context.by="
+                          f"{cfg.dual.context.by}")
+    if cfg.dual.context.by == "staleness" and not cfg.async_rollout.enabled:
+        raise ConfigError("config error at 'dual.context.by': staleness contexts need asynchronous rollouts "
+                          "(async_rollout.enabled=true); every synchronous batch is fresh")
     if cfg.dual.coupling.A or cfg.dual.coupling.b:
         n = len(cfg.dual.constraints)
         if len(cfg.dual.coupling.A) != len(cfg.dual.coupling.b) or any(len(r) != n for r in cfg.dual.coupling.A):

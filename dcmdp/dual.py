@@ -39,6 +39,10 @@ Staleness bound (``async_rollout.max_staleness: auto``, DESIGN.md §10): a secon
 batches trained <= c_s", whose action is the rollout worker's staleness bound instead of a penalty; see
 ``staleness_step``. Its state ({"nu"}) lives in ``DualState.staleness`` and is checkpointed with the rest.
 
+Per-context multipliers (``cfg.context``): one multiplier per constraint and context of the batch (staleness
+bucket, rollout precision, task digits), see ``enter_context``; the loop switches the state to the batch's context
+before the penalty and the dual step.
+
 Pi is the Euclidean projection onto the box [lambda_min_i, lambda_max_i], intersected with the coupled
 limits A lambda <= b when ``cfg.coupling`` has rows (a small QP solved with cvxpy). A non-finite
 measurement never moves its multiplier: that lambda and its PID state stay as they were (also under
@@ -89,6 +93,12 @@ class DualState:
     # State of the staleness controller (``staleness_step``, async_rollout.max_staleness: auto): {"nu": float};
     # None without the controller, and in states written before it existed (the controller then starts afresh).
     staleness: Optional[dict[str, Any]] = None
+    # Per-context multipliers (``dual.context``, ``enter_context``): the multipliers, rule state and running mean of
+    # every context seen except the active one (whose values lambda_C / rule / lambda_avg_C hold), by context key;
+    # None without contexts.
+    contexts: Optional[dict[str, dict[str, Any]]] = None
+    # The active context's key; None before the first batch and without contexts.
+    context: Optional[str] = None
 
     def lambda_avg(self) -> Tensor:
         """(C,) lambda_bar_k, the running mean of lambda_0..lambda_k (lambda_C for a state without one)."""
@@ -100,7 +110,8 @@ class DualState:
         floor = [] if self.floor_C is None else [x if math.isfinite(x) else None for x in self.floor_C.tolist()]
         return {"lambda_C": self.lambda_C.tolist(), "rule": copy.deepcopy(self.rule), "steps": int(self.steps),
                 "skipped": int(self.skipped), "floor_C": floor, "lambda_avg_C": self.lambda_avg().tolist(),
-                "staleness": copy.deepcopy(self.staleness)}
+                "staleness": copy.deepcopy(self.staleness), "contexts": copy.deepcopy(self.contexts),
+                "context": self.context}
 
     @classmethod
     def from_state_dict(cls, d: dict[str, Any]) -> "DualState":
@@ -113,7 +124,8 @@ class DualState:
         # states written before the running mean existed: it restarts from the current lambda
         avg = _vec(d["lambda_avg_C"]) if d.get("lambda_avg_C") else lam.clone()
         return cls(lambda_C=lam, rule=copy.deepcopy(rule), steps=int(d["steps"]), skipped=int(d["skipped"]),
-                   floor_C=floor, lambda_avg_C=avg, staleness=copy.deepcopy(d.get("staleness")))
+                   floor_C=floor, lambda_avg_C=avg, staleness=copy.deepcopy(d.get("staleness")),
+                   contexts=copy.deepcopy(d.get("contexts")), context=d.get("context"))
 
 
 def _vec(v: Any) -> Tensor:
@@ -166,6 +178,37 @@ def init_state(cfg: DualConfig) -> DualState:
                              f"(A lambda = {(A @ lam.numpy()).tolist()}, b = {b.tolist()})")
     return DualState(lambda_C=lam, rule=rule.init(cfg), floor_C=torch.full((n,), float("nan"), dtype=_F64),
                      lambda_avg_C=lam.clone())
+
+
+def enter_context(state: DualState, key: str, cfg: DualConfig) -> DualState:
+    """The state with context ``key``'s multipliers in force (``dual.context``, per-context multipliers).
+
+    The constraint D <= c is split by the batch's context b (its staleness bucket, rollout precision or task
+    digits): D_b <= c for every b, with the Lagrangian J - sum_b lambda_b (D_b - c). A batch of context b estimates
+    the b-th term only, so the penalty carries lambda_b and the dual step moves lambda_b alone, by the rule's own
+    step on that batch's D-hat. A single multiplier has to re-learn its level each time the mismatch changes regime
+    (its lag is the change of lambda over eta times the violation, in steps); lambda_b keeps the level its
+    regime asked for, e.g. across a precision switch int4 -> fp8 -> int4 or staleness phases 0 -> 8 -> 2.
+
+    The active context's lambda, rule state and running mean are stored, key's loaded: a context not seen before
+    starts from ``init_state`` (lambda_init, a fresh rule state); the first batch's context takes the state as it
+    is. The floor of automatic tolerances, the step counts and the staleness controller are shared by all contexts.
+    """
+    if state.context == key:
+        return state
+    table = copy.deepcopy(state.contexts) if state.contexts else {}
+    if state.context is not None:
+        table[state.context] = {"lambda_C": state.lambda_C.tolist(), "rule": copy.deepcopy(state.rule),
+                                "lambda_avg_C": state.lambda_avg().tolist()}
+    saved = table.pop(key, None)
+    if saved is None and state.context is None:
+        return replace(state, contexts=table, context=key)
+    if saved is None:
+        fresh = init_state(cfg)
+        lam, rule, avg = fresh.lambda_C, fresh.rule, fresh.lambda_avg()
+    else:
+        lam, rule, avg = _vec(saved["lambda_C"]), saved["rule"], _vec(saved["lambda_avg_C"])
+    return replace(state, lambda_C=lam, rule=rule, lambda_avg_C=avg, contexts=table, context=key)
 
 
 def tolerances(state: DualState, cfg: DualConfig) -> Tensor:

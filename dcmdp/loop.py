@@ -33,7 +33,7 @@ from dcmdp.checkpoint import (RunFolderError, RunFolderLock, SignalCheckpointer,
 from dcmdp.config import ConfigError, RunConfig, flatten, load_config, resume_conflicts, to_yaml
 from dcmdp import distributed
 from dcmdp.cpu import apply_threads
-from dcmdp.dual import DualState, dual_step, init_state, penalty_spec
+from dcmdp.dual import DualState, dual_step, enter_context, init_state, penalty_spec
 from dcmdp.dual import batch_tolerances, bound_in_force, staleness_step, with_staleness
 from dcmdp.plots import plot_dual
 from dcmdp.redact import redact
@@ -311,6 +311,7 @@ def _train_step(s: Setup, step: int, bar) -> None:
                                 if kept and train_logp_BT is not None else
                                 (torch.full((len(s.names),), float("nan"), dtype=torch.float64), {}))
     t3 = time.perf_counter()
+    context_metrics = _enter_context(s, step, async_metrics)
     s.state.mid_update = kept
     result = learner.update(
         s.policy.model, s.optim, batch, scoring=s.scoring, penalty=penalty_spec(s.state.dual, cfg.dual), cfg=cfg.algo,
@@ -335,7 +336,8 @@ def _train_step(s: Setup, step: int, bar) -> None:
     else:
         s.worker.publish(s.policy.model.state_dict(), version=step + 1, bound=_bound(s))
     t6 = time.perf_counter()
-    metrics = {**reward_metrics, **disc_metrics, **dual_metrics, **(result.metrics() if result is not None else {})}
+    metrics = {**reward_metrics, **disc_metrics, **dual_metrics, **context_metrics,
+               **(result.metrics() if result is not None else {})}
     metrics.update(guard_metrics)
     metrics.update(old_metrics)
     metrics.update(_guard_step(s, step, metrics, kept, stale_drop=async_metrics.get("async/dropped_batches", 0) > 0))
@@ -365,6 +367,19 @@ def _train_step(s: Setup, step: int, bar) -> None:
         log.info("%s", step_line(s, step + 1, metrics))
         s.state.line_mark = (step + 1, time.perf_counter())
     _watch_signal(s, step + 1, metrics)
+
+
+def _enter_context(s: Setup, step: int, async_metrics: dict[str, float]) -> dict[str, float]:
+    """Per-context multipliers (``dual.context``): switch the dual state to this batch's context before the penalty
+    and the dual step; metric dual/context (the staleness bucket's index, the precision's bits or the digits)."""
+    cfg = s.cfg
+    if cfg.dual.context.by == "none":
+        return {}
+    phase = cfg.task.phase_at(step)
+    key, value = cfg.dual.context.key(async_metrics.get("async/staleness_mean", 0.0), cfg.rollout.precision_at(step),
+                                      cfg.task.digits if phase is None else phase.digits)
+    s.state.dual = enter_context(s.state.dual, key, cfg.dual)
+    return {"dual/context": value}
 
 
 def show_bar(cfg: RunConfig) -> bool:
