@@ -94,6 +94,8 @@ class Experiment:
     late_from: float = 0.6
     # the method whose end-to-end tokens/s the others' are a ratio to, seed by seed (empty: no throughput section)
     reference: str = ""
+    # method -> level -> the method's extra overrides at that level (a method's ``at_level``), after its own
+    method_levels: dict[str, dict[str, list[str]]] = field(default_factory=dict)
 
     def cells(self, profile: str) -> list[tuple[str, str, int, int]]:
         """(level, method, N, seed) of every run: per block, largest N first, then seed-major, without repeats."""
@@ -111,7 +113,7 @@ class Experiment:
     def cell_overrides(self, profile: str, level: str, method: str, n: int, seed: int, out: Path) -> list[str]:
         """The full dotlist of one run, on top of the base config."""
         return [*self.overrides, *self.profiles[profile].overrides, *self.levels[level], *self.methods[method],
-                f"algo.minibatches={n}", f"seed={seed}", f"output_dir={out}", *CELL_PLUMBING]
+                *self.method_levels.get(method, {}).get(level, []), f"algo.minibatches={n}", f"seed={seed}", f"output_dir={out}", *CELL_PLUMBING]
 
 
 def _strings(value, where: str) -> tuple[str, ...]:
@@ -133,9 +135,11 @@ def _entry(raw, where: str, allowed: set[str]) -> dict:
     return raw
 
 
-def _resolve_methods(raw: dict, where: str) -> dict[str, list[str]]:
-    """Each method's dotlist: its ``extends`` chain's overrides first, its own after (a later entry wins)."""
+def _resolve_methods(raw: dict, where: str, levels: dict) -> tuple[dict[str, list[str]], dict[str, dict[str, list[str]]]]:
+    """Each method's dotlist: its ``extends`` chain's overrides first, its own after (a later entry wins); and its
+    per-level extras (``at_level: {level: [dotlist]}``), the chain's first, likewise."""
     out: dict[str, list[str]] = {}
+    at: dict[str, dict[str, list[str]]] = {}
 
     def resolve(name: str, chain: tuple[str, ...]) -> list[str]:
         if name in out:
@@ -144,14 +148,21 @@ def _resolve_methods(raw: dict, where: str) -> dict[str, list[str]]:
             raise ExperimentError(f"{where}.{name}: extends cycle {' -> '.join((*chain, name))}")
         if name not in raw:
             raise ExperimentError(f"{where}.{chain[-1]}.extends: no method {name!r} (known: {sorted(raw)})")
-        m = _entry(raw[name], f"{where}.{name}", {"about", "label", "extends", "overrides"})
+        m = _entry(raw[name], f"{where}.{name}", {"about", "label", "extends", "overrides", "at_level"})
         parent = resolve(m["extends"], (*chain, name)) if m.get("extends") else []
         out[name] = [*parent, *_strings(m.get("overrides"), f"{where}.{name}.overrides")]
+        own = m.get("at_level") or {}
+        if not isinstance(own, dict) or any(lv not in levels for lv in own):
+            raise ExperimentError(f"{where}.{name}.at_level: expected a mapping of level names (known: "
+                                  f"{sorted(levels)}) to dotlists, got {own!r}")
+        inherited = at.get(m["extends"], {}) if m.get("extends") else {}
+        at[name] = {lv: [*inherited.get(lv, []), *_strings(own.get(lv), f"{where}.{name}.at_level.{lv}")]
+                    for lv in {*inherited, *own}}
         return out[name]
 
     for name in raw:
         resolve(name, ())
-    return out
+    return out, at
 
 
 def load_experiment(spec: str | Path) -> Experiment:
@@ -171,7 +182,7 @@ def load_experiment(spec: str | Path) -> Experiment:
             raise ExperimentError(f"{where}: missing key {key!r}")
     levels = {name: list(_strings(_entry(v, f"{where}.levels.{name}", {"about", "overrides"}).get("overrides"),
                                   f"{where}.levels.{name}.overrides")) for name, v in raw["levels"].items()}
-    methods = _resolve_methods(raw["methods"], f"{where}.methods")
+    methods, method_levels = _resolve_methods(raw["methods"], f"{where}.methods", levels)
     profiles = {}
     for name, p in raw["profiles"].items():
         p = _entry(p, f"{where}.profiles.{name}", {"about", "overrides", "cells"})
@@ -197,7 +208,8 @@ def load_experiment(spec: str | Path) -> Experiment:
         raise ExperimentError(f"{where}.reference: no method {raw['reference']!r} (known: {sorted(methods)})")
     return Experiment(path.stem, raw["about"], ROOT / raw["base"], _strings(raw.get("overrides"), f"{where}.overrides"),
                       levels, methods, abouts, labels, profiles, raw.get("cell_name", Experiment.cell_name),
-                      float(raw.get("late_from", Experiment.late_from)), str(raw.get("reference", "")))
+                      float(raw.get("late_from", Experiment.late_from)), str(raw.get("reference", "")),
+                      method_levels)
 
 
 # ------------------------------------------------------------------------------------------- worker processes
@@ -763,7 +775,9 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
         *md_table(("level", "overrides", "about"), [(lv, f"`{' '.join(exp.levels[lv])}`" if exp.levels[lv] else "-",
                                                       exp.abouts[f"levels.{lv}"]) for lv in levels]), "",
         *md_table(("method", "overrides", "about"),
-                   [(m, f"`{' '.join(exp.methods[m])}`", exp.abouts[f"methods.{m}"]) for m in methods]), ""]
+                   [(m, f"`{' '.join(exp.methods[m])}`" + "".join(
+                       f"; at {lv}: `{' '.join(extra)}`" for lv, extra in sorted(exp.method_levels.get(m, {}).items())),
+                     exp.abouts[f"methods.{m}"]) for m in methods]), ""]
     extra_keys = sorted({k for c in cells for k in c["extra"]})
     diag = ["", "Diagnostics (means over steps and seeds):", "", *md_table(
         ("N", "level", "method", *extra_keys),
@@ -780,14 +794,18 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
 
 
 def run(exp: Experiment, profile_name: str, bench_dir: Path, results_prefix: Path, workers: int,
-        cmd: str, train: bool = True, levels: Optional[Sequence[str]] = None) -> list[dict]:
-    """Train the profile's missing runs (those at ``levels`` only, when given) and write its page."""
+        cmd: str, train: bool = True, levels: Optional[Sequence[str]] = None,
+        methods: Optional[Sequence[str]] = None) -> list[dict]:
+    """Train the profile's missing runs (those at ``levels`` and of ``methods`` only, when given) and write its
+    page."""
     from dcmdp.config import load_config
 
-    unknown = sorted(set(levels or ()) - {c[0] for c in exp.cells(profile_name)})
-    if unknown:
-        raise SystemExit(f"error: profile {profile_name!r} has no level {', '.join(unknown)}")
-    cells_here = [c for c in exp.cells(profile_name) if levels is None or c[0] in levels]
+    for kind, wanted, i in (("level", levels, 0), ("method", methods, 1)):
+        unknown = sorted(set(wanted or ()) - {c[i] for c in exp.cells(profile_name)})
+        if unknown:
+            raise SystemExit(f"error: profile {profile_name!r} has no {kind} {', '.join(unknown)}")
+    cells_here = [c for c in exp.cells(profile_name)
+                  if (levels is None or c[0] in levels) and (methods is None or c[1] in methods)]
 
     bench_dir.mkdir(parents=True, exist_ok=True)
     jobs, configs = [], []
@@ -838,6 +856,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict] | None:
     ap.add_argument("--levels", default=None, metavar="L1,L2,...",
                     help="only the profile's runs at these levels (a long profile run in parts; the last part's page "
                          "holds its levels, an invocation without --levels all of them)")
+    ap.add_argument("--methods", default=None, metavar="M1,M2,...",
+                    help="only the profile's runs of these methods (with --levels too: both must match)")
     ap.add_argument("--no-train", action="store_true",
                     help="train nothing: write the page from the runs that finished (a profile in progress)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # worker mode (see Worker)
@@ -867,7 +887,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict] | None:
                               results.with_name(results.name + "_headline.png")))
         return None
     return run(exp, args.profile, bench.resolve(), results.resolve(), args.workers, command("run.py", argv),
-               train=not args.no_train, levels=args.levels.split(",") if args.levels else None)
+               train=not args.no_train, levels=args.levels.split(",") if args.levels else None,
+               methods=args.methods.split(",") if args.methods else None)
 
 
 if __name__ == "__main__":

@@ -317,6 +317,15 @@ def test_stress_smoke_dual_and_assembled_page(smoke_run, tmp_path):
     with pytest.raises(SystemExit, match="no level int8"):
         run.main(["stress", "--profile", "smoke", "--levels", "int8", "--bench-dir", str(assembled),
                   "--results", str(page4)])
+    # and --methods the runs of those methods (both filters together: both must match)
+    method = exp.cells("smoke")[0][1]
+    run.main(["stress", "--profile", "smoke", "--levels", "fp32", "--methods", method, "--bench-dir", str(assembled),
+              "--results", str(page4)])
+    rows = page4.with_suffix(".csv").read_text().splitlines()[1:]
+    assert rows and all(r.startswith("fp32,") and f",{method}," in r for r in rows)
+    with pytest.raises(SystemExit, match="no method ghost"):
+        run.main(["stress", "--profile", "smoke", "--methods", "ghost", "--bench-dir", str(assembled),
+                  "--results", str(page4)])
 
 
 def test_method_and_profile_from_yaml_only(tmp_path):
@@ -347,7 +356,48 @@ def test_method_and_profile_from_yaml_only(tmp_path):
         prefix.with_suffix(".md").read_text()
 
 
+def test_method_overrides_at_a_level_apply_there_only_and_are_inherited(tmp_path):
+    """A method's ``at_level`` adds overrides in the cells of that level alone, after the method's own; a method
+    that extends it inherits them (its own per-level extras after)."""
+    import yaml
+
+    run = _runner()
+    raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
+    raw["levels"]["int4"] = {"about": "int4 rollouts", "overrides": ["rollout.precision=int4"]}
+    raw["methods"]["minirl"]["at_level"] = {"int4": ["optim.lr=1e-4"]}
+    raw["methods"]["minirl_r2"]["extends"] = "minirl"
+    raw["methods"]["minirl_r2"]["at_level"] = {"int4": ["optim.lr=2e-4"], "int8": ["steps=7"]}
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    exp = run.load_experiment(path)
+    out = tmp_path / "cell"
+    mine = exp.cell_overrides("smoke", "int4", "minirl", 1, 0, out)
+    assert mine[mine.index("optim.lr=1e-4") - 1] == exp.methods["minirl"][-1]
+    assert "optim.lr=1e-4" not in exp.cell_overrides("smoke", "int8", "minirl", 1, 0, out)
+    child = exp.cell_overrides("smoke", "int4", "minirl_r2", 1, 0, out)
+    assert child.index("optim.lr=1e-4") < child.index("optim.lr=2e-4") and "steps=7" not in child
+    assert "steps=7" in exp.cell_overrides("smoke", "int8", "minirl_r2", 1, 0, out)
+
+
+def test_every_profile_cell_is_a_valid_config(tmp_path):
+    """Each (profile, level, method) of every experiment file loads and validates: a typo in a pre-registered config
+    fails here, not after hours of runs."""
+    from dcmdp.config import load_config
+
+    run = _runner()
+    checked = 0
+    for path in sorted(run.EXPERIMENTS.glob("*.yaml")):
+        exp = run.load_experiment(path)
+        for profile in exp.profiles:
+            pairs = {(lv, m, n) for lv, m, n, _ in exp.cells(profile)}
+            for lv, m, n in sorted(pairs):
+                load_config(exp.base, exp.cell_overrides(profile, lv, m, n, 0, tmp_path / "cell"))
+                checked += 1
+    assert checked > 50
+
+
 @pytest.mark.parametrize("edit, message", [
+    (lambda raw: raw["methods"]["minirl"].update(at_level={"int9": ["steps=1"]}), "methods.minirl.at_level"),
     (lambda raw: raw["methods"]["minirl"].update(extends="nope"), "methods.minirl.extends: no method 'nope'"),
     (lambda raw: raw["methods"]["minirl"].update(extends="minirl_r2"), "extends cycle"),
     (lambda raw: raw["methods"]["minirl"].pop("about"), "methods.minirl.about"),
