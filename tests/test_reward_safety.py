@@ -196,10 +196,17 @@ def test_a_reward_that_changes_the_working_directory_or_the_signal_handlers_is_u
         assert score_completions(task, ["7", "7"], task.eval_set()) == ([1.0, 1.0], 0)
     assert Path.cwd() == tmp_path
     assert caplog.text.count("reward more.py:wanders changed the process's working directory (os.chdir)") == 1
-    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    task = _more(tmp_path, monkeypatch, "deafens")
-    with caplog.at_level(logging.WARNING):
-        assert score_completions(task, ["7", "7"], task.eval_set()) == ([1.0, 1.0], 0)
-    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+    # start from the default handlers: a process launched in the background inherits SIGINT ignored, and a reward
+    # that ignores it would then change nothing
+    before = signal.signal(signal.SIGINT, signal.default_int_handler), signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+        task = _more(tmp_path, monkeypatch, "deafens")
+        with caplog.at_level(logging.WARNING):
+            assert score_completions(task, ["7", "7"], task.eval_set()) == ([1.0, 1.0], 0)
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
     assert "changed the process's SIGINT handler (signal.signal)" in caplog.text
     assert "changed the process's SIGTERM handler (signal.signal)" in caplog.text
