@@ -13,7 +13,10 @@ Collapse, any of: a non-finite update; the final held-out accuracy below half of
 included); the mean reward accuracy over the last W = max(5, steps / 20) steps below half of the best W-step
 running mean after the LR warm-up. Methods named ``dcmdp*`` are tested against the best other method of their
 cell (Welch's t-test on final and on late accuracy). An experiment with a ``reference`` method also gets each
-method's end-to-end tokens/s as a ratio to the reference's at the same seed, and a throughput-accuracy plot.
+method's end-to-end tokens/s as a ratio to the reference's at the same seed, and a throughput-accuracy plot. An
+experiment's ``compare`` block pre-registers its comparisons: each of its ``configs`` against each rival role (a
+method list, or one per level; the candidate with the best late mean is the rival), with Welch's t-test on late and
+final accuracy, and the run-minutes of each method and of each ``compute`` group (a tuned constant's sweep).
 """
 
 from __future__ import annotations
@@ -80,6 +83,21 @@ class Profile:
 
 
 @dataclass(frozen=True)
+class Compare:
+    """An experiment's pre-registered comparisons (its ``compare`` block): each config against each rival role."""
+    about: str
+    configs: tuple[str, ...]
+    # role -> level ("*": every level) -> candidate methods; the rival is the candidate with the best late mean
+    rivals: dict[str, dict[str, tuple[str, ...]]]
+    # label -> methods whose runs' time it sums per level (e.g. a tuned constant: its sweep and its extra seeds)
+    compute: dict[str, tuple[str, ...]]
+
+    def rival_candidates(self, role: str, level: str) -> tuple[str, ...]:
+        by_level = self.rivals[role]
+        return by_level.get(level, by_level.get("*", ()))
+
+
+@dataclass(frozen=True)
 class Experiment:
     name: str
     about: str
@@ -96,6 +114,7 @@ class Experiment:
     reference: str = ""
     # method -> level -> the method's extra overrides at that level (a method's ``at_level``), after its own
     method_levels: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    compare: Optional[Compare] = None
 
     def cells(self, profile: str) -> list[tuple[str, str, int, int]]:
         """(level, method, N, seed) of every run: per block, largest N first, then seed-major, without repeats."""
@@ -165,6 +184,35 @@ def _resolve_methods(raw: dict, where: str, levels: dict) -> tuple[dict[str, lis
     return out, at
 
 
+def _compare(raw, where: str, levels: dict, methods: dict) -> Optional[Compare]:
+    """The ``compare`` block: ``{about, configs: [m], rivals: {role: [m] | {level: [m]}}, compute: {label: [m]}}``."""
+    if raw is None:
+        return None
+    raw = _entry(raw, where, {"about", "configs", "rivals", "compute"})
+
+    def names(value, at: str) -> tuple[str, ...]:
+        if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+            raise ExperimentError(f"{at}: expected a non-empty list of method names, got {value!r}")
+        missing = [v for v in value if v not in methods]
+        if missing:
+            raise ExperimentError(f"{at}: unknown method(s) {missing} (known: {sorted(methods)})")
+        return tuple(value)
+
+    rivals: dict[str, dict[str, tuple[str, ...]]] = {}
+    for role, value in (raw.get("rivals") or {}).items():
+        if isinstance(value, dict):
+            unknown = [lv for lv in value if lv not in levels]
+            if unknown:
+                raise ExperimentError(f"{where}.rivals.{role}: unknown level(s) {unknown} (known: {sorted(levels)})")
+            rivals[role] = {lv: names(v, f"{where}.rivals.{role}.{lv}") for lv, v in value.items()}
+        else:
+            rivals[role] = {"*": names(value, f"{where}.rivals.{role}")}
+    if not rivals:
+        raise ExperimentError(f"{where}.rivals: name at least one rival role")
+    compute = {label: names(v, f"{where}.compute.{label}") for label, v in (raw.get("compute") or {}).items()}
+    return Compare(raw["about"], names(raw.get("configs"), f"{where}.configs"), rivals, compute)
+
+
 def load_experiment(spec: str | Path) -> Experiment:
     """An experiment by name (``benchmarks/experiments/<name>.yaml``) or path; ExperimentError names what is wrong."""
     import yaml
@@ -176,7 +224,7 @@ def load_experiment(spec: str | Path) -> Experiment:
     where = rel(path)
     raw = _entry(yaml.safe_load(path.read_text()), where,
                  {"about", "base", "overrides", "levels", "methods", "profiles", "cell_name", "late_from",
-                  "reference"})
+                  "reference", "compare"})
     for key in ("base", "levels", "methods", "profiles"):
         if key not in raw:
             raise ExperimentError(f"{where}: missing key {key!r}")
@@ -209,7 +257,7 @@ def load_experiment(spec: str | Path) -> Experiment:
     return Experiment(path.stem, raw["about"], ROOT / raw["base"], _strings(raw.get("overrides"), f"{where}.overrides"),
                       levels, methods, abouts, labels, profiles, raw.get("cell_name", Experiment.cell_name),
                       float(raw.get("late_from", Experiment.late_from)), str(raw.get("reference", "")),
-                      method_levels)
+                      method_levels, _compare(raw.get("compare"), f"{where}.compare", levels, methods))
 
 
 # ------------------------------------------------------------------------------------------- worker processes
@@ -521,6 +569,62 @@ def welch(cells: list[dict]) -> list[dict]:
     return out
 
 
+def reading(diff: float, p: float, alpha: float = 0.05) -> str:
+    """'ahead' / 'behind' where Welch's p < alpha, else 'level' (and 'level' where p is undefined)."""
+    if not p < alpha:
+        return "level"
+    return "ahead" if diff > 0 else "behind"
+
+
+def compare_rows(cmp: Compare, cells: list[dict]) -> list[dict]:
+    """Per (level, N), config and rival role: the config against the role's candidate with the best late mean in
+    that cell (late and final accuracy, Welch's t-test on each, collapses)."""
+    out = []
+    for key in dict.fromkeys((c["level"], c["N"]) for c in cells):
+        here = {c["method"]: c for c in cells if (c["level"], c["N"]) == key}
+        for config in (m for m in cmp.configs if m in here):
+            mine = here[config]
+            for role in cmp.rivals:
+                present = [here[m] for m in cmp.rival_candidates(role, key[0]) if m in here]
+                if not present:
+                    continue
+                rival = max(present, key=lambda c: c["late"])
+                p_late = welch_p(mine["lates"], rival["lates"])
+                out.append({"level": key[0], "N": key[1], "config": config, "role": role, "rival": rival["method"],
+                            "late": mine["late"], "late_sd": mine["late_sd"], "rival_late": rival["late"],
+                            "rival_late_sd": rival["late_sd"], "late_diff": mine["late"] - rival["late"],
+                            "p_late": p_late, "final_diff": mine["final"] - rival["final"],
+                            "p_final": welch_p(mine["finals"], rival["finals"]),
+                            "reading": reading(mine["late"] - rival["late"], p_late),
+                            "collapses": f"{mine['collapses']}/{mine['seeds']} vs {rival['collapses']}/{rival['seeds']}"})
+    return out
+
+
+def compare_table(rows: list[dict]) -> list[str]:
+    return md_table(
+        ("N", "level", "config", "rival (role)", "config late", "rival late", "late difference", "late Welch p",
+         "reading", "final difference", "final Welch p", "collapses"),
+        [(r["N"], r["level"], r["config"], f"{r['rival']} ({r['role']})", f"{r['late']:.3f} ± {r['late_sd']:.3f}",
+          f"{r['rival_late']:.3f} ± {r['rival_late_sd']:.3f}", f"{r['late_diff']:+.3f}", f"{r['p_late']:.3g}",
+          r["reading"], f"{r['final_diff']:+.3f}", f"{r['p_final']:.3g}", r["collapses"]) for r in rows])
+
+
+def compute_rows(cmp: Compare, runs: list[Run]) -> list[dict]:
+    """Per level: the run-minutes of each config, each rival candidate, and each ``compute`` group (its methods'
+    runs summed: a tuned constant's sweep counts toward it)."""
+    out = []
+    for level in dict.fromkeys(r.level for r in runs):
+        groups = [(m, (m,)) for m in cmp.configs]
+        groups += [(m, (m,)) for role in cmp.rivals for m in cmp.rival_candidates(role, level)]
+        groups += list(cmp.compute.items())
+        for label, ms in dict.fromkeys(groups):
+            rs = [r for r in runs if r.level == level and r.method in ms]
+            if rs:
+                out.append({"level": level, "what": label, "methods": list(ms), "runs": len(rs),
+                            "run_minutes": sum(r.seconds for r in rs) / 60})
+    return out
+
+
 def table(cells: list[dict]) -> list[str]:
     return md_table(
         ("N", "level", "kl_k3 at start", "method", "final held-out acc", "late held-out acc", "peak held-out acc",
@@ -724,6 +828,8 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
     methods = list(dict.fromkeys(c["method"] for c in cells))
     prefix.parent.mkdir(parents=True, exist_ok=True)
     rows = welch(cells)
+    compared = compare_rows(exp.compare, cells) if exp.compare else []
+    compute = compute_rows(exp.compare, runs) if exp.compare else []
     pngs = plot(exp, runs, cells, prefix)
     speed = throughput_rows(exp, runs)
     if speed:
@@ -740,6 +846,7 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
         {"experiment": exp.name, "profile": profile_name, "base": rel(exp.base), "overrides": list(exp.overrides),
          "profile_overrides": list(profile.overrides), "levels": {lv: exp.levels[lv] for lv in levels},
          "methods": {m: exp.methods[m] for m in methods}, "cells": cells, "welch": rows, "throughput": speed,
+         "compare": compared, "compute": compute,
          "runs": [{"level": r.level, "method": r.method, "N": r.n, "seed": r.seed, "eval_steps": r.eval_steps,
                    "eval_acc": r.eval_acc, "collapsed": r.collapsed, "collapse_reason": r.collapse_reason,
                    "lambda": [float(f"{x:.4g}") for x in r.lambdas],
@@ -785,9 +892,19 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
                                              else f"{c['extra'][k]:.3g}" for k in extra_keys)) for c in cells])]
     test = ["", "Each DCMDP config against the best method without the dual in its cell (Welch's t-test on final "
             "accuracy; and on late accuracy against the best method by late accuracy):", "", *welch_table(rows)]
+    bar = []
+    if exp.compare:
+        bar = ["", f"Pre-registered comparisons: {exp.compare.about}. Each config against each rival role's candidate "
+               "with the best late mean in the cell (Welch's t-test on late and on final accuracy; reading: ahead or "
+               "behind where late p < 0.05, else level):", "", *compare_table(compared), "",
+               "Compute (run-minutes of the runs on this page; a group sums its methods' runs):", "",
+               *md_table(("level", "what", "runs", "run-minutes"),
+                         [(c["level"], c["what"] if c["methods"] == [c["what"]]
+                           else f"{c['what']} ({', '.join(c['methods'])})", c["runs"], f"{c['run_minutes']:.0f}")
+                          for c in compute])]
     plots = [f"![{p.stem}]({p.name})" for p in pngs]
-    prefix.with_suffix(".md").write_text("\n".join(header + lines + test + diag + [""] + plots) + "\n")
-    return lines + [""] + welch_table(rows)
+    prefix.with_suffix(".md").write_text("\n".join(header + lines + bar + test + diag + [""] + plots) + "\n")
+    return lines + [""] + (compare_table(compared) if compared else welch_table(rows))
 
 
 # ------------------------------------------------------------------------------------------- main

@@ -434,3 +434,64 @@ def test_collapse_rule():
     assert run.collapse_check([0.3, 0.3], [0.8] * 20 + [0.2] * 20, 0, warmup=0)[0]
     # the peak is only taken after the warm-up: a high start inside the warm-up does not count
     assert not run.collapse_check([0.3, 0.3], [0.8] * 5 + [0.3] * 35, 0, warmup=5)[0]
+
+
+def _fake_run(run, level, method, seed, late, seconds=60.0, collapsed=False):
+    """A finished run with the given late and final accuracy (the evaluations are flat at ``late``)."""
+    return run.Run(level, method, 4, seed, 0.3, [0, 100], [late, late], collapsed, "", [1e-3], [2e-3], [0.1], [1e-3],
+                   [1e-3], seconds, late, late, late)
+
+
+def test_compare_block_picks_each_roles_best_candidate_and_tests_it(tmp_path):
+    """``compare``: per level the role's candidates (a level's own list, else the '*' list), the one with the best
+    late mean is the rival; the late difference and Welch p are those of the two samples; reading is ahead / behind
+    only at p < 0.05; compute sums a group's runs per level."""
+    import yaml
+    from scipy.stats import ttest_ind
+
+    run = _runner()
+    raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
+    raw["levels"]["fp8"] = {"about": "fp8 rollouts", "overrides": ["rollout.precision=fp8"]}
+    raw["compare"] = {"about": "the bar", "configs": ["dcmdp_r3"],
+                      "rivals": {"constant": {"int8": ["minirl", "minirl_r2"]}, "plain": ["minirl"]},
+                      "compute": {"tuned": ["minirl", "minirl_r2"]}}
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    exp = run.load_experiment(path)
+    mine, a, b = [0.80, 0.82, 0.84], [0.60, 0.62, 0.61], [0.70, 0.71, 0.69]
+    runs = ([_fake_run(run, "int8", "dcmdp_r3", s, x) for s, x in enumerate(mine)]
+            + [_fake_run(run, "int8", "minirl", s, x, seconds=30.0) for s, x in enumerate(a)]
+            + [_fake_run(run, "int8", "minirl_r2", s, x, seconds=90.0) for s, x in enumerate(b)]
+            + [_fake_run(run, "fp8", "dcmdp_r3", s, x) for s, x in enumerate([0.5, 0.6, 0.7])]
+            + [_fake_run(run, "fp8", "minirl", s, x) for s, x in enumerate([0.55, 0.6, 0.65])])
+    cells = run.aggregate(runs, [(lv, m, 4) for lv in ("int8", "fp8") for m in ("dcmdp_r3", "minirl", "minirl_r2")])
+    rows = {(r["level"], r["role"]): r for r in run.compare_rows(exp.compare, cells)}
+    assert set(rows) == {("int8", "constant"), ("int8", "plain"), ("fp8", "plain")}  # fp8 has no constant candidate
+    r = rows[("int8", "constant")]
+    assert r["rival"] == "minirl_r2"  # the better late mean of the two candidates
+    assert abs(r["late_diff"] - (sum(mine) - sum(b)) / 3) < 1e-12
+    assert abs(r["p_late"] - ttest_ind(mine, b, equal_var=False).pvalue) < 1e-12 and r["reading"] == "ahead"
+    assert rows[("fp8", "plain")]["reading"] == "level"
+    assert run.reading(-0.1, 0.01) == "behind" and run.reading(0.1, float("nan")) == "level"
+    compute = {(c["level"], c["what"]): c for c in run.compute_rows(exp.compare, runs)}
+    assert compute[("int8", "tuned")]["runs"] == 6 and abs(compute[("int8", "tuned")]["run_minutes"] - 6.0) < 1e-12
+    assert compute[("int8", "minirl")]["run_minutes"] == 1.5 and ("fp8", "tuned") in compute
+
+
+@pytest.mark.parametrize("block, message", [
+    ({"about": "x", "configs": ["dcmdp_r3"], "rivals": {"c": ["ghost"]}}, "compare.rivals.c: unknown method(s) ['ghost']"),
+    ({"about": "x", "configs": ["dcmdp_r3"], "rivals": {"c": {"int9": ["minirl"]}}}, "compare.rivals.c: unknown level(s)"),
+    ({"about": "x", "configs": ["dcmdp_r3"], "rivals": {}}, "compare.rivals: name at least one rival role"),
+    ({"about": "x", "configs": [], "rivals": {"c": ["minirl"]}}, "compare.configs: expected a non-empty list"),
+    ({"configs": ["dcmdp_r3"], "rivals": {"c": ["minirl"]}}, "compare.about"),
+])
+def test_compare_block_errors(tmp_path, block, message):
+    import yaml
+
+    run = _runner()
+    raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
+    raw["compare"] = block
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(run.ExperimentError, match=re.escape(message)):
+        run.load_experiment(path)
