@@ -76,10 +76,21 @@ class Block:
 
 
 @dataclass(frozen=True)
+class Pooled:
+    """One part of a pooled profile: another profile's runs, read from ``bench_dir``, their seeds shifted by
+    ``seed_offset`` on the page (e.g. a second cold start's seeds 0-4 shown as 100-104)."""
+    profile: str
+    bench_dir: str  # relative to the repository root
+    seed_offset: int
+
+
+@dataclass(frozen=True)
 class Profile:
     about: str
     overrides: tuple[str, ...]
     blocks: tuple[Block, ...]
+    # a pooled profile trains nothing: its page holds the runs of these profiles' folders together
+    pool: tuple[Pooled, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -117,8 +128,11 @@ class Experiment:
     compare: Optional[Compare] = None
 
     def cells(self, profile: str) -> list[tuple[str, str, int, int]]:
-        """(level, method, N, seed) of every run: per block, largest N first, then seed-major, without repeats."""
+        """(level, method, N, seed) of every run: per block, largest N first, then seed-major, without repeats (a
+        pooled profile: its parts' cells, seeds shifted by each part's offset)."""
         out: list[tuple[str, str, int, int]] = []
+        for part in self.profiles[profile].pool:
+            out += [(lv, m, n, s + part.seed_offset) for lv, m, n, s in self.cells(part.profile)]
         for b in self.profiles[profile].blocks:
             for n in sorted(b.minibatches, reverse=True):
                 for cell in ((lv, m, n, s) for s in b.seeds for lv in b.levels for m in b.methods):
@@ -213,6 +227,29 @@ def _compare(raw, where: str, levels: dict, methods: dict) -> Optional[Compare]:
     return Compare(raw["about"], names(raw.get("configs"), f"{where}.configs"), rivals, compute)
 
 
+def _pool(p: dict, where: str, profiles: dict) -> tuple[Pooled, ...]:
+    if set(p) & {"cells", "overrides"}:
+        raise ExperimentError(f"{where}: a pooled profile takes no cells or overrides (its parts' apply)")
+    parts = p["pool"]
+    if not isinstance(parts, list) or not parts:
+        raise ExperimentError(f"{where}.pool: expected a list of {{profile, bench_dir, seed_offset}}, got {parts!r}")
+    out = []
+    for i, part in enumerate(parts):
+        at = f"{where}.pool[{i}]"
+        if not isinstance(part, dict) or set(part) != {"profile", "bench_dir", "seed_offset"}:
+            raise ExperimentError(f"{at}: expected exactly the keys profile, bench_dir, seed_offset; got {part!r}")
+        target = profiles.get(part["profile"])
+        if not isinstance(target, dict) or "pool" in target:
+            raise ExperimentError(f"{at}.profile: {part['profile']!r} is not a profile with cells")
+        out.append(Pooled(part["profile"], str(part["bench_dir"]), int(part["seed_offset"])))
+    seeds = [{(lv, m, n, s + q.seed_offset) for b in profiles[q.profile]["cells"] for lv in b["levels"]
+              for m in b["methods"] for n in b["N"] for s in b["seeds"]} for q in out]
+    if any(a & b for i, a in enumerate(seeds) for b in seeds[i + 1:]):
+        raise ExperimentError(f"{where}.pool: two parts give the same (level, method, N, seed) on the page; set "
+                              "seed_offset apart")
+    return tuple(out)
+
+
 def load_experiment(spec: str | Path) -> Experiment:
     """An experiment by name (``benchmarks/experiments/<name>.yaml``) or path; ExperimentError names what is wrong."""
     import yaml
@@ -233,7 +270,10 @@ def load_experiment(spec: str | Path) -> Experiment:
     methods, method_levels = _resolve_methods(raw["methods"], f"{where}.methods", levels)
     profiles = {}
     for name, p in raw["profiles"].items():
-        p = _entry(p, f"{where}.profiles.{name}", {"about", "overrides", "cells"})
+        p = _entry(p, f"{where}.profiles.{name}", {"about", "overrides", "cells", "pool"})
+        if "pool" in p:
+            profiles[name] = Profile(p["about"], (), (), _pool(p, f"{where}.profiles.{name}", raw["profiles"]))
+            continue
         blocks = []
         for i, b in enumerate(p.get("cells") or []):
             at = f"{where}.profiles.{name}.cells[{i}]"
@@ -856,6 +896,10 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
     lines = table(cells) + (throughput_lines(exp, speed) if speed else [])
     trained = (f"{wall_s / 60:.0f} min wall over the invocations that trained the runs; " if wall_s is not None
                else "no run trained here: every run folder was copied in; ")
+    if profile.pool:
+        trained = "pooled, no run trained here: " + ", ".join(
+            f"profile {q.profile} from `{q.bench_dir}` (seeds + {q.seed_offset}, its overrides "
+            f"`{' '.join(exp.profiles[q.profile].overrides) or '-'}`)" for q in profile.pool) + "; "
     header = [
         f"# {exp.name}, {profile_name} profile", "",
         f"- experiment: {exp.about} (`benchmarks/experiments/{exp.name}.yaml`)",
@@ -924,6 +968,9 @@ def run(exp: Experiment, profile_name: str, bench_dir: Path, results_prefix: Pat
     cells_here = [c for c in exp.cells(profile_name)
                   if (levels is None or c[0] in levels) and (methods is None or c[1] in methods)]
 
+    profile = exp.profiles[profile_name]
+    if profile.pool:
+        return render_pool(exp, profile_name, results_prefix, cmd, cells_here)
     bench_dir.mkdir(parents=True, exist_ok=True)
     jobs, configs = [], []
     for level, method, n, seed in cells_here:
@@ -956,6 +1003,33 @@ def run(exp: Experiment, profile_name: str, bench_dir: Path, results_prefix: Pat
     print("\n" + "\n".join(lines))
     if failed:
         raise SystemExit(f"{len(failed)} runs failed: {', '.join(p.name for p in failed)}")
+    return cells
+
+
+def render_pool(exp: Experiment, profile_name: str, results_prefix: Path, cmd: str,
+                cells_here: list[tuple[str, str, int, int]]) -> list[dict]:
+    """A pooled profile's page: the finished runs of its parts' folders, each part's seeds shifted by its offset;
+    nothing trains."""
+    from dcmdp.config import load_config
+
+    runs, expected = [], 0
+    for part in exp.profiles[profile_name].pool:
+        sub = exp.profiles[part.profile]
+        warmup = load_config(exp.base, [*exp.overrides, *sub.overrides]).optim.warmup_steps
+        for level, method, n, seed in exp.cells(part.profile):
+            if (level, method, n, seed + part.seed_offset) not in cells_here:
+                continue
+            expected += 1
+            out = exp.cell_dir(ROOT / part.bench_dir, level, method, n, seed)
+            if finished(out):
+                runs.append(load_run(out, level, method, n, seed + part.seed_offset, warmup=warmup,
+                                     late_from=exp.late_from))
+    print(f"{len(runs)} of the pooled profile's {expected} runs have finished; training nothing", flush=True)
+    if not runs:
+        raise SystemExit(f"no run of {exp.name}/{profile_name}'s parts finished "
+                         f"({', '.join(p.bench_dir for p in exp.profiles[profile_name].pool)})")
+    cells = aggregate(runs, list(dict.fromkeys((lv, m, n) for lv, m, n, _ in sorted(cells_here, key=lambda c: c[2]))))
+    print("\n" + "\n".join(write_results(exp, profile_name, runs, cells, results_prefix, cmd, None, expected)))
     return cells
 
 

@@ -388,7 +388,7 @@ def test_every_profile_cell_is_a_valid_config(tmp_path):
     checked = 0
     for path in sorted(run.EXPERIMENTS.glob("*.yaml")):
         exp = run.load_experiment(path)
-        for profile in exp.profiles:
+        for profile in (p for p in exp.profiles if not exp.profiles[p].pool):  # a pooled one's parts are checked
             pairs = {(lv, m, n) for lv, m, n, _ in exp.cells(profile)}
             for lv, m, n in sorted(pairs):
                 load_config(exp.base, exp.cell_overrides(profile, lv, m, n, 0, tmp_path / "cell"))
@@ -491,6 +491,52 @@ def test_compare_block_errors(tmp_path, block, message):
     run = _runner()
     raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
     raw["compare"] = block
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(run.ExperimentError, match=re.escape(message)):
+        run.load_experiment(path)
+
+
+@pytest.mark.parametrize("smoke_run", ["stability"], indirect=True)
+def test_pooled_profile_renders_its_parts_runs_with_shifted_seeds(smoke_run, tmp_path):
+    """A pooled profile trains nothing and pages its parts' finished runs, each part's seeds shifted by its offset
+    (here the smoke folder twice, as two cold starts would be)."""
+    import csv
+
+    import yaml
+
+    run, exp, _, bench = smoke_run
+    raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
+    raw["profiles"]["both"] = {"about": "the smoke runs twice", "pool": [
+        {"profile": "smoke", "bench_dir": str(bench), "seed_offset": 0},
+        {"profile": "smoke", "bench_dir": str(bench), "seed_offset": 100}]}
+    path = tmp_path / "pooled.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    mtimes = {p: p.stat().st_mtime for p in bench.glob("*/summary.json")}
+    prefix = tmp_path / "results" / "pooled_both"
+    run.main([str(path), "--profile", "both", "--results", str(prefix)])
+    rows = list(csv.DictReader(open(prefix.with_suffix(".csv"))))
+    smoke = exp.cells("smoke")
+    assert sorted((r["level"], r["method"], int(r["seed"])) for r in rows) == sorted(
+        (lv, m, s + k) for lv, m, _, s in smoke for k in (0, 100))
+    assert {p: p.stat().st_mtime for p in bench.glob("*/summary.json")} == mtimes  # nothing retrained
+    md = prefix.with_suffix(".md").read_text()
+    assert "pooled, no run trained here: profile smoke from" in md and "in progress" not in md
+
+
+@pytest.mark.parametrize("pool, message", [
+    ([{"profile": "smoke", "bench_dir": "a", "seed_offset": 0}, {"profile": "smoke", "bench_dir": "b", "seed_offset": 0}],
+     "two parts give the same (level, method, N, seed)"),
+    ([{"profile": "ghost", "bench_dir": "a", "seed_offset": 0}], "pool[0].profile: 'ghost' is not a profile with cells"),
+    ([{"profile": "smoke", "bench_dir": "a"}], "pool[0]: expected exactly the keys profile, bench_dir, seed_offset"),
+    ([], "pool: expected a list"),
+])
+def test_pooled_profile_errors(tmp_path, pool, message):
+    import yaml
+
+    run = _runner()
+    raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
+    raw["profiles"]["both"] = {"about": "pooled", "pool": pool}
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(run.ExperimentError, match=re.escape(message)):
