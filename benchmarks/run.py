@@ -995,12 +995,7 @@ def run(exp: Experiment, profile_name: str, bench_dir: Path, results_prefix: Pat
         wall_file.write_text(f"{wall:.1f}\n")
     warmup = load_config(exp.base, [*exp.overrides, *exp.profiles[profile_name].overrides]).optim.warmup_steps
     runs = [load_run(out, *key, warmup=warmup, late_from=exp.late_from) for key, out, _ in jobs if finished(out)]
-    if not runs:
-        raise SystemExit(f"no run of {exp.name}/{profile_name} finished: see {bench_dir}/*/log.txt")
-    cells = aggregate(runs, list(dict.fromkeys((lv, m, n) for lv, m, n, _ in
-                                               sorted(cells_here, key=lambda c: c[2]))))
-    lines = write_results(exp, profile_name, runs, cells, results_prefix, cmd, wall, len(jobs))
-    print("\n" + "\n".join(lines))
+    cells = page(exp, profile_name, runs, cells_here, results_prefix, cmd, wall, len(jobs), f"see {bench_dir}/*/log.txt")
     if failed:
         raise SystemExit(f"{len(failed)} runs failed: {', '.join(p.name for p in failed)}")
     return cells
@@ -1025,11 +1020,17 @@ def render_pool(exp: Experiment, profile_name: str, results_prefix: Path, cmd: s
                 runs.append(load_run(out, level, method, n, seed + part.seed_offset, warmup=warmup,
                                      late_from=exp.late_from))
     print(f"{len(runs)} of the pooled profile's {expected} runs have finished; training nothing", flush=True)
+    return page(exp, profile_name, runs, cells_here, results_prefix, cmd, None, expected,
+                f"its parts' folders: {', '.join(p.bench_dir for p in exp.profiles[profile_name].pool)}")
+
+
+def page(exp: Experiment, profile_name: str, runs: list[Run], cells_here: list[tuple[str, str, int, int]],
+         results_prefix: Path, cmd: str, wall: Optional[float], expected: int, where: str) -> list[dict]:
+    """Aggregate the finished ``runs`` per (level, method, N), write the profile's page and print its tables."""
     if not runs:
-        raise SystemExit(f"no run of {exp.name}/{profile_name}'s parts finished "
-                         f"({', '.join(p.bench_dir for p in exp.profiles[profile_name].pool)})")
+        raise SystemExit(f"no run of {exp.name}/{profile_name} finished ({where})")
     cells = aggregate(runs, list(dict.fromkeys((lv, m, n) for lv, m, n, _ in sorted(cells_here, key=lambda c: c[2]))))
-    print("\n" + "\n".join(write_results(exp, profile_name, runs, cells, results_prefix, cmd, None, expected)))
+    print("\n" + "\n".join(write_results(exp, profile_name, runs, cells, results_prefix, cmd, wall, expected)))
     return cells
 
 
