@@ -195,7 +195,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--heads", nargs="+", default=["bf16", "fp32", "bf16x3"], choices=list(HEADS))
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="run the same code on the CPU with the tiny shape (B 2, S 32, 2 steps)")
-    ap.add_argument("--out", default=None, help="results file (default benchmarks/results/mfu_gpu.md on a GPU)")
+    ap.add_argument("--out", default=None, help="results file (default benchmarks/results/gpu/mfu_gpu.md on a GPU)")
     return ap
 
 
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.shapes, args.batch, args.seq, args.steps, args.warmup, args.peak_n = ["tiny"], 2, 32, 2, 1, 256
     elif torch.cuda.is_available():
         device = torch.device("cuda")
-        args.out = args.out or str(ROOT / "benchmarks" / "results" / "mfu_gpu.md")
+        args.out = args.out or str(ROOT / "benchmarks" / "results" / "gpu" / "mfu_gpu.md")
     else:
         print("no CUDA device: skipped")
         return []
