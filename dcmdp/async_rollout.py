@@ -284,23 +284,25 @@ class RolloutWorker:
                 self._cond.wait(self._POLL_S)
             return self._ready.pop(step)
 
-    def take(self, step: int, bound: int, too_stale: str, state_dict: dict[str, Tensor]
+    def take(self, step: int, bound: int, too_stale: str, state_dict: dict[str, Tensor], fresh: bool = False
              ) -> tuple[RolloutBatch, Tensor, dict[str, float]]:
         """The batch of ``step`` held to the bound in force ``bound``, with its keep mask and async/ metrics.
 
         A batch staler than ``bound`` is sampled again with the trainer's current weights ``state_dict``
-        (``too_stale`` = wait) or has every sample screened out (drop). Metrics: async/bound, async/too_stale,
-        async/resampled, async/dropped_batches, the staleness screen (``screen_stale``) and histogram
-        (``staleness_histogram``), and the batch's timings."""
+        (``too_stale`` = wait) or has every sample screened out (drop). ``fresh``: any stale batch is sampled again
+        (a floor to measure, ``dual.floor_by``). Metrics: async/bound, async/too_stale, async/resampled,
+        async/resampled_fresh (sampled again for ``fresh``), async/dropped_batches, the staleness screen
+        (``screen_stale``) and histogram (``staleness_histogram``), and the batch's timings."""
         batch = self.get(step)
         too_old = step - batch.version > bound
-        resampled = too_old and too_stale == "wait"
+        for_fresh = fresh and batch.version != self._trainer_version
+        resampled = (too_old and too_stale == "wait") or for_fresh
         if resampled:
             batch = self.resample(step, state_dict)
         fresh_B, metrics = screen_stale(batch.rollout.version_B, step, bound)
         return batch, fresh_B, {**metrics, **staleness_histogram(batch.rollout.version_B, step, self.cap),
                                 **batch.timings(), "async/bound": float(bound), "async/too_stale": float(too_old),
-                                "async/resampled": float(resampled),
+                                "async/resampled": float(resampled), "async/resampled_fresh": float(for_fresh),
                                 "async/dropped_batches": float(too_old and not resampled)}
 
     def resample(self, step: int, state_dict: dict[str, Tensor]) -> RolloutBatch:

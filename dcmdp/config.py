@@ -77,6 +77,8 @@ class CouplingConfig:
 
 # What a batch's context is under per-context multipliers (``dual.context.by``).
 CONTEXT_KINDS = ("none", "staleness", "precision", "digits")
+# What the floor of an automatic tolerance is kept per (``dual.floor_by``).
+FLOOR_KINDS = ("none", "precision")
 
 
 @dataclass
@@ -141,6 +143,11 @@ class DualConfig:
     average: bool = False
     # Per-context multipliers (a batch's staleness bucket, rollout precision or task digits): see ContextConfig.
     context: ContextConfig = field(default_factory=ContextConfig)
+    # One floor per rollout precision for the automatic tolerances (floor_slack): none (one floor for the run, the
+    # default) | precision (each precision keeps its own EMA of the floor; the first batch of a precision without
+    # a floor is sampled with the trainer's current weights, resampled under asynchronous rollouts, so that it
+    # measures the new precision's floor at once; see dcmdp.dual.enter_floor).
+    floor_by: str = "none"
 
 
 @dataclass
@@ -434,6 +441,12 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("config error at 'dual.average': the running mean of the multipliers spans the run, not a "
                           "context; use dual.average=false with dual.context.by="
                           f"{cfg.dual.context.by}")
+    if cfg.dual.floor_by not in FLOOR_KINDS:
+        raise ConfigError(f"config error at 'dual.floor_by': unknown {cfg.dual.floor_by!r}; known: "
+                          f"{', '.join(FLOOR_KINDS)}")
+    if cfg.dual.floor_by != "none" and not any(c.floor_slack is not None for c in cfg.dual.constraints):
+        raise ConfigError("config error at 'dual.floor_by': keeps the floor of an automatic tolerance per "
+                          f"{cfg.dual.floor_by}; set a constraint's floor_slack, or dual.floor_by=none")
     if cfg.dual.context.by == "staleness" and not cfg.async_rollout.enabled:
         raise ConfigError("config error at 'dual.context.by': staleness contexts need asynchronous rollouts "
                           "(async_rollout.enabled=true); every synchronous batch is fresh")

@@ -99,6 +99,11 @@ class DualState:
     contexts: Optional[dict[str, dict[str, Any]]] = None
     # The active context's key; None before the first batch and without contexts.
     context: Optional[str] = None
+    # One floor per rollout precision (``dual.floor_by``, ``enter_floor``): the floor F of every precision seen
+    # except the active one (whose floor floor_C holds), by precision, NaN as None; None without it.
+    floors: Optional[dict[str, list]] = None
+    # The precision whose floor floor_C holds; None before the first batch and without dual.floor_by.
+    floor_key: Optional[str] = None
 
     def lambda_avg(self) -> Tensor:
         """(C,) lambda_bar_k, the running mean of lambda_0..lambda_k (lambda_C for a state without one)."""
@@ -107,11 +112,11 @@ class DualState:
     def state_dict(self) -> dict[str, Any]:
         """Plain python (JSON-safe) copy of the state."""
         # NaN (no floor yet) as None: JSON-safe, and equal to itself when two states are compared
-        floor = [] if self.floor_C is None else [x if math.isfinite(x) else None for x in self.floor_C.tolist()]
+        floor = [] if self.floor_C is None else _floor_list(self.floor_C)
         return {"lambda_C": self.lambda_C.tolist(), "rule": copy.deepcopy(self.rule), "steps": int(self.steps),
                 "skipped": int(self.skipped), "floor_C": floor, "lambda_avg_C": self.lambda_avg().tolist(),
                 "staleness": copy.deepcopy(self.staleness), "contexts": copy.deepcopy(self.contexts),
-                "context": self.context}
+                "context": self.context, "floors": copy.deepcopy(self.floors), "floor_key": self.floor_key}
 
     @classmethod
     def from_state_dict(cls, d: dict[str, Any]) -> "DualState":
@@ -125,7 +130,13 @@ class DualState:
         avg = _vec(d["lambda_avg_C"]) if d.get("lambda_avg_C") else lam.clone()
         return cls(lambda_C=lam, rule=copy.deepcopy(rule), steps=int(d["steps"]), skipped=int(d["skipped"]),
                    floor_C=floor, lambda_avg_C=avg, staleness=copy.deepcopy(d.get("staleness")),
-                   contexts=copy.deepcopy(d.get("contexts")), context=d.get("context"))
+                   contexts=copy.deepcopy(d.get("contexts")), context=d.get("context"),
+                   floors=copy.deepcopy(d.get("floors")), floor_key=d.get("floor_key"))
+
+
+def _floor_list(floor_C: Tensor) -> list:
+    """A floor as plain python, NaN (no floor yet) as None: JSON-safe, and equal to itself in comparisons."""
+    return [x if math.isfinite(x) else None for x in floor_C.tolist()]
 
 
 def _vec(v: Any) -> Tensor:
@@ -209,6 +220,41 @@ def enter_context(state: DualState, key: str, cfg: DualConfig) -> DualState:
     else:
         lam, rule, avg = _vec(saved["lambda_C"]), saved["rule"], _vec(saved["lambda_avg_C"])
     return replace(state, lambda_C=lam, rule=rule, lambda_avg_C=avg, contexts=table, context=key)
+
+
+def enter_floor(state: DualState, key: str) -> DualState:
+    """The state with the floor of rollout precision ``key`` in force (``dual.floor_by: precision``).
+
+    An automatic tolerance is c = F (1 + floor_slack), F the EMA of the engines' discrepancy on identical weights,
+    and that floor is a property of the rollout precision: fp32 rollouts sit orders of magnitude under int4 ones.
+    One F for the run carries the first precision's floor into the next (an fp32 warm-up's ~1e-7 holds c far under
+    an int4 batch's D-hat until fresh batches move the EMA), so each precision keeps its own F: the active one's
+    is stored, ``key``'s loaded, NaN for a precision not seen yet, which the next fresh batch seeds
+    (``dual_step``). The first batch's precision takes the state as it is. Multipliers are untouched.
+    """
+    if state.floor_key == key:
+        return state
+    table = copy.deepcopy(state.floors) if state.floors else {}
+    if state.floor_key is not None and state.floor_C is not None:
+        table[state.floor_key] = _floor_list(state.floor_C)
+    saved = table.pop(key, None)
+    if saved is None and state.floor_key is None:
+        return replace(state, floors=table, floor_key=key)
+    n = state.lambda_C.numel()
+    floor_C = (torch.full((n,), float("nan"), dtype=_F64) if saved is None
+               else _vec([float("nan") if x is None else x for x in saved]))
+    return replace(state, floor_C=floor_C, floors=table, floor_key=key)
+
+
+def needs_floor(state: DualState, cfg: DualConfig) -> bool:
+    """Whether an automatic tolerance has no floor yet (NaN): the next batch should be sampled by the trainer's
+    current weights so that it measures one."""
+    if not _has_auto_tolerance(cfg):
+        return False
+    if state.floor_C is None:
+        return True
+    auto_C = _per_constraint(cfg, "floor_slack") >= 0  # NaN (no automatic tolerance) compares False
+    return bool((auto_C & torch.isnan(state.floor_C)).any())
 
 
 def tolerances(state: DualState, cfg: DualConfig) -> Tensor:

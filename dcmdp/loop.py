@@ -33,7 +33,7 @@ from dcmdp.checkpoint import (RunFolderError, RunFolderLock, SignalCheckpointer,
 from dcmdp.config import ConfigError, RunConfig, flatten, load_config, resume_conflicts, to_yaml
 from dcmdp import distributed
 from dcmdp.cpu import apply_threads
-from dcmdp.dual import DualState, dual_step, enter_context, init_state, penalty_spec
+from dcmdp.dual import DualState, dual_step, enter_context, enter_floor, init_state, needs_floor, penalty_spec
 from dcmdp.dual import batch_tolerances, bound_in_force, staleness_step, with_staleness
 from dcmdp.plots import plot_dual
 from dcmdp.redact import redact
@@ -297,6 +297,8 @@ def _train_step(s: Setup, step: int, bar) -> None:
     forward: time/old_logp then holds the forward and time/update the backward and the optimiser step."""
     cfg = s.cfg
     t0 = time.perf_counter()
+    if cfg.dual.floor_by == "precision":
+        s.state.dual = enter_floor(s.state.dual, cfg.rollout.precision_at(step))
     examples, rollout, fresh_B, async_metrics = _next_rollout(s, step)
     t1 = time.perf_counter()
     rewards_B, reward_metrics = reward_phase(s.policy, examples, rollout)
@@ -698,7 +700,9 @@ def _next_rollout(s: Setup, step: int) -> tuple[list[Example], Rollout, Optional
         return (*rollout_phase(s.policy, s.cfg, step), None, {})
     a = s.cfg.async_rollout
     bound = _bound(s) if a.is_auto else a.cap()
-    batch, fresh_B, metrics = s.worker.take(step, bound, a.too_stale, s.policy.model.state_dict())
+    # dual.floor_by: a precision without a floor yet gets a batch of the trainer's current weights, which measures it
+    fresh = s.cfg.dual.floor_by != "none" and needs_floor(s.state.dual, s.cfg.dual)
+    batch, fresh_B, metrics = s.worker.take(step, bound, a.too_stale, s.policy.model.state_dict(), fresh=fresh)
     plan = s.worker.staleness_of
     if a.forced != "off":
         metrics["async/staleness_forced"] = float(plan(step))
