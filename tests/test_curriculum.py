@@ -12,6 +12,7 @@ from dcmdp.loop import rollout_phase
 from dcmdp.policy import build_policy
 from trainers.config import CurriculumPhase, TaskConfig
 from trainers.tasks import TASKS, Curriculum
+from runs import metric_history
 
 SCHEDULE = [CurriculumPhase(until_step=3, digits=2, min_digits=1),
             CurriculumPhase(until_step=6, digits=4, min_digits=3), CurriculumPhase(digits=8, min_digits=7)]
@@ -78,7 +79,6 @@ def test_curriculum_needs_a_generated_task(tmp_path):
 
 def test_run_logs_the_curriculum_phase_digits(tmp_path):
     """A run with a curriculum logs task/digits every step (the phase's digits), so lambda can be read against it."""
-    from mlflow.tracking import MlflowClient
 
     from dcmdp.loop import train
 
@@ -86,5 +86,4 @@ def test_run_logs_the_curriculum_phase_digits(tmp_path):
         "model.preset=tiny-dense", "task.name=addition", "task.digits=3", "cold_start.steps=0", "task.eval_size=8",
         "algo.prompts_per_step=4", "algo.samples_per_prompt=2", "rollout.max_new_tokens=2", "threads=1", "steps=3",
         "progress=false", f"output_dir={tmp_path / 'run'}", "task.curriculum=[{until_step: 2, digits: 1}, {digits: 3}]"]))
-    hist = MlflowClient(tracking_uri=summary.tracking_uri).get_metric_history(summary.run_id, "task/digits")
-    assert [m.value for m in sorted(hist, key=lambda m: m.step)] == [1.0, 1.0, 3.0]
+    assert metric_history(summary, "task/digits") == [1.0, 1.0, 3.0]

@@ -13,6 +13,7 @@ from dcmdp.config import ConfigError, ContextConfig, DualConfig, load_config
 from dcmdp.dual import DualState, dual_step, enter_context, init_state
 from dcmdp.loop import train
 from constraints.config import ConstraintConfig
+from runs import metric_history
 
 CFG = DualConfig(rule="projected", relative=True,
                  constraints=[ConstraintConfig(measure="abs_prob_diff", tolerance=0.01, lambda_init=0.1, lr=0.5,
@@ -102,13 +103,6 @@ def test_bad_context_configs_name_the_key(tmp_path, overrides, key):
         load_config(None, [f"output_dir={tmp_path}", *overrides])
 
 
-def _history(summary, key: str) -> list[float]:
-    from mlflow.tracking import MlflowClient
-
-    hist = MlflowClient(tracking_uri=summary.tracking_uri).get_metric_history(summary.run_id, key)
-    return [m.value for m in sorted(hist, key=lambda m: m.step)]
-
-
 def test_a_run_switches_multipliers_with_the_rollout_precision(tmp_path):
     """fp32 (steps 1-2) -> int4 (3-4) -> fp32 (5): int4's multiplier starts at lambda_init, and back in fp32 the
     dual step continues from fp32's last multiplier (the projected step on step 5's D-hat, float64)."""
@@ -120,10 +114,10 @@ def test_a_run_switches_multipliers_with_the_rollout_precision(tmp_path):
         "dual.constraints=[{measure: abs_prob_diff, tolerance: 1e-4, lambda_init: 0.2, lr: 50.0}]",
         "rollout.precision_schedule=[{until_step: 2, precision: fp32}, {until_step: 4, precision: int4}, "
         "{precision: fp32}]"]))
-    assert _history(summary, "dual/context") == [32.0, 32.0, 4.0, 4.0, 32.0]
-    lam = _history(summary, "dual/lambda/abs_prob_diff")
-    d = _history(summary, "dual/measured/abs_prob_diff")
-    c = _history(summary, "dual/tolerance/abs_prob_diff")
+    assert metric_history(summary, "dual/context") == [32.0, 32.0, 4.0, 4.0, 32.0]
+    lam = metric_history(summary, "dual/lambda/abs_prob_diff")
+    d = metric_history(summary, "dual/measured/abs_prob_diff")
+    c = metric_history(summary, "dual/tolerance/abs_prob_diff")
 
     def step(prev, i):
         return min(max(prev + 50.0 * (d[i] - c[i]), 0.0), 10.0)

@@ -24,6 +24,7 @@ from trainers.engines.torch_engine import TorchEngine
 from trainers.losses import IS_MODES, POLICY_LOSSES
 from trainers.models import build_model
 from trainers.tasks import TASKS, Example
+from runs import metric_history
 
 torch.set_num_threads(1)
 
@@ -32,13 +33,6 @@ def _tiny_run(tmp_path, *overrides: str) -> list[str]:
     """Overrides of a one-step run of an untrained tiny-dense model (no cold start)."""
     return ["model.preset=tiny-dense", "cold_start.steps=0", "algo.prompts_per_step=2", "algo.samples_per_prompt=2",
             "task.eval_size=4", "steps=1", "threads=1", "progress=false", f"output_dir={tmp_path / 'run'}", *overrides]
-
-
-def _history(summary, key: str) -> list[float]:
-    from mlflow.tracking import MlflowClient
-
-    hist = MlflowClient(tracking_uri=summary.tracking_uri).get_metric_history(summary.run_id, key)
-    return [m.value for m in sorted(hist, key=lambda m: m.step)]
 
 
 def _scored_batch(cfg: AlgoConfig, seed: int = 0):
@@ -78,12 +72,12 @@ def test_a_new_measure_is_a_constraint_of_a_training_step(tmp_path, monkeypatch)
     from dcmdp.loop import train
 
     summary = train(cfg)
-    (measured,) = _history(summary, "dual/measured/sq_log_ratio")
+    (measured,) = metric_history(summary, "dual/measured/sq_log_ratio")
     # the panel logs every registered measure, and the dual step moved lambda by eta (D - c)
-    assert _history(summary, "discrepancy/sq_log_ratio") == [pytest.approx(measured)]
+    assert metric_history(summary, "discrepancy/sq_log_ratio") == [pytest.approx(measured)]
     assert measured > tolerance
     assert summary.final_lambda["sq_log_ratio"] == pytest.approx(lam0 + eta * (measured - tolerance), rel=1e-6)
-    assert _history(summary, "penalty/loss")[0] > 0  # its token form went into the hinge penalty
+    assert metric_history(summary, "penalty/loss")[0] > 0  # its token form went into the hinge penalty
 
 
 # ---------------------------------------------------------------------------------------------- IS mode
@@ -262,4 +256,4 @@ def test_a_new_task_trains(tmp_path, monkeypatch):
 
     summary = train(cfg)
     assert summary.steps == 1 and 0.0 <= summary.accuracy_after <= 1.0
-    assert len(_history(summary, "reward/accuracy")) == 1
+    assert len(metric_history(summary, "reward/accuracy")) == 1

@@ -12,6 +12,7 @@ from constraints.config import ConstraintConfig
 from dcmdp.config import ConfigError, DualConfig, load_config
 from dcmdp.dual import DualState, dual_step, enter_floor, init_state, needs_floor
 from dcmdp.loop import train
+from runs import metric_history
 
 SLACK, EMA = 0.5, 0.8
 CFG = DualConfig(rule="projected", relative=True,
@@ -80,20 +81,12 @@ def test_checkpoint_round_trip_keeps_every_floor():
                               equal_nan=True)
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["dual.floor_by=digits"], "dual.floor_by"),
-    (["dual.floor_by=precision"], "dual.floor_by"),  # the default constraint has a fixed tolerance
-])
-def test_bad_floor_by_configs_name_the_key(tmp_path, overrides, key):
-    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        load_config(None, [f"output_dir={tmp_path}", *overrides])
-
-
-def _history(summary, key: str) -> list[float]:
-    from mlflow.tracking import MlflowClient
-
-    hist = MlflowClient(tracking_uri=summary.tracking_uri).get_metric_history(summary.run_id, key)
-    return [m.value for m in sorted(hist, key=lambda m: m.step)]
+def test_bad_floor_by_configs_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"dual\.floor_by.*unknown 'digits'"):
+        load_config(None, [f"output_dir={tmp_path}", "dual.floor_by=digits"])
+    # the default constraint has a fixed tolerance: no floor to keep
+    with pytest.raises(ConfigError, match=r"dual\.floor_by.*floor_slack"):
+        load_config(None, [f"output_dir={tmp_path}", "dual.floor_by=precision"])
 
 
 def _switch_run(tmp_path, name: str, *extra: str):
@@ -113,14 +106,14 @@ def test_a_run_measures_the_new_precisions_floor_at_the_switch(tmp_path):
     it leave the floor as it is. Without it the tolerance at step 4 stays at fp32's floor."""
     torch.set_num_threads(1)
     with_floor = _switch_run(tmp_path, "by_precision", "dual.floor_by=precision")
-    assert _history(with_floor, "async/resampled_fresh") == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
-    assert _history(with_floor, "async/staleness_max")[3] == 0.0
-    d = _history(with_floor, "dual/measured/abs_prob_diff")
-    c = _history(with_floor, "dual/tolerance/abs_prob_diff")
+    assert metric_history(with_floor, "async/resampled_fresh") == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    assert metric_history(with_floor, "async/staleness_max")[3] == 0.0
+    d = metric_history(with_floor, "dual/measured/abs_prob_diff")
+    c = metric_history(with_floor, "dual/tolerance/abs_prob_diff")
     assert c[3] == pytest.approx(1.5 * d[3], rel=1e-12)
     assert c[4] == c[3] and c[5] == c[3]  # stale batches (version < step) measure no floor
     single = _switch_run(tmp_path, "single")
-    assert _history(single, "async/resampled_fresh") == [0.0] * 6
-    c_single = _history(single, "dual/tolerance/abs_prob_diff")
+    assert metric_history(single, "async/resampled_fresh") == [0.0] * 6
+    c_single = metric_history(single, "dual/tolerance/abs_prob_diff")
     assert c_single[3] == c_single[1]  # fp32's floor, held through the stale int4 batches
     assert c[3] > 10 * c_single[3]
