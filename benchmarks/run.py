@@ -1037,7 +1037,7 @@ def page(exp: Experiment, profile_name: str, runs: list[Run], cells_here: list[t
 def main(argv: Optional[Sequence[str]] = None) -> list[dict] | None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("experiment", nargs="?", help="name under benchmarks/experiments/ or a path to a YAML file")
-    ap.add_argument("--profile", default="quick")
+    ap.add_argument("-p", "--profile", default="quick")
     ap.add_argument("--workers", type=int, default=2, help="runs in parallel, one process and one thread each")
     ap.add_argument("--bench-dir", default=None, help="run folders (default: outputs/<experiment>_<profile>)")
     ap.add_argument("--results", default=None,
