@@ -122,8 +122,7 @@ class DualState:
     def from_state_dict(cls, d: dict[str, Any]) -> "DualState":
         lam = _vec(d["lambda_C"])
         # checkpoints written before automatic tolerances existed carry no floor
-        floor = (_vec([float("nan") if x is None else x for x in d["floor_C"]]) if d.get("floor_C")
-                 else torch.full_like(lam, float("nan")))
+        floor = _floor_vec(d["floor_C"]) if d.get("floor_C") else torch.full_like(lam, float("nan"))
         # checkpoints written before rules owned their state kept the PID terms at the top level
         rule = d["rule"] if "rule" in d else {k: d[k] for k in _PID_KEYS if k in d}
         # states written before the running mean existed: it restarts from the current lambda
@@ -137,6 +136,11 @@ class DualState:
 def _floor_list(floor_C: Tensor) -> list:
     """A floor as plain python, NaN (no floor yet) as None: JSON-safe, and equal to itself in comparisons."""
     return [x if math.isfinite(x) else None for x in floor_C.tolist()]
+
+
+def _floor_vec(values: list) -> Tensor:
+    """The inverse of ``_floor_list``: None (no floor yet) as NaN."""
+    return _vec([float("nan") if x is None else x for x in values])
 
 
 def _vec(v: Any) -> Tensor:
@@ -240,9 +244,7 @@ def enter_floor(state: DualState, key: str) -> DualState:
     saved = table.pop(key, None)
     if saved is None and state.floor_key is None:
         return replace(state, floors=table, floor_key=key)
-    n = state.lambda_C.numel()
-    floor_C = (torch.full((n,), float("nan"), dtype=_F64) if saved is None
-               else _vec([float("nan") if x is None else x for x in saved]))
+    floor_C = _floor_vec([None] * state.lambda_C.numel() if saved is None else saved)
     return replace(state, floor_C=floor_C, floors=table, floor_key=key)
 
 

@@ -79,7 +79,6 @@ def test_curriculum_needs_a_generated_task(tmp_path):
 
 def test_run_logs_the_curriculum_phase_digits(tmp_path):
     """A run with a curriculum logs task/digits every step (the phase's digits), so lambda can be read against it."""
-
     from dcmdp.loop import train
 
     summary = train(load_config(None, [
