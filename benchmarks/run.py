@@ -570,11 +570,27 @@ def aggregate(runs: list[Run], keys: list[tuple[str, str, int]]) -> list[dict]:
             "kl_k3_start": float(np.nanmean([np.nanmean(r.kl_k3[:5]) for r in rs])),
             "inside_share": float(np.mean([np.mean(np.asarray(r.measured) <= np.asarray(r.tolerance)) for r in rs])),
             "mean_lambda": float(np.nanmean([np.nanmean(r.lambdas) for r in rs])),
+            "extreme_share": extreme_share([r.lambdas for r in rs]),
             "final_lambda": float(np.nanmean([r.lambdas[-1] for r in rs])),
             "extra": {k: float(np.nanmean([r.extra.get(k, math.nan) for r in rs]))
                       for k in sorted({k for r in rs for k in r.extra})},
         })
     return cells
+
+
+def extreme_share(lambdas: Sequence[Sequence[float]], within: float = 0.01) -> float:
+    """Share of steps whose λ lies within ``within`` of its run's range from the run's lowest or highest λ
+    (how bang-bang the rule acts), over the runs whose λ moves; NaN when no run's λ moves."""
+    shares = []
+    for lam in lambdas:
+        a = np.asarray(lam, dtype=np.float64)
+        a = a[np.isfinite(a)]
+        if a.size == 0 or a.max() == a.min():
+            continue
+        lo, hi = a.min(), a.max()
+        margin = within * (hi - lo)
+        shares.append(float(np.mean((a <= lo + margin) | (a >= hi - margin))))
+    return float(np.mean(shares)) if shares else math.nan
 
 
 def is_dcmdp(method: str) -> bool:
@@ -668,11 +684,12 @@ def compute_rows(cmp: Compare, runs: list[Run]) -> list[dict]:
 def table(cells: list[dict]) -> list[str]:
     return md_table(
         ("N", "level", "kl_k3 at start", "method", "final held-out acc", "late held-out acc", "peak held-out acc",
-         "collapses", "mean abs_prob_diff", "steps inside c", "mean λ", "final λ"),
+         "collapses", "mean abs_prob_diff", "steps inside c", "mean λ", "final λ", "λ at its extremes"),
         [(c["N"], c["level"], f"{c['kl_k3_start']:.2e}", c["method"], f"{c['final']:.3f} ± {c['final_sd']:.3f}",
           f"{c['late']:.3f} ± {c['late_sd']:.3f}", f"{c['peak']:.3f} ± {c['peak_sd']:.3f}",
           f"{c['collapses']}/{c['seeds']}", f"{c['abs_prob_diff']:.2e}", f"{c['inside_share']:.0%}",
-          f"{c['mean_lambda']:.3g}", f"{c['final_lambda']:.3g}") for c in cells])
+          f"{c['mean_lambda']:.3g}", f"{c['final_lambda']:.3g}",
+          "-" if math.isnan(c["extreme_share"]) else f"{c['extreme_share']:.0%}") for c in cells])
 
 
 def welch_table(rows: list[dict]) -> list[str]:
@@ -922,7 +939,8 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
         f"(the deployed policy), final, late (the mean of the evaluations from {exp.late_from:.0%} of the steps on) "
         "and peak, mean ± sd over seeds; kl_k3 at start = pi_old vs mu over the first 5 steps; steps inside c = "
         "share of steps with the D̂ fed to the dual <= the tolerance in force; λ = the multiplier the penalty "
-        "carried", "",
+        "carried; λ at its extremes = share of steps with λ within 1% of its run's range from the run's lowest or "
+        "highest λ (runs whose λ moves; - where none does)", "",
         *md_table(("level", "overrides", "about"), [(lv, f"`{' '.join(exp.levels[lv])}`" if exp.levels[lv] else "-",
                                                       exp.abouts[f"levels.{lv}"]) for lv in levels]), "",
         *md_table(("method", "overrides", "about"),

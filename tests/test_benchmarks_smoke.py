@@ -1,3 +1,4 @@
+import math
 import re
 from pathlib import Path
 
@@ -476,6 +477,17 @@ def test_compare_block_picks_each_roles_best_candidate_and_tests_it(tmp_path):
     compute = {(c["level"], c["what"]): c for c in run.compute_rows(exp.compare, runs)}
     assert compute[("int8", "tuned")]["runs"] == 6 and abs(compute[("int8", "tuned")]["run_minutes"] - 6.0) < 1e-12
     assert compute[("int8", "minirl")]["run_minutes"] == 1.5 and ("fp8", "tuned") in compute
+
+
+def test_extreme_share_counts_steps_at_a_runs_lowest_or_highest_lambda():
+    """λ at its extremes: per run, the share of steps within 1% of the run's λ range from its min or max; the mean
+    over runs whose λ moves; a constant λ is left out, and NaN when no run's λ moves."""
+    run = _runner()
+    bang = [0.0, 0.3, 0.3, 0.0, 0.15, 0.298, 0.002, 0.1]  # range 0.3, margin 0.003: 6 of 8 at an extreme
+    smooth = [0.1, 0.12, 0.14, 0.16, 0.18, 0.2]  # only its own min and max: 2 of 6
+    assert abs(run.extreme_share([bang]) - 6 / 8) < 1e-15
+    assert abs(run.extreme_share([bang, smooth, [0.3] * 5, [math.nan, 0.3, 0.3]]) - (6 / 8 + 2 / 6) / 2) < 1e-15
+    assert math.isnan(run.extreme_share([[0.3] * 4, []]))
 
 
 @pytest.mark.parametrize("block, message", [
