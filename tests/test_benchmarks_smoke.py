@@ -122,8 +122,10 @@ def test_overheads_smoke(tmp_path):
     assert c["measure_ms"] > 0 and c["dual_ms"] > 0 and c["measure_ms"] + c["dual_ms"] < c["step_ms"]
     # 2 prompts x 2 samples, 1 to 8 response tokens each
     assert 4 <= c["tokens"] <= 32
-    # the R3 pass runs on one mini-batch of the 4 rows; the ratio of two timings of the same work is near 1
-    assert r3["rows"] == 4 and r3["base_ms"] > 0 and 0.5 < r3["ratio"] < 2.0
+    # the R3 pass runs on one mini-batch of the 4 rows; the ratio is the median of the paired ratios, inside its
+    # quartiles (how near 1 it is is the benchmark's reading, and a loaded machine moves it)
+    assert r3["rows"] == 4 and r3["base_ms"] > 0 and r3["r3_ms"] > 0
+    assert 0 < r3["ratio_q1"] <= r3["ratio"] <= r3["ratio_q3"]
     assert json.loads(out.with_suffix(".json").read_text())["rows"][0]["controller"] == c
     assert "| controller share" in out.read_text().splitlines()[-3] and out.with_suffix(".png").stat().st_size > 0
 
