@@ -7,7 +7,10 @@ run is the experiment's base config + its ``overrides`` + the profile's + the le
 ``algo.minibatches=N seed=S``. The missing cells train in long-lived worker processes (one torch thread each);
 a cell whose ``summary.json`` and ``history.json`` exist is skipped and a killed run resumes from its last
 checkpoint, so a folder of finished cells copied in renders without training. The page
-``benchmarks/results/<experiment>_<profile>.md`` (with .csv, .json and plots) is generated from the run folders.
+``benchmarks/results/<experiment>_<profile>.md`` (with .csv, .json and plots) is generated from the run folders
+and the page's record: its .json holds every run (accuracy curve, λ and discrepancy per step, diagnostics, the
+overrides it was trained with), and a run the folder lacks is read from there while the experiment file still
+gives it the same overrides. The folders are scratch; the committed record is the result.
 
 Collapse, any of: a non-finite update; the final held-out accuracy below half of the run's peak (step 0
 included); the mean reward accuracy over the last W = max(5, steps / 20) steps below half of the best W-step
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import datetime
 import json
 import math
@@ -143,10 +147,14 @@ class Experiment:
     def cell_dir(self, bench_dir: Path, level: str, method: str, n: int, seed: int) -> Path:
         return bench_dir / self.cell_name.format(level=level, method=method, N=n, seed=seed)
 
+    def run_config(self, profile: str, level: str, method: str, n: int, seed: int) -> list[str]:
+        """What sets one run's training, on top of the base config (its page record carries it)."""
+        return [*self.overrides, *self.profiles[profile].overrides, *self.levels[level], *self.methods[method],
+                *self.method_levels.get(method, {}).get(level, []), f"algo.minibatches={n}", f"seed={seed}"]
+
     def cell_overrides(self, profile: str, level: str, method: str, n: int, seed: int, out: Path) -> list[str]:
         """The full dotlist of one run, on top of the base config."""
-        return [*self.overrides, *self.profiles[profile].overrides, *self.levels[level], *self.methods[method],
-                *self.method_levels.get(method, {}).get(level, []), f"algo.minibatches={n}", f"seed={seed}", f"output_dir={out}", *CELL_PLUMBING]
+        return [*self.run_config(profile, level, method, n, seed), f"output_dir={out}", *CELL_PLUMBING]
 
 
 def _strings(value, where: str) -> tuple[str, ...]:
@@ -539,6 +547,81 @@ def load_run(out: Path, level: str, method: str, n: int, seed: int, warmup: int,
                {k: series(k) for k in SCHEDULE_KEYS if any(k in h for h in history)})
 
 
+def _sig(x: Sequence[float]) -> list[float]:
+    return [float(f"{v:.4g}") for v in x]
+
+
+def run_record(r: Run, config: Sequence[str]) -> dict:
+    """One run on its page's JSON: everything the page is rendered from (per-step series to 4 significant
+    digits), and ``config``, what set its training; ``run_from_record`` reads it back."""
+    return {"level": r.level, "method": r.method, "N": r.n, "seed": r.seed, "config": list(config),
+            "eval_steps": r.eval_steps, "eval_acc": r.eval_acc, "collapsed": r.collapsed,
+            "collapse_reason": r.collapse_reason, "seconds": round(r.seconds, 1), "finished": round(r.finished) if np.isfinite(r.finished) else None,
+            "lambda": _sig(r.lambdas), "measured": _sig(r.measured), "tolerance": _sig(r.tolerance),
+            "abs_prob_diff": _sig(r.abs_prob_diff), "kl_k3": _sig(r.kl_k3),
+            "extra": {k: float(f"{v:.6g}") for k, v in r.extra.items()},
+            "schedule": {k: _sig(v) for k, v in r.schedule.items()}, "tokens_per_s": r.extra.get("tokens_per_s")}
+
+
+def run_from_record(d: dict, late_from: float, seconds: float = math.nan) -> Run:
+    """A page's run record as a Run. Records written before they carried the per-step discrepancy series and the
+    diagnostics have empty series (the page keeps those cells' diagnostics, see ``page``) and take ``seconds``
+    from the page's CSV."""
+    steps, acc = d["eval_steps"], d["eval_acc"]
+    late = float(np.mean([a for s, a in zip(steps, acc) if s >= late_from * steps[-1]]))
+    extra = d.get("extra") or ({"tokens_per_s": d["tokens_per_s"]} if d.get("tokens_per_s") is not None else {})
+    return Run(d["level"], d["method"], d["N"], d["seed"], acc[0], steps, acc, d["collapsed"], d["collapse_reason"],
+               d.get("measured", []), d.get("tolerance", []), d["lambda"], d.get("abs_prob_diff", []),
+               d.get("kl_k3", []), float(d.get("seconds", seconds)), acc[-1], max(acc), late, extra,
+               float(d.get("finished") or math.nan), d.get("schedule", {}))
+
+
+def recorded_runs(exp: Experiment, profile_name: str, prefix: Path, where: str = ""
+                  ) -> tuple[dict[tuple[str, str, int, int], Run], dict[tuple[str, str, int], dict],
+                             dict[str, float], bool]:
+    """The runs on the committed page ``prefix``.json that the experiment file would still train the same way
+    (its record's config, or for a record without one its page's level, method and profile overrides), by
+    (level, method, N, seed); the page's cells by (level, method, N); its wall seconds per run folder, and whether
+    some of its runs' wall was not recorded."""
+    path = prefix.with_suffix(".json")
+    if not path.exists():
+        return {}, {}, {}, False
+    page = json.loads(path.read_text())
+    seconds = {}
+    if prefix.with_suffix(".csv").exists():
+        for row in csv.DictReader(open(prefix.with_suffix(".csv"))):
+            seconds[(row["level"], row["method"], int(row["N"]), int(row["seed"]))] = float(row["seconds"])
+    cells = set(exp.cells(profile_name))
+    runs, stale = {}, 0
+    for d in page.get("runs", []):
+        key = (d["level"], d["method"], d["N"], d["seed"])
+        if key not in cells:
+            continue
+        if "config" in d:
+            same = d["config"] == exp.run_config(profile_name, *key)
+        else:
+            same = (page["levels"].get(key[0]) == exp.levels[key[0]] and page["methods"].get(key[1]) == exp.methods[key[1]]
+                    and page["overrides"] == list(exp.overrides)
+                    and page["profile_overrides"] == list(exp.profiles[profile_name].overrides))
+        if same:
+            runs[key] = run_from_record(d, exp.late_from, seconds.get(key, math.nan))
+        else:
+            stale += 1
+    if stale:
+        print(f"{where or rel(path)}: {stale} recorded runs were trained with other overrides than the experiment "
+              "file now gives; left off the page", flush=True)
+    return (runs, {(c["level"], c["method"], c["N"]): c for c in page.get("cells", [])}, page.get("walls") or {},
+            page.get("walls") is None or page.get("walls_partial", False))
+
+
+def _nanmean(x: Sequence[float]) -> float:
+    """Mean over the values that are not NaN; NaN (without numpy's warning) where there are none, e.g. a series a run
+    recorded before the series were kept lacks."""
+    a = np.asarray(x, dtype=np.float64)
+    a = a[~np.isnan(a)]
+    return float(a.mean()) if a.size else math.nan
+
+
 def _varies(x: Sequence[float]) -> bool:
     a = np.asarray(x, dtype=np.float64)
     return np.unique(a[np.isfinite(a)]).size > 1
@@ -565,10 +648,11 @@ def aggregate(runs: list[Run], keys: list[tuple[str, str, int]]) -> list[dict]:
             "final": final, "final_sd": final_sd, "peak": peak, "peak_sd": peak_sd,
             "finals": [r.final for r in rs], "late": late, "late_sd": late_sd, "lates": [r.late for r in rs],
             "collapses": int(sum(r.collapsed for r in rs)),
-            "abs_prob_diff": float(np.nanmean([np.nanmean(r.abs_prob_diff) for r in rs])),
+            "abs_prob_diff": _nanmean([_nanmean(r.abs_prob_diff) for r in rs]),
             # the discrepancy the level produces at the start (first 5 steps), as the x axis is read
-            "kl_k3_start": float(np.nanmean([np.nanmean(r.kl_k3[:5]) for r in rs])),
-            "inside_share": float(np.mean([np.mean(np.asarray(r.measured) <= np.asarray(r.tolerance)) for r in rs])),
+            "kl_k3_start": _nanmean([_nanmean(r.kl_k3[:5]) for r in rs]),
+            "inside_share": _nanmean([np.mean(np.asarray(r.measured) <= np.asarray(r.tolerance)) if r.measured
+                                      else math.nan for r in rs]),
             "mean_lambda": float(np.nanmean([np.nanmean(r.lambdas) for r in rs])),
             "extreme_share": extreme_share([r.lambdas for r in rs]),
             "final_lambda": float(np.nanmean([r.lambdas[-1] for r in rs])),
@@ -685,11 +769,15 @@ def table(cells: list[dict]) -> list[str]:
     return md_table(
         ("N", "level", "kl_k3 at start", "method", "final held-out acc", "late held-out acc", "peak held-out acc",
          "collapses", "mean abs_prob_diff", "steps inside c", "mean λ", "final λ", "λ at its extremes"),
-        [(c["N"], c["level"], f"{c['kl_k3_start']:.2e}", c["method"], f"{c['final']:.3f} ± {c['final_sd']:.3f}",
+        [(c["N"], c["level"], _fmt(c["kl_k3_start"], ".2e"), c["method"], f"{c['final']:.3f} ± {c['final_sd']:.3f}",
           f"{c['late']:.3f} ± {c['late_sd']:.3f}", f"{c['peak']:.3f} ± {c['peak_sd']:.3f}",
-          f"{c['collapses']}/{c['seeds']}", f"{c['abs_prob_diff']:.2e}", f"{c['inside_share']:.0%}",
-          f"{c['mean_lambda']:.3g}", f"{c['final_lambda']:.3g}",
-          "-" if math.isnan(c["extreme_share"]) else f"{c['extreme_share']:.0%}") for c in cells])
+          f"{c['collapses']}/{c['seeds']}", _fmt(c["abs_prob_diff"], ".2e"), _fmt(c["inside_share"], ".0%"),
+          f"{c['mean_lambda']:.3g}", f"{c['final_lambda']:.3g}", _fmt(c["extreme_share"], ".0%")) for c in cells])
+
+
+def _fmt(x: float, spec: str) -> str:
+    """``x`` formatted, or '-' where it is NaN (not measured, or not recorded for the runs of a cell)."""
+    return "-" if math.isnan(x) else format(x, spec)
 
 
 def welch_table(rows: list[dict]) -> list[str]:
@@ -766,13 +854,16 @@ def plot(exp: Experiment, runs: list[Run], cells: list[dict], prefix: Path) -> l
     if rs:
         fig, (ax_d, ax_l) = plt.subplots(1, 2, figsize=(11, 4.2))
         for k, r in enumerate(rs):
-            steps = np.arange(1, len(r.measured) + 1)
-            w = min(5, len(r.measured))
-            ax_d.plot(steps[w - 1:], np.convolve(r.measured, np.ones(w) / w, mode="valid"), color=f"C{k}",
-                      label=f"D̂ seed {r.seed}")
-            ax_d.plot(steps, r.tolerance, color=f"C{k}", ls="--", lw=0.8)
+            steps = np.arange(1, len(r.lambdas) + 1)
+            if r.measured:  # a run recorded before the series were kept has none
+                w = min(5, len(r.measured))
+                ax_d.plot(steps[w - 1:], np.convolve(r.measured, np.ones(w) / w, mode="valid"), color=f"C{k}",
+                          label=f"D̂ seed {r.seed}")
+                ax_d.plot(steps, r.tolerance, color=f"C{k}", ls="--", lw=0.8)
             ax_l.plot(steps, r.lambdas, color=f"C{k}", label=f"seed {r.seed}")
-        ax_d.set_yscale("log"), ax_d.set_xlabel("RL step"), ax_d.grid(alpha=0.3), ax_d.legend(fontsize=7)
+        ax_d.set_yscale("log"), ax_d.set_xlabel("RL step"), ax_d.grid(alpha=0.3)
+        if any(r.measured for r in rs):
+            ax_d.legend(fontsize=7)
         ax_d.set_ylabel("D̂ fed to the dual (5-step mean); dashed: c in force")
         ax_l.set_xlabel("RL step"), ax_l.set_ylabel("λ"), ax_l.grid(alpha=0.3), ax_l.legend(fontsize=7)
         fig.suptitle(f"{dual[-1]} at {last}, N = {n}"), fig.tight_layout()
@@ -802,7 +893,8 @@ def lambda_figure(runs: list[Run], levels: Sequence[str], methods: Sequence[str]
             steps = np.arange(1, len(rs[0].lambdas) + 1)
             width = 2.2 if is_dcmdp(method) else 1.0
             ax_l.plot(steps, np.nanmean([r.lambdas for r in rs], axis=0), color=color[method], lw=width, label=method)
-            ax_d.plot(steps, np.nanmean([r.measured for r in rs], axis=0), color=color[method], lw=width)
+            if all(len(r.measured) == len(steps) for r in rs):
+                ax_d.plot(steps, np.nanmean([r.measured for r in rs], axis=0), color=color[method], lw=width)
             if key and all(len(r.schedule.get(key, ())) == len(steps) for r in rs):
                 ax_s.plot(steps, np.nanmean([r.schedule[key] for r in rs], axis=0), color=color[method], lw=width)
         ax_l.set_title(level), ax_l.set_ylabel("λ (mean over seeds)"), ax_l.grid(alpha=0.3)
@@ -876,7 +968,8 @@ def _utc(t: float) -> str:
 
 
 def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: list[dict], prefix: Path, cmd: str,
-                  wall_s: Optional[float], expected: Optional[int] = None) -> list[str]:
+                  walls: dict[str, float], configs: dict[tuple[str, str, int, int], list[str]],
+                  expected: Optional[int] = None, carried: int = 0, walls_partial: bool = False) -> list[str]:
     import torch
     import transformers
 
@@ -897,34 +990,40 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
                     "collapse_reason", "mean_abs_prob_diff", "mean_kl_k3", "final_lambda", "seconds"])
         for r in runs:
             w.writerow([r.level, r.method, r.n, r.seed, r.acc_before, r.final, r.late, r.peak, r.collapsed,
-                        r.collapse_reason, np.nanmean(r.abs_prob_diff), np.nanmean(r.kl_k3), r.lambdas[-1],
+                        r.collapse_reason, _nanmean(r.abs_prob_diff), _nanmean(r.kl_k3), r.lambdas[-1],
                         round(r.seconds, 1)])
-    prefix.with_suffix(".json").write_text(json.dumps(
+    # the page's record: a run per line (a later invocation re-renders the page from it, run folders or not)
+    head = json.dumps(
         {"experiment": exp.name, "profile": profile_name, "base": rel(exp.base), "overrides": list(exp.overrides),
          "profile_overrides": list(profile.overrides), "levels": {lv: exp.levels[lv] for lv in levels},
          "methods": {m: exp.methods[m] for m in methods}, "cells": cells, "welch": rows, "throughput": speed,
-         "compare": compared, "compute": compute,
-         "runs": [{"level": r.level, "method": r.method, "N": r.n, "seed": r.seed, "eval_steps": r.eval_steps,
-                   "eval_acc": r.eval_acc, "collapsed": r.collapsed, "collapse_reason": r.collapse_reason,
-                   "lambda": [float(f"{x:.4g}") for x in r.lambdas],
-                   "schedule": {k: [float(f"{x:.4g}") for x in v] for k, v in r.schedule.items()},
-                   "tokens_per_s": r.extra.get("tokens_per_s")}
-                  for r in runs]}, indent=1))
+         "compare": compared, "compute": compute, "walls": walls, "walls_partial": walls_partial,
+         "runs": []}, indent=1)
+    lines_ = [json.dumps(run_record(r, configs[(r.level, r.method, r.n, r.seed)]), separators=(",", ":"))
+              for r in runs]
+    prefix.with_suffix(".json").write_text(head[:-len("[]\n}")] + "[\n" + ",\n".join(lines_) + "\n ]\n}\n")
     lines = table(cells) + (throughput_lines(exp, speed) if speed else [])
-    trained = (f"{wall_s / 60:.0f} min wall over the invocations that trained the runs; " if wall_s is not None
-               else "no run trained here: every run folder was copied in; ")
+    # walls: wall seconds per run folder that trained runs of the page (walls_partial: some were not recorded)
+    trained = (f"{sum(walls.values()) / 60:.0f} min wall over the invocations that trained the runs"
+               f"{' whose wall was recorded' if walls_partial else ''}; " if walls
+               else "no run trained here: every run folder was copied in; " if len(runs) > carried else "")
+    if carried:
+        trained += f"{carried} runs read from the page's earlier record, their folders not here; "
     if profile.pool:
         trained = "pooled, no run trained here: " + ", ".join(
             f"profile {q.profile} from `{q.bench_dir}` (seeds + {q.seed_offset}, its overrides "
             f"`{' '.join(exp.profiles[q.profile].overrides) or '-'}`)" for q in profile.pool) + "; "
+    dated = [r.finished for r in runs if np.isfinite(r.finished)]
     header = [
         f"# {exp.name}, {profile_name} profile", "",
         f"- experiment: {exp.about} (`benchmarks/experiments/{exp.name}.yaml`)",
         f"- profile: {profile.about}",
         *([f"- in progress: {len(runs)} of the profile's {expected} runs have finished; the tables hold those"]
           if expected is not None and len(runs) < expected else []),
-        f"- date: written {_utc(time.time())}; run summaries dated {_utc(min(r.finished for r in runs))} to "
-        f"{_utc(max(r.finished for r in runs))} (a run folder copied without its dates carries the copy's)",
+        f"- date: written {_utc(time.time())}" + (
+            f"; run summaries dated {_utc(min(dated))} to {_utc(max(dated))} (a run folder copied without its dates "
+            "carries the copy's)" if dated else "") + (
+            f"; {len(runs) - len(dated)} runs recorded without their dates" if len(dated) < len(runs) else ""),
         f"- machine: {platform.machine()} ({torch.backends.cpu.get_cpu_capability()} kernels), {os.cpu_count()} "
         "logical CPUs; every run one process with one torch thread",
         f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
@@ -1012,8 +1111,19 @@ def run(exp: Experiment, profile_name: str, bench_dir: Path, results_prefix: Pat
         wall = time.perf_counter() - t0 + (float(wall_file.read_text()) if wall_file.exists() else 0.0)
         wall_file.write_text(f"{wall:.1f}\n")
     warmup = load_config(exp.base, [*exp.overrides, *exp.profiles[profile_name].overrides]).optim.warmup_steps
-    runs = [load_run(out, *key, warmup=warmup, late_from=exp.late_from) for key, out, _ in jobs if finished(out)]
-    cells = page(exp, profile_name, runs, cells_here, results_prefix, cmd, wall, len(jobs), f"see {bench_dir}/*/log.txt")
+    # the page: the profile's runs this invocation covers, from their folders where finished, and every other run
+    # of the profile that the page's earlier record holds (a profile trained in parts, or in another session)
+    record, record_cells, record_walls, record_partial = recorded_runs(exp, profile_name, results_prefix)
+    here = {key: load_run(out, *key, warmup=warmup, late_from=exp.late_from) for key, out, _ in jobs if finished(out)}
+    every = exp.cells(profile_name)
+    runs = [here[key] if key in here else record[key] for key in every if key in here or key in record]
+    configs = {key: exp.run_config(profile_name, *key) for key in every}
+    carried = sum(key not in here for key in every if key in record)
+    walls = dict(record_walls) if carried else {}
+    if wall is not None:
+        walls[rel(bench_dir)] = round(wall, 1)
+    cells = page(exp, profile_name, runs, every, results_prefix, cmd, walls, len(every), f"see {bench_dir}/*/log.txt",
+                 configs, record_cells, carried=carried, walls_partial=bool(carried) and record_partial)
     if failed:
         raise SystemExit(f"{len(failed)} runs failed: {', '.join(p.name for p in failed)}")
     return cells
@@ -1021,34 +1131,56 @@ def run(exp: Experiment, profile_name: str, bench_dir: Path, results_prefix: Pat
 
 def render_pool(exp: Experiment, profile_name: str, results_prefix: Path, cmd: str,
                 cells_here: list[tuple[str, str, int, int]]) -> list[dict]:
-    """A pooled profile's page: the finished runs of its parts' folders, each part's seeds shifted by its offset;
-    nothing trains."""
+    """A pooled profile's page: the finished runs of its parts' folders, else of their pages' records (beside
+    ``results_prefix``), each part's seeds shifted by its offset; nothing trains."""
     from dcmdp.config import load_config
 
-    runs, expected = [], 0
+    runs, expected, configs, carried = [], 0, {}, 0
     for part in exp.profiles[profile_name].pool:
         sub = exp.profiles[part.profile]
         warmup = load_config(exp.base, [*exp.overrides, *sub.overrides]).optim.warmup_steps
+        # a part's page lies beside the pooled one
+        record, _, _, _ = recorded_runs(exp, part.profile, results_prefix.with_name(f"{exp.name}_{part.profile}"))
         for level, method, n, seed in exp.cells(part.profile):
-            if (level, method, n, seed + part.seed_offset) not in cells_here:
+            key = (level, method, n, seed + part.seed_offset)
+            if key not in cells_here:
                 continue
             expected += 1
+            configs[key] = exp.run_config(part.profile, level, method, n, seed)
             out = exp.cell_dir(ROOT / part.bench_dir, level, method, n, seed)
             if finished(out):
-                runs.append(load_run(out, level, method, n, seed + part.seed_offset, warmup=warmup,
-                                     late_from=exp.late_from))
-    print(f"{len(runs)} of the pooled profile's {expected} runs have finished; training nothing", flush=True)
-    return page(exp, profile_name, runs, cells_here, results_prefix, cmd, None, expected,
-                f"its parts' folders: {', '.join(p.bench_dir for p in exp.profiles[profile_name].pool)}")
+                runs.append(load_run(out, *key, warmup=warmup, late_from=exp.late_from))
+            elif (level, method, n, seed) in record:
+                runs.append(dataclasses.replace(record[(level, method, n, seed)], seed=key[3]))
+                carried += 1
+    print(f"{len(runs)} of the pooled profile's {expected} runs have finished ({carried} read from their pages' "
+          "records); training nothing", flush=True)
+    return page(exp, profile_name, runs, cells_here, results_prefix, cmd, {}, expected,
+                f"its parts' folders: {', '.join(p.bench_dir for p in exp.profiles[profile_name].pool)}", configs, {},
+                carried=carried)
+
+
+# the columns computed from the per-step discrepancy series, which runs recorded before the series were kept lack
+SERIES_COLUMNS = ("abs_prob_diff", "kl_k3_start", "inside_share")
 
 
 def page(exp: Experiment, profile_name: str, runs: list[Run], cells_here: list[tuple[str, str, int, int]],
-         results_prefix: Path, cmd: str, wall: Optional[float], expected: int, where: str) -> list[dict]:
-    """Aggregate the finished ``runs`` per (level, method, N), write the profile's page and print its tables."""
+         results_prefix: Path, cmd: str, walls: dict[str, float], expected: int, where: str,
+         configs: dict[tuple[str, str, int, int], list[str]], record_cells: dict[tuple[str, str, int], dict],
+         carried: int = 0, walls_partial: bool = False) -> list[dict]:
+    """Aggregate the finished ``runs`` per (level, method, N), write the profile's page and print its tables. A cell
+    whose runs all lack the per-step series keeps the series columns and diagnostics of ``record_cells`` (the page's
+    earlier cells) where that cell holds the same runs."""
     if not runs:
         raise SystemExit(f"no run of {exp.name}/{profile_name} finished ({where})")
     cells = aggregate(runs, list(dict.fromkeys((lv, m, n) for lv, m, n, _ in sorted(cells_here, key=lambda c: c[2]))))
-    print("\n" + "\n".join(write_results(exp, profile_name, runs, cells, results_prefix, cmd, wall, expected)))
+    for c in cells:
+        old = record_cells.get((c["level"], c["method"], c["N"]))
+        if old and old["lates"] == c["lates"] and not any(
+                r.measured for r in runs if (r.level, r.method, r.n) == (c["level"], c["method"], c["N"])):
+            c.update({k: old[k] for k in SERIES_COLUMNS}, extra={**old["extra"], **c["extra"]})
+    print("\n" + "\n".join(write_results(exp, profile_name, runs, cells, results_prefix, cmd, walls, configs, expected,
+                                          carried, walls_partial)))
     return cells
 
 
@@ -1064,10 +1196,10 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict] | None:
                     help="render <results>_headline.png (one panel, these methods) from the page's JSON, and exit")
     ap.add_argument("--list", action="store_true", help="print the experiment's profiles with their about, and exit")
     ap.add_argument("--levels", default=None, metavar="L1,L2,...",
-                    help="only the profile's runs at these levels (a long profile run in parts; the last part's page "
-                         "holds its levels, an invocation without --levels all of them)")
+                    help="train only the profile's runs at these levels (a long profile run in parts: the page "
+                         "keeps the runs its record holds, so each part adds its runs to it)")
     ap.add_argument("--methods", default=None, metavar="M1,M2,...",
-                    help="only the profile's runs of these methods (with --levels too: both must match)")
+                    help="train only the profile's runs of these methods (with --levels too: both must match)")
     ap.add_argument("--no-train", action="store_true",
                     help="train nothing: write the page from the runs that finished (a profile in progress)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # worker mode (see Worker)

@@ -268,6 +268,7 @@ def test_staleness_smoke_throughput_section(smoke_run):
 def test_stress_smoke_dual_and_assembled_page(smoke_run, tmp_path):
     """Stress: the automatic tolerance and the relative dual step re-derived from the logged measurements; logit
     noise opens a discrepancy fp32 rollouts lack; copied run folders render without training."""
+    import csv
     import shutil
 
     run, exp, prefix, bench = smoke_run
@@ -312,7 +313,7 @@ def test_stress_smoke_dual_and_assembled_page(smoke_run, tmp_path):
     assert f"in progress: 1 of the profile's {len(rest) + 1} runs have finished" in page3.with_suffix(".md").read_text()
     assert not any(exp.cell_dir(partial, *cell).exists() for cell in rest)
 
-    # a profile in parts: --levels keeps the runs at those levels (here rendered from the finished folder)
+    # a profile in parts: --levels trains only the runs at those levels (here read from the finished folder)
     page4 = tmp_path / "stress_fp32"
     run.main(["stress", "--profile", "smoke", "--levels", "fp32", "--bench-dir", str(assembled), "--results", str(page4)])
     rows = page4.with_suffix(".csv").read_text().splitlines()[1:]
@@ -321,205 +322,82 @@ def test_stress_smoke_dual_and_assembled_page(smoke_run, tmp_path):
         run.main(["stress", "--profile", "smoke", "--levels", "int8", "--bench-dir", str(assembled),
                   "--results", str(page4)])
     # and --methods the runs of those methods (both filters together: both must match)
+    page5 = tmp_path / "stress_one_method"
     method = exp.cells("smoke")[0][1]
     run.main(["stress", "--profile", "smoke", "--levels", "fp32", "--methods", method, "--bench-dir", str(assembled),
-              "--results", str(page4)])
-    rows = page4.with_suffix(".csv").read_text().splitlines()[1:]
+              "--results", str(page5)])
+    rows = page5.with_suffix(".csv").read_text().splitlines()[1:]
     assert rows and all(r.startswith("fp32,") and f",{method}," in r for r in rows)
     with pytest.raises(SystemExit, match="no method ghost"):
         run.main(["stress", "--profile", "smoke", "--methods", "ghost", "--bench-dir", str(assembled),
                   "--results", str(page4)])
+    # the next part adds its runs to the page: the fp32 runs come from page4's record, the others from their folders
+    noise_only = tmp_path / "noise_only"
+    for cell in (c for c in exp.cells("smoke") if c[0] != "fp32"):
+        shutil.copytree(exp.cell_dir(bench, *cell), exp.cell_dir(noise_only, *cell))
+    run.main(["stress", "--profile", "smoke", "--levels", "noise1", "--bench-dir", str(noise_only),
+              "--results", str(page4)])
+    rows = list(csv.DictReader(open(page4.with_suffix(".csv"))))
+    assert sorted((r["level"], r["method"], int(r["seed"])) for r in rows) == sorted(
+        (lv, m, s) for lv, m, _, s in exp.cells("smoke"))
+    assert f"{sum(c[0] == 'fp32' for c in exp.cells('smoke'))} runs read from the page's earlier record" in \
+        page4.with_suffix(".md").read_text()
 
 
-def test_method_and_profile_from_yaml_only(tmp_path):
-    """A method that extends another and a profile, written in a new experiment file, run on the smoke settings."""
+@pytest.mark.parametrize("smoke_run", ["stress"], indirect=True)
+def test_page_record_renders_the_page_without_run_folders(smoke_run, tmp_path):
+    """A page's JSON record holds every run (curves, λ and the discrepancy per step, diagnostics, the overrides it
+    was trained with): rendered from it alone the page's cells match the folders' to the record's 4 significant
+    digits; a run the experiment file would now train with other overrides is left off."""
     import json
+    import shutil
 
     import yaml
 
-    from dcmdp.config import load_config
+    run, exp, prefix, bench = smoke_run
+    again = tmp_path / "again" / prefix.name
+    again.parent.mkdir()
+    for suffix in (".json", ".csv"):
+        shutil.copyfile(prefix.with_suffix(suffix), again.with_suffix(suffix))
+    run.main(["stress", "--profile", "smoke", "--no-train", "--bench-dir", str(tmp_path / "none"),
+              "--results", str(again)])
+    assert not (tmp_path / "none").exists() or not any((tmp_path / "none").iterdir())
+    first, second = (json.loads(p.with_suffix(".json").read_text()) for p in (prefix, again))
+    for record in first["runs"]:
+        assert record["config"] == exp.run_config("smoke", record["level"], record["method"], record["N"],
+                                                  record["seed"])
+        assert len(record["measured"]) == len(record["lambda"]) == 3 and record["seconds"] > 0
+    assert [(c["level"], c["method"]) for c in first["cells"]] == [(c["level"], c["method"]) for c in second["cells"]]
+    for a, b in zip(first["cells"], second["cells"]):
+        assert a["finals"] == b["finals"] and a["lates"] == b["lates"] and a["collapses"] == b["collapses"]
+        for key in ("abs_prob_diff", "kl_k3_start", "inside_share", "mean_lambda", "final_lambda"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-12), key
+        assert b["extra"] == pytest.approx(a["extra"], rel=1e-5)
+    md = again.with_suffix(".md").read_text()
+    assert f"{len(first['runs'])} runs read from the page's earlier record" in md and "in progress" not in md
 
-    run = _runner()
-    raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
-    raw["methods"]["minirl_lr3e-4"] = {"about": "MiniRL at a 1.5x learning rate", "extends": "minirl",
-                                      "overrides": ["optim.lr=3e-4"]}
-    raw["profiles"] = {"mine": {"about": "the new method, smoke settings",
-                                "overrides": raw["profiles"]["smoke"]["overrides"],
-                                "cells": [{"levels": ["int8"], "methods": ["minirl_lr3e-4"], "N": [1], "seeds": [0]}]}}
-    path = tmp_path / "mine.yaml"
+    # an edited method: its recorded runs no longer hold for the experiment file, the others still do
+    raw = yaml.safe_load((run.EXPERIMENTS / "stress.yaml").read_text())
+    edited = exp.cells("smoke")[0][1]
+    raw["methods"][edited]["overrides"] = [*raw["methods"][edited]["overrides"], "optim.lr=3.0e-4"]
+    path = tmp_path / "stress.yaml"
     path.write_text(yaml.safe_dump(raw))
-    bench, prefix = tmp_path / "runs", tmp_path / "results" / "mine_mine"
-    run.main([str(path), "--profile", "mine", "--workers", "1", "--bench-dir", str(bench), "--results", str(prefix)])
-    out = bench / "minirl_lr3e-4__N1__seed0"
-    spec = json.loads((out / "cell.json").read_text())
-    cfg = load_config(spec["base"], spec["overrides"])
-    assert cfg.optim.lr == 3e-4 and cfg.algo.is_mode == "tis" and cfg.dual.rule == "off" and cfg.algo.minibatches == 1
-    assert len(json.loads((out / "history.json").read_text())) == 3
-    assert "| minirl_lr3e-4 | `algo.loss=minirl algo.is_mode=tis dual.rule=off optim.lr=3e-4` |" in \
-        prefix.with_suffix(".md").read_text()
-
-
-def test_method_overrides_at_a_level_apply_there_only_and_are_inherited(tmp_path):
-    """A method's ``at_level`` adds overrides in the cells of that level alone, after the method's own; a method
-    that extends it inherits them (its own per-level extras after)."""
-    import yaml
-
-    run = _runner()
-    raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
-    raw["levels"]["int4"] = {"about": "int4 rollouts", "overrides": ["rollout.precision=int4"]}
-    raw["methods"]["minirl"]["at_level"] = {"int4": ["optim.lr=1e-4"]}
-    raw["methods"]["minirl_r2"]["extends"] = "minirl"
-    raw["methods"]["minirl_r2"]["at_level"] = {"int4": ["optim.lr=2e-4"], "int8": ["steps=7"]}
-    path = tmp_path / "mine.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    exp = run.load_experiment(path)
-    out = tmp_path / "cell"
-    mine = exp.cell_overrides("smoke", "int4", "minirl", 1, 0, out)
-    assert mine[mine.index("optim.lr=1e-4") - 1] == exp.methods["minirl"][-1]
-    assert "optim.lr=1e-4" not in exp.cell_overrides("smoke", "int8", "minirl", 1, 0, out)
-    child = exp.cell_overrides("smoke", "int4", "minirl_r2", 1, 0, out)
-    assert child.index("optim.lr=1e-4") < child.index("optim.lr=2e-4") and "steps=7" not in child
-    assert "steps=7" in exp.cell_overrides("smoke", "int8", "minirl_r2", 1, 0, out)
-
-
-def test_every_profile_cell_is_a_valid_config(tmp_path):
-    """Each (profile, level, method) of every experiment file loads and validates: a typo in a pre-registered config
-    fails here, not after hours of runs."""
-    from dcmdp.config import load_config
-
-    run = _runner()
-    checked = 0
-    for path in sorted(run.EXPERIMENTS.glob("*.yaml")):
-        exp = run.load_experiment(path)
-        for profile in (p for p in exp.profiles if not exp.profiles[p].pool):  # a pooled one's parts are checked
-            pairs = {(lv, m, n) for lv, m, n, _ in exp.cells(profile)}
-            for lv, m, n in sorted(pairs):
-                load_config(exp.base, exp.cell_overrides(profile, lv, m, n, 0, tmp_path / "cell"))
-                checked += 1
-    assert checked > 50
-
-
-@pytest.mark.parametrize("edit, message", [
-    (lambda raw: raw["methods"]["minirl"].update(at_level={"int9": ["steps=1"]}), "methods.minirl.at_level"),
-    (lambda raw: raw["methods"]["minirl"].update(extends="nope"), "methods.minirl.extends: no method 'nope'"),
-    (lambda raw: raw["methods"]["minirl"].update(extends="minirl_r2"), "extends cycle"),
-    (lambda raw: raw["methods"]["minirl"].pop("about"), "methods.minirl.about"),
-    (lambda raw: raw["profiles"]["smoke"].update(seed=1), "profiles.smoke: unknown key(s) ['seed']"),
-    (lambda raw: raw["profiles"]["smoke"]["cells"][0]["methods"].append("ghost"),
-     "profiles.smoke.cells[0].methods: unknown ['ghost']"),
-])
-def test_experiment_file_errors(tmp_path, capsys, edit, message):
-    """A malformed experiment file: the error names the key, and the command exits 2 before anything trains."""
-    import yaml
-
-    run = _runner()
-    raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
-    raw["methods"]["minirl_r2"]["extends"] = "minirl"
-    edit(raw)
-    path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    with pytest.raises(run.ExperimentError, match=re.escape(message)):
-        run.load_experiment(path)
-    with pytest.raises(SystemExit) as exit_info:
-        run.main([str(path), "--profile", "smoke", "--bench-dir", str(tmp_path / "runs")])
-    assert exit_info.value.code == 2 and message in capsys.readouterr().err
-    assert not (tmp_path / "runs").exists()
-
-
-def test_collapse_rule():
-    run = _runner()
-    flat = [0.5] * 40
-    assert run.collapse_check([0.3, 0.4, 0.35], flat, 0, warmup=0) == (False, "")
-    assert run.collapse_check([0.3, 0.4, 0.35], flat, 2, warmup=0)[0]  # non-finite updates
-    assert run.collapse_check([0.3, 0.6, 0.29], flat, 0, warmup=0)[0]  # 0.29 < 0.6 / 2
-    assert not run.collapse_check([0.3, 0.6, 0.30], flat, 0, warmup=0)[0]  # exactly half is not below
-    # running reward, W = max(5, 40 // 20) = 5: peak window 0.8, last window 0.2 < 0.4
-    assert run.collapse_check([0.3, 0.3], [0.8] * 20 + [0.2] * 20, 0, warmup=0)[0]
-    # the peak is only taken after the warm-up: a high start inside the warm-up does not count
-    assert not run.collapse_check([0.3, 0.3], [0.8] * 5 + [0.3] * 35, 0, warmup=5)[0]
-
-
-def _fake_run(run, level, method, seed, late, seconds=60.0, collapsed=False):
-    """A finished run with the given late and final accuracy (the evaluations are flat at ``late``)."""
-    return run.Run(level, method, 4, seed, 0.3, [0, 100], [late, late], collapsed, "", [1e-3], [2e-3], [0.1], [1e-3],
-                   [1e-3], seconds, late, late, late)
-
-
-def test_compare_block_picks_each_roles_best_candidate_and_tests_it(tmp_path):
-    """``compare``: per level the role's candidates (a level's own list, else the '*' list), the one with the best
-    late mean is the rival; the late difference and Welch p are those of the two samples; reading is ahead / behind
-    only at p < 0.05; compute sums a group's runs per level."""
-    import yaml
-    from scipy.stats import ttest_ind
-
-    run = _runner()
-    raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
-    raw["levels"]["fp8"] = {"about": "fp8 rollouts", "overrides": ["rollout.precision=fp8"]}
-    raw["compare"] = {"about": "the bar", "configs": ["dcmdp_r3"],
-                      "rivals": {"constant": {"int8": ["minirl", "minirl_r2"]}, "plain": ["minirl"]},
-                      "compute": {"tuned": ["minirl", "minirl_r2"]}}
-    path = tmp_path / "mine.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    exp = run.load_experiment(path)
-    mine, a, b = [0.80, 0.82, 0.84], [0.60, 0.62, 0.61], [0.70, 0.71, 0.69]
-    runs = ([_fake_run(run, "int8", "dcmdp_r3", s, x) for s, x in enumerate(mine)]
-            + [_fake_run(run, "int8", "minirl", s, x, seconds=30.0) for s, x in enumerate(a)]
-            + [_fake_run(run, "int8", "minirl_r2", s, x, seconds=90.0) for s, x in enumerate(b)]
-            + [_fake_run(run, "fp8", "dcmdp_r3", s, x) for s, x in enumerate([0.5, 0.6, 0.7])]
-            + [_fake_run(run, "fp8", "minirl", s, x) for s, x in enumerate([0.55, 0.6, 0.65])])
-    cells = run.aggregate(runs, [(lv, m, 4) for lv in ("int8", "fp8") for m in ("dcmdp_r3", "minirl", "minirl_r2")])
-    rows = {(r["level"], r["role"]): r for r in run.compare_rows(exp.compare, cells)}
-    assert set(rows) == {("int8", "constant"), ("int8", "plain"), ("fp8", "plain")}  # fp8 has no constant candidate
-    r = rows[("int8", "constant")]
-    assert r["rival"] == "minirl_r2"  # the better late mean of the two candidates
-    assert abs(r["late_diff"] - (sum(mine) - sum(b)) / 3) < 1e-12
-    assert abs(r["p_late"] - ttest_ind(mine, b, equal_var=False).pvalue) < 1e-12 and r["reading"] == "ahead"
-    assert rows[("fp8", "plain")]["reading"] == "level"
-    assert run.reading(-0.1, 0.01) == "behind" and run.reading(0.1, float("nan")) == "level"
-    compute = {(c["level"], c["what"]): c for c in run.compute_rows(exp.compare, runs)}
-    assert compute[("int8", "tuned")]["runs"] == 6 and abs(compute[("int8", "tuned")]["run_minutes"] - 6.0) < 1e-12
-    assert compute[("int8", "minirl")]["run_minutes"] == 1.5 and ("fp8", "tuned") in compute
-
-
-def test_extreme_share_counts_steps_at_a_runs_lowest_or_highest_lambda():
-    """λ at its extremes: per run, the share of steps within 1% of the run's λ range from its min or max; the mean
-    over runs whose λ moves; a constant λ is left out, and NaN when no run's λ moves."""
-    run = _runner()
-    bang = [0.0, 0.3, 0.3, 0.0, 0.15, 0.298, 0.002, 0.1]  # range 0.3, margin 0.003: 6 of 8 at an extreme
-    smooth = [0.1, 0.12, 0.14, 0.16, 0.18, 0.2]  # only its own min and max: 2 of 6
-    assert abs(run.extreme_share([bang]) - 6 / 8) < 1e-15
-    assert abs(run.extreme_share([bang, smooth, [0.3] * 5, [math.nan, 0.3, 0.3]]) - (6 / 8 + 2 / 6) / 2) < 1e-15
-    assert math.isnan(run.extreme_share([[0.3] * 4, []]))
-
-
-@pytest.mark.parametrize("block, message", [
-    ({"about": "x", "configs": ["dcmdp_r3"], "rivals": {"c": ["ghost"]}}, "compare.rivals.c: unknown method(s) ['ghost']"),
-    ({"about": "x", "configs": ["dcmdp_r3"], "rivals": {"c": {"int9": ["minirl"]}}}, "compare.rivals.c: unknown level(s)"),
-    ({"about": "x", "configs": ["dcmdp_r3"], "rivals": {}}, "compare.rivals: name at least one rival role"),
-    ({"about": "x", "configs": [], "rivals": {"c": ["minirl"]}}, "compare.configs: expected a non-empty list"),
-    ({"configs": ["dcmdp_r3"], "rivals": {"c": ["minirl"]}}, "compare.about"),
-])
-def test_compare_block_errors(tmp_path, block, message):
-    import yaml
-
-    run = _runner()
-    raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
-    raw["compare"] = block
-    path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    with pytest.raises(run.ExperimentError, match=re.escape(message)):
-        run.load_experiment(path)
+    run.main([str(path), "--profile", "smoke", "--no-train", "--bench-dir", str(tmp_path / "none"),
+              "--results", str(again)])
+    kept = json.loads(again.with_suffix(".json").read_text())["runs"]
+    assert kept and {r["method"] for r in kept} == {m for _, m, _, _ in exp.cells("smoke")} - {edited}
 
 
 @pytest.mark.parametrize("smoke_run", ["stability"], indirect=True)
-def test_pooled_profile_renders_its_parts_runs_with_shifted_seeds(smoke_run, tmp_path):
+def test_pooled_profile_renders_its_parts_runs_with_shifted_seeds(smoke_run, tmp_path, capsys):
     """A pooled profile trains nothing and pages its parts' finished runs, each part's seeds shifted by its offset
-    (here the smoke folder twice, as two cold starts would be)."""
+    (here the smoke folder twice, as two cold starts would be), from their folders or their pages' records."""
     import csv
+    import shutil
 
     import yaml
 
-    run, exp, _, bench = smoke_run
+    run, exp, smoke_prefix, bench = smoke_run
     raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
     raw["profiles"]["both"] = {"about": "the smoke runs twice", "pool": [
         {"profile": "smoke", "bench_dir": str(bench), "seed_offset": 0},
@@ -536,6 +414,16 @@ def test_pooled_profile_renders_its_parts_runs_with_shifted_seeds(smoke_run, tmp
     assert {p: p.stat().st_mtime for p in bench.glob("*/summary.json")} == mtimes  # nothing retrained
     md = prefix.with_suffix(".md").read_text()
     assert "pooled, no run trained here: profile smoke from" in md and "in progress" not in md
+
+    # without the folders, from the part's page beside the pooled one
+    shutil.copyfile(smoke_prefix.with_suffix(".json"), prefix.with_name("pooled_smoke.json"))
+    raw["profiles"]["both"]["pool"][1]["bench_dir"] = str(tmp_path / "gone")
+    path.write_text(yaml.safe_dump(raw))
+    run.main([str(path), "--profile", "both", "--results", str(prefix)])
+    again = list(csv.DictReader(open(prefix.with_suffix(".csv"))))
+    assert [(r["level"], r["method"], r["seed"], r["late"]) for r in again] == [
+        (r["level"], r["method"], r["seed"], r["late"]) for r in rows]
+    assert f"{len(smoke)} read from their pages' records" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("pool, message", [
