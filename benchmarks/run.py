@@ -556,7 +556,8 @@ def run_record(r: Run, config: Sequence[str]) -> dict:
     digits), and ``config``, what set its training; ``run_from_record`` reads it back."""
     return {"level": r.level, "method": r.method, "N": r.n, "seed": r.seed, "config": list(config),
             "eval_steps": r.eval_steps, "eval_acc": r.eval_acc, "collapsed": r.collapsed,
-            "collapse_reason": r.collapse_reason, "seconds": round(r.seconds, 1), "finished": round(r.finished) if np.isfinite(r.finished) else None,
+            "collapse_reason": r.collapse_reason, "seconds": round(r.seconds, 1),
+            "finished": round(r.finished) if np.isfinite(r.finished) else None,
             "lambda": _sig(r.lambdas), "measured": _sig(r.measured), "tolerance": _sig(r.tolerance),
             "abs_prob_diff": _sig(r.abs_prob_diff), "kl_k3": _sig(r.kl_k3),
             "extra": {k: float(f"{v:.6g}") for k, v in r.extra.items()},
@@ -576,9 +577,9 @@ def run_from_record(d: dict, late_from: float, seconds: float = math.nan) -> Run
                float(d.get("finished") or math.nan), d.get("schedule", {}))
 
 
-def recorded_runs(exp: Experiment, profile_name: str, prefix: Path, where: str = ""
-                  ) -> tuple[dict[tuple[str, str, int, int], Run], dict[tuple[str, str, int], dict],
-                             dict[str, float], bool]:
+def recorded_runs(exp: Experiment, profile_name: str, prefix: Path
+                  ) -> tuple[dict[tuple[str, str, int, int], Run], dict[tuple[str, str, int], dict], dict[str, float],
+                             bool]:
     """The runs on the committed page ``prefix``.json that the experiment file would still train the same way
     (its record's config, or for a record without one its page's level, method and profile overrides), by
     (level, method, N, seed); the page's cells by (level, method, N); its wall seconds per run folder, and whether
@@ -600,15 +601,15 @@ def recorded_runs(exp: Experiment, profile_name: str, prefix: Path, where: str =
         if "config" in d:
             same = d["config"] == exp.run_config(profile_name, *key)
         else:
-            same = (page["levels"].get(key[0]) == exp.levels[key[0]] and page["methods"].get(key[1]) == exp.methods[key[1]]
-                    and page["overrides"] == list(exp.overrides)
+            same = (page["levels"].get(key[0]) == exp.levels[key[0]]
+                    and page["methods"].get(key[1]) == exp.methods[key[1]] and page["overrides"] == list(exp.overrides)
                     and page["profile_overrides"] == list(exp.profiles[profile_name].overrides))
         if same:
             runs[key] = run_from_record(d, exp.late_from, seconds.get(key, math.nan))
         else:
             stale += 1
     if stale:
-        print(f"{where or rel(path)}: {stale} recorded runs were trained with other overrides than the experiment "
+        print(f"{rel(path)}: {stale} recorded runs were trained with other overrides than the experiment "
               "file now gives; left off the page", flush=True)
     return (runs, {(c["level"], c["method"], c["N"]): c for c in page.get("cells", [])}, page.get("walls") or {},
             page.get("walls") is None or page.get("walls_partial", False))
@@ -999,9 +1000,9 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
          "methods": {m: exp.methods[m] for m in methods}, "cells": cells, "welch": rows, "throughput": speed,
          "compare": compared, "compute": compute, "walls": walls, "walls_partial": walls_partial,
          "runs": []}, indent=1)
-    lines_ = [json.dumps(run_record(r, configs[(r.level, r.method, r.n, r.seed)]), separators=(",", ":"))
-              for r in runs]
-    prefix.with_suffix(".json").write_text(head[:-len("[]\n}")] + "[\n" + ",\n".join(lines_) + "\n ]\n}\n")
+    records = [json.dumps(run_record(r, configs[(r.level, r.method, r.n, r.seed)]), separators=(",", ":"))
+               for r in runs]
+    prefix.with_suffix(".json").write_text(head[:-len("[]\n}")] + "[\n" + ",\n".join(records) + "\n ]\n}\n")
     lines = table(cells) + (throughput_lines(exp, speed) if speed else [])
     # walls: wall seconds per run folder that trained runs of the page (walls_partial: some were not recorded)
     trained = (f"{sum(walls.values()) / 60:.0f} min wall over the invocations that trained the runs"
