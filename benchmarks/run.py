@@ -643,22 +643,24 @@ def aggregate(runs: list[Run], keys: list[tuple[str, str, int]]) -> list[dict]:
         final, final_sd = _mean_sd([r.final for r in rs])
         peak, peak_sd = _mean_sd([r.peak for r in rs])
         late, late_sd = _mean_sd([r.late for r in rs])
+        series = all(r.measured for r in rs)
         cells.append({
             "level": level, "method": method, "N": n, "seeds": len(rs),
             "acc_before": float(np.mean([r.acc_before for r in rs])),
             "final": final, "final_sd": final_sd, "peak": peak, "peak_sd": peak_sd,
             "finals": [r.final for r in rs], "late": late, "late_sd": late_sd, "lates": [r.late for r in rs],
             "collapses": int(sum(r.collapsed for r in rs)),
-            "abs_prob_diff": _nanmean([_nanmean(r.abs_prob_diff) for r in rs]),
+            # NaN where a run recorded before the per-step series were kept lacks them (no mean over a part)
+            "abs_prob_diff": _nanmean([_nanmean(r.abs_prob_diff) for r in rs]) if series else math.nan,
             # the discrepancy the level produces at the start (first 5 steps), as the x axis is read
-            "kl_k3_start": _nanmean([_nanmean(r.kl_k3[:5]) for r in rs]),
-            "inside_share": _nanmean([np.mean(np.asarray(r.measured) <= np.asarray(r.tolerance)) if r.measured
-                                      else math.nan for r in rs]),
+            "kl_k3_start": _nanmean([_nanmean(r.kl_k3[:5]) for r in rs]) if series else math.nan,
+            "inside_share": float(np.mean([np.mean(np.asarray(r.measured) <= np.asarray(r.tolerance)) for r in rs]))
+                            if series else math.nan,
             "mean_lambda": float(np.nanmean([np.nanmean(r.lambdas) for r in rs])),
             "extreme_share": extreme_share([r.lambdas for r in rs]),
             "final_lambda": float(np.nanmean([r.lambdas[-1] for r in rs])),
-            "extra": {k: float(np.nanmean([r.extra.get(k, math.nan) for r in rs]))
-                      for k in sorted({k for r in rs for k in r.extra})},
+            "extra": {k: float(np.nanmean([r.extra[k] for r in rs])) for k in sorted(set.intersection(
+                *(set(r.extra) for r in rs)))},
         })
     return cells
 
