@@ -440,8 +440,10 @@ def warm_cold_starts(base: Path, configs: list) -> None:
                    eos_id=tok.eos_token_id, progress=False)
 
 
-def train_missing(todo: list[Path], bench_dir: Path, workers: int) -> list[Path]:
-    """Train the cells in ``todo`` on ``workers`` worker processes; the cells that failed."""
+def train_missing(todo: list[Path], bench_dir: Path, workers: int, wall_file: Path) -> list[Path]:
+    """Train the cells in ``todo`` on ``workers`` worker processes; the cells that failed. ``wall_file`` holds the
+    folder's training wall seconds, brought up to date as each cell ends (an invocation killed midway keeps its
+    count up to its last finished cell)."""
     pool_workers: queue.Queue[Worker] = queue.Queue()
     for k in range(max(1, workers)):
         pool_workers.put(Worker(bench_dir / f"worker{k}.log"))
@@ -454,15 +456,18 @@ def train_missing(todo: list[Path], bench_dir: Path, workers: int) -> list[Path]
             pool_workers.put(worker)
 
     t0, failed = time.perf_counter(), []
+    earlier = float(wall_file.read_text()) if wall_file.exists() else 0.0
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         for i, fut in enumerate([pool.submit(one, out) for out in todo]):
             out, ok = fut.result()
+            wall_file.write_text(f"{earlier + time.perf_counter() - t0:.1f}\n")
             if not ok:
                 failed.append(out)
             print(f"[{i + 1}/{len(todo)}] {out.name}: {'done' if ok else 'FAILED, see ' + str(out / 'log.txt')} "
                   f"({(time.perf_counter() - t0) / 60:.1f} min)", flush=True)
     while not pool_workers.empty():
         pool_workers.get().close()
+    wall_file.write_text(f"{earlier + time.perf_counter() - t0:.1f}\n")
     return failed
 
 
@@ -1106,13 +1111,10 @@ def run(exp: Experiment, profile_name: str, bench_dir: Path, results_prefix: Pat
             prepare(out, exp.base, ov, template)
     done = sum(finished(out) for _, out, _ in jobs)
     print(f"{done} of {len(jobs)} runs already finished; training {len(todo)} with {workers} workers", flush=True)
-    t0 = time.perf_counter()
-    failed = train_missing(todo, bench_dir, workers) if todo else []
     wall_file = bench_dir / "wall_seconds.txt"
-    wall: Optional[float] = None  # None: nothing ever trained in this folder (an assembled profile)
-    if todo or wall_file.exists():
-        wall = time.perf_counter() - t0 + (float(wall_file.read_text()) if wall_file.exists() else 0.0)
-        wall_file.write_text(f"{wall:.1f}\n")
+    failed = train_missing(todo, bench_dir, workers, wall_file) if todo else []
+    # None: nothing ever trained in this folder (an assembled profile)
+    wall: Optional[float] = float(wall_file.read_text()) if wall_file.exists() else None
     warmup = load_config(exp.base, [*exp.overrides, *exp.profiles[profile_name].overrides]).optim.warmup_steps
     # the page: the profile's runs this invocation covers, from their folders where finished, and every other run
     # of the profile that the page's earlier record holds (a profile trained in parts, or in another session)
