@@ -388,6 +388,186 @@ def test_page_record_renders_the_page_without_run_folders(smoke_run, tmp_path):
     assert kept and {r["method"] for r in kept} == {m for _, m, _, _ in exp.cells("smoke")} - {edited}
 
 
+def test_method_and_profile_from_yaml_only(tmp_path):
+    """A method that extends another and a profile, written in a new experiment file, run on the smoke settings."""
+    import json
+
+    import yaml
+
+    from dcmdp.config import load_config
+
+    run = _runner()
+    raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
+    raw["methods"]["minirl_lr3e-4"] = {"about": "MiniRL at a 1.5x learning rate", "extends": "minirl",
+                                      "overrides": ["optim.lr=3e-4"]}
+    raw["profiles"] = {"mine": {"about": "the new method, smoke settings",
+                                "overrides": raw["profiles"]["smoke"]["overrides"],
+                                "cells": [{"levels": ["int8"], "methods": ["minirl_lr3e-4"], "N": [1], "seeds": [0]}]}}
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    bench, prefix = tmp_path / "runs", tmp_path / "results" / "mine_mine"
+    run.main([str(path), "--profile", "mine", "--workers", "1", "--bench-dir", str(bench), "--results", str(prefix)])
+    out = bench / "minirl_lr3e-4__N1__seed0"
+    spec = json.loads((out / "cell.json").read_text())
+    cfg = load_config(spec["base"], spec["overrides"])
+    assert cfg.optim.lr == 3e-4 and cfg.algo.is_mode == "tis" and cfg.dual.rule == "off" and cfg.algo.minibatches == 1
+    assert len(json.loads((out / "history.json").read_text())) == 3
+    assert "| minirl_lr3e-4 | `algo.loss=minirl algo.is_mode=tis dual.rule=off optim.lr=3e-4` |" in \
+        prefix.with_suffix(".md").read_text()
+
+
+def test_method_overrides_at_a_level_apply_there_only_and_are_inherited(tmp_path):
+    """A method's ``at_level`` adds overrides in the cells of that level alone, after the method's own; a method
+    that extends it inherits them (its own per-level extras after)."""
+    import yaml
+
+    run = _runner()
+    raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
+    raw["levels"]["int4"] = {"about": "int4 rollouts", "overrides": ["rollout.precision=int4"]}
+    raw["methods"]["minirl"]["at_level"] = {"int4": ["optim.lr=1e-4"]}
+    raw["methods"]["minirl_r2"]["extends"] = "minirl"
+    raw["methods"]["minirl_r2"]["at_level"] = {"int4": ["optim.lr=2e-4"], "int8": ["steps=7"]}
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    exp = run.load_experiment(path)
+    out = tmp_path / "cell"
+    mine = exp.cell_overrides("smoke", "int4", "minirl", 1, 0, out)
+    assert mine[mine.index("optim.lr=1e-4") - 1] == exp.methods["minirl"][-1]
+    assert "optim.lr=1e-4" not in exp.cell_overrides("smoke", "int8", "minirl", 1, 0, out)
+    child = exp.cell_overrides("smoke", "int4", "minirl_r2", 1, 0, out)
+    assert child.index("optim.lr=1e-4") < child.index("optim.lr=2e-4") and "steps=7" not in child
+    assert "steps=7" in exp.cell_overrides("smoke", "int8", "minirl_r2", 1, 0, out)
+
+
+def test_every_profile_cell_is_a_valid_config(tmp_path):
+    """Each (profile, level, method) of every experiment file loads and validates: a typo in a pre-registered config
+    fails here, not after hours of runs."""
+    from dcmdp.config import load_config
+
+    run = _runner()
+    checked = 0
+    for path in sorted(run.EXPERIMENTS.glob("*.yaml")):
+        exp = run.load_experiment(path)
+        for profile in (p for p in exp.profiles if not exp.profiles[p].pool):  # a pooled one's parts are checked
+            pairs = {(lv, m, n) for lv, m, n, _ in exp.cells(profile)}
+            for lv, m, n in sorted(pairs):
+                load_config(exp.base, exp.cell_overrides(profile, lv, m, n, 0, tmp_path / "cell"))
+                checked += 1
+    assert checked > 50
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda raw: raw["methods"]["minirl"].update(at_level={"int9": ["steps=1"]}), "methods.minirl.at_level"),
+    (lambda raw: raw["methods"]["minirl"].update(extends="nope"), "methods.minirl.extends: no method 'nope'"),
+    (lambda raw: raw["methods"]["minirl"].update(extends="minirl_r2"), "extends cycle"),
+    (lambda raw: raw["methods"]["minirl"].pop("about"), "methods.minirl.about"),
+    (lambda raw: raw["profiles"]["smoke"].update(seed=1), "profiles.smoke: unknown key(s) ['seed']"),
+    (lambda raw: raw["profiles"]["smoke"]["cells"][0]["methods"].append("ghost"),
+     "profiles.smoke.cells[0].methods: unknown ['ghost']"),
+])
+def test_experiment_file_errors(tmp_path, capsys, edit, message):
+    """A malformed experiment file: the error names the key, and the command exits 2 before anything trains."""
+    import yaml
+
+    run = _runner()
+    raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
+    raw["methods"]["minirl_r2"]["extends"] = "minirl"
+    edit(raw)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(run.ExperimentError, match=re.escape(message)):
+        run.load_experiment(path)
+    with pytest.raises(SystemExit) as exit_info:
+        run.main([str(path), "--profile", "smoke", "--bench-dir", str(tmp_path / "runs")])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_collapse_rule():
+    run = _runner()
+    flat = [0.5] * 40
+    assert run.collapse_check([0.3, 0.4, 0.35], flat, 0, warmup=0) == (False, "")
+    assert run.collapse_check([0.3, 0.4, 0.35], flat, 2, warmup=0)[0]  # non-finite updates
+    assert run.collapse_check([0.3, 0.6, 0.29], flat, 0, warmup=0)[0]  # 0.29 < 0.6 / 2
+    assert not run.collapse_check([0.3, 0.6, 0.30], flat, 0, warmup=0)[0]  # exactly half is not below
+    # running reward, W = max(5, 40 // 20) = 5: peak window 0.8, last window 0.2 < 0.4
+    assert run.collapse_check([0.3, 0.3], [0.8] * 20 + [0.2] * 20, 0, warmup=0)[0]
+    # the peak is only taken after the warm-up: a high start inside the warm-up does not count
+    assert not run.collapse_check([0.3, 0.3], [0.8] * 5 + [0.3] * 35, 0, warmup=5)[0]
+
+
+def _fake_run(run, level, method, seed, late, seconds=60.0, collapsed=False):
+    """A finished run with the given late and final accuracy (the evaluations are flat at ``late``)."""
+    return run.Run(level, method, 4, seed, 0.3, [0, 100], [late, late], collapsed, "", [1e-3], [2e-3], [0.1], [1e-3],
+                   [1e-3], seconds, late, late, late)
+
+
+def test_compare_block_picks_each_roles_best_candidate_and_tests_it(tmp_path):
+    """``compare``: per level the role's candidates (a level's own list, else the '*' list), the one with the best
+    late mean is the rival; the late difference and Welch p are those of the two samples; reading is ahead / behind
+    only at p < 0.05; compute sums a group's runs per level."""
+    import yaml
+    from scipy.stats import ttest_ind
+
+    run = _runner()
+    raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
+    raw["levels"]["fp8"] = {"about": "fp8 rollouts", "overrides": ["rollout.precision=fp8"]}
+    raw["compare"] = {"about": "the bar", "configs": ["dcmdp_r3"],
+                      "rivals": {"constant": {"int8": ["minirl", "minirl_r2"]}, "plain": ["minirl"]},
+                      "compute": {"tuned": ["minirl", "minirl_r2"]}}
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    exp = run.load_experiment(path)
+    mine, a, b = [0.80, 0.82, 0.84], [0.60, 0.62, 0.61], [0.70, 0.71, 0.69]
+    runs = ([_fake_run(run, "int8", "dcmdp_r3", s, x) for s, x in enumerate(mine)]
+            + [_fake_run(run, "int8", "minirl", s, x, seconds=30.0) for s, x in enumerate(a)]
+            + [_fake_run(run, "int8", "minirl_r2", s, x, seconds=90.0) for s, x in enumerate(b)]
+            + [_fake_run(run, "fp8", "dcmdp_r3", s, x) for s, x in enumerate([0.5, 0.6, 0.7])]
+            + [_fake_run(run, "fp8", "minirl", s, x) for s, x in enumerate([0.55, 0.6, 0.65])])
+    cells = run.aggregate(runs, [(lv, m, 4) for lv in ("int8", "fp8") for m in ("dcmdp_r3", "minirl", "minirl_r2")])
+    rows = {(r["level"], r["role"]): r for r in run.compare_rows(exp.compare, cells)}
+    assert set(rows) == {("int8", "constant"), ("int8", "plain"), ("fp8", "plain")}  # fp8 has no constant candidate
+    r = rows[("int8", "constant")]
+    assert r["rival"] == "minirl_r2"  # the better late mean of the two candidates
+    assert abs(r["late_diff"] - (sum(mine) - sum(b)) / 3) < 1e-12
+    assert abs(r["p_late"] - ttest_ind(mine, b, equal_var=False).pvalue) < 1e-12 and r["reading"] == "ahead"
+    assert rows[("fp8", "plain")]["reading"] == "level"
+    assert run.reading(-0.1, 0.01) == "behind" and run.reading(0.1, float("nan")) == "level"
+    compute = {(c["level"], c["what"]): c for c in run.compute_rows(exp.compare, runs)}
+    assert compute[("int8", "tuned")]["runs"] == 6 and abs(compute[("int8", "tuned")]["run_minutes"] - 6.0) < 1e-12
+    assert compute[("int8", "minirl")]["run_minutes"] == 1.5 and ("fp8", "tuned") in compute
+
+
+def test_extreme_share_counts_steps_at_a_runs_lowest_or_highest_lambda():
+    """λ at its extremes: per run, the share of steps within 1% of the run's λ range from its min or max; the mean
+    over runs whose λ moves; a constant λ is left out, and NaN when no run's λ moves."""
+    run = _runner()
+    bang = [0.0, 0.3, 0.3, 0.0, 0.15, 0.298, 0.002, 0.1]  # range 0.3, margin 0.003: 6 of 8 at an extreme
+    smooth = [0.1, 0.12, 0.14, 0.16, 0.18, 0.2]  # only its own min and max: 2 of 6
+    assert abs(run.extreme_share([bang]) - 6 / 8) < 1e-15
+    assert abs(run.extreme_share([bang, smooth, [0.3] * 5, [math.nan, 0.3, 0.3]]) - (6 / 8 + 2 / 6) / 2) < 1e-15
+    assert math.isnan(run.extreme_share([[0.3] * 4, []]))
+
+
+@pytest.mark.parametrize("block, message", [
+    ({"about": "x", "configs": ["dcmdp_r3"], "rivals": {"c": ["ghost"]}}, "compare.rivals.c: unknown method(s) ['ghost']"),
+    ({"about": "x", "configs": ["dcmdp_r3"], "rivals": {"c": {"int9": ["minirl"]}}}, "compare.rivals.c: unknown level(s)"),
+    ({"about": "x", "configs": ["dcmdp_r3"], "rivals": {}}, "compare.rivals: name at least one rival role"),
+    ({"about": "x", "configs": [], "rivals": {"c": ["minirl"]}}, "compare.configs: expected a non-empty list"),
+    ({"configs": ["dcmdp_r3"], "rivals": {"c": ["minirl"]}}, "compare.about"),
+])
+def test_compare_block_errors(tmp_path, block, message):
+    import yaml
+
+    run = _runner()
+    raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
+    raw["compare"] = block
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(run.ExperimentError, match=re.escape(message)):
+        run.load_experiment(path)
+
+
 @pytest.mark.parametrize("smoke_run", ["stability"], indirect=True)
 def test_pooled_profile_renders_its_parts_runs_with_shifted_seeds(smoke_run, tmp_path, capsys):
     """A pooled profile trains nothing and pages its parts' finished runs, each part's seeds shifted by its offset
