@@ -1181,8 +1181,7 @@ def page(exp: Experiment, profile_name: str, runs: list[Run], cells_here: list[t
     cells = aggregate(runs, list(dict.fromkeys((lv, m, n) for lv, m, n, _ in sorted(cells_here, key=lambda c: c[2]))))
     for c in cells:
         old = record_cells.get((c["level"], c["method"], c["N"]))
-        if old and old["lates"] == c["lates"] and not any(
-                r.measured for r in runs if (r.level, r.method, r.n) == (c["level"], c["method"], c["N"])):
+        if old and old["lates"] == c["lates"] and math.isnan(c["inside_share"]):  # aggregate: runs lack series
             c.update({k: old[k] for k in SERIES_COLUMNS}, extra={**old["extra"], **c["extra"]})
     print("\n" + "\n".join(write_results(exp, profile_name, runs, cells, results_prefix, cmd, walls, configs, expected,
                                           carried, walls_partial)))
