@@ -16,7 +16,7 @@ DATA = Path(__file__).parent / "data" / "math_sample.jsonl"
 PRINTABLE = set(string.printable) - set("\t\r\x0b\x0c")
 
 
-@pytest.mark.parametrize("name", ["addition", "sorting", "long_addition"])
+@pytest.mark.parametrize("name", ["addition", "sorting", "long_addition", "list_ops"])
 def test_generated_tasks_are_deterministic_and_disjoint(name):
     cfg = TaskConfig(name=name, eval_size=200)
     task = TASKS[name](cfg, 0)
@@ -240,3 +240,66 @@ def test_math_task_eval_path_removes_overlap(tmp_path):
     assert "7" not in {e.answer for e in task.sample(random.Random(0), 300)}
     with pytest.raises(ValueError, match="eval_size=7"):
         TASKS["math"](TaskConfig(name="math", path=str(DATA), eval_size=7), 0)
+
+
+# -------------------------------------------------------------------------------------------------- list_ops
+
+
+def _list_ops(min_ops: int = 2, max_ops: int = 5, items: int = 4, eval_size: int = 64):
+    return TASKS["list_ops"](TaskConfig(name="list_ops", items=items, min_digits=min_ops, digits=max_ops,
+                                        eval_size=eval_size), 0)
+
+
+@pytest.mark.parametrize("prompt, demonstration", [
+    # R: 4721 -> 1274; L: 1274 -> 2741; I: 2741 -> 3852
+    ("4721:RLI=", "R1274;L2741;I3852;|3852"),
+    # S swaps the ends: 9015 -> 5019; I wraps 9 to 0: 5019 -> 6120; R: 0216
+    ("9015:SIR=", "S5019;I6120;R0216;|0216"),
+    # two rotations of 1230: 2301, 3012; swapping the ends of 3012: 2013
+    ("1230:LLS=", "L2301;L3012;S2013;|2013"),
+])
+def test_list_ops_demonstrations_by_hand(prompt, demonstration):
+    task = _list_ops(1, 4, eval_size=16)
+    ex = Example(prompt, demonstration.rpartition("|")[2])
+    assert task.demonstration(ex) == demonstration
+    assert task.reward(demonstration, ex) == 1.0 and task.reward(f"  {demonstration}\n", ex) == 1.0
+
+
+def test_list_ops_reward_grades_the_whole_trace():
+    task = _list_ops()
+    ex = Example("4721:RLI=", "3852")
+    assert task.reward("R1274;L2741;I3852;|3852", ex) == 1.0
+    assert task.reward("R1274;L2741;I3852;|3853", ex) == 0.0  # wrong final list
+    assert task.reward("R1274;L2714;I3852;|3852", ex) == 0.0  # a wrong step, right final list
+    assert task.reward("|3852", ex) == 0.0 and task.reward("3852", ex) == 0.0 and task.reward("", ex) == 0.0
+
+
+def test_list_ops_prompts_lengths_and_split():
+    task = _list_ops(2, 6)
+    lengths, ops_seen, n_ops = [], set(), set()
+    for ex in task.sample(random.Random(0), 5000) + task.eval_set():
+        digits, ops = ex.prompt[:-1].split(":")
+        assert len(digits) == 4 and digits.isdigit() and 2 <= len(ops) <= 6 and set(ops) <= set("RLSI")
+        demo = task.demonstration(ex)
+        assert set(ex.prompt + demo) <= PRINTABLE and task.reward(demo, ex) == 1.0 and demo.endswith("|" + ex.answer)
+        lengths.append(len(demo) + 1)  # one token per character, plus EOS
+        ops_seen |= set(ops)
+        n_ops.add(len(ops))
+    # (items + 2) L + items + 2 with items 4: 18 at L = 2, 42 at L = 6 (the class docstring's range)
+    assert min(lengths) == 18 and max(lengths) == 42
+    assert ops_seen == set("RLSI") and n_ops == set(range(2, 7))
+    held = {e.prompt for e in task.eval_set()}
+    assert held == {e.prompt for e in _list_ops(2, 6).eval_set()} and len(held) == 64
+    assert not held & {e.prompt for e in task.sample(random.Random(1), 5000)}
+    # the held-out set depends on the list length and the operation range
+    assert held != {e.prompt for e in _list_ops(2, 6, items=5).eval_set()}
+    assert held != {e.prompt for e in _list_ops(3, 6).eval_set()}
+
+
+def test_list_ops_config_checks():
+    with pytest.raises(ValueError, match="task.items"):
+        _list_ops(items=1)
+    # items 2, one operation: 100 lists x 4 operations = 400 prompts, at most 200 held out
+    assert len(_list_ops(1, 1, items=2, eval_size=200).eval_set()) == 200
+    with pytest.raises(ValueError, match="task.eval_size=201"):
+        _list_ops(1, 1, items=2, eval_size=201)

@@ -901,6 +901,84 @@ def program_states(x: int, program: list[tuple[str, int]]) -> list[int]:
 TASKS["program_trace"] = ProgramTraceTask
 
 
+# ---------------------------------------------------------------------------------------------- list operations
+
+
+class ListOpsTask(_GeneratedTask):
+    """``"4721:RLI="`` -> ``"R1274;L2741;I3852;|3852"``: a list of digits rewritten by a sequence of operations.
+
+    A prompt is a list of ``cfg.items`` digits (each uniform in 0..9, written without separators), ``:``, then L
+    operations, L uniform in [``cfg.min_digits``, ``cfg.digits``] (for this task the two keys count operations, so a
+    curriculum grows the programs), each uniform among ``OPS``:
+
+    - ``R`` reverse the list; ``L`` rotate it left by one (the first digit moves to the end);
+    - ``S`` swap the first and the last digit; ``I`` add 1 to every digit, mod 10.
+
+    The demonstration writes one step ``<op><list after it>;`` per operation, then ``|`` and the final list, so the
+    state is a whole list rewritten at every step, where ``program_trace`` carries one digit and ``long_addition`` a
+    digit and a carry. A correct response takes (items + 2) L + items + 2 tokens with EOS (one character per token):
+    18 to 42 with items = 4, L in 2..6. ``Example.answer`` is the final list.
+
+    Reward: 1.0 iff the completion, stripped of surrounding whitespace, is the whole trace exactly (as
+    ``program_trace``: a right final list after a wrong step scores 0). Held-out split and sampling as every
+    generated task (module docstring).
+    """
+
+    name = "list_ops"
+    uses_min_digits = True
+    OPS = "RLSI"
+
+    def __init__(self, cfg: TaskConfig, seed: int):
+        if cfg.items < 2:
+            raise ValueError(f"config error at 'task.items': task 'list_ops' rewrites a list of task.items digits; "
+                             f"need >= 2 (e.g. 4), got {cfg.items}")
+        super().__init__(cfg, seed)
+
+    def space_size(self) -> int:
+        return 10 ** self.cfg.items * sum(len(self.OPS) ** n for n in range(self.cfg.min_digits, self.cfg.digits + 1))
+
+    def _split_tag(self) -> str:
+        return f"{self.cfg.items}x{self.cfg.min_digits}-{self.cfg.digits}"
+
+    def _draw(self, rng: random.Random) -> Example:
+        digits = "".join(str(rng.randrange(10)) for _ in range(self.cfg.items))
+        ops = "".join(rng.choice(self.OPS) for _ in range(rng.randint(self.cfg.min_digits, self.cfg.digits)))
+        return Example(f"{digits}:{ops}=", list_states(digits, ops)[-1])
+
+    def reward(self, completion: str, example: Example) -> float:
+        return 1.0 if completion.strip() == self.demonstration(example) else 0.0
+
+    def demonstration(self, example: Example) -> str:
+        digits, _, ops = example.prompt.rstrip("=").partition(":")
+        states = list_states(digits, ops)
+        return "".join(f"{op}{s};" for op, s in zip(ops, states[1:])) + f"|{states[-1]}"
+
+
+def list_op(op: str, digits: str) -> str:
+    """One ``list_ops`` operation on a digit string: R reverse, L rotate left by one, S swap first and last, I add 1
+    to every digit mod 10."""
+    if op == "R":
+        return digits[::-1]
+    if op == "L":
+        return digits[1:] + digits[:1]
+    if op == "S":
+        return digits if len(digits) < 2 else digits[-1] + digits[1:-1] + digits[0]
+    if op == "I":
+        return "".join(str((int(d) + 1) % 10) for d in digits)
+    raise ValueError(f"unknown list_ops operation {op!r}; known: {', '.join(ListOpsTask.OPS)}")
+
+
+def list_states(digits: str, ops: str) -> list[str]:
+    """[s_0, s_1, ..., s_L]: s_0 = ``digits``, s_k = op_k(s_{k-1})."""
+    states = [digits]
+    for op in ops:
+        states.append(list_op(op, states[-1]))
+    return states
+
+
+TASKS["list_ops"] = ListOpsTask
+
+
 # ------------------------------------------------------------------------------------------------- curriculum
 
 
