@@ -63,6 +63,9 @@ def _load(ns: argparse.Namespace, kind: str = ""):
 
 def _cmd_train(ns: argparse.Namespace) -> int:
     cfg = _load(ns)
+    from dcmdp.device import local_rank, resolve_device
+
+    resolve_device(cfg.device, local_rank())  # device=cuda without CUDA: exit 2 before the model is built
     from dcmdp.loop import finished_run, train  # after the config is checked: a typo is reported before torch imports
 
     done = finished_run(cfg)

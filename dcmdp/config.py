@@ -21,7 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from constraints.config import ConstraintConfig
-from dcmdp import redact  # noqa: F401  (remembers the values a config reads from the environment)
+from dcmdp import redact
 from dcmdp.async_config import AsyncRolloutConfig
 from trainers.config import RENAMED_KEYS as TRAINER_RENAMED_KEYS
 from trainers.config import (PRECISION_BITS, AlgoConfig, ColdStartConfig, ModelConfig, OptimConfig, RolloutConfig,
@@ -130,7 +130,8 @@ class DualConfig:
     # rollout (pi_old, before the updates: the engines' discrepancy at the weights that sampled the batch) |
     # updates (pi_theta of every token at the mini-batch update that trained on it, before that update's
     # optimiser step: the quantity the hinge penalty acts on, engine discrepancy plus update drift; equal to
-    # rollout at N = 1).
+    # rollout at N = 1) | drift (pi_theta at the updates against pi_old instead of mu: the part the update controls;
+    # the penalty then pulls toward pi_old; docs/tolerances.md).
     measure_at: str = "rollout"
     # Measure the violation in units of the tolerance: the dual step (projected, and the PID terms) uses
     # (D_hat - c) / c instead of D_hat - c, so one eta means "lambda moves by eta per tolerance exceeded" for
@@ -188,7 +189,7 @@ class GuardConfig:
 
 @dataclass
 class DistConfig:
-    # Process-group backend under torchrun: auto (gloo: the trainer runs on the CPU) | gloo | nccl.
+    # Process-group backend under torchrun: auto (nccl when the run trains on CUDA, gloo on the CPU) | gloo | nccl.
     backend: str = "auto"
     # FSDP2 compute dtype of the sharded model (master weights stay float32): fp32 | bf16.
     param_dtype: str = "fp32"
@@ -215,6 +216,9 @@ class RunConfig:
     output_dir: str = "outputs/default"
     # torch intra-op threads: an int >= 1, or auto (the cores free when the run starts; see dcmdp.cpu).
     threads: Union[int, str] = "auto"
+    # Where the model, optimiser, engine and batches live: auto (cuda:LOCAL_RANK when CUDA is available, else the
+    # CPU; logged with the reason at start) | cpu | cuda | cuda:N. See dcmdp.device.
+    device: str = "auto"
     # Show a progress bar; null: only when stdout and stderr are terminals. Without a bar, one line per log_every
     # steps goes to the log (step, reward, accuracy, lambda and D-hat per constraint, step time).
     progress: Optional[bool] = None
@@ -297,7 +301,8 @@ def _set_list_element(cfg: DictConfig, key: str, value: str) -> None:
     valid = _valid_keys(parent)
     if leaf not in valid:
         raise ConfigError(f"unknown config key '{key}'{_nearest(leaf, valid)}")
-    parsed = OmegaConf.from_dotlist([f"value={value}"])["value"]
+    # unresolved: an interpolation is set as written (resolved with the rest; recorded as written)
+    parsed = OmegaConf.to_container(OmegaConf.from_dotlist([f"value={value}"]), resolve=False)["value"]
     OmegaConf.update(cfg, key, parsed, merge=False)
 
 
@@ -352,7 +357,10 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
         merged = OmegaConf.merge(schema, *layers)
         for override in indexed:
             _set_list_element(merged, *override.split("=", 1))
+        # read before resolving: a value from the environment is recorded as its interpolation, never its value
+        as_written = redact.interpolations(OmegaConf.to_container(merged, resolve=False))
         cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+        redact.attach_written(cfg, as_written)
     except (ConfigKeyError, ConfigAttributeError) as exc:
         raise ConfigError(f"unknown config key: {exc}") from exc
     except OmegaConfBaseException as exc:
@@ -418,12 +426,18 @@ def validate(cfg: RunConfig) -> None:
     if cfg.seed < 0:  # numpy seeds only from non-negative integers
         raise ConfigError(f"config error at 'seed': must be >= 0, got {cfg.seed}")
     _check_run_basics(cfg)
+    if cfg.tracking.uri and (why := redact.uri_problem(cfg.tracking.uri)):
+        raise ConfigError(f"config error at 'tracking.uri': {redact.public_uri(cfg.tracking.uri)!r} cannot be used: "
+                          f"{why}")
     if cfg.optim.weight_decay < 0:
         raise ConfigError(f"config error at 'optim.weight_decay': must be >= 0, got {cfg.optim.weight_decay}")
     if cfg.checkpoint.keep < 1:
         raise ConfigError(f"config error at 'checkpoint.keep': must be >= 1, got {cfg.checkpoint.keep}")
     if cfg.log_every < 1:
         raise ConfigError(f"config error at 'log_every': must be >= 1, got {cfg.log_every}")
+    from dcmdp.device import check_device_setting  # here: dcmdp.device imports this module
+
+    check_device_setting(cfg.device)
     if not (cfg.threads == "auto" or (type(cfg.threads) is int and cfg.threads >= 1)):
         raise ConfigError(f"config error at 'threads': must be auto or an integer >= 1, got {cfg.threads!r}")
     for key, value in (("eval_every", cfg.eval_every), ("checkpoint.every", cfg.checkpoint.every)):
@@ -506,7 +520,7 @@ def _validate_registries(cfg: RunConfig) -> None:
     _check_coupling_feasible(cfg, DUAL_RULES[cfg.dual.rule])
     _check_response_fits(cfg, PRESETS[cfg.model.preset])
     one_of(cfg.dual.penalty, PENALTIES, "dual.penalty")
-    one_of(cfg.dual.measure_at, ("rollout", "updates"), "dual.measure_at")
+    one_of(cfg.dual.measure_at, ("rollout", "updates", "drift"), "dual.measure_at")
     for i, c in enumerate(cfg.dual.constraints):
         one_of(c.measure, MEASURES, f"dual.constraints[{i}].measure")
     penalizes = DUAL_RULES[cfg.dual.rule].penalizes
@@ -708,15 +722,33 @@ def _validate_rollout_quantization(cfg: RunConfig, presets: dict, engine: Engine
                               f"{problem}")
 
 
+# Config keys that hold a URI: records hold them without credentials (``redact.public_uri``).
+URI_KEYS = ("tracking.uri",)
+
+
+def _is_resume_key(key: str) -> bool:
+    return re.sub(r"^dual\.constraints\.\d+\.", "dual.constraints.*.", key) in RESUME_KEYS
+
+
+def public_config(cfg: RunConfig, *, resume_keys_resolved: bool = False) -> dict:
+    """The config as every record of it holds it (config.yaml, MLflow params, a checkpoint's config): a value
+    written as an interpolation (``${oc.env:PW}``) stays that interpolation, URIs (``URI_KEYS``) lose their
+    credentials, the rest is resolved. ``resume_keys_resolved``: the ``RESUME_KEYS`` resolved even when written as an
+    interpolation (registry names, a dtype, a model folder: what a resume compares, never a secret)."""
+    data = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    return redact.public_container(cfg, data, URI_KEYS, keep=_is_resume_key if resume_keys_resolved else None)
+
+
 def to_yaml(cfg: RunConfig, *, public: bool = False) -> str:
-    """The resolved config as YAML; ``public``: with the values read from the environment and URI passwords shown as
-    ``***`` (what a run writes to its folder and to MLflow)."""
-    text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-    return redact.redact(text) if public else text
+    """The resolved config as YAML; ``public``: as ``public_config`` has it (what a run writes to its folder and to
+    MLflow), which ``load_config`` reads back to the same config in the same environment."""
+    if public:
+        return OmegaConf.to_yaml(OmegaConf.create(public_config(cfg)))
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
 def flatten(cfg: RunConfig) -> dict[str, str]:
-    """Flattened resolved config (dotted keys) for MLflow params."""
+    """Flattened ``public_config`` (dotted keys, the ``RESUME_KEYS`` resolved) for MLflow params and checkpoints."""
     out: dict[str, str] = {}
 
     def walk(node: Any, prefix: str) -> None:
@@ -729,8 +761,8 @@ def flatten(cfg: RunConfig) -> dict[str, str]:
         else:
             out[prefix[:-1]] = str(node)
 
-    walk(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True), "")
-    return redact.redact_values(out)
+    walk(public_config(cfg, resume_keys_resolved=True), "")
+    return out
 
 
 # Keys a resumed run must share with its checkpoint: the model's shape and weights, and the dual state's layout

@@ -38,6 +38,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from dcmdp.device import activate, check_backend, default_backend, local_rank, resolve_device
 from dcmdp.checkpoint import (CheckpointError, capture_rng, prepare_checkpoint_dir, publish_checkpoint,
                               restore_rng)
 from trainers.engines import build_engine, capabilities
@@ -63,6 +64,8 @@ class Dist:
     world: int = 1
     backend: Optional[str] = None
     shard: DataShard = field(default_factory=DataShard)
+    # Where this process trains (``dcmdp.device.resolve_device``): model, optimiser state, engine, batches.
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
     def main(self) -> bool:
@@ -138,23 +141,29 @@ def check_world(cfg, world: int) -> None:
             f"config error at 'model.dtype': under FSDP2 the sharded master weights stay float32 and "
             f"dist.param_dtype sets the compute dtype; use model.dtype=float32 dist.param_dtype=bf16 instead of "
             f"model.dtype={cfg.model.dtype}")
-    if cfg.dist.backend == "nccl":
+    if cfg.dist.backend == "nccl" and cfg.device == "cpu":
         raise DistributedSetupError(
-            "config error at 'dist.backend': nccl needs the trainer on GPUs, and the training loop keeps its "
-            "model and batches on the CPU; use dist.backend=gloo")
+            "config error at 'dist.backend': nccl reduces CUDA tensors and device=cpu trains on the CPU; use "
+            "dist.backend=auto (gloo on the CPU, nccl on GPUs) or device=auto on a GPU machine")
 
 
 def init(cfg) -> Dist:
-    """Join the ``torchrun`` process group (gloo) when WORLD_SIZE > 1; a single-process Dist otherwise."""
+    """This process's place in the run: its device (``cfg.device``, logged with the reason) and, when ``torchrun``
+    launched WORLD_SIZE > 1 processes, the process group (``dist.backend``; auto: nccl on CUDA, gloo on the CPU)."""
     rank, world = world_from_env()
     check_world(cfg, world)
+    device, why = resolve_device(cfg.device, local_rank())
+    if rank == 0:
+        log.info("training on %s", why)
+    activate(device)
     if world == 1:
-        return Dist()
-    backend = "gloo" if cfg.dist.backend == "auto" else cfg.dist.backend
+        return Dist(device=device)
+    backend = default_backend(device) if cfg.dist.backend == "auto" else cfg.dist.backend
+    check_backend(backend, device)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
     return Dist(rank=dist.get_rank(), world=dist.get_world_size(), backend=backend,
-                shard=DataShard(rank=dist.get_rank(), world=dist.get_world_size()))
+                shard=DataShard(rank=dist.get_rank(), world=dist.get_world_size()), device=device)
 
 
 def shutdown(d: Dist) -> None:
@@ -197,7 +206,7 @@ def shard_model(model: torch.nn.Module, cfg, d: Dist) -> torch.nn.Module:
 
     from trainers.scoring import register_fsdp_scoring
 
-    mesh = init_device_mesh("cpu", (d.world,))
+    mesh = init_device_mesh(d.device.type, (d.world,))
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.dist.param_dtype], reduce_dtype=DTYPES[cfg.dist.reduce_dtype])
     head_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for layer in model.model.layers:
@@ -210,7 +219,7 @@ def shard_model(model: torch.nn.Module, cfg, d: Dist) -> torch.nn.Module:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
-            # a plain SUM: gloo has no pre-multiplied sum
+            # a plain SUM: gloo has no pre-multiplied sum (and nccl's sum is the same reduction)
             module.set_force_sum_reduction_for_comms(True)
     register_fsdp_scoring(model)
     return model
@@ -307,7 +316,7 @@ def agree_stop(stop, d: Dist) -> None:
     the checkpoint and leave at the same step; the signal number is the largest one received."""
     if d.world == 1:
         return
-    flag = torch.tensor([(stop.signum or 0) if stop.requested else 0], dtype=torch.long)
+    flag = torch.tensor([(stop.signum or 0) if stop.requested else 0], dtype=torch.long, device=d.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if int(flag) and not stop.requested:
         stop.requested, stop.signum = True, int(flag)

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import random
 import sys
 import time
@@ -36,7 +37,7 @@ from dcmdp.cpu import apply_threads
 from dcmdp.dual import DualState, dual_step, enter_context, enter_floor, init_state, needs_floor, penalty_spec
 from dcmdp.dual import batch_tolerances, bound_in_force, staleness_step, with_staleness
 from dcmdp.plots import plot_dual
-from dcmdp.redact import redact
+from dcmdp.redact import public_uri, written_field
 from dcmdp.tracking import NoTracker, Tracker, check_tracking_config, provenance_tags
 from dcmdp.policy import (Policy, build_policy, decode_responses, encode_prompts, held_out_accuracy, held_out_examples,
                           screen_task_prompts, seed_everything, step_seed)
@@ -44,7 +45,7 @@ from trainers import guards, learner
 from trainers.advantages import ADVANTAGES
 from trainers.batch import Rollout
 from trainers.config import PRECISION_BITS, AlgoConfig
-from trainers.models import compute_dtype
+from trainers.models import cast_model, compute_dtype
 from trainers.optim import build_optimizer, precision_param_dtype
 from trainers.tasks import Example, score_completions
 
@@ -96,6 +97,13 @@ class ConstraintSummary:
     slack_frac: float
     lambda_mean: float
     lambda_final: float
+    # Share of the measured steps with lambda at its cap (lambda_max): the constraint was not held, a constant was.
+    cap_frac: float = 0.0
+    # Over the first FEASIBILITY_STEPS measured steps: the least value at the measurement point that no update of the
+    # step changes (dual/floor_at_point/<name>) and the largest tolerance; the constraint is infeasible from the start
+    # when that floor exceeds c on every one of them (NaN: not measured).
+    start_floor: float = math.nan
+    start_tolerance: float = math.nan
 
 
 @dataclass(slots=True)
@@ -161,6 +169,13 @@ class Summary:
 
 # A constraint is reported as slack when D-hat < c with lambda at its floor on at least this share of its steps.
 SLACK_FRAC = 0.95
+# ... as pinned when lambda sits at lambda_max on more than this share, and as not held when D-hat > c on more.
+CAP_FRAC = 0.5
+OUTSIDE_FRAC = 0.5
+# Steps at the start of a run whose floor at the measurement point decides feasibility (``feasibility_warnings``).
+FEASIBILITY_STEPS = 3
+# Rules whose lambda responds to D-hat: only they can be slack, pinned or infeasible in the sense above.
+_MOVING_RULES = ("projected", "pid", "signed")
 
 
 def constraint_summaries(history: Sequence[dict[str, float]], names: Sequence[str],
@@ -175,18 +190,67 @@ def constraint_summaries(history: Sequence[dict[str, float]], names: Sequence[st
         tol = np.array([h[f"dual/tolerance/{name}"] for h in rows])
         lam = np.array([h[f"dual/lambda/{name}"] for h in rows])
         floor = (lam <= c.lambda_min + 1e-12) & (d < tol)
+        start = [h for h in rows[:FEASIBILITY_STEPS] if np.isfinite(h.get(f"dual/floor_at_point/{name}", math.nan))]
+        start_floor = min(h[f"dual/floor_at_point/{name}"] for h in start) if start else math.nan
+        start_tol = max(h[f"dual/tolerance/{name}"] for h in start) if start else math.nan
         out[name] = ConstraintSummary(float(d.mean()), float(tol[0]), float(tol[-1]), float((d <= tol).mean()),
-                                      float(floor.mean()), float(lam.mean()), float(lam[-1]))
+                                      float(floor.mean()), float(lam.mean()), float(lam[-1]),
+                                      float((lam >= c.lambda_max - 1e-12).mean()), float(start_floor), float(start_tol))
+    return out
+
+
+def feasibility_warnings(history: Sequence[dict[str, float]], names: Sequence[str],
+                         constraints: Sequence[ConstraintConfig], rule: str, measure_at: str) -> list[str]:
+    """Constraints whose tolerance lies below the floor at the measurement point on each of the first
+    ``FEASIBILITY_STEPS`` steps (``history``): no update can bring D-hat inside c, and lambda would wind up to its cap.
+
+    The floor at the measurement point (``dual/floor_at_point/<name>``) is the part of this step's D-hat that the
+    step's updates do not change: pi_old vs mu for ``measure_at`` rollout and updates (the first mini-batch update
+    starts from pi_theta = pi_old; getting below it means chasing the engine's rounding), 0 for drift.
+    """
+    if rule not in _MOVING_RULES:
+        return []
+    out = []
+    for name, c in zip(names, constraints):
+        rows = [h for h in history[:FEASIBILITY_STEPS] if np.isfinite(h.get(f"dual/floor_at_point/{name}", math.nan))]
+        if len(rows) < FEASIBILITY_STEPS or not all(h[f"dual/floor_at_point/{name}"] > h[f"dual/tolerance/{name}"]
+                                                    for h in rows):
+            continue
+        floors = ", ".join(f"{h[f'dual/floor_at_point/{name}']:.4g}" for h in rows)
+        tols = ", ".join(f"{h[f'dual/tolerance/{name}']:.4g}" for h in rows)
+        out.append(f"constraint {name} is infeasible at its measurement point (dual.measure_at={measure_at}): on each of "
+                   f"the first {len(rows)} steps the part of D-hat no update of the step changes (pi_old vs mu: "
+                   f"{floors}) is above c ({tols}), so lambda can only wind up to its cap ({c.lambda_max:g}). Raise c "
+                   f"above that floor (dcmdp calibrate proposes one), raise floor_slack, or constrain the part the "
+                   f"update controls: dual.measure_at=drift")
     return out
 
 
 def end_of_run_warnings(constraints: dict[str, ConstraintSummary], rule: str, accuracy_after: float,
                         chance: float, eval_prompts: int) -> list[str]:
-    """A constraint that was slack on (nearly) every step under a rule that moves lambda (the dual never acted), and
-    held-out accuracy at chance level (at most one eval prompt above ``chance``)."""
+    """Under a rule that moves lambda: a constraint slack on (nearly) every step (the dual never acted), lambda at its
+    cap on more than ``CAP_FRAC`` of the steps (a constant with extra steps), D-hat outside c on more than
+    ``OUTSIDE_FRAC`` of them (the constraint was not held), infeasible from the first steps
+    (``feasibility_warnings``); and held-out accuracy at chance level (at most one eval prompt above ``chance``)."""
     out = []
     for name, c in constraints.items():
-        if rule in ("projected", "pid") and c.slack_frac >= SLACK_FRAC:
+        if rule not in _MOVING_RULES:
+            continue
+        if c.start_floor > c.start_tolerance:  # NaN compares False
+            out.append(f"constraint {name} was infeasible from the start: the floor at its measurement point "
+                       f"({c.start_floor:.4g}, the least over the first {FEASIBILITY_STEPS} steps) was above c "
+                       f"({c.start_tolerance:.4g}); see the warning at step {FEASIBILITY_STEPS}")
+        if c.cap_frac > CAP_FRAC:
+            out.append(f"constraint {name}: lambda sat at its cap lambda_max on {c.cap_frac:.0%} of the steps (mean "
+                       f"{c.lambda_mean:.4g}): the penalty acted as a constant, not a controller. c "
+                       f"({c.tolerance_start:.4g} -> {c.tolerance_end:.4g}) is below what the penalty can reach (mean "
+                       f"D-hat {c.measured_mean:.4g}); raise c or floor_slack (dcmdp calibrate proposes one), or "
+                       f"constrain the part the update controls (dual.measure_at=drift)")
+        if 1.0 - c.inside_frac > OUTSIDE_FRAC:
+            out.append(f"constraint {name}: D-hat was outside c on {1.0 - c.inside_frac:.0%} of the steps (mean D-hat "
+                       f"{c.measured_mean:.4g}, c {c.tolerance_start:.4g} -> {c.tolerance_end:.4g}): the constraint "
+                       f"was not held")
+        if c.slack_frac >= SLACK_FRAC:
             out.append(f"constraint {name} was slack on {c.slack_frac:.0%} of the steps (D-hat < c with lambda at its "
                        f"floor): the dual never acted. c ({c.tolerance_start:.4g} -> {c.tolerance_end:.4g}) lies above "
                        f"the measured D-hat (mean {c.measured_mean:.4g}); lower the tolerance (dcmdp calibrate "
@@ -303,6 +367,8 @@ def _train_step(s: Setup, step: int, bar) -> None:
     t1 = time.perf_counter()
     rewards_B, reward_metrics = reward_phase(s.policy, examples, rollout)
     rollout, advantages_B, keep_B, guard_metrics = screen_phase(cfg.algo, rollout, rewards_B, fresh_B)
+    # rewards and screens ran on the host; the learner and the measures run where the model lives
+    rollout, advantages_B, keep_B = rollout.to(s.dist.device), advantages_B.to(s.dist.device), keep_B.to(s.dist.device)
     old = learner.old_pass(s.policy.model, rollout, advantages_B, keep_B, cfg.algo, s.scoring)
     # train_logp_BT: pi_old vs mu before the updates; None (a bypass with N > 1) measures each token's update instead
     batch, keep_B, train_logp_BT, old_metrics = old.batch, old.keep_B, old.train_logp_BT, old.metrics
@@ -325,8 +391,13 @@ def _train_step(s: Setup, step: int, bar) -> None:
     # an automatic tolerance's floor: pi_old vs mu on identical weights. A batch that older weights sampled
     # (asynchronous rollouts) also holds the policy's drift since then, so it leaves the floor as it is (NaN)
     floor_C = measured_C if _sampled_by_current_weights(s, rollout, step) else torch.full_like(measured_C, float("nan"))
+    # the part of D-hat that no update of this step changes (feasibility_warnings): the pre-update value, 0 for drift
+    point_floor_C = torch.zeros_like(measured_C) if cfg.dual.measure_at == "drift" else measured_C
     if result is not None and cfg.dual.measure_at == "updates":
         measured_C = constraint_values(cfg.dual.constraints, batch, result.trained_logp_BT)
+    elif cfg.dual.measure_at == "drift":  # pi_theta at each token's update vs pi_old: the update's own part
+        measured_C = (constraint_values(cfg.dual.constraints, batch, result.trained_logp_BT, batch.old_logp_BT)
+                      if result is not None else torch.full_like(measured_C, float("nan")))
     tolerance_C = batch_tolerances(s.state.dual, floor_C, cfg.dual) if cfg.async_rollout.is_auto else None
     s.state.dual, dual_metrics = dual_step(s.state.dual, measured_C, cfg.dual, floor_C=floor_C)
     if cfg.async_rollout.is_auto:  # the staleness bound, the dual's second action
@@ -338,6 +409,7 @@ def _train_step(s: Setup, step: int, bar) -> None:
     else:
         s.worker.publish(s.policy.model.state_dict(), version=step + 1, bound=_bound(s))
     t6 = time.perf_counter()
+    dual_metrics.update({f"dual/floor_at_point/{n}": float(v) for n, v in zip(s.names, point_floor_C.tolist())})
     metrics = {**reward_metrics, **disc_metrics, **dual_metrics, **context_metrics,
                **(result.metrics() if result is not None else {})}
     metrics.update(guard_metrics)
@@ -355,6 +427,9 @@ def _train_step(s: Setup, step: int, bar) -> None:
     metrics = {k: float(v) for k, v in metrics.items()}
     s.state.history.append(metrics)
     s.state.done_step, s.state.mid_update = step + 1, False
+    if step + 1 == FEASIBILITY_STEPS and s.dist.main:
+        for w in feasibility_warnings(s.state.history, s.names, cfg.dual.constraints, cfg.dual.rule, cfg.dual.measure_at):
+            log.warning("%s", w)
     if step == s.state.start_step and step > 0:
         # the engine got the trainer's weights at resume: a spike here would mean it did not
         log.info("first step after resume (step %d): %s", step + 1, ", ".join(
@@ -597,8 +672,9 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
     policy = build_policy(cfg, out, d=d, progress=show_bar(cfg))
     screen_task_prompts(policy, cfg.rollout.max_new_tokens)
     if (dtype := precision_param_dtype(cfg.optim.precision)) is not None:
-        # after the cold start (cached at the model's own dtype) and after the engine copied the weights
-        policy.model.to(dtype)
+        # after the cold start (cached at the model's own dtype) and after the engine copied the weights; the rotary
+        # buffers stay float32
+        cast_model(policy.model, dtype)
     model = policy.model = distributed.shard_model(policy.model, cfg, d)
     optimizer = build_optimizer(model.parameters(), cfg.optim, seed=cfg.seed)
     # float16 compute needs dynamic loss scaling: small gradients underflow in float16 without it
@@ -628,8 +704,11 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
     parent = ({"run_id": state.get("run_id"), "uid": checkpoint_run_uid(state), "checkpoint": str(resume)}
               if start.foreign else None)
     tracker.start(flatten(cfg), run_id=run_id,
-                  tags={"model.preset": cfg.model.preset, "dcmdp.version": _version(),
-                        "dcmdp.output_dir": str(out.resolve()), "dcmdp.run_uid": start.uid, **provenance_tags(),
+                  tags={"model.preset": cfg.model.preset, "dcmdp.version": _version(), "dcmdp.device": str(d.device),
+                        **({"dcmdp.random_init": f"RANDOM weights ({cfg.model.num_layers or 'all'} layers), character "
+                                                 f"tokenizer stand-in: a speed and memory run"}
+                           if cfg.model.init == "random" else {}),
+                        "dcmdp.output_dir": written_field(cfg, "output_dir") or str(out.resolve()), "dcmdp.run_uid": start.uid, **provenance_tags(),
                         **({"dcmdp.resumed_from_run": str(parent["run_id"]), "dcmdp.resumed_from": str(resume)}
                            if parent else {})})
     if d.main and owns_folder:
@@ -662,7 +741,8 @@ def checkpoint(s: Setup, step: int) -> Path:
                "dual": s.state.dual.state_dict(), "engine_version": s.policy.engine.version, "run_id": s.tracker.run_id,
                "history": s.state.history, "rng": capture_rng(), "guard": {"consecutive_bad_steps": s.state.bad_steps},
                "config": flatten(s.cfg), "accuracy_before": s.state.accuracy_before,
-               "run": {"uid": s.state.run_uid, "output_dir": str(Path(s.cfg.output_dir).resolve())},
+               "run": {"uid": s.state.run_uid, "output_dir": written_field(s.cfg, "output_dir")
+                                                               or str(Path(s.cfg.output_dir).resolve())},
                "scaler": s.optim.scaler.state_dict() if s.optim.scaler is not None else None}
     ckpt_dir = Path(s.cfg.output_dir) / "checkpoints"
     if s.dist.world > 1:
@@ -734,14 +814,17 @@ def reward_phase(policy: Policy, examples: list[Example], rollout: Rollout) -> t
                        "response/length_mean": float(lengths.mean())}
 
 
-def constraint_values(constraints: Sequence[ConstraintConfig], batch: learner.ScoredBatch, train_logp_BT: torch.Tensor
-                      ) -> torch.Tensor:
-    """D-hat of every constraint: the training engine's log-probs ``train_logp_BT`` vs mu (float64, [C])."""
+def constraint_values(constraints: Sequence[ConstraintConfig], batch: learner.ScoredBatch, train_logp_BT: torch.Tensor,
+                      anchor_logp_BT: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """D-hat of every constraint: the training engine's log-probs ``train_logp_BT`` vs mu, or vs ``anchor_logp_BT``
+    when given (pi_old under ``dual.measure_at: drift``) (float64, [C])."""
     r = batch.rollout
     if not constraints:
         return torch.zeros(0, dtype=torch.float64)
-    return torch.stack([measure_constraint(c, train_logp_BT, r.rollout_logp_BT.float(), r.response_mask_BT.bool(),
-                                           **batch.routes()).double() for c in constraints])
+    anchor_BT = r.rollout_logp_BT.float() if anchor_logp_BT is None else anchor_logp_BT.float()
+    # reduced where the batch lives, then to the host: the dual's state is float64 on the CPU (one sync)
+    return torch.stack([measure_constraint(c, train_logp_BT, anchor_BT, r.response_mask_BT.bool(),
+                                           **batch.routes()).double() for c in constraints]).cpu()
 
 
 def measure_phase(constraints: Sequence[ConstraintConfig], batch: learner.ScoredBatch,
@@ -787,7 +870,8 @@ def finish(s: Setup, acc_before: float, acc_after: float, seconds: float) -> Sum
     warnings = end_of_run_warnings(constraints, cfg.dual.rule, acc_after, getattr(s.policy.task, "chance_accuracy", 0.0),
                                    len(s.state.eval_examples or ()))
     summary = Summary(acc_before, acc_after, {n: float(v) for n, v in zip(s.names, s.state.dual.lambda_C)}, mean_disc,
-                      cfg.steps, s.tracker.run_id, redact(s.tracker.tracking_uri), str(out), seconds,
+                      cfg.steps, s.tracker.run_id, public_uri(s.tracker.tracking_uri),
+                      written_field(cfg, "output_dir") or str(out), seconds,
                       s.state.start_step, constraints, warnings)
     if s.dist.main:
         for w in warnings:

@@ -22,7 +22,7 @@ from dcmdp.config import RunConfig
 from trainers.attention import GQA_ATTENTION
 from trainers.batch import Rollout
 from trainers.coldstart import cold_start
-from trainers.engines import RolloutEngine
+from trainers.engines import RolloutEngine, capabilities
 from trainers.models import PRESETS, build_model, check_context, save_model_dir
 from trainers.routing import is_moe
 from trainers.tasks import TASKS, Curriculum, Example, Task, score_completions
@@ -62,29 +62,38 @@ def build_policy(cfg: RunConfig, out: Path, *, d: distributed.Dist = distributed
     """
     preset = PRESETS[cfg.model.preset]
     task = TASKS[cfg.task.name](cfg.task, cfg.seed)
-    if cfg.model.path:
+    random_init = cfg.model.init == "random"
+    if cfg.model.path and not random_init:
         tokenizer = load_tokenizer(cfg.model.path)
     else:
-        if preset.needs_path:
+        if preset.needs_path and not random_init:
             raise FileNotFoundError(f"model.preset={cfg.model.preset!r} loads real weights: set model.path to a "
-                                    f"local directory with the weights and tokenizer")
+                                    f"local directory with the weights and tokenizer, or model.init=random for a "
+                                    f"speed or memory run without them")
         tokenizer = build_char_tokenizer()
+    if random_init and d.main:
+        log.warning("model.init=random: %s built with RANDOM weights%s and the character tokenizer as a stand-in "
+                    "(%d tokens): a speed and memory run, not a model that can learn the task's language",
+                    cfg.model.preset, f" at {cfg.model.num_layers} layers" if cfg.model.num_layers else "",
+                    len(tokenizer))
     # a cold start from its own seed starts every run seed from one model
     init_seed = cfg.cold_start.seed if cfg.cold_start.seed is not None and not cfg.model.path else cfg.seed
-    model = build_model(cfg.model, len(tokenizer), seed=init_seed)
+    model = build_model(cfg.model, len(tokenizer), seed=init_seed, device=d.device)
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     if weights is not None:
         model.load_state_dict(weights)
-    if cfg.model.path and weights is None:
+    if cfg.model.path and weights is None and not random_init:
         model_dir = cfg.model.path
     elif cfg.cold_start.steps > 0 and weights is None:
         with d.main_first():  # rank 0 fills the on-disk cache, the other ranks load from it
             model, info = cold_start(model, tokenizer, task, cfg.cold_start, cfg.model, seed=init_seed, eos_id=eos_id,
                                      progress=progress and d.main, fallback_dir=str(out / "initial_model"))
+        model = model.to(d.device)  # a cached cold start loads on the CPU
         model_dir = str(info["model_dir"])
     else:
         model_dir = str(out / "initial_model")
-        if d.main:
+        # only an engine that reads the weights from disk needs them there (a real preset is tens of GB)
+        if d.main and capabilities(cfg.rollout.engine).loads_from_disk:
             save_model_dir(model, tokenizer, model_dir)
     engine = distributed.rollout_engine(cfg, model, model_dir, eos_id=eos_id, pad_id=pad_id, d=d)
     if cfg.model.gqa_attention:

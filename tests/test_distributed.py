@@ -208,10 +208,10 @@ def test_two_ranks_host_one_tensor_parallel_vllm_engine_and_every_shard_gets_the
     ("rollout.engine=vllm", "set rollout.vllm.tensor_parallel_size=2"),
     ("algo.minibatches=8", "do not split evenly over 2 ranks"),
     ("model.dtype=bfloat16", "master weights stay float32"),
-    ("dist.backend=nccl", "use dist.backend=gloo"),
+    ("dist.backend=nccl device=cpu", "nccl reduces CUDA tensors"),
 ])
 def test_configs_that_cannot_run_on_two_ranks_fail_before_anything_runs(override, message):
-    cfg = load_config(None, ["algo.prompts_per_step=4", "algo.samples_per_prompt=2", override])
+    cfg = load_config(None, ["algo.prompts_per_step=4", "algo.samples_per_prompt=2", *override.split()])
     check_world(cfg, 1)
     with pytest.raises(DistributedSetupError, match=message):
         check_world(cfg, 2)

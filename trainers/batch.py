@@ -76,6 +76,13 @@ class Rollout:
             kwargs[f.name] = v[index] if isinstance(v, Tensor) else v
         return Rollout(**kwargs)
 
+    def to(self, device: torch.device | str) -> "Rollout":
+        """Every tensor on ``device`` (the same object when they are all there already)."""
+        device = torch.device(device)
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                 if isinstance(getattr(self, f.name), Tensor) and getattr(self, f.name).device != device}
+        return replace(self, **moved) if moved else self
+
     def with_(self, **changes) -> "Rollout":
         return replace(self, **changes)
 

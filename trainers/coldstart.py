@@ -180,6 +180,7 @@ def supervised_finetune(model: PreTrainedModel, tokenizer, task: _Task, cfg: Col
     probe_tokens = max((len(tokenizer.encode(task.demonstration(ex), add_special_tokens=False)) for ex in probes),
                        default=0) + 2
     rng = random.Random(seed)
+    device = next(model.parameters()).device
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: _lr_factor(i, cfg.steps))
@@ -190,6 +191,7 @@ def supervised_finetune(model: PreTrainedModel, tokenizer, task: _Task, cfg: Col
         examples = task.sample(rng, cfg.batch_size)
         ids_BS, mask_BS, P = encode_batch(tokenizer, examples, [task.demonstration(ex) for ex in examples],
                                           eos_id=eos_id, pad_id=pad_id)
+        ids_BS, mask_BS = ids_BS.to(device), mask_BS.to(device)
         logp_BT, _ = response_logprobs(model, ids_BS, mask_BS, P, temperature=1.0)
         response_mask_BT = mask_BS[:, P:]
         loss = -(logp_BT * response_mask_BT).sum() / response_mask_BT.sum()

@@ -40,8 +40,24 @@ class ModelConfig:
     # Training forwards attend to grouped KV heads in place (SDPA enable_gqa, trainers.attention) instead of copying
     # them per query head: the same values, K/V gradients at float rounding. Not during the cold start.
     gqa_attention: bool = True
+    # Where the starting weights come from: auto (model.path when set; the tiny/small presets' seeded random init
+    # and cold start otherwise) | random (seeded random weights for any preset, the real ones included, with the
+    # character tokenizer as a stand-in: for speed and memory runs of the recipes without their weights; the log,
+    # summary and MLflow tag dcmdp.random_init say so).
+    init: str = "auto"
+    # Build the preset with only this many decoder layers (null: all of them), for speed and memory runs at the real
+    # width; needs model.init=random (loaded weights have their own depth).
+    num_layers: Optional[int] = None
 
     def check(self, prefix: str = "model") -> None:
+        _require(self.init in ("auto", "random"), f"{prefix}.init", f"got {self.init!r}, expected auto or random")
+        _require(self.num_layers is None or self.num_layers >= 1, f"{prefix}.num_layers",
+                 f"must be >= 1 or null, got {self.num_layers}")
+        _require(self.num_layers is None or self.init == "random", f"{prefix}.num_layers",
+                 "sets the depth of a randomly initialised model: needs model.init=random")
+        _require(self.init != "random" or not self.path, f"{prefix}.init",
+                 f"random builds the preset without weights, and model.path={self.path!r} names weights to load; "
+                 f"drop one of them (model.path=null for a random-init run)")
         _require(self.dtype in ("float32", "bfloat16", "float16"), f"{prefix}.dtype",
                  f"got {self.dtype!r}, expected float32, bfloat16 or float16")
         from trainers.lm_head import HEAD_KERNELS

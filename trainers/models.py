@@ -177,34 +177,69 @@ def _set_kernels(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
-def model_from_config(config: PretrainedConfig, *, seed: int, dtype: str | torch.dtype = "float32") -> PreTrainedModel:
-    """A randomly initialised Qwen3 / Qwen3-MoE model; the global RNG state is left untouched."""
+# Buffers that keep float32 under every cast the project makes: the rotary inverse frequencies. transformers' bf16
+# loading and vLLM keep them float32; rounded to bfloat16 (relative error ~4e-3) they rotate position 2,047 by
+# ~2.4 rad more or less than the engine does at theta = 1e6.
+FLOAT32_BUFFERS = ("inv_freq", "original_inv_freq")
+
+
+def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model.to(dtype)`` for the parameters and every floating buffer except ``FLOAT32_BUFFERS``, which keep
+    their float32 values (not a float32 copy of the rounded ones). Returns ``model`` (cast in place)."""
+    kept = {(id(m), n): b for m in model.modules() for n, b in m._buffers.items()
+            if n in FLOAT32_BUFFERS and b is not None and b.dtype == torch.float32}
+    model.to(dtype)
+    for m in model.modules():
+        for n in list(m._buffers):
+            if (id(m), n) in kept:
+                m._buffers[n] = kept[(id(m), n)].to(device=m._buffers[n].device)
+    return model
+
+
+def model_from_config(config: PretrainedConfig, *, seed: int, dtype: str | torch.dtype = "float32",
+                      device: torch.device | str = "cpu") -> PreTrainedModel:
+    """A randomly initialised Qwen3 / Qwen3-MoE model built on ``device``; the global RNG state is left untouched.
+
+    The same seed gives the same weights on the same device type (the CPU and CUDA draw different streams)."""
     cls = Qwen3MoeForCausalLM if isinstance(config, Qwen3MoeConfig) else Qwen3ForCausalLM
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(seed)
         model = cls(config)
-    return _set_kernels(model.to(_dtype(dtype)))
+    return _set_kernels(cast_model(model, _dtype(dtype)))
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> PreTrainedModel:
-    """The training model of ``cfg``: random init for tiny presets, loaded from ``cfg.path`` otherwise.
+def build_model(cfg: ModelConfig, vocab_size: int, *, seed: int, device: torch.device | str = "cpu"
+                ) -> PreTrainedModel:
+    """The training model of ``cfg`` on ``device``: random init for tiny presets and for ``model.init=random``
+    (``model.num_layers`` deep when set), loaded from ``cfg.path`` otherwise.
 
-    ``vocab_size`` is the tokenizer's length; a loaded model must have at least that many embedding rows.
+    ``vocab_size`` is the tokenizer's length; a loaded model must have at least that many embedding rows. The small
+    presets are drawn on the CPU and moved, so a seed gives the same model on every device (their cold start and its
+    cache are device-independent); a real preset at random init is drawn where it will train (8 B parameters drawn
+    on the CPU take minutes).
     """
     preset = get_preset(cfg.preset)
-    if cfg.path:
-        model = load_model_dir(cfg.path, param_dtype(cfg.dtype))
+    if cfg.path and cfg.init != "random":
+        model = load_model_dir(cfg.path, param_dtype(cfg.dtype)).to(device)
         if model.config.model_type != preset.model_type:
             raise ValueError(f"model.path {cfg.path!r} holds a {model.config.model_type!r} model, preset "
                              f"{preset.name!r} expects {preset.model_type!r}")
         if model.config.vocab_size < vocab_size:
             raise ValueError(f"tokenizer has {vocab_size} tokens but the model in {cfg.path!r} has only "
                              f"{model.config.vocab_size} embedding rows")
-    elif preset.needs_path:
+    elif preset.needs_path and cfg.init != "random":
         raise FileNotFoundError(f"preset {preset.name!r} loads real weights: set model.path to a local "
-                                f"Hugging Face directory (got model.path={cfg.path!r})")
+                                f"Hugging Face directory (got model.path={cfg.path!r}), or model.init=random for a "
+                                f"speed or memory run without them")
     else:
-        model = model_from_config(preset.make_config(vocab_size), seed=seed, dtype=param_dtype(cfg.dtype))
+        config = preset.make_config(vocab_size)
+        if cfg.num_layers is not None:
+            config.num_hidden_layers = cfg.num_layers
+            if getattr(config, "layer_types", None) is not None:
+                config.layer_types = config.layer_types[:cfg.num_layers]
+        where = device if preset.needs_path else "cpu"
+        model = model_from_config(config, seed=seed, dtype=param_dtype(cfg.dtype), device=where).to(device)
     if cfg.gradient_checkpointing:
         # the recomputed layers route like their forward did (R2/R3 replay), see routing.checkpoint_context_fn
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={

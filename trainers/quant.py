@@ -52,6 +52,8 @@ import torch
 from torch import Tensor, nn
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
+from trainers.models import cast_model
+
 # precision name -> parameter dtype of the engine copy (keys: trainers.config.ROLLOUT_PRECISIONS)
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32,
                     "fp8": torch.float32, "fp8_weight": torch.float32, "int4": torch.float32}
@@ -258,7 +260,8 @@ def cast_for_precision(model: nn.Module, precision: str, *, int4_group_size: int
     """
     if precision not in PRECISION_DTYPES:
         raise ValueError(f"unknown inference precision {precision!r}; available: {', '.join(PRECISION_DTYPES)}")
-    engine_model = copy.deepcopy(model).to(PRECISION_DTYPES[precision])
+    # the rotary buffers keep float32, as in transformers' bf16 loading and vLLM
+    engine_model = cast_model(copy.deepcopy(model), PRECISION_DTYPES[precision])
     engine_model.eval()
     engine_model.requires_grad_(False)
     if precision in QUANTIZED_PRECISIONS:

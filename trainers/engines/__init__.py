@@ -44,6 +44,8 @@ class EngineCapabilities:
     # weights and broadcasts each Rollout) | every_rank (every rank hosts its tensor-parallel part of one engine
     # and loads the full weights, keeping its shard).
     weight_sync: str = "rank0"
+    # It builds its model from the weights on disk (the run's model_dir), not from the trainer's model object.
+    loads_from_disk: bool = False
     # One engine split over ranks (its sub-config's tensor_parallel_size, e.g. rollout.vllm.tensor_parallel_size;
     # under torchrun it must be the world size).
     tensor_parallel: bool = False
@@ -107,6 +109,7 @@ VLLM_LOGIT_NOISE_UNSUPPORTED = (
 ENGINES: dict[str, EngineEntry] = {
     "torch": EngineEntry("trainers.engines.torch_engine:build"),
     "vllm": EngineEntry("trainers.engines.vllm_engine:build", EngineCapabilities(
+        loads_from_disk=True,
         unsupported_precisions={"int8": VLLM_INT8_UNSUPPORTED, **VLLM_UNSUPPORTED_PRECISIONS},
         fp8_needs_tensor_cores=VLLM_FP8_UNAVAILABLE, no_logit_noise=VLLM_LOGIT_NOISE_UNSUPPORTED,
         no_precision_switch=VLLM_PRECISION_SWITCH_UNSUPPORTED, routes="eager",
