@@ -96,26 +96,117 @@ class RunFolderLock:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             fh.seek(0)
-            holder = fh.read().strip() or "a process that has not written its PID yet"
+            holder = _holder(fh.read().strip(), self.path)
             fh.close()
             raise RunFolderError(f"output_dir {self.folder} is in use by another run ({holder}); wait until it "
                                  f"ends, or choose another output_dir") from None
         fh.seek(0)
         fh.truncate()
         fh.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}: "
-                 f"{' '.join(sys.argv)}\n")
+                 f"{public_command(sys.argv)}\n")
         fh.flush()
         self._fh = fh
+        _HELD_LOCKS.add(fh)
         return self
 
     def release(self) -> None:
         if self._fh is not None:
+            _HELD_LOCKS.discard(self._fh)
             self._fh.close()  # releases the flock
             self._fh = None
 
     @property
     def held(self) -> bool:
         return self._fh is not None
+
+
+# Lock files this process holds. A child forked without exec (a reward's helper, a multiprocessing worker) would
+# share each lock's open file description and keep the folder locked after the run ended; the child closes its
+# copies at once (closing is not unlocking: the parent's lock stands). Descriptors are close-on-exec already.
+_HELD_LOCKS: set[Any] = set()
+
+
+def _close_locks_in_child() -> None:
+    for fh in list(_HELD_LOCKS):
+        try:
+            fh.close()
+        except OSError:
+            pass
+    _HELD_LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_close_locks_in_child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def lock_holders(path: Path) -> list[int]:
+    """PIDs of the processes with ``path`` open (Linux ``/proc``; empty elsewhere or when none can be read)."""
+    try:
+        target = os.stat(path)
+    except OSError:
+        return []
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            for fd in (proc / "fd").iterdir():
+                st = os.stat(fd)
+                if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+                    found.append(int(proc.name))
+                    break
+        except OSError:  # another user's process, or one that just ended
+            continue
+    return sorted(p for p in found if p != os.getpid())
+
+
+def _holder(line: str, path: Path) -> str:
+    """Who holds the lock, in words: the holder line the locking run wrote, unless its PID is dead, in which case
+    the live processes that still hold the file open (a child that outlived the run)."""
+    m = re.match(r"pid (\d+)", line)
+    if m and _alive(int(m.group(1))):
+        return line
+    holders = lock_holders(path)
+    if holders:
+        who = ", ".join(f"pid {p} ({_cmdline(p)})" for p in holders)
+        dead = f"run pid {m.group(1)} has ended, but " if m else ""
+        return f"{dead}{who} still holds {path} open (a process it started, left running); end it to free the folder"
+    return line or "a process that has not written its PID yet"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+        return public_command([a.decode(errors="replace") for a in argv if a])
+    except OSError:
+        return "command unknown"
+
+
+def public_command(argv: list[str]) -> str:
+    """The command line as a record may hold it: the program and its plain arguments, and of each ``key=value``
+    override or ``--option=value`` only the key (a value may be a URI with a password, or a token)."""
+    words = [Path(argv[0]).name if argv else "python"]
+    elided, after_option = [], False
+    for arg in argv[1:]:
+        if after_option:
+            after_option = False
+            continue
+        if "=" in arg:
+            elided.append(arg.split("=", 1)[0])
+        elif arg.startswith("--") and arg not in ("--",):
+            words.append(arg)
+            after_option = True  # its value follows as the next word
+            words.append("…")
+        else:
+            words.append(arg)
+    return " ".join(words) + (f" (overrides, values not recorded: {', '.join(elided)})" if elided else "")
 
 
 def run_in_folder(folder: str | Path) -> Optional[str]:

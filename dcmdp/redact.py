@@ -1,33 +1,46 @@
-"""Secrets kept out of what a run writes: values a config read from the environment, and credentials in URIs.
+"""Secrets kept out of what a run writes, by construction: a config value is recorded as it was written, and a URI
+without its credentials.
 
-A config may take a token or password from the environment (``tracking.uri: https://me:${oc.env:PW}@host``). The
-resolved value must reach the MLflow client, but not the MLflow params, ``config.yaml`` (also an artifact), a
-checkpoint's stored config or the console. Importing this module (``dcmdp.config`` does) wraps OmegaConf's
-``oc.env`` resolver so that every value it resolves is remembered; ``redact`` then replaces each remembered value,
-and the password of any ``scheme://user:password@host`` URI, with ``***``. Light: no torch, no mlflow.
+Two kinds of value may carry a secret:
+
+- a value a config reads from the environment (``tracking.uri: https://me:${oc.env:PW}@host``,
+  ``tracking.run_name: ${oc.env:JOB}``): every record of the config (``config.yaml``, the MLflow params, a
+  checkpoint's config) holds the interpolation as written, ``${oc.env:PW}``, never its value. ``load_config``
+  finds the interpolations before it resolves them and ``attach_written`` keeps them beside the resolved config;
+  ``public_container`` builds the record from both.
+- the credential parts of a URI: its userinfo (``user:password@``, or a token as user name) and the query or
+  fragment parameters named like a credential (``token``, ``key``, ``secret``, ``password``, ``auth``,
+  ``signature``, ``sig``, ``access_token``, ...). ``public_uri`` removes them structurally (``urllib.parse``), so
+  no value is compared or replaced as a substring; an interpolation in their place (``${oc.env:PW}``) is kept,
+  being no secret.
+
+``redact`` is for free text the run does not compose itself (a third-party exception's message, which may repeat a
+URI): it replaces the exact values known to be secret (values read from the environment, credentials of a URI
+given to ``public_uri``) of at least ``MIN_SECRET_CHARS`` characters. Records of the config never go through it.
+Light: no torch, no mlflow.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from dataclasses import fields, is_dataclass
+from typing import Any, Callable, Iterator, Optional
+from urllib.parse import unquote, urlsplit
 
 from omegaconf import OmegaConf
 from omegaconf.resolvers import oc
 
 MASK = "***"
-# values shorter than this are not masked: masking "1" or "on" would garble every number and flag in the config
+# free-text scrubbing skips shorter values: masking "1" or "on" in an exception message would garble it
 MIN_SECRET_CHARS = 4
 
-_from_env: set[str] = set()
-# scheme://user:password@ (a password may hold any character but '@', '/' and whitespace)
-_URI_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^:/@\s]*):(?P<password>[^@/\s]+)@")
+_known: set[str] = set()
 
 
 def _env(key: str, default: Any = oc._DEFAULT_MARKER_) -> Any:
     value = oc.env(key, default)
-    if isinstance(value, str) and len(value) >= MIN_SECRET_CHARS:
-        _from_env.add(value)
+    if isinstance(value, str):
+        remember(value)
     return value
 
 
@@ -36,18 +49,235 @@ getattr(OmegaConf, "register_resolver", OmegaConf.register_new_resolver)("oc.env
 
 
 def remember(value: str) -> None:
-    """Treat ``value`` as a secret from now on (for values that reach a config other than through ``oc.env``)."""
+    """Scrub ``value`` from free text from now on (``redact``)."""
     if len(value) >= MIN_SECRET_CHARS:
-        _from_env.add(value)
+        _known.add(value)
+        if (decoded := unquote(value)) != value and len(decoded) >= MIN_SECRET_CHARS:
+            _known.add(decoded)
 
 
 def redact(text: str) -> str:
-    """``text`` with every value resolved from the environment and every URI password replaced by ``***``."""
-    for secret in sorted(_from_env, key=len, reverse=True):  # longest first: one secret may contain another
+    """Free text with every known secret value replaced by ``***`` (see the module docstring: never for records)."""
+    for secret in sorted(_known, key=len, reverse=True):  # longest first: one secret may contain another
         text = text.replace(secret, MASK)
-    return _URI_PASSWORD.sub(lambda m: f"{m['head']}:{MASK}@", text)
+    return text
 
 
-def redact_values(values: dict[str, Any]) -> dict[str, Any]:
-    """``redact`` of every string value (flattened params, tags)."""
-    return {k: redact(v) if isinstance(v, str) else v for k, v in values.items()}
+# ------------------------------------------------------------------------------------------------------------- URIs
+
+# a whole interpolation: a reference to a value, not the value
+_REF = re.compile(r"^\$\{[^{}]*\}$")
+# a query or fragment parameter that holds a credential, by its name (lower case, '-' read as '_')
+_CREDENTIAL_NAME = re.compile(r"token|secret|passw|pwd|auth|sign|(^|_)sig($|_)|credential|key|session|cookie|jwt|"
+                              r"bearer|private|otp|nonce|code$")
+
+
+def is_ref(text: str) -> bool:
+    """``text`` is one interpolation (``${oc.env:NAME}``)."""
+    return bool(_REF.match(text))
+
+
+def credential_param(name: str) -> bool:
+    """A query parameter named ``name`` holds a credential (``token``, ``api_key``, ``X-Amz-Signature``, ...)."""
+    return bool(_CREDENTIAL_NAME.search(unquote(name).lower().replace("-", "_")))
+
+
+def _authority_end(rest: str) -> int:
+    """End of the authority in ``rest`` (the URI after ``scheme://``), reading a password that holds an unencoded
+    '/', '?' or '#' (``alice:QWxh/ZGRp+bg==@host``) as part of the userinfo: an '@' after such a character ends the
+    userinfo when the text before the first '/' is not ``host:port``."""
+    end = next((i for i, ch in enumerate(rest) if ch in "/?#"), len(rest))
+    at = rest.rfind("@")
+    if at >= end:
+        head = rest[:end]
+        port = head.rpartition(":")[2] if ":" in head and "@" not in head else ""
+        if port and not port.isdigit() and not head.startswith("["):
+            return next((i for i, ch in enumerate(rest[at:], at) if ch in "/?#"), len(rest))
+    return end
+
+
+def _public_params(text: str, sep: str = "&") -> tuple[str, bool]:
+    """``text`` (a query or fragment) without its credential parameters, and whether any was removed."""
+    kept, removed = [], False
+    for piece in text.split(sep):
+        name, eq, value = piece.partition("=")
+        if credential_param(name) and not (eq and is_ref(unquote(value))):
+            removed = True
+            if value:
+                remember(unquote(value))
+            continue
+        kept.append(piece)
+    return sep.join(kept), removed
+
+
+def split_credentials(uri: str) -> tuple[str, bool]:
+    """(``uri`` without its credentials, whether it held any): see ``public_uri``."""
+    if is_ref(uri.strip()) or "://" not in uri:
+        return uri, False
+    scheme, _, rest = uri.partition("://")
+    end = _authority_end(rest)
+    authority, tail = rest[:end], rest[end:]
+    removed = False
+    if "@" in authority:
+        userinfo, _, host = authority.rpartition("@")
+        user, colon, password = userinfo.partition(":")
+        keep = (is_ref(password) if colon else is_ref(user)) and (not user or is_ref(user) or colon)
+        if not keep:
+            removed = True
+            for part in (user, password):
+                if part and not is_ref(part):
+                    remember(part)
+                    remember(unquote(part))
+            authority = host
+    try:
+        parts = urlsplit("x://h" + tail)
+    except ValueError:
+        return f"{scheme}://{authority}", True  # what follows cannot be read: keep none of it
+    path, query, fragment = parts.path, parts.query, parts.fragment
+    if query:
+        query, gone = _public_params(query)
+        removed |= gone
+    if fragment and "=" in fragment:
+        fragment, gone = _public_params(fragment)
+        removed |= gone
+    out = f"{scheme}://{authority}{path}"
+    if query:
+        out += f"?{query}"
+    if fragment:
+        out += f"#{fragment}"
+    return out, removed
+
+
+def public_uri(uri: Optional[str]) -> Optional[str]:
+    """``uri`` without its credentials: no userinfo (``user:password@``, or a token as user name) unless the
+    password (or the lone user) is an interpolation, and no query or fragment parameter named like a credential
+    (``credential_param``) unless its value is an interpolation. Structural (``urllib.parse``), never a substring
+    replacement; the parts removed are remembered for ``redact``."""
+    return uri if uri is None else split_credentials(uri)[0]
+
+
+def uri_problem(uri: str) -> Optional[str]:
+    """Why a URI cannot be used as written (a password with an unencoded '/', '?', '#' or '@' makes its host
+    unreadable), in words, or None."""
+    if "://" not in uri or is_ref(uri.strip()):
+        return None
+    rest = uri.partition("://")[2]
+    plain_end = next((i for i, ch in enumerate(rest) if ch in "/?#"), len(rest))
+    if _authority_end(rest) != plain_end:
+        return ("its userinfo holds an unencoded '/', '?' or '#', so the host cannot be read: percent-encode them in "
+                "the user name and password (%2F, %3F, %23), or better, read the password from the environment")
+    authority = rest[:plain_end]
+    if authority.count("@") > 1:
+        return ("its userinfo holds an unencoded '@': percent-encode it (%40) in the user name and password")
+    try:
+        urlsplit(uri).port
+    except ValueError as exc:
+        return f"its port cannot be read ({exc})"
+    return None
+
+
+# ------------------------------------------------------------------------------------------ values as written
+
+_WRITTEN = "_dcmdp_written"
+
+
+def interpolations(container: Any, prefix: str = "") -> dict[str, str]:
+    """Every string leaf of ``container`` (``OmegaConf.to_container(node, resolve=False)``) that holds an
+    interpolation, as ``{dotted key: text}`` (list elements by index: ``dual.constraints.0.tolerance``)."""
+    out: dict[str, str] = {}
+    if isinstance(container, dict):
+        for k, v in container.items():
+            out.update(interpolations(v, f"{prefix}{k}."))
+    elif isinstance(container, list):
+        for i, v in enumerate(container):
+            out.update(interpolations(v, f"{prefix}{i}."))
+    elif isinstance(container, str) and "${" in container:
+        out[prefix[:-1]] = container
+    return out
+
+
+def attach_written(cfg: Any, written: dict[str, str]) -> None:
+    """Keep ``written`` (``interpolations``) with the dataclass config ``cfg``: each entry on the innermost dataclass
+    that holds its key, so a component's config (``cfg.tracking``) carries its own."""
+    for key, text in written.items():
+        obj, parts = cfg, key.split(".")
+        i = 0
+        while i < len(parts) - 1:
+            child = _child(obj, parts[i])
+            if not is_dataclass(child) and not (isinstance(child, list) and i + 1 < len(parts) - 1
+                                                and is_dataclass(_child(child, parts[i + 1]))):
+                break
+            obj, i = child, i + 1
+            if isinstance(obj, list):
+                obj, i = _child(obj, parts[i]), i + 1
+        if is_dataclass(obj):
+            obj.__dict__.setdefault(_WRITTEN, {})[".".join(parts[i:])] = text
+
+
+def _child(obj: Any, part: str) -> Any:
+    if isinstance(obj, list):
+        return obj[int(part)] if part.isdigit() and int(part) < len(obj) else None
+    return getattr(obj, part, None)
+
+
+def written(cfg: Any) -> dict[str, str]:
+    """The interpolations kept with ``cfg`` and every dataclass inside it, by dotted key from ``cfg``."""
+    out: dict[str, str] = {}
+    for prefix, obj in _dataclasses(cfg, ""):
+        out.update({f"{prefix}{k}": v for k, v in obj.__dict__.get(_WRITTEN, {}).items()})
+    return out
+
+
+def written_field(obj: Any, name: str) -> Optional[str]:
+    """The interpolation field ``name`` of the dataclass ``obj`` was written as, or None."""
+    return obj.__dict__.get(_WRITTEN, {}).get(name)
+
+
+def from_env(obj: Any, name: str) -> bool:
+    """Field ``name`` of ``obj`` was written as an interpolation (its value may come from the environment)."""
+    return written_field(obj, name) is not None
+
+
+def _dataclasses(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    if is_dataclass(obj):
+        yield prefix, obj
+        for f in fields(obj):
+            yield from _dataclasses(getattr(obj, f.name), f"{prefix}{f.name}.")
+    elif isinstance(obj, list):
+        for i, item in enumerate(obj):
+            yield from _dataclasses(item, f"{prefix}{i}.")
+
+
+def public_container(cfg: Any, resolved: dict, uri_keys: tuple[str, ...] = (),
+                     keep: Optional[Callable[[str], bool]] = None) -> dict:
+    """``resolved`` (the plain nested container of ``cfg``'s values) as a record may hold it: each value written as
+    an interpolation replaced by that interpolation (except the dotted keys ``keep`` accepts), and each key of
+    ``uri_keys`` by its ``public_uri``. Nothing is compared or replaced as a substring."""
+    for key, text in written(cfg).items():
+        if keep is None or not keep(key):
+            _set(resolved, key, text)
+    for key in uri_keys:
+        value = _get(resolved, key)
+        if isinstance(value, str):
+            _set(resolved, key, public_uri(value))
+    return resolved
+
+
+def _get(node: Any, key: str) -> Any:
+    for part in key.split("."):
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return None
+    return node
+
+
+def _set(node: Any, key: str, value: Any) -> None:
+    *path, leaf = key.split(".")
+    parent = _get(node, ".".join(path)) if path else node
+    if isinstance(parent, dict) and leaf in parent:
+        parent[leaf] = value
+    elif isinstance(parent, list) and leaf.isdigit() and int(leaf) < len(parent):
+        parent[int(leaf)] = value

@@ -63,8 +63,10 @@ from pathlib import Path
 from typing import IO, Any, Iterable, Iterator, Optional
 from urllib.parse import quote, unquote, urlparse
 
+from omegaconf import OmegaConf
+
 from dcmdp.config import ConfigError, TrackingConfig
-from dcmdp.redact import redact
+from dcmdp.redact import public_uri, redact, split_credentials, uri_problem, written_field
 
 logger = logging.getLogger(__name__)
 
@@ -121,18 +123,20 @@ def check_tracking_uri(uri: str, source: str) -> None:
     from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
     from mlflow.tracking._tracking_service.utils import _tracking_store_registry as registry
 
+    if why := uri_problem(uri):
+        raise ConfigError(f"config error at '{source}': the tracking URI {public_uri(uri)!r} cannot be used: {why}")
     scheme = urlparse(uri).scheme
     file_store = scheme in ("", "file") or (len(scheme) == 1 and uri[1:3] in (":\\", ":/"))  # a Windows drive
     usable = sorted(s for s in getattr(registry, "_registry", {}) if s and s != "file")
     hint = f"use one of the schemes {', '.join(repr(s) for s in usable)}, e.g. sqlite:///path/to/mlflow.db"
     if file_store and not MLFLOW_ALLOW_FILE_STORE.get():
-        raise ConfigError(f"config error at '{source}': {redact(uri)!r} is a file store, which MLflow "
+        raise ConfigError(f"config error at '{source}': {public_uri(uri)!r} is a file store, which MLflow "
                           f"{_mlflow_version()} refuses to open (maintenance mode; MLFLOW_ALLOW_FILE_STORE=true "
                           f"overrides it); {hint}")
     try:
         registry.get_store_builder(uri)
     except Exception:
-        raise ConfigError(f"config error at '{source}': MLflow cannot use the tracking URI {redact(uri)!r} (scheme "
+        raise ConfigError(f"config error at '{source}': MLflow cannot use the tracking URI {public_uri(uri)!r} (scheme "
                           f"{scheme!r}); {hint}") from None
 
 
@@ -249,13 +253,19 @@ class _Segment:
         self.scanned = offset
 
     @classmethod
-    def create(cls, buffer_dir: Path, tracking_uri: str) -> "_Segment":
+    def create(cls, buffer_dir: Path, tracking_uri: str, as_written: Optional[str] = None) -> "_Segment":
+        """A new segment whose header names the URI without its credentials (``public_uri``), whether it had some,
+        and the config's interpolation of it (``as_written``, e.g. ``http://me:${oc.env:PW}@host``), from which
+        ``sync_report`` reads the credentials again from the environment."""
         buffer_dir.mkdir(parents=True, exist_ok=True)
         path = buffer_dir / f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.jsonl"
         fh = open(path, "ab")
         fcntl.flock(fh, fcntl.LOCK_EX)
         seg = cls(path, fh, 0)
-        seg.append({"t": "header", "uri": tracking_uri, "created": _now_ms()})
+        public, removed = split_credentials(tracking_uri)
+        seg.append({"t": "header", "uri": public, "created": _now_ms(),
+                    **({"credentials_removed": True} if removed else {}),
+                    **({"uri_as_written": public_uri(as_written)} if as_written else {})})
         seg.mark_sent(seg.fh.tell())  # the header is never sent
         return seg
 
@@ -402,7 +412,7 @@ class _Sender:
 
     def __post_init__(self) -> None:
         self.run_map.update(_read_run_map(self.buffer_dir))
-        if redact(self.tracking_uri) != self.tracking_uri:
+        if public_uri(self.tracking_uri) != self.tracking_uri:
             # MLflow prints "View run ... at: <url>" with the URI's credentials: a secret must not reach the console
             os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
         self._sqlite_file = sqlite_store_file(self.tracking_uri)
@@ -620,12 +630,29 @@ class SyncReport:
     remaining: list[str] = field(default_factory=list)
 
 
-def sync_buffer(buffer_dir: str | Path, tracking_uri: Optional[str] = None) -> int:
+def sync_buffer(buffer_dir: str | Path, tracking_uri: Optional[str] = None, known: tuple[str, ...] = ()) -> int:
     """``sync_report``'s count of metrics sent."""
-    return sync_report(buffer_dir, tracking_uri).sent
+    return sync_report(buffer_dir, tracking_uri, known).sent
 
 
-def sync_report(buffer_dir: str | Path, tracking_uri: Optional[str] = None) -> SyncReport:
+def _segment_uri(header: dict, known: tuple[str, ...]) -> Optional[str]:
+    """The URI to send a segment to: its header's, with the credentials the header leaves out read again from the
+    config's interpolation (``uri_as_written``, resolved now), $MLFLOW_TRACKING_URI or a ``known`` URI whose
+    ``public_uri`` is the header's."""
+    uri = header.get("uri")
+    if not isinstance(uri, str) or not uri or not header.get("credentials_removed"):
+        return uri or None
+    candidates = list(known)
+    if isinstance(written := header.get("uri_as_written"), str):
+        try:
+            candidates.insert(0, OmegaConf.create({"uri": written}).uri)
+        except Exception:  # a variable no longer set: the other candidates, or the URI without credentials
+            pass
+    candidates.append(os.environ.get("MLFLOW_TRACKING_URI") or "")
+    return next((c for c in candidates if c and public_uri(c) == uri), uri)
+
+
+def sync_report(buffer_dir: str | Path, tracking_uri: Optional[str] = None, known: tuple[str, ...] = ()) -> SyncReport:
     """Replay every leftover segment in ``buffer_dir`` (oldest first); report the metrics sent and what remains.
 
     ``tracking_uri`` overrides the URI recorded in each segment. Segments held by a live tracker are
@@ -651,7 +678,7 @@ def sync_report(buffer_dir: str | Path, tracking_uri: Optional[str] = None) -> S
             report.remaining.append(f"{path}: in use by a running tracker (sent by it, or by a sync once it ends)")
             continue
         try:
-            uri = tracking_uri or seg.header().get("uri")
+            uri = tracking_uri or _segment_uri(seg.header(), known)
             if not uri:
                 logger.warning("segment %s names no tracking URI; pass one", path)
                 report.remaining.append(f"{path}: names no tracking URI; pass one with --tracking-uri")
@@ -674,9 +701,10 @@ def sync_report(buffer_dir: str | Path, tracking_uri: Optional[str] = None) -> S
             logger.warning("segment %s refers to run %s, which no earlier segment creates; kept", path, exc)
             report.remaining.append(f"{path}: refers to run {exc}, which no earlier segment creates")
         except Exception as exc:
-            logger.warning("sync of %s stopped at byte %d: %s; the rest stays buffered", path, seg.offset, exc)
+            logger.warning("sync of %s stopped at byte %d: %s; the rest stays buffered", path, seg.offset,
+                           redact(str(exc)))
             report.remaining.append(f"{path}: stopped at byte {seg.offset} of {path.stat().st_size} "
-                                    f"({type(exc).__name__}: {str(exc)[:200]}); the rest stays buffered")
+                                    f"({type(exc).__name__}: {redact(str(exc))[:200]}); the rest stays buffered")
         finally:
             seg.close()
     if buffer_dir.is_dir():
@@ -762,7 +790,9 @@ class Tracker:
         if run_id is None:
             self._id = LOCAL_ID_PREFIX + uuid.uuid4().hex
             records.append({"t": "run", "id": self._id, "experiment": self.cfg.experiment,
-                            "artifact_location": self._artifact_location, "run_name": self.cfg.run_name,
+                            "artifact_location": self._artifact_location,
+                            # a name read from the environment is recorded as written, like every such value
+                            "run_name": written_field(self.cfg, "run_name") or self.cfg.run_name,
                             "tags": tags, "start_time": _now_ms()})
         else:
             self._id = run_id
@@ -791,7 +821,7 @@ class Tracker:
                 logger.warning("MLflow run %s of the earlier run in %s was left RUNNING (its process was killed): "
                                "marked KILLED", run_id, self.output_dir)
         except Exception as exc:
-            logger.warning("could not check the earlier MLflow run %s at %s: %s", run_id, redact(self.tracking_uri),
+            logger.warning("could not check the earlier MLflow run %s at %s: %s", run_id, public_uri(self.tracking_uri),
                            redact(str(exc))[:300])
 
     def skip_logged(self, after_step: int) -> int:
@@ -811,7 +841,7 @@ class Tracker:
                                     if m.step > after_step)
         except Exception as exc:
             logger.warning("could not read the metrics of run %s at %s (%s); steps after %d that ran before the "
-                           "restart may appear twice", self.run_id, redact(self.tracking_uri), redact(str(exc))[:300],
+                           "restart may appear twice", self.run_id, public_uri(self.tracking_uri), redact(str(exc))[:300],
                            after_step)
             return 0
         if self._logged:
@@ -877,7 +907,7 @@ class Tracker:
         self._emit([{"t": "end", "run": self.run_id, "status": status, "end_time": _now_ms()}], force=True)
         if self._segment is not None:
             logger.warning("MLflow at %s is unreachable: %d metrics of run %s stay buffered in %s; send them with "
-                           "`dcmdp sync` (dcmdp.tracking.sync_buffer)", redact(self.tracking_uri), self._buffered,
+                           "`dcmdp sync` (dcmdp.tracking.sync_buffer)", public_uri(self.tracking_uri), self._buffered,
                            self.run_id, self._segment.path)
             self._segment.close()
             self._segment = None
@@ -902,7 +932,8 @@ class Tracker:
                     return
                 self._emit(records)
             except Exception as exc:  # _emit does not raise; should it, the thread must outlive it
-                logger.error("tracking sender thread: %s: %s; %d records lost", type(exc).__name__, exc, len(records))
+                logger.error("tracking sender thread: %s: %s; %d records lost", type(exc).__name__, redact(str(exc)),
+                             len(records))
             finally:
                 self._queue.task_done()
 
@@ -931,7 +962,7 @@ class Tracker:
     def _buffer(self, records: list[dict]) -> None:
         try:
             if self._segment is None:
-                self._segment = _Segment.create(self.buffer_dir, self.tracking_uri)
+                self._segment = _Segment.create(self.buffer_dir, self.tracking_uri, written_field(self.cfg, "uri"))
                 if self._sender.run_map:  # buffered records may name the placeholder id
                     _write_run_map(self.buffer_dir, self._sender.run_map)
             for rec in records:
@@ -974,14 +1005,14 @@ class Tracker:
         if not self._outage:
             logger.warning("MLflow tracking at %s failed (%s: %s); training goes on and metrics are buffered in %s "
                            "until the store answers (sent on a later call, at finish, or by `dcmdp sync`)",
-                           redact(self.tracking_uri), type(exc).__name__, redact(str(exc))[:300], self.buffer_dir)
+                           public_uri(self.tracking_uri), type(exc).__name__, redact(str(exc))[:300], self.buffer_dir)
             self._outage = True
         self._retry_at = time.monotonic() + self._interval
         self._interval = min(2 * self._interval, self._max_interval)
 
     def _recovered(self, sent: int) -> None:
         if self._outage:
-            logger.warning("MLflow tracking at %s answers again; %d buffered metrics sent", redact(self.tracking_uri),
+            logger.warning("MLflow tracking at %s answers again; %d buffered metrics sent", public_uri(self.tracking_uri),
                            sent)
         self._outage = False
         self._interval = self._retry_interval
@@ -992,11 +1023,11 @@ class Tracker:
         if not _segments(self.buffer_dir):
             return
         try:
-            n = sync_buffer(self.buffer_dir)
+            n = sync_buffer(self.buffer_dir, known=(self.tracking_uri,))
             if n:
                 logger.info("sent %d metrics left in %s by an earlier process", n, self.buffer_dir)
         except Exception as exc:
-            logger.warning("could not sync leftover tracking buffer %s: %s", self.buffer_dir, exc)
+            logger.warning("could not sync leftover tracking buffer %s: %s", self.buffer_dir, redact(str(exc)))
 
 
 class NoTracker:

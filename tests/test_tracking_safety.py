@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 
 from dcmdp import cli
 from dcmdp.config import ConfigError, TrackingConfig, flatten, load_config, to_yaml
-from dcmdp.redact import redact
+from dcmdp.redact import public_uri
 from dcmdp.tracking import Tracker, check_tracking_config, sync_report
 
 BASE = ["model.preset=tiny-dense", "cold_start.steps=0", "algo.prompts_per_step=2", "algo.samples_per_prompt=2",
@@ -62,11 +62,13 @@ def test_values_from_the_environment_and_uri_passwords_are_redacted_in_params_an
     cfg = load_config(str(cfg_file), [])
     assert cfg.tracking.uri == "http://me:s3cr3t-token-value@127.0.0.1:5000"  # the client still gets it
     flat = flatten(cfg)
-    assert flat["tracking.uri"] == "http://me:***@127.0.0.1:5000" and flat["tracking.run_name"] == "***"
+    # recorded as written: the interpolation, never its value
+    assert flat["tracking.uri"] == "http://me:${oc.env:DCMDP_TEST_TOKEN}@127.0.0.1:5000"
+    assert flat["tracking.run_name"] == "${oc.env:DCMDP_TEST_TOKEN}"
     assert "s3cr3t" not in to_yaml(cfg, public=True) and "s3cr3t" in to_yaml(cfg)
-    # a password written into a URI by hand is hidden too, the user name kept
-    assert redact("postgresql://bob:hunter22@db:5432/mlflow") == "postgresql://bob:***@db:5432/mlflow"
-    assert redact("http://127.0.0.1:5000/path") == "http://127.0.0.1:5000/path"
+    # a password written into a URI by hand is left out with its userinfo
+    assert public_uri("postgresql://bob:hunter22@db:5432/mlflow") == "postgresql://db:5432/mlflow"
+    assert public_uri("http://127.0.0.1:5000/path") == "http://127.0.0.1:5000/path"
 
 
 def test_a_secret_in_the_tracking_uri_reaches_no_file_param_or_console_line(tmp_path, monkeypatch, capsys,
@@ -79,15 +81,19 @@ def test_a_secret_in_the_tracking_uri_reaches_no_file_param_or_console_line(tmp_
     out = tmp_path / "out"
     assert cli.main(["train", str(cfg_file), *BASE, f"output_dir={out}", "steps=1"]) == 0
     captured = capsys.readouterr()
-    assert secret not in captured.out + captured.err and "http://dcmdp:***@" in captured.out
+    assert secret not in captured.out + captured.err and f"MLflow run {summary_id(out)} at http://{host}" in captured.out
     assert secret not in (out / "config.yaml").read_text()
     summary = json.loads((out / "summary.json").read_text())
     assert secret not in json.dumps(summary)
     run = MlflowClient(mlflow_server.uri).get_run(summary["run_id"])
-    assert run.data.params["tracking.uri"] == f"http://dcmdp:***@{host}"
+    assert run.data.params["tracking.uri"] == f"http://dcmdp:${{oc.env:DCMDP_TEST_PW}}@{host}"
     assert secret not in json.dumps(run.data.params)
     state = torch.load(next((out / "checkpoints").iterdir()) / "state.pt", weights_only=False)
     assert secret not in json.dumps(state["config"])
+
+
+def summary_id(out: Path) -> str:
+    return json.loads((out / "summary.json").read_text())["run_id"]
 
 
 def test_a_buffer_line_of_bytes_that_are_not_utf8_is_skipped_and_never_blocks_the_rest(tmp_path):
@@ -153,7 +159,7 @@ def test_a_password_in_the_uri_is_not_in_the_outage_warning(tmp_path, caplog):
                                          buffer_dir=str(tmp_path / "b"), async_log=False), tmp_path)
         tracker.start({"p": "1"})
         tracker.finish()
-    assert "MLflow tracking at http://me:***@127.0.0.1:" in caplog.text and "hunter22secret" not in caplog.text
+    assert "MLflow tracking at http://127.0.0.1:" in caplog.text and "hunter22secret" not in caplog.text
 
 
 def test_a_damaged_segment_header_is_reported_not_a_crash(tmp_path):
