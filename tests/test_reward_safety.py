@@ -1,12 +1,14 @@
-"""A user's reward function that hangs, edits its example, returns numpy scalars or out-of-range numbers, or exits:
-each is bounded, isolated, accepted or named, and never hangs or silently ends a run. No training here."""
+"""A user's reward function that hangs (even swallowing every exception), edits its example, returns numpy scalars or
+out-of-range numbers, exits, kills its process or leaves a helper running: each is bounded, isolated, accepted or
+named, and never hangs or silently ends a run. It runs in a worker process (trainers.reward_worker). No training
+here."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -15,7 +17,8 @@ import pytest
 
 from trainers import tasks
 from trainers.config import TaskConfig
-from trainers.tasks import JsonlTask, RewardRangeError, call_with_timeout, score_completions
+from trainers.reward_worker import RewardWorker
+from trainers.tasks import JsonlTask, RewardRangeError, score_completions
 
 REWARDS = '''
 import sys, time
@@ -33,6 +36,13 @@ def stubborn(prompt, completion, example):
         try:
             time.sleep(1000)
         except Exception:
+            pass
+
+def swallows(prompt, completion, example):
+    while True:  # a retry loop around its work that catches everything, KeyboardInterrupt and SystemExit too
+        try:
+            time.sleep(1000)
+        except:
             pass
 
 def mutate(prompt, completion, example):
@@ -70,37 +80,34 @@ def _task(tmp_path: Path, monkeypatch, fn: str, timeout: float = 30.0) -> JsonlT
                                 reward_timeout=timeout), 0)
 
 
-@pytest.mark.parametrize("fn", ["hang", "sleepy", "stubborn"])
+@pytest.mark.parametrize("fn", ["hang", "sleepy", "stubborn", "swallows"])
 def test_a_reward_that_never_returns_times_out_and_counts_as_an_error(tmp_path, monkeypatch, caplog, fn):
-    """A busy loop, a sleep, and a loop that swallows every Exception: each call stops after task.reward_timeout,
-    and after three timeouts in a row the rest of the batch is not called, so a hung reward costs 3 timeouts."""
-    task = _task(tmp_path, monkeypatch, fn, timeout=0.2)
+    """A busy loop, a sleep, a loop that swallows every Exception and one whose bare except swallows everything: each
+    call stops after task.reward_timeout (its worker killed), and after three timeouts in a row the rest of the batch
+    is not called, so a hung reward costs 3 timeouts; the next batch starts a fresh worker and is scored again."""
+    task = _task(tmp_path, monkeypatch, fn, timeout=0.5)
     examples = task.eval_set() * 4
-    before = signal.getsignal(signal.SIGALRM)
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING):
         rewards, errors = score_completions(task, ["7"] * len(examples), examples)
-    assert time.monotonic() - t0 < 3 * 0.2 + 1.5
+    # three timeouts, and the start of a worker (an interpreter importing numpy) before each
+    assert time.monotonic() - t0 < 3 * (0.5 + 3.0)
     assert rewards == [0.0] * 8 and errors == 8
-    assert "(first: timed out after 0.2 s (task.reward_timeout) on prompt" in caplog.records[-1].getMessage()
-    # the previous SIGALRM handler is back
-    assert signal.getsignal(signal.SIGALRM) is before
+    assert ("(first: timed out after 0.5 s (task.reward_timeout; its worker process was killed) on prompt"
+            in caplog.records[-1].getMessage())
+    assert task._worker._proc is None  # killed, not left spinning
+    task.close()
 
 
-def test_the_timeout_works_off_the_main_thread():
-    out = {}
-    thread = threading.Thread(target=lambda: out.setdefault("r", _timed()))
-    thread.start()
-    thread.join(5)
-    assert out["r"] == "timeout"
-
-
-def _timed() -> str:
-    try:
-        call_with_timeout(time.sleep, (1000,), 0.1)
-    except tasks.RewardTimeout:
-        return "timeout"
-    return "returned"
+def test_a_worker_that_hung_is_replaced_and_the_next_call_is_scored(tmp_path, monkeypatch):
+    task = _task(tmp_path, monkeypatch, "np_float", timeout=0.5)
+    ex = task.eval_set()[0]
+    assert score_completions(task, ["7"], [ex]) == ([0.5], 0)
+    first = task._worker._proc.pid
+    task._worker.close()  # as a timeout does
+    assert score_completions(task, ["7"], [ex]) == ([0.5], 0)
+    assert task._worker._proc.pid != first and task._worker.starts == 2
+    task.close()
 
 
 def test_reward_timeout_is_a_checked_config_key():
@@ -143,6 +150,7 @@ def test_a_reward_that_calls_sys_exit_is_reported_as_such(tmp_path, monkeypatch,
     with caplog.at_level(logging.WARNING):
         assert score_completions(task, ["7", "7"], task.eval_set()) == ([0.0, 0.0], 2)
     assert "(first: exited (sys.exit(3)): a reward must return a number" in caplog.records[-1].getMessage()
+    task.close()
 
 
 MORE_REWARDS = '''
@@ -158,8 +166,21 @@ def exact(prompt, completion, example):
     return decimal.Decimal("0.25")
 
 def wanders(prompt, completion, example):
+    here = os.path.exists("data.jsonl")  # each call starts in the trainer's directory
     os.chdir("/")
+    return 1.0 if here else 0.0
+
+def dies(prompt, completion, example):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def helper(prompt, completion, example):
+    import subprocess, sys
+    # a helper that outlives the call and keeps every descriptor the worker has
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], close_fds=False)
     return 1.0
+
+def raises(prompt, completion, example):
+    raise KeyError("no such field")
 
 def deafens(prompt, completion, example):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -179,7 +200,9 @@ def test_an_async_or_generator_reward_is_a_config_error(tmp_path, monkeypatch, f
 def _more(tmp_path, monkeypatch, fn):
     task = _task(tmp_path, monkeypatch, "np_float")
     (tmp_path / "more.py").write_text(MORE_REWARDS)
+    task.close()
     task._reward, task.reward_name = tasks.load_reward(f"more.py:{fn}"), f"more.py:{fn}"
+    task._worker = RewardWorker(f"more.py:{fn}", task.cfg.reward_timeout)
     return task
 
 
@@ -188,25 +211,54 @@ def test_a_decimal_reward_is_a_number(tmp_path, monkeypatch):
     assert score_completions(task, ["7"], task.eval_set()[:1]) == ([0.25], 0)
 
 
-def test_a_reward_that_changes_the_working_directory_or_the_signal_handlers_is_undone(tmp_path, monkeypatch, caplog):
+def test_a_reward_that_changes_the_working_directory_or_the_signal_handlers_changes_nothing_in_the_trainer(
+        tmp_path, monkeypatch):
     """A reward that chdirs would move every relative path of the run (checkpoints, outputs); one that ignores
-    SIGINT / SIGTERM would make the run deaf. Both are restored after each call, with one warning each."""
+    SIGINT / SIGTERM would make the run deaf. Both act in the worker only; each call starts in the trainer's
+    directory."""
     task = _more(tmp_path, monkeypatch, "wanders")
-    with caplog.at_level(logging.WARNING):
-        assert score_completions(task, ["7", "7"], task.eval_set()) == ([1.0, 1.0], 0)
+    assert score_completions(task, ["7", "7"], task.eval_set()) == ([1.0, 1.0], 0)
     assert Path.cwd() == tmp_path
-    assert caplog.text.count("reward more.py:wanders changed the process's working directory (os.chdir)") == 1
-    # start from the default handlers: a process launched in the background inherits SIGINT ignored, and a reward
-    # that ignores it would then change nothing
-    before = signal.signal(signal.SIGINT, signal.default_int_handler), signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    try:
-        handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-        task = _more(tmp_path, monkeypatch, "deafens")
-        with caplog.at_level(logging.WARNING):
-            assert score_completions(task, ["7", "7"], task.eval_set()) == ([1.0, 1.0], 0)
-        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
-    finally:
-        signal.signal(signal.SIGINT, before[0])
-        signal.signal(signal.SIGTERM, before[1])
-    assert "changed the process's SIGINT handler (signal.signal)" in caplog.text
-    assert "changed the process's SIGTERM handler (signal.signal)" in caplog.text
+    task.close()
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    task = _more(tmp_path, monkeypatch, "deafens")
+    assert score_completions(task, ["7", "7"], task.eval_set()) == ([1.0, 1.0], 0)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+    task.close()
+
+
+def test_a_reward_that_kills_its_process_is_counted_and_the_next_call_gets_a_new_worker(tmp_path, monkeypatch,
+                                                                                         caplog):
+    task = _more(tmp_path, monkeypatch, "dies")
+    with caplog.at_level(logging.WARNING):
+        assert score_completions(task, ["7", "7"], task.eval_set()) == ([0.0, 0.0], 2)
+    assert "(first: ended its worker process (killed by SIGKILL) on prompt" in caplog.records[-1].getMessage()
+    assert task._worker.starts == 2
+    task.close()
+
+
+def test_a_raising_reward_shows_its_own_traceback(tmp_path, monkeypatch, caplog):
+    task = _more(tmp_path, monkeypatch, "raises")
+    with caplog.at_level(logging.WARNING):
+        assert score_completions(task, ["7"], task.eval_set()[:1]) == ([0.0], 1)
+    msg = caplog.records[-1].getMessage()
+    assert "(first: raised KeyError: 'no such field' on prompt" in msg
+    assert 'more.py", line' in msg and "in raises" in msg  # the traceback, from the worker
+    task.close()
+
+
+def test_a_helper_the_reward_leaves_running_is_ended_with_its_worker(tmp_path, monkeypatch):
+    """A helper process that keeps the worker's pipes open must neither block the trainer nor outlive the task."""
+    task = _more(tmp_path, monkeypatch, "helper")
+    assert score_completions(task, ["7"], task.eval_set()[:1]) == ([1.0], 0)
+    pgid = task._worker._proc.pid
+    task.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the reward's helper outlived its worker")

@@ -54,7 +54,6 @@ JSONL files are read as UTF-8 with an optional byte-order mark.
 
 from __future__ import annotations
 
-import copy
 import decimal
 import hashlib
 import importlib
@@ -66,14 +65,13 @@ import math
 import numbers
 import os
 import random
-import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol
 
 from trainers.config import TaskConfig
+from trainers.reward_worker import RewardExited, RewardNotNumber, RewardRaised, RewardTimeout, RewardWorker
 
 log = logging.getLogger(__name__)
 
@@ -620,7 +618,8 @@ class JsonlTask(_FileSplits):
         self.check_config(cfg)
         self.cfg = cfg
         self.reward_name = cfg.reward
-        self._reward = load_reward(cfg.reward)
+        self._reward = load_reward(cfg.reward)  # checked here; called in the worker (trainers.reward_worker)
+        self._worker = RewardWorker(cfg.reward, cfg.reward_timeout)
         self._train, self._eval = _split(cfg, _load_jsonl(cfg.path, parse_jsonl_record, "jsonl"),
                                          _load_jsonl(cfg.eval_path, parse_jsonl_record, "jsonl") if cfg.eval_path
                                          else None)
@@ -645,10 +644,14 @@ class JsonlTask(_FileSplits):
         load_reward(cfg.reward)
 
     def reward(self, completion: str, example: Example) -> Any:
+        """The reward, called in the task's worker process (``trainers.reward_worker``: a hard deadline, a copy of
+        the record); its failures raise as the worker reports them (see ``score_completions``)."""
         record = example.record if isinstance(example, RecordExample) else {"prompt": example.prompt}
-        # a deep copy: a reward that edits a nested value of its example must not change the data set
-        return _guarded(self.reward_name, self._reward, (example.prompt, completion, copy.deepcopy(record)),
-                        self.cfg.reward_timeout)
+        return self._worker.call(example.prompt, completion, record)
+
+    def close(self) -> None:
+        """End the reward's worker process (a later call starts a new one)."""
+        self._worker.close()
 
     def check_demonstrations(self) -> None:
         """ValueError unless every record has a ``"completion"`` (the cold start trains on them)."""
@@ -676,83 +679,8 @@ def check_task_config(cfg: TaskConfig) -> None:
         check(cfg)
 
 
-class RewardTimeout(BaseException):
-    """A reward call ran past its time limit. A BaseException, so that a reward's own ``except Exception`` around
-    its work cannot swallow the stop."""
-
-
 class RewardRangeError(ValueError):
     """A reward returned a number outside the range its task documents ([0, 1] for task ``jsonl``)."""
-
-
-def call_with_timeout(fn: Callable[..., Any], args: tuple, seconds: float) -> Any:
-    """``fn(*args)``, or RewardTimeout after ``seconds``.
-
-    In the main thread a SIGALRM timer interrupts the call at its next Python bytecode (a busy loop, a sleep or a
-    blocking read all stop); the previous SIGALRM handler and timer (with its remaining time) are restored. A call stuck inside C code that
-    never returns to Python is stopped only when that code returns. Elsewhere (signals reach only the main thread)
-    the call runs in a daemon thread that is abandoned when it runs past ``seconds``."""
-    if threading.current_thread() is threading.main_thread():
-        def alarm(signum: int, frame: Any) -> None:
-            raise RewardTimeout(seconds)
-
-        previous = signal.signal(signal.SIGALRM, alarm)
-        outer_delay, outer_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
-        start = time.monotonic()
-        try:
-            return fn(*args)
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
-            if outer_delay > 0:  # an outer timer (a test runner's, a user's) keeps its deadline
-                signal.setitimer(signal.ITIMER_REAL, max(outer_delay - (time.monotonic() - start), 1e-3),
-                                 outer_interval)
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn(*args)
-        except BaseException as exc:
-            box["error"] = exc
-
-    worker = threading.Thread(target=run, name="dcmdp-reward", daemon=True)
-    worker.start()
-    worker.join(seconds)
-    if worker.is_alive():
-        raise RewardTimeout(seconds)
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-# the process state a reward might change by mistake and that the run depends on: restored after every call
-_GUARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)
-_warned_side_effects: set[tuple[str, str]] = set()
-
-
-def _guarded(name: str, fn: Callable[..., Any], args: tuple, seconds: float) -> Any:
-    """``call_with_timeout`` of a user's reward, then undo what it must not change: the working directory (the run's
-    relative paths: checkpoints, the output folder) and the SIGINT / SIGTERM / SIGQUIT handlers (which keep the run
-    interruptible and checkpoint it on a stop). Each change is restored and warned about once per reward and kind."""
-    cwd = os.getcwd()
-    handlers = {s: signal.getsignal(s) for s in _GUARDED_SIGNALS} if threading.current_thread() is \
-        threading.main_thread() else {}
-    try:
-        return call_with_timeout(fn, args, seconds)
-    finally:
-        changed = []
-        if os.getcwd() != cwd:
-            os.chdir(cwd)
-            changed.append(("working directory", "os.chdir"))
-        for s, handler in handlers.items():
-            if signal.getsignal(s) is not handler:
-                signal.signal(s, handler)
-                changed.append((f"{signal.Signals(s).name} handler", "signal.signal"))
-        for what, how in changed:
-            if (name, what) not in _warned_side_effects:
-                _warned_side_effects.add((name, what))
-                log.warning("reward %s changed the process's %s (%s); restored after each call: a reward must not "
-                            "change process state the run depends on", name, what, how)
 
 
 def _as_number(value: Any) -> tuple[Optional[float], Optional[str]]:
@@ -801,9 +729,14 @@ def score_completions(task: Task, completions: list[str], examples: list[Example
             try:
                 value, why = _as_number(task.reward(completion, example))
             except RewardTimeout as e:
-                why = f"timed out after {e.args[0]:g} s (task.reward_timeout)"
-            except SystemExit as e:
-                why = f"exited (sys.exit({e.code!r})): a reward must return a number, not end the process"
+                why = f"timed out after {e.args[0]:g} s (task.reward_timeout; its worker process was killed)"
+            except (SystemExit, RewardExited) as e:
+                why = (f"ended its worker process ({e.died})" if getattr(e, "died", None) else
+                       f"exited (sys.exit({e.code!r})): a reward must return a number, not end the process")
+            except RewardNotNumber as e:
+                why = str(e)
+            except RewardRaised as e:
+                why, exc = f"raised {e.type_name}: {e.message}", e
             except Exception as e:
                 why, exc = f"raised {type(e).__name__}: {e}", e
             timeouts = timeouts + 1 if why is not None and why.startswith("timed out") else 0
@@ -823,8 +756,10 @@ def score_completions(task: Task, completions: list[str], examples: list[Example
         show = first_exc is not None and name not in _TRACEBACK_SHOWN
         if show:
             _TRACEBACK_SHOWN.add(name)
-        log.warning("reward %s failed on %d of %d samples (first: %s); they get reward 0 (counted in reward/errors)",
-                    name, errors, len(examples), first, exc_info=first_exc if show else None)
+        remote = show and isinstance(first_exc, RewardRaised)  # raised in the worker: its traceback as text
+        log.warning("reward %s failed on %d of %d samples (first: %s); they get reward 0 (counted in reward/errors)%s",
+                    name, errors, len(examples), first, f"\n{first_exc.traceback.rstrip()}" if remote else "",
+                    exc_info=first_exc if show and not remote else None)
     return rewards, errors
 
 
