@@ -168,6 +168,9 @@ class TrackingConfig:
     # Append each step's metrics as one JSON line to this file (``dcmdp tune`` follows, and may prune, a trial
     # through it); null: none.
     progress_file: Optional[str] = None
+    # Log to MLflow; false: no MLflow run at all (the console, summary.json, dual.png and checkpoints still hold
+    # everything), for throwaway speed runs or a machine without mlflow installed.
+    enabled: bool = True
 
 
 @dataclass
@@ -178,6 +181,9 @@ class CheckpointConfig:
     keep: int = 2
     # Resume: empty (fresh run) | auto (latest valid checkpoint in output_dir) | a checkpoint path.
     resume: Optional[str] = None
+    # Write a checkpoint after the last step; false only for throwaway speed runs (a real-size checkpoint is tens of
+    # GB and minutes of disk time): such a run cannot be resumed or evaluated from its folder.
+    at_end: bool = True
 
 
 @dataclass
@@ -471,6 +477,7 @@ def validate(cfg: RunConfig) -> None:
                               f"(rows = len(b), columns = number of constraints)")
     _validate_registries(cfg)
     _validate_modes(cfg)
+    _check_shared_weights(cfg)
 
 
 def _validate_staleness_control(cfg: RunConfig) -> None:
@@ -658,6 +665,27 @@ def _get(obj: Any, key: str) -> Any:
     for part in key.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def _check_shared_weights(cfg: RunConfig) -> None:
+    """``rollout.torch.share_weights``: the engine decodes with the trainer's parameters, so they must be in the
+    rollout precision's dtype, unquantised, the same for the whole run, and never updated while it samples."""
+    if not cfg.rollout.torch.share_weights:
+        return
+    key = "config error at 'rollout.torch.share_weights'"
+    trainer = "bf16" if cfg.optim.precision.startswith("bf16") else "fp32"
+    if cfg.rollout.engine != "torch":
+        raise ConfigError(f"{key}: only the torch engine decodes with the trainer's model; rollout.engine="
+                          f"{cfg.rollout.engine} keeps its own weights")
+    if cfg.rollout.precision_schedule:
+        raise ConfigError(f"{key}: a precision schedule switches the engine to other weights; drop one of them")
+    if cfg.rollout.precision != trainer:
+        raise ConfigError(f"{key}: the trainer's parameters are {trainer} (optim.precision={cfg.optim.precision}) "
+                          f"and the rollouts are asked in {cfg.rollout.precision}; set rollout.precision={trainer}, "
+                          f"or share_weights=false for an engine copy in {cfg.rollout.precision}")
+    if cfg.async_rollout.enabled:
+        raise ConfigError(f"{key}: asynchronous rollouts sample while the trainer updates the same parameters; use "
+                          f"async_rollout.enabled=false or share_weights=false")
 
 
 def _validate_modes(cfg: RunConfig) -> None:

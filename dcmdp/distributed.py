@@ -141,6 +141,10 @@ def check_world(cfg, world: int) -> None:
             f"config error at 'model.dtype': under FSDP2 the sharded master weights stay float32 and "
             f"dist.param_dtype sets the compute dtype; use model.dtype=float32 dist.param_dtype=bf16 instead of "
             f"model.dtype={cfg.model.dtype}")
+    if cfg.rollout.torch.share_weights:
+        raise DistributedSetupError(
+            "config error at 'rollout.torch.share_weights': under torchrun the trainer's model is sharded over the "
+            "ranks and rank 0's engine needs whole weights; use rollout.torch.share_weights=false")
     if cfg.dist.backend == "nccl" and cfg.device == "cpu":
         raise DistributedSetupError(
             "config error at 'dist.backend': nccl reduces CUDA tensors and device=cpu trains on the CPU; use "

@@ -163,7 +163,8 @@ class Summary:
             out.append(f"final lambda: {lam}")
         out += [f"mean discrepancy before the updates (pi_old vs mu): {disc}",
                 *(f"warning: {w}" for w in self.warnings),
-                f"MLflow run {self.run_id} at {self.tracking_uri}", f"outputs: {self.output_dir}"]
+                f"MLflow run {self.run_id} at {self.tracking_uri}" if self.run_id else
+                "MLflow: off (tracking.enabled=false)", f"outputs: {self.output_dir}"]
         return out
 
 
@@ -347,7 +348,8 @@ def _train(s: Setup, t_start: float) -> Summary:
                 log.warning("%s received: checkpoint written at step %d, stopping", stop.signal_name, step + 1)
                 s.tracker.finish("KILLED")
                 raise SystemExit(128 + int(stop.signum))
-    if cfg.steps > s.state.start_step and not (cfg.checkpoint.every and cfg.steps % cfg.checkpoint.every == 0):
+    if (cfg.steps > s.state.start_step and cfg.checkpoint.at_end
+            and not (cfg.checkpoint.every and cfg.steps % cfg.checkpoint.every == 0)):
         checkpoint(s, cfg.steps)
     acc_after = evaluate(s, seed=cfg.seed)
     s.tracker.log_metrics({"eval/accuracy": acc_after}, step=cfg.steps)
@@ -366,6 +368,7 @@ def _train_step(s: Setup, step: int, bar) -> None:
     examples, rollout, fresh_B, async_metrics = _next_rollout(s, step)
     t1 = time.perf_counter()
     rewards_B, reward_metrics = reward_phase(s.policy, examples, rollout)
+    reward_metrics["time/reward"] = time.perf_counter() - t1
     rollout, advantages_B, keep_B, guard_metrics = screen_phase(cfg.algo, rollout, rewards_B, fresh_B)
     # rewards and screens ran on the host; the learner and the measures run where the model lives
     rollout, advantages_B, keep_B = rollout.to(s.dist.device), advantages_B.to(s.dist.device), keep_B.to(s.dist.device)
@@ -418,6 +421,8 @@ def _train_step(s: Setup, step: int, bar) -> None:
     metrics.update(_timings(rollout, t0, t1, t2, t3, t4, t5, t6))
     metrics.update(async_metrics)
     metrics["rollout/precision_bits"] = PRECISION_BITS[cfg.rollout.precision_at(step)]
+    if s.dist.device.type == "cuda":
+        metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(s.dist.device) / 2**30
     if cfg.task.curriculum:
         metrics["task/digits"] = float(cfg.task.phase_at(step).digits)
     if s.worker is not None:
@@ -568,7 +573,8 @@ def setup(cfg: RunConfig, *, owns_folder: bool = True) -> Setup:
         log.info("%s", why_threads)
     out = Path(cfg.output_dir)
     # an unusable URI would keep nothing but buffered metrics: refuse it before anything is written
-    check_tracking_config(cfg.tracking, out)
+    if cfg.tracking.enabled:
+        check_tracking_config(cfg.tracking, out)
     lock, error = None, None
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -700,7 +706,7 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
         policy.engine.load_weights(model.state_dict(), version=int(state["engine_version"]))
         accuracy_before = state.get("accuracy_before")
         log.info("resumed from %s at step %d (MLflow run %s)", resume, start_step, run_id)
-    tracker = Tracker(cfg.tracking, out) if d.main else NoTracker()
+    tracker = Tracker(cfg.tracking, out) if d.main and cfg.tracking.enabled else NoTracker()
     parent = ({"run_id": state.get("run_id"), "uid": checkpoint_run_uid(state), "checkpoint": str(resume)}
               if start.foreign else None)
     tracker.start(flatten(cfg), run_id=run_id,

@@ -258,3 +258,43 @@ def test_a_checkpoint_written_on_cuda_resumes_on_the_cpu_and_back(tmp_path):
     assert run("cpu", 2).resumed_at == 1
     s = run("cuda", 3)
     assert s.resumed_at == 2 and math.isfinite(s.accuracy_after)
+
+
+# ------------------------------------------------------------------------------------------------ shared weights
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.precision=bf16"], "the trainer's parameters are fp32"),
+    (["optim.precision=bf16_stochastic"], "rollouts are asked in fp32"),
+    (["rollout.engine=vllm"], "only the torch engine"),
+    (["async_rollout.enabled=true"], "asynchronous rollouts"),
+])
+def test_shared_weights_that_cannot_be_shared_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["rollout.torch.share_weights=true", *overrides])
+
+
+def test_an_engine_on_the_trainers_weights_samples_what_a_copy_samples_and_needs_no_sync(tmp_path):
+    """bf16 trainer parameters shared with the engine: the same rollouts as an engine copy of the same weights, the
+    trainer's train mode restored after generating, and an update reaches the engine without load_weights."""
+    from trainers.config import RolloutConfig, TorchEngineConfig
+    from trainers.engines.torch_engine import TorchEngine
+
+    model = cast_model(build_model(ModelConfig(preset="tiny-moe"), 64, seed=0), torch.bfloat16).train()
+    shared = TorchEngine(RolloutConfig(precision="bf16", max_new_tokens=12, torch=TorchEngineConfig(share_weights=True)), model,
+                         eos_id=1, pad_id=0)
+    copied = TorchEngine(RolloutConfig(precision="bf16", max_new_tokens=12), model, eos_id=1, pad_id=0)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    a, b = shared.generate(prompts, seed=3), copied.generate(prompts, seed=3)
+    assert model.training  # restored
+    assert shared.model is model and copied.model is not model
+    assert torch.equal(a.response_ids_BT, b.response_ids_BT)
+    torch.testing.assert_close(a.rollout_logp_BT, b.rollout_logp_BT, rtol=0, atol=0)
+    assert torch.equal(a.rollout_experts_BSLK, b.rollout_experts_BSLK)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    shared.load_weights({}, version=1)  # a no-op: nothing to copy
+    assert shared.version == 1
+    c = shared.generate(prompts, seed=3)
+    assert not torch.equal(c.rollout_logp_BT, a.rollout_logp_BT)  # it samples from the updated weights

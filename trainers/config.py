@@ -93,6 +93,10 @@ class TorchEngineConfig:
     drop_finished: bool = True
     # Decode attention reads grouped KV heads in place (SDPA enable_gqa; bitwise the same values).
     gqa_decode: bool = True
+    # Decode with the trainer's own parameters instead of a copy: one set of weights in memory (Qwen3-8B's 16 GB in
+    # bf16 on one GPU) and no weight sync. Needs the rollout precision to be the trainer's parameter dtype (bf16
+    # with optim.precision=bf16_*, fp32 otherwise), no quantisation, no precision schedule, no async rollouts.
+    share_weights: bool = False
 
     def check(self, prefix: str = "rollout.torch") -> None:
         _require(self.int4_group_size >= 1, f"{prefix}.int4_group_size", f"must be >= 1, got {self.int4_group_size}")

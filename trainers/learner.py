@@ -16,6 +16,7 @@ count of the mini-batch, so the summed gradients equal the single-process gradie
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -98,6 +99,8 @@ class PenaltySpec:
     constraints: tuple[ConstraintConfig, ...] = ()
     # Penalty form: a name of constraints.penalties.PENALTIES.
     form: str = "hinge"
+    # What the per-token measure compares pi_theta with: rollout (mu) | old (pi_old, ``dual.measure_at: drift``).
+    anchor: str = "rollout"
 
 
 @dataclass
@@ -129,9 +132,11 @@ class UpdateResult:
     skipped: int = 0
 
     def metrics(self) -> dict[str, float]:
-        """The step metrics averaged over the mini-batches, the IS metrics, and 'guard/skipped_updates' (a count)."""
+        """The step metrics averaged over the mini-batches (the time/ ones summed: seconds of the whole step), the IS
+        metrics, and 'guard/skipped_updates' (a count)."""
         keys = dict.fromkeys(k for d in self.steps for k in d)
-        mean = {k: float(np.mean([d[k] for d in self.steps if k in d])) for k in keys}
+        reduce = {k: np.sum if k.startswith("time/") else np.mean for k in keys}
+        mean = {k: float(reduce[k]([d[k] for d in self.steps if k in d])) for k in keys}
         return {**mean, **self.is_metrics, "guard/skipped_updates": float(self.skipped)}
 
 
@@ -452,8 +457,9 @@ def _minibatch_terms(logp_BT: Tensor, ent_BT: Tensor, rows: Tensor, normalizer: 
     pen_loss = logp_BT.new_zeros(())
     if penalty.constraints:
         routing_BT = weights.routing_BT[rows] if weights.routing_BT is not None else None
+        anchor_BT = batch.old_logp_BT[rows] if penalty.anchor == "old" else rollout.rollout_logp_BT[rows].float()
         pen_loss, adv_BT, pen_metrics = PENALTIES[penalty.form](
-            logp_BT, rollout.rollout_logp_BT[rows].float(), adv_BT, m_BT, penalty.lambda_C, penalty.constraints,
+            logp_BT, anchor_BT, adv_BT, m_BT, penalty.lambda_C, penalty.constraints,
             normalizer, routing_mismatch_BT=routing_BT)
         metrics.update(pen_metrics)
     pg_loss, pg_metrics = POLICY_LOSSES[cfg.loss](logp_BT, batch.old_logp_BT[rows], adv_BT, weights.weights_BT[rows],
@@ -551,6 +557,7 @@ def update(model, optim: OptimStep, batch: ScoredBatch, *, scoring: ScoringSpec,
         grad_norm = _global_norm(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                                 grad_clip if grad_clip > 0 else float("inf")))
         finite = bool(torch.isfinite(full_loss)) and bool(torch.isfinite(grad_norm))
+        t_opt = time.perf_counter()
         if scaler is not None:
             overflow = bool(torch.isfinite(full_loss)) and not bool(torch.isfinite(grad_norm))
             metrics["optim/scale_overflow"] = float(overflow)
@@ -561,6 +568,9 @@ def update(model, optim: OptimStep, batch: ScoredBatch, *, scoring: ScoringSpec,
             finite = finite or overflow
         elif finite:
             optimizer.step()
+        if grad_norm.device.type == "cuda":  # the step's kernels are queued: wait for them to time it
+            torch.cuda.synchronize(grad_norm.device)
+        metrics["time/optimizer"] = time.perf_counter() - t_opt
         if not finite:
             # a non-finite loss or gradient would poison the weights: drop this update, keep going
             optimizer.zero_grad(set_to_none=True)

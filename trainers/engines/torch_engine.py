@@ -115,13 +115,17 @@ class TorchEngine:
 
     def _set_model(self, model: torch.nn.Module) -> None:
         """The engine's own frozen copy of ``model`` in ``self.precision``: the trainer's parameters are never
-        touched or aliased."""
+        touched or aliased; with ``rollout.torch.share_weights`` the trainer's model itself, read in eval mode
+        under inference mode (the config check makes sure its dtype is the rollout precision's)."""
         cfg = self.cfg
+        self.dtype = PRECISION_DTYPES[self.precision]
+        if cfg.torch.share_weights:
+            self.model = model
+            return
         self.model = cast_for_precision(model, self.precision, int4_group_size=cfg.torch.int4_group_size,
                                         quantize_lm_head=cfg.torch.quantize_lm_head)
         if cfg.torch.gqa_decode:
             self.model.set_attn_implementation(GQA_DECODE_ATTENTION)
-        self.dtype = PRECISION_DTYPES[self.precision]
 
     def set_precision(self, precision: str) -> None:
         """Run the next rollouts in ``precision`` (``rollout.precision_schedule``): a new engine copy of the
@@ -135,9 +139,17 @@ class TorchEngine:
         self.precision = precision
         self._set_model(self._master)
 
-    @torch.inference_mode()
     def generate(self, prompts: list[list[int]], seed: int) -> Rollout:
         """Sample one response per prompt; identical ``seed`` and weights give identical rollouts."""
+        training = self.model.training  # a shared model is the trainer's: back to its mode afterwards
+        self.model.eval()
+        try:
+            return self._generate(prompts, seed)
+        finally:
+            self.model.train(training)
+
+    @torch.inference_mode()
+    def _generate(self, prompts: list[list[int]], seed: int) -> Rollout:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt and no empty prompt")
         B, P, T = len(prompts), max(len(p) for p in prompts), self.cfg.max_new_tokens
@@ -242,7 +254,10 @@ class TorchEngine:
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, Tensor], version: int) -> None:
         """Copy the trainer's weights into the engine's tensors in place (cast; re-quantised for the quantised
-        precisions, from the trainer's values)."""
+        precisions, from the trainer's values). A no-op on shared weights: they are the trainer's."""
+        if self.cfg.torch.share_weights:
+            self.version = int(version)
+            return
         if self._master is not None:
             self._load_into(self._master, state_dict)
         self._load_into(self.model, state_dict)
