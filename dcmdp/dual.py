@@ -10,6 +10,9 @@ Rules (``DUAL_RULES``: name -> ``DualRule``, each owning its state, see ``DualRu
 - ``projected`` (default; DCMDP, Liu et al. arXiv 2606.08779):
   lambda <- Pi(lambda + eta_i (D_hat_i - c_i)), eta_i = constraints[i].lr.
 - ``pid``: PID Lagrangian (Stooke, Achiam, Abbeel, ICML 2020, arXiv 2007.03964), see ``pid_step``.
+- ``signed``: the projected rule with a sign test on the measured response of D_hat to lambda, see ``signed_step``:
+  it does not raise lambda where raising lambda raised D_hat (the right side of the U that D_hat(lambda) traces,
+  DESIGN.md §11); there it lowers lambda toward the bottom of the U instead.
 - ``fixed``: lambda held at lambda_init (the fixed-coefficient penalty); ``off``: lambda = 0, no penalty.
 
 A new rule is one ``DualRule(init, step)`` and one registry line; the checkpoint stores its state as the
@@ -20,7 +23,15 @@ Scale of the step: with ``cfg.relative`` the rules see the violation in units of
 (abs_prob_diff ~1e-3, kl_k3 ~1e-4); in absolute units lambda moves by ~1e-3 per step and is nearly constant
 over a run (DESIGN.md §9).
 
-Automatic tolerance (``constraints[i].floor_slack = s``): c_k = F_{k-1} (1 + s) (c_1 = F_1 (1 + s): the first
+Measurement point (``cfg.measure_at``): ``rollout`` (pi_old vs mu), ``updates`` (pi_theta at each token's update vs
+mu: the engines' part plus the drift) or ``drift`` (pi_theta at each token's update vs pi_old: the part the update
+controls). Under ``drift`` the penalty's anchor is pi_old instead of mu (``penalty_spec``), so the hinge pulls the
+update back toward the policy that scored the batch and never toward the engine's rounding; derivation in
+docs/tolerances.md.
+
+Automatic tolerance (``constraints[i].floor_slack = s``): c_k = F_{k-1} (1 + s) (under ``measure_at: drift``
+c_k = F_{k-1} s, the update's share of F (1 + s): |pi_theta - mu| <= |pi_old - mu| + |pi_theta - pi_old| per token,
+so a drift inside F s keeps D_hat at the updates inside F (1 + s) wherever the engines' part is at its floor) (c_1 = F_1 (1 + s): the first
 batch's floor sets its own tolerance, never the configured one), F an EMA of the measure
 between pi_old and mu before the updates, which in a synchronous run is taken on identical weights (the
 numerical floor of the two engines at the current policy); it is re-measured every batch at no cost, so the
@@ -55,7 +66,7 @@ import copy
 import functools
 import math
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -261,11 +272,12 @@ def needs_floor(state: DualState, cfg: DualConfig) -> bool:
 
 def tolerances(state: DualState, cfg: DualConfig) -> Tensor:
     """(C,) the tolerance c_i in force: F_i (1 + floor_slack_i) for an automatic tolerance with a measured floor
-    F_i, else constraints[i].tolerance."""
+    F_i (F_i floor_slack_i under ``measure_at: drift``), else constraints[i].tolerance."""
     fixed_C = _per_constraint(cfg, "tolerance")
     if state.floor_C is None or not _has_auto_tolerance(cfg):
         return fixed_C
-    auto_C = state.floor_C * (1 + _per_constraint(cfg, "floor_slack"))
+    slack_C = _per_constraint(cfg, "floor_slack")
+    auto_C = state.floor_C * (slack_C if cfg.measure_at == "drift" else 1 + slack_C)
     return torch.where(_finite(auto_C), auto_C, fixed_C)
 
 
@@ -282,10 +294,12 @@ def applied_lambda(state: DualState, cfg: DualConfig) -> Tensor:
 
 def penalty_spec(state: DualState, cfg: DualConfig) -> PenaltySpec:
     """The penalty the updates of the next rollout batch carry: ``applied_lambda`` (float32), the constraints with
-    the tolerances in force and the penalty form; none under a rule that does not penalise (``off``)."""
+    the tolerances in force and the penalty form, anchored at pi_old under ``measure_at: drift`` (else at mu); none
+    under a rule that does not penalise (``off``)."""
     if not get_rule(cfg).penalizes:
         return PenaltySpec()
-    return PenaltySpec(applied_lambda(state, cfg).float(), tuple(constraints_in_force(state, cfg)), cfg.penalty)
+    return PenaltySpec(applied_lambda(state, cfg).float(), tuple(constraints_in_force(state, cfg)), cfg.penalty,
+                       anchor="old" if cfg.measure_at == "drift" else "rollout")
 
 
 def _seed_floor(state: DualState, floor_measured_C: Tensor, cfg: DualConfig) -> DualState:
@@ -374,6 +388,78 @@ def projected_step(lambda_C: Tensor, rule_state: dict[str, Any], measured_C: Ten
     eta_C = _per_constraint(cfg, "lr")
     step_C = torch.where(finite_C, eta_C * (measured_C - tolerance_C), 0.0)
     return _project(lambda_C + step_C, cfg, fixed_C=~finite_C), rule_state
+
+
+# Steps of (lambda applied, D_hat) pairs behind the sign test of the ``signed`` rule: enough differences for a slope
+# through per-batch noise of ~20% (tests/test_dual.py drives it on scripted U-shaped responses), few enough to follow
+# the policy as it sharpens over a run.
+SIGN_WINDOW = 10
+_SIGN_MIN_DIFFS = 3
+# Least step down on the right side of the U, as a share of c (eta * SIGN_MIN_STEP in relative units): the step
+# eta |D_hat - c| alone would shrink to nothing at the right root D_hat(lambda) = c and settle there, on the stronger
+# of the two multipliers that meet c.
+SIGN_MIN_STEP = 0.1
+
+
+def signed_init(cfg: DualConfig) -> dict[str, Any]:
+    """No (lambda, D_hat) pairs yet; slope unknown, direction +1 (ascent)."""
+    n = len(cfg.constraints)
+    return {"hist": [[] for _ in range(n)], "slope_C": [math.nan] * n, "direction_C": [1.0] * n}
+
+
+def response_slope(pairs: Sequence[Sequence[float]]) -> Optional[float]:
+    """b of the least-squares fit dD_k = a + b dlambda_k over consecutive differences of (lambda applied, D_hat) pairs.
+
+    Differences, not levels: in closed loop lambda rises *because* D_hat is high, so the levels correlate whatever
+    the response; a step's change of D_hat against the change of the lambda its updates carried is the response
+    (the intercept a takes the slow drift of D_hat as the policy sharpens). None with fewer than 3 differences or
+    when lambda did not vary.
+    """
+    if len(pairs) < _SIGN_MIN_DIFFS + 1:
+        return None
+    a = np.asarray(pairs, dtype=np.float64)
+    x, y = np.diff(a[:, 0]), np.diff(a[:, 1])
+    var = float(x.var())
+    if not var > 1e-18:
+        return None
+    return float(((x - x.mean()) * (y - y.mean())).mean() / var)
+
+
+def signed_step(lambda_C: Tensor, rule_state: dict[str, Any], measured_C: Tensor, tolerance_C: Tensor,
+                cfg: DualConfig) -> tuple[Tensor, dict[str, Any]]:
+    """lambda <- Pi(lambda + eta_i (D_hat_i - c_i)) where raising lambda lowers D_hat, else
+    lambda <- Pi(lambda - eta_i (|D_hat_i - c_i| + SIGN_MIN_STEP c_i)).
+
+    D_hat(lambda) is not monotone (DESIGN.md §11): it falls as lambda rises up to some lambda*, then rises again
+    with the policy's entropy. Projected ascent (s = +1) is negative feedback left of lambda* and positive feedback
+    right of it, held only by the cap. The sign test keeps the last ``SIGN_WINDOW`` + 1 pairs (lambda the batch's
+    updates carried, D_hat) and fits the response slope b (``response_slope``). With b > 0 (right of lambda*) the rule
+    steps lambda *down*, by at least eta SIGN_MIN_STEP c: where c is feasible lambda crosses to the left branch and
+    settles at its root D_hat(lambda) = c (the weaker of the two multipliers that meet c), where it is not it settles
+    near lambda* (the least D_hat any lambda gives) instead of the cap. With lambda pinned at lambda_max over the whole
+    window (no variation, b unknown) and D_hat still outside, the cap does not hold D_hat: the rule steps down as
+    well, which probes the response. With b <= 0 or unknown (and not pinned) this is exactly ``projected_step``.
+    Non-finite D_hat_i: lambda_i and its pairs unchanged.
+    State: the pairs ("hist"), the last slope ("slope_C", NaN when unknown) and direction ("direction_C").
+    """
+    finite_C = _finite(measured_C)
+    eta_C, hi_C = _per_constraint(cfg, "lr"), _per_constraint(cfg, "lambda_max")
+    hist = [list(h) for h in rule_state["hist"]]
+    slopes, directions = list(rule_state["slope_C"]), list(rule_state["direction_C"])
+    step = []
+    for i, (lam, d, c, ok) in enumerate(zip(lambda_C.tolist(), measured_C.tolist(), tolerance_C.tolist(),
+                                            finite_C.tolist())):
+        if not ok:
+            step.append(0.0)
+            continue
+        hist[i] = (hist[i] + [[lam, d]])[-(SIGN_WINDOW + 1):]
+        b = response_slope(hist[i])
+        pinned = b is None and len(hist[i]) == SIGN_WINDOW + 1 and all(l >= hi_C[i] - 1e-12 for l, _ in hist[i])
+        down = (b is not None and b > 0) or (pinned and d > c)
+        slopes[i], directions[i] = (math.nan if b is None else b), (-1.0 if down else 1.0)
+        step.append(-float(eta_C[i]) * (abs(d - c) + SIGN_MIN_STEP * c) if down else float(eta_C[i]) * (d - c))
+    new_C = _project(lambda_C + torch.tensor(step, dtype=_F64), cfg, fixed_C=~finite_C)
+    return new_C, {"hist": hist, "slope_C": slopes, "direction_C": directions}
 
 
 _PID_KEYS = ("integral_C", "p_C", "cost_ema_C", "cost_hist")
@@ -472,6 +558,7 @@ class DualRule:
 DUAL_RULES: dict[str, DualRule] = {
     "projected": DualRule(_no_state, projected_step),
     "pid": DualRule(pid_init, pid_step),
+    "signed": DualRule(signed_init, signed_step),
     # lambda held at lambda_init: the fixed-coefficient penalty baseline
     "fixed": DualRule(_no_state, _keep),
     # no penalty and no controller: lambda stays 0 (the measurements are still logged)
@@ -533,6 +620,9 @@ def dual_step(state: DualState, measured_C: Tensor, cfg: DualConfig,
         metrics[f"dual/measured/{name}"] = d
         metrics[f"dual/tolerance/{name}"] = c
         metrics[f"dual/violation/{name}"] = d - c
+    for key, label in (("slope_C", "slope"), ("direction_C", "direction")):  # the signed rule's sign test
+        for name, v in zip(constraint_names(cfg.constraints), rule_state.get(key, ())):
+            metrics[f"dual/{label}/{name}"] = float(v)
     return new, metrics
 
 

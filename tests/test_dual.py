@@ -93,7 +93,7 @@ def test_duplicate_measures_get_suffixed_metric_names_and_shapes_are_checked():
     assert {"dual/lambda/kl_k3_1", "dual/lambda/kl_k3_2"} <= set(m)
     with pytest.raises(ValueError, match="2 constraints"):
         dual_step(state, torch.tensor([0.0]), cfg)
-    with pytest.raises(ValueError, match="unknown dual rule 'pi'; known: projected, pid, fixed, off"):
+    with pytest.raises(ValueError, match="unknown dual rule 'pi'; known: projected, pid, signed, fixed, off"):
         dual_step(state, torch.tensor([0.0, 0.0]), _cfg(rule="pi"))
 
 
@@ -450,3 +450,198 @@ def test_averaged_multiplier_round_trips_and_an_older_state_restarts_it_at_lambd
     # lambda_bar_4 = lambda_bar_3 + (lambda_4 - lambda_bar_3) / 5, lambda_bar_3 taken as lambda_3
     expected = state.lambda_C + (older.lambda_C - state.lambda_C) / 5
     assert older.lambda_avg().tolist() == pytest.approx(expected.tolist(), rel=1e-12)
+
+
+# ------------------------------------------------------------------ the sign test on a U-shaped response
+
+
+def _respond(cfg: DualConfig, response, steps: int, noise: float = 0.0, seed: int = 0):
+    """Drive dual_step with a scripted D_hat(lambda): each batch's D_hat is response(lambda its updates carried),
+    times (1 + noise x N(0, 1)). Returns the lambdas carried and the D_hat measured, per step."""
+    rng = np.random.default_rng(seed)
+    state = init_state(cfg)
+    lams, ds = [], []
+    for _ in range(steps):
+        lam = state.lambda_C.item()
+        d = response(lam) * (1.0 + noise * rng.standard_normal())
+        state, _ = dual_step(state, torch.tensor([d], dtype=torch.float64), cfg)
+        lams.append(lam)
+        ds.append(d)
+    return np.array(lams), np.array(ds)
+
+
+def _u(lam: float) -> float:
+    """D_hat(lambda) with a U: least 3e-3 at lambda* = 0.15, rising on both sides (the sweeps' shape, DESIGN.md §11)."""
+    return 3e-3 * (1.0 + 13.0 * (lam - 0.15) ** 2)
+
+
+def _u_cfg(rule: str, c: float, lambda_init: float) -> DualConfig:
+    return DualConfig(rule=rule, relative=True, constraints=[
+        ConstraintConfig(measure="abs_prob_diff", tolerance=c, lambda_init=lambda_init, lambda_max=1.0, lr=0.05)])
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.2])
+def test_signed_rule_finds_the_left_root_where_projected_ascent_runs_to_the_cap(noise):
+    # c = 3.5e-3 is feasible: D_hat(lambda) = c at lambda = 0.15 -/+ 0.109 (0.041 and 0.259). Started right of
+    # lambda*, outside c, projected ascent raises lambda, which raises D_hat: it runs to the cap and stays there
+    c, lam0 = 3.5e-3, 0.5
+    lam_p, d_p = _respond(_u_cfg("projected", c, lam0), _u, 300, noise, seed=1)
+    lam_s, d_s = _respond(_u_cfg("signed", c, lam0), _u, 300, noise, seed=1)
+    late = slice(100, None)
+    assert (lam_p[late] >= 1.0 - 1e-12).mean() == 1.0 and (d_p[late] <= c).mean() == 0.0
+    # the sign test turns lambda down; it settles near the left root, inside c about half the time (noise)
+    assert (lam_s[late] >= 1.0 - 1e-12).mean() == 0.0
+    assert abs(np.median(lam_s[late]) - 0.041) < 0.06
+    assert (d_s[late] <= c).mean() >= 0.4 and np.mean(d_s[late]) < 1.05 * c
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.2])
+def test_signed_rule_settles_at_the_bottom_of_the_u_when_c_is_infeasible(noise):
+    # c = 2.5e-3 is below the least D_hat (3e-3): projected ascent from lambda_0 = 0.1 winds up to the cap and the
+    # policy pays lambda = 1; the sign test holds lambda near lambda* = 0.15, where D_hat is least
+    lam_p, d_p = _respond(_u_cfg("projected", 2.5e-3, 0.1), _u, 300, noise, seed=2)
+    lam_s, d_s = _respond(_u_cfg("signed", 2.5e-3, 0.1), _u, 300, noise, seed=2)
+    late = slice(100, None)
+    assert (lam_p[late] >= 1.0 - 1e-12).mean() == 1.0
+    assert abs(np.mean(lam_s[late]) - 0.15) < 0.05 and np.quantile(lam_s[late], 0.9) < 0.4
+    assert (lam_s[late] >= 1.0 - 1e-12).mean() == 0.0
+    # the noise keeps the slope estimate moving, and lambda around lambda*: mean D_hat 1.2-1.3 x the least at 20%
+    assert np.mean(d_s[late]) < (1.05 if noise == 0 else 1.4) * 3e-3 < 0.2 * np.mean(d_p[late])
+
+
+def test_signed_rule_is_projected_ascent_where_raising_lambda_lowers_d_hat():
+    # a monotone response (every slope < 0): step for step the same lambdas as the projected rule
+    falling = lambda lam: 2e-3 + 4e-3 * math.exp(-5.0 * lam)  # noqa: E731
+    lam_p, _ = _respond(_u_cfg("projected", 3e-3, 0.0), falling, 80)
+    lam_s, _ = _respond(_u_cfg("signed", 3e-3, 0.0), falling, 80)
+    assert np.array_equal(lam_p, lam_s)
+    assert lam_s[-1] == pytest.approx(-math.log(0.25) / 5.0, abs=0.02)  # D_hat(lambda) = c at lambda = ln 4 / 5
+
+
+def test_signed_rule_probes_down_from_a_cap_that_does_not_hold_d_hat():
+    # D_hat does not respond to lambda at all and stays outside c: projected ascent sits at the cap for good; the
+    # sign test, after SIGN_WINDOW + 1 steps pinned there without a slope to read, steps lambda down
+    from dcmdp.dual import SIGN_MIN_STEP, SIGN_WINDOW
+
+    flat = lambda lam: 4e-3  # noqa: E731
+    cfg = _u_cfg("signed", 3e-3, 1.0)
+    lam_s, _ = _respond(cfg, flat, SIGN_WINDOW + 2)
+    assert (lam_s[:SIGN_WINDOW + 1] == 1.0).all()  # the (SIGN_WINDOW + 1)-th pair at the cap completes the window
+    # relative excess (4 - 3) / 3 plus the least step 0.1, times eta 0.05, downward
+    assert lam_s[SIGN_WINDOW + 1] == pytest.approx(1.0 - 0.05 * (1.0 / 3.0 + SIGN_MIN_STEP), abs=1e-12)
+    _, m = dual_step(init_state(cfg), torch.tensor([4e-3], dtype=torch.float64), cfg)
+    assert math.isnan(m["dual/slope/abs_prob_diff"]) and m["dual/direction/abs_prob_diff"] == 1.0
+
+
+def test_response_slope_reads_the_differences_not_the_levels():
+    from dcmdp.dual import response_slope
+
+    # D = 2 + 3 lambda + 0.5 k (a drift over the steps k): the differences give slope 3 whatever the drift
+    lams = [0.1, 0.3, 0.2, 0.5, 0.4, 0.45]
+    pairs = [[lam, 2 + 3 * lam + 0.5 * k] for k, lam in enumerate(lams)]
+    assert response_slope(pairs) == pytest.approx(3.0, abs=1e-12)
+    # closed loop: lambda rose with D (levels correlate), but D did not respond to lambda's changes
+    pairs = [[0.1 * k, 1.0 + (0.2 if k % 2 else 0.0) + 0.1 * k] for k in range(6)]
+    assert response_slope(pairs) is None  # lambda's changes are all equal: no slope to read
+    assert response_slope([[0.1, 1.0], [0.2, 2.0], [0.3, 1.0]]) is None  # fewer than 3 differences
+
+
+# ------------------------------------------------------------------ the drift constraint
+
+
+def test_drift_constraint_takes_the_update_share_of_the_floor_and_anchors_the_penalty_at_pi_old():
+    from dcmdp.dual import penalty_spec
+
+    cons = [_one(tolerance=0.01, floor_slack=0.5, floor_ema=0.9)]
+    updates, drift = _cfg(constraints=cons, measure_at="updates"), _cfg(constraints=cons, measure_at="drift")
+    floor = torch.tensor([0.002], dtype=torch.float64)
+    _, m_u = dual_step(init_state(updates), torch.tensor([0.004], dtype=torch.float64), updates, floor_C=floor)
+    _, m_d = dual_step(init_state(drift), torch.tensor([0.0005], dtype=torch.float64), drift, floor_C=floor)
+    # |pi_theta - mu| <= |pi_old - mu| + |pi_theta - pi_old|: the drift's share of F (1 + s) = 0.003 is F s = 0.001
+    assert m_u["dual/tolerance/abs_prob_diff"] == pytest.approx(0.003, abs=1e-15)
+    assert m_d["dual/tolerance/abs_prob_diff"] == pytest.approx(0.001, abs=1e-15)
+    assert penalty_spec(init_state(drift), drift).anchor == "old"
+    assert penalty_spec(init_state(updates), updates).anchor == "rollout"
+
+
+# ------------------------------------------------------------------ feasibility and end-of-run warnings
+
+
+def _history(d, c, lam, floor=None):
+    return [{"dual/measured/abs_prob_diff": di, "dual/tolerance/abs_prob_diff": ci, "dual/lambda/abs_prob_diff": li,
+             **({} if floor is None else {"dual/floor_at_point/abs_prob_diff": floor[k]})}
+            for k, (di, ci, li) in enumerate(zip(d, c, lam))]
+
+
+def test_end_of_run_warnings_name_a_pinned_lambda_and_a_constraint_not_held():
+    from dcmdp.loop import constraint_summaries, end_of_run_warnings
+
+    con = [ConstraintConfig(measure="abs_prob_diff", lambda_max=0.3)]
+    # 10 steps: lambda at its cap on 6, D-hat outside c on 7; the floor at the measurement point under c
+    h = _history([4e-3] * 7 + [2e-3] * 3, [3e-3] * 10, [0.3] * 6 + [0.2] * 4, floor=[1e-3] * 10)
+    (s,) = constraint_summaries(h, ["abs_prob_diff"], con).values()
+    assert s.cap_frac == pytest.approx(0.6) and s.inside_frac == pytest.approx(0.3) and s.start_floor == 1e-3
+    warnings = end_of_run_warnings({"abs_prob_diff": s}, "signed", 0.5, 0.0, 100)
+    assert [w.split(":")[1].split(" on ")[0].strip() for w in warnings] == ["lambda sat at its cap lambda_max",
+                                                                            "D-hat was outside c"]
+    assert "60% of the steps" in warnings[0] and "70% of the steps" in warnings[1]
+    # half the steps at the cap, or inside c on half of them, is not "most"; a constant lambda is not warned about
+    h = _history([4e-3] * 5 + [2e-3] * 5, [3e-3] * 10, [0.3] * 5 + [0.2] * 5, floor=[1e-3] * 10)
+    assert end_of_run_warnings(constraint_summaries(h, ["abs_prob_diff"], con), "projected", 0.5, 0.0, 100) == []
+    h = _history([4e-3] * 10, [3e-3] * 10, [0.3] * 10)
+    assert end_of_run_warnings(constraint_summaries(h, ["abs_prob_diff"], con), "fixed", 0.5, 0.0, 100) == []
+
+
+def test_feasibility_is_decided_on_the_first_steps_and_names_the_numbers():
+    from dcmdp.loop import FEASIBILITY_STEPS, constraint_summaries, end_of_run_warnings, feasibility_warnings
+
+    con = [ConstraintConfig(measure="abs_prob_diff", lambda_max=0.3)]
+    n = FEASIBILITY_STEPS
+    h = _history([5e-3] * n, [3e-3] * n, [0.2] * n, floor=[4e-3, 3.5e-3, 4.5e-3][:n])
+    (w,) = feasibility_warnings(h, ["abs_prob_diff"], con, "projected", "updates")
+    assert "infeasible at its measurement point (dual.measure_at=updates)" in w
+    assert "0.004, 0.0035, 0.0045" in w and "(0.003, 0.003, 0.003)" in w and "cap (0.3)" in w
+    assert "dual.measure_at=drift" in w and "dcmdp calibrate" in w
+    (s,) = constraint_summaries(h, ["abs_prob_diff"], con).values()
+    assert s.start_floor == 3.5e-3 and s.start_tolerance == 3e-3
+    assert any(x.startswith("constraint abs_prob_diff was infeasible from the start") for x in
+               end_of_run_warnings({"abs_prob_diff": s}, "projected", 0.5, 0.0, 100))
+    # one of the first steps with its floor under c: feasible; fewer steps than FEASIBILITY_STEPS: not decided yet
+    h[1]["dual/floor_at_point/abs_prob_diff"] = 2.9e-3
+    assert feasibility_warnings(h, ["abs_prob_diff"], con, "projected", "updates") == []
+    assert feasibility_warnings(h[:n - 1], ["abs_prob_diff"], con, "projected", "updates") == []
+    # a rule that does not move lambda cannot wind it up
+    h[1]["dual/floor_at_point/abs_prob_diff"] = 4e-3
+    assert feasibility_warnings(h, ["abs_prob_diff"], con, "fixed", "updates") == []
+
+
+_RUN = ["model.preset=tiny-dense", "cold_start.steps=0", "algo.prompts_per_step=2", "algo.samples_per_prompt=2",
+        "algo.minibatches=2", "task.eval_size=4", "threads=1", "rollout.max_new_tokens=4", "rollout.precision=int8",
+        "steps=3", "dual.relative=true", "tracking.async_log=false"]
+
+
+@pytest.mark.slow
+def test_a_run_whose_c_lies_under_the_floor_says_so_at_the_first_steps(tmp_path, caplog, monkeypatch):
+    from dcmdp.config import load_config
+    from dcmdp.loop import FEASIBILITY_STEPS, train
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert FEASIBILITY_STEPS == 3
+    con = "dual.constraints=[{measure: abs_prob_diff, tolerance: 1.0e-9, lambda_init: 0.1, lambda_max: 0.3, lr: 1.0}]"
+    with caplog.at_level("WARNING", logger="dcmdp"):
+        summary = train(load_config(None, [*_RUN, con, "dual.measure_at=updates", f"output_dir={tmp_path / 'u'}"]))
+    (w,) = [r.getMessage() for r in caplog.records if "infeasible at its measurement point" in r.getMessage()]
+    assert "is above c (1e-09, 1e-09, 1e-09)" in w
+    assert any(x.startswith("constraint abs_prob_diff was infeasible from the start") for x in summary.warnings)
+    assert any("lambda sat at its cap lambda_max on 100% of the steps" in x for x in summary.warnings)
+    # the same c on the drift: its floor at the measurement point is 0, every step's D-hat is pi_theta vs pi_old
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dcmdp"):
+        # an entropy bonus moves the weights even where every reward is 0 (an untrained model)
+        summary = train(load_config(None, [*_RUN, con, "dual.measure_at=drift", "algo.entropy_coef=0.1",
+                                           f"output_dir={tmp_path / 'd'}"]))
+    assert not [r for r in caplog.records if "infeasible" in r.getMessage()]
+    c = summary.constraints["abs_prob_diff"]
+    assert c.start_floor == 0.0 and math.isfinite(c.measured_mean) and c.measured_mean >= 0.0
+    # the first mini-batch update starts at pi_old (drift 0), the second one after a step: a positive mean drift
+    assert c.measured_mean > 0.0
