@@ -9,6 +9,8 @@ import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -262,3 +264,128 @@ def test_a_helper_the_reward_leaves_running_is_ended_with_its_worker(tmp_path, m
         time.sleep(0.1)
     else:
         pytest.fail("the reward's helper outlived its worker")
+
+
+SWALLOWER = '''
+import os, time
+
+def score(prompt, completion, example):
+    if os.path.exists(os.path.join(os.path.dirname(__file__), "hang")):
+        while True:  # a retry loop that swallows everything, the timeout's and Ctrl-C's exceptions included
+            try:
+                time.sleep(1000)
+            except:
+                pass
+    return 1.0 if completion.strip() == str(example.get("answer")) else 0.0
+'''
+
+
+def _jsonl_run(tmp_path: Path, fn: str, *extra: str) -> list[str]:
+    records = [{"prompt": f"{i % 10}+{i // 10}=", "answer": i % 10 + i // 10} for i in range(40)]
+    (tmp_path / "sums.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    (tmp_path / "swallow.py").write_text(SWALLOWER)
+    return ["model.preset=tiny-dense", "task.name=jsonl", f"task.path={tmp_path / 'sums.jsonl'}", "task.eval_size=2",
+            f"task.reward={tmp_path / 'swallow.py'}:{fn}", "cold_start.steps=0", "algo.prompts_per_step=2",
+            "algo.samples_per_prompt=2", "rollout.max_new_tokens=3", "threads=1", "progress=false", "log_every=1",
+            f"output_dir={tmp_path / 'out'}", *extra]
+
+
+def _reward_workers(marker: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker.encode() in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_a_second_sigint_stops_a_run_whose_reward_swallows_every_exception(tmp_path):
+    """The reward hangs in a loop whose bare except swallows everything. A first SIGINT asks for a stop after the step
+    (which never ends), the second stops the wait on the worker: the worker is killed, the run exits 130 with the
+    checkpoint of its last finished step and its MLflow run KILLED."""
+    from mlflow.tracking import MlflowClient
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}, "OMP_NUM_THREADS": "1"}
+    argv = _jsonl_run(tmp_path, "score", "steps=50", "checkpoint.every=1", "task.reward_timeout=600")
+    proc = subprocess.Popen([sys.executable, "-m", "dcmdp.cli", "train", *argv], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if "step 1/50" in line:
+            (tmp_path / "hang").touch()
+            break
+    time.sleep(3.0)  # the next reward call is in its loop by now
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, rest = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("dcmdp train did not stop within 120 s of the second SIGINT")
+    err = "".join(lines) + rest
+    assert proc.returncode == 130, err[-3000:]
+    out = tmp_path / "out"
+    steps = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert steps and steps[-1] >= "step_00000001", steps
+    run_id = json.loads((out / "run.json").read_text())["run_id"]
+    assert MlflowClient(f"sqlite:///{out / 'mlflow.db'}").get_run(run_id).info.status == "KILLED"
+    assert _reward_workers(str(tmp_path / "swallow.py")) == []  # the worker did not outlive the run
+
+
+LOCK_THEN_FORK = '''
+import os, sys, time
+from dcmdp.checkpoint import RunFolderLock
+lock = RunFolderLock(sys.argv[1]).acquire()
+if os.fork() == 0:  # a helper forked without exec, as a reward's library might: it outlives the run
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1), os.dup2(devnull, 2)
+    time.sleep(30)
+    os._exit(0)
+print("locked", flush=True)
+'''
+
+LOCK_THEN_HAND_OVER = '''
+import os, subprocess, sys
+from dcmdp.checkpoint import RunFolderLock
+lock = RunFolderLock(sys.argv[1]).acquire()
+# a child given the lock's descriptor on purpose: it holds the lock after this process ends
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "tracking.uri=http://u:pw-4711@h"],
+                         pass_fds=(lock._fh.fileno(),),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(child.pid, flush=True)
+'''
+
+
+def test_a_forked_child_that_outlives_the_run_does_not_hold_the_run_lock(tmp_path):
+    from dcmdp.checkpoint import RunFolderLock, lock_holders
+
+    done = subprocess.run([sys.executable, "-c", LOCK_THEN_FORK, str(tmp_path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout.strip() == "locked", done.stderr
+    # the run is gone, its forked helper sleeps on: the folder is free, and no process holds the file
+    assert lock_holders(tmp_path / "run.lock") == []
+    RunFolderLock(tmp_path).acquire().release()
+
+
+def test_a_lock_held_after_its_run_ended_names_the_live_holder_not_the_dead_pid(tmp_path):
+    from dcmdp.checkpoint import RunFolderError, RunFolderLock
+
+    done = subprocess.run([sys.executable, "-c", LOCK_THEN_HAND_OVER, str(tmp_path)], capture_output=True, text=True,
+                          timeout=60)
+    holder = int(done.stdout.strip())
+    try:
+        dead = int((tmp_path / "run.lock").read_text().split()[1])
+        with pytest.raises(RunFolderError) as err:
+            RunFolderLock(tmp_path).acquire()
+        msg = str(err.value)
+        assert f"run pid {dead} has ended, but pid {holder} (" in msg and "still holds" in msg, msg
+        assert "pw-4711" not in msg and "values not recorded: tracking.uri" in msg  # no override's value
+    finally:
+        os.kill(holder, signal.SIGKILL)
