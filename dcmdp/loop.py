@@ -329,7 +329,9 @@ def _train(s: Setup, t_start: float) -> Summary:
     if s.dist.main:
         log.info("held-out accuracy before RL: %.1f%% (%s)", 100 * acc_before,
                  "measured before the run was resumed" if s.state.eval_examples is None else
-                 f"{len(s.state.eval_examples)} eval prompts, sampled by the rollout engine")
+                 f"{len(s.state.eval_examples)} eval prompts, one response each sampled by the rollout engine at "
+                 f"{cfg.rollout.precision_at(s.state.start_step)}, temperature {cfg.rollout.temperature:g}; the "
+                 f"figure the run's end compares with")
     s.state.line_mark = (s.state.start_step, time.perf_counter())
     s.worker = _rollout_worker(s)
     steps = range(s.state.start_step, cfg.steps)
