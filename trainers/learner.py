@@ -28,12 +28,12 @@ from torch import Tensor
 from constraints.config import ConstraintConfig
 from constraints.measures import routing_mismatch_per_token
 from constraints.penalties import PENALTIES
-from trainers import guards, routing
+from trainers import guards, packing, routing
 from trainers.batch import Rollout
 from trainers.config import AlgoConfig
 from trainers.losses import IS_MODES, POLICY_LOSSES, ess_lr_scale
 from trainers.models import compute_dtype
-from trainers.scoring import response_logprobs
+from trainers.scoring import FSDP_FORWARD_METHOD, response_logprobs
 
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,9 @@ class ScoringSpec:
     # Token budget of one training forward (algo.micro_batch_tokens): rows sorted by length, cut into micro-batches
     # of at most this many padded positions, each trimmed to its longest row. 0: one forward over the padded batch.
     micro_batch_tokens: int = 0
+    # Score left-justified rows (``trainers.packing``): pads only at the right, no padding mask, the LM head on real
+    # response tokens only. False: the padded layout with its mask (the same log-probs to float rounding).
+    justify: bool = True
 
 
 @dataclass(frozen=True)
@@ -246,6 +249,16 @@ def _forward_logp_in(model, rollout: Rollout, spec: ScoringSpec, *, with_entropy
     kwargs = dict(temperature=spec.temperature, fp32_lm_head=spec.fp32_lm_head, lm_head_kernel=spec.lm_head_kernel,
                   with_entropy=with_entropy)
     P = rollout.num_prompt_positions
+    # an FSDP2 root scores through its registered forward method, which the justified forward would bypass
+    layout = (packing.justify(rollout.prompt_mask_BP, rollout.response_mask_BT)
+              if spec.justify and getattr(model, FSDP_FORWARD_METHOD, None) is None else None)
+    S_model = S if layout is None else layout.width
+
+    def score() -> tuple[Tensor, Optional[Tensor]]:
+        if layout is None:
+            return response_logprobs(model, ids_BS, mask_BS, P, **kwargs)
+        return packing.justified_response_logprobs(model, layout, ids_BS, rollout.response_mask_BT, **kwargs)
+
     if replay_experts_BSLK is not None:
         if replay_experts_BSLK.shape[:2] != (B, S):
             raise ReplayError(f"routing replay: routes cover {tuple(replay_experts_BSLK.shape[:2])} positions, the batch "
@@ -255,8 +268,9 @@ def _forward_logp_in(model, rollout: Rollout, spec: ScoringSpec, *, with_entropy
         # routes only at real tokens, and at every real prompt token: a shifted replay of the same shape fails here
         if (valid_BS & ~real_BS).any() or not torch.equal(valid_BS[:, :P], real_BS[:, :P]):
             raise ReplayError("routing replay: routes do not line up with the attention mask (positions misaligned)")
-        with routing.replay_routes(model, replay_experts_BSLK, capture=capture) as stats:
-            logp_BT, ent_BT = response_logprobs(model, ids_BS, mask_BS, P, **kwargs)
+        replay_model = replay_experts_BSLK if layout is None else layout.to_justified(replay_experts_BSLK, -1)
+        with routing.replay_routes(model, replay_model, capture=capture) as stats:
+            logp_BT, ent_BT = score()
         expected = routing.expected_replay_pairs(replay_experts_BSLK)
         if stats.replayed_pairs != expected:
             raise ReplayError(f"routing replay replaced {stats.replayed_pairs} (token, layer) routes, "
@@ -264,10 +278,13 @@ def _forward_logp_in(model, rollout: Rollout, spec: ScoringSpec, *, with_entropy
         return logp_BT, ent_BT, None
     if capture:
         with routing.capture_routes(model) as cap:
-            logp_BT, ent_BT = response_logprobs(model, ids_BS, mask_BS, P, **kwargs)
-        experts_BSLK = cap.experts(B, S).masked_fill(~mask_BS[:, :, None, None].bool(), -1)
+            logp_BT, ent_BT = score()
+        experts_BSLK = cap.experts(B, S_model)
+        if layout is not None:
+            experts_BSLK = layout.from_justified(experts_BSLK, S, -1)
+        experts_BSLK = experts_BSLK.masked_fill(~mask_BS[:, :, None, None].bool(), -1)
         return logp_BT, ent_BT, experts_BSLK
-    logp_BT, ent_BT = response_logprobs(model, ids_BS, mask_BS, P, **kwargs)
+    logp_BT, ent_BT = score()
     return logp_BT, ent_BT, None
 
 
