@@ -869,7 +869,9 @@ def finish(s: Setup, acc_before: float, acc_after: float, seconds: float) -> Sum
     cfg, out = s.cfg, Path(s.cfg.output_dir)
     if s.state.history and s.names and s.dist.main:
         # history[i] is step i + 1, as in MLflow
-        plot_dual([{**h, "step": i + 1} for i, h in enumerate(s.state.history)], s.names, out / "dual.png")
+        plot_dual([{**h, "step": i + 1} for i, h in enumerate(s.state.history)], s.names, out / "dual.png",
+                  lambda_init={n: c.lambda_init for n, c in zip(s.names, cfg.dual.constraints)},
+                  lambda_max={n: c.lambda_max for n, c in zip(s.names, cfg.dual.constraints)})
         s.tracker.log_artifact(out / "dual.png")
     # steps with every sample dropped measured nothing and have no discrepancy/ keys
     disc_keys = dict.fromkeys(k for h in s.state.history for k in h if k.startswith("discrepancy/"))

@@ -43,21 +43,42 @@ def _draw_tolerance(ax, steps: list[int], values: list[float], color: str = "k")
         ax.plot(steps, values, color=color, ls="--", lw=1.2, drawstyle="steps-post", label="tolerance c")
 
 
-def plot_dual(history: list[dict[str, float]], names: list[str], path: str | Path) -> Path:
+def plot_dual(history: list[dict[str, float]], names: list[str], path: str | Path, *,
+              lambda_init: Optional[dict[str, float]] = None, lambda_max: Optional[dict[str, float]] = None) -> Path:
     """One row per constraint: lambda over steps | measured discrepancy D with its tolerance c.
 
     history holds one metrics dict per step with keys ``dual/lambda/<n>``, ``dual/measured/<n>``,
     ``dual/tolerance/<n>``; the x value is the dict's ``step`` entry if present, else its index.
-    Steps where D > c are shaded on the discrepancy panel.
+    Steps where D > c are shaded on the discrepancy panel. ``lambda_init`` (per name) is drawn at step 0, where
+    the run starts, and a finite ``lambda_max`` as a dotted line: the cap the projection holds lambda under.
     """
     path = Path(path)
+    dual_figure(history, names, lambda_init=lambda_init, lambda_max=lambda_max).savefig(path_ready(path), dpi=110)
+    return path
+
+
+def path_ready(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def dual_figure(history: list[dict[str, float]], names: list[str], *, lambda_init: Optional[dict[str, float]] = None,
+                lambda_max: Optional[dict[str, float]] = None) -> Figure:
+    """The figure of ``plot_dual``."""
+    lambda_init, lambda_max = lambda_init or {}, lambda_max or {}
     steps = [int(h.get("step", i)) for i, h in enumerate(history)]
     n = max(len(names), 1)
     fig = Figure(figsize=(11, 2.6 * n + 0.6), layout="constrained")
     axes = fig.subplots(n, 2, squeeze=False, sharex=True)
     for row, name in enumerate(names):
         ax_lam, ax_d = axes[row]
-        ax_lam.plot(*_series(history, steps, f"dual/lambda/{name}"), color="C0", lw=1.5)
+        lam_steps, lam_vals = _series(history, steps, f"dual/lambda/{name}")
+        if name in lambda_init and (not lam_steps or lam_steps[0] > 0):  # logged after each step's dual update
+            lam_steps, lam_vals = [0, *lam_steps], [lambda_init[name], *lam_vals]
+        ax_lam.plot(lam_steps, lam_vals, color="C0", lw=1.5, label="λ (step 0: λ₀)" if name in lambda_init else "λ")
+        if math.isfinite(lambda_max.get(name, math.inf)):
+            ax_lam.axhline(lambda_max[name], color="C3", ls=":", lw=1.2, label=f"cap λ_max = {lambda_max[name]:g}")
+        ax_lam.legend(loc="best", fontsize=8, frameon=False)
         ax_lam.set_ylabel(f"λ  ({name})")
         d_steps, d_vals = _series(history, steps, f"dual/measured/{name}")
         ax_d.plot(d_steps, d_vals, color="C1", lw=1.5, label="measured D")
@@ -76,9 +97,7 @@ def plot_dual(history: list[dict[str, float]], names: list[str], path: str | Pat
     axes[0, 1].set_title("discrepancy D vs tolerance c (shaded: D > c)")
     axes[-1, 0].set_xlabel("step")
     axes[-1, 1].set_xlabel("step")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+    return fig
 
 
 def plot_runs(series: dict[str, dict[str, Series]], keys: list[str], path: str | Path, *,
@@ -90,6 +109,18 @@ def plot_runs(series: dict[str, dict[str, Series]], keys: list[str], path: str |
     A key no run logged gets an empty panel that says so.
     """
     path = Path(path)
+    runs_figure(series, keys, overlays=overlays, ncols=ncols).savefig(path_ready(path), dpi=110)
+    return path
+
+
+# A series with fewer points than this is drawn as points only: a line between two evaluations 650 steps apart
+# would show a trend nobody measured.
+FEW_POINTS = 12
+
+
+def runs_figure(series: dict[str, dict[str, Series]], keys: list[str], *, overlays: Optional[dict[str, str]] = None,
+                ncols: int = 3) -> Figure:
+    """The figure of ``plot_runs``."""
     overlays = overlays or {}
     ncols = max(1, min(ncols, len(keys)))
     nrows = max(1, math.ceil(len(keys) / ncols))
@@ -102,8 +133,9 @@ def plot_runs(series: dict[str, dict[str, Series]], keys: list[str], path: str |
         for label, metrics in series.items():
             if metrics.get(key):
                 s, v = zip(*sorted(metrics[key]))
-                # Sparse series (an eval every N steps) get markers so single points show.
-                ax.plot(s, v, color=colors[label], lw=1.5, label=label, marker="o" if len(s) < 12 else None, ms=3)
+                few = len(s) < FEW_POINTS  # e.g. eval/accuracy before and after RL (eval_every: 0)
+                ax.plot(s, v, color=colors[label], lw=1.5, label=label, marker="o" if few else None, ms=5 if few else 3,
+                        ls="none" if few else "-")
                 drawn = True
             extra = overlays.get(key)
             if extra and metrics.get(extra):
@@ -122,6 +154,4 @@ def plot_runs(series: dict[str, dict[str, Series]], keys: list[str], path: str |
         handles = [Line2D([], [], color=colors[label], lw=2) for label in series]
         fig.legend(handles, list(series), loc="outside lower center", ncols=min(len(series), 4), fontsize=8,
                    frameon=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+    return fig

@@ -88,3 +88,31 @@ def test_plot_dual_one_row_per_constraint(tmp_path):
     # Height is (2.6 rows + 0.6) inches at 110 dpi: 352 px for one constraint, 638 px for two.
     assert (one.shape[0], two.shape[0]) == (352, 638) and one.shape[1] == two.shape[1] == 1210
     assert one.std() > 0.05  # something was drawn on the white canvas
+
+
+def test_dual_png_starts_lambda_at_lambda_init_and_draws_the_cap():
+    from dcmdp.plots import dual_figure
+
+    # lambda is logged after each step's dual update, from step 1; the run starts at lambda_init = 0.1
+    history = [{"step": t, "dual/lambda/a": 0.0, "dual/measured/a": 0.001, "dual/tolerance/a": 0.002}
+               for t in range(1, 4)]
+    fig = dual_figure(history, ["a"], lambda_init={"a": 0.1}, lambda_max={"a": 0.3})
+    ax_lam = fig.axes[0]
+    lam, cap = ax_lam.lines
+    assert list(lam.get_xdata()) == [0, 1, 2, 3] and list(lam.get_ydata()) == [0.1, 0.0, 0.0, 0.0]
+    assert list(cap.get_ydata()) == [0.3, 0.3] and cap.get_label() == "cap λ_max = 0.3"
+    # no cap line for an unbounded lambda, and no invented step 0 without lambda_init
+    bare = dual_figure(history, ["a"], lambda_max={"a": float("inf")}).axes[0]
+    assert len(bare.lines) == 1 and list(bare.lines[0].get_xdata()) == [1, 2, 3]
+
+
+def test_report_draws_a_sparse_series_as_points_and_a_dense_one_as_a_line():
+    from dcmdp.plots import FEW_POINTS, runs_figure
+
+    dense = [(t, 0.01 * t) for t in range(1, FEW_POINTS + 1)]
+    fig = runs_figure({"run": {"eval/accuracy": [(0, 0.25), (650, 0.63)], "dual/lambda/a": dense}},
+                      ["eval/accuracy", "dual/lambda/a"])
+    (acc,), (lam,) = fig.axes[0].lines, fig.axes[1].lines
+    # two evaluations, before and after RL: two markers, no line claiming a trend between them
+    assert acc.get_linestyle() == "None" and acc.get_marker() == "o" and list(acc.get_xdata()) == [0, 650]
+    assert lam.get_linestyle() == "-" and lam.get_marker() in (None, "None", "")
