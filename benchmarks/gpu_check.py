@@ -1,11 +1,15 @@
 """Every GPU-only check of the project in one run of at most ten minutes on one H100/H200, results in one folder.
 
-Steps (env, lm_head, mfu, fp8_gemm, vllm), each a subprocess with a time limit, its output in
-``<out>/<step>.log`` and its outcome in ``summary.json`` / ``summary.md``; a failed step is recorded and the run
-goes on. ``--wheels DIR`` installs wheels first (pip ``--no-index``). Without CUDA (or with ``--dry-run``) each
-step only checks that it is wired and reads "skipped: no CUDA"; ``NOT WIRED`` is a bug of this script.
+Steps (``steps()``: train first, then the speed anchors, then the kernels), each a subprocess with a time limit,
+its output in ``<out>/<step>.log`` and its outcome in ``summary.json`` / ``summary.md`` (with the train and speed
+steps' own results merged in); a failed step is recorded and the run goes on; a step the budget no longer covers is
+recorded as skipped. ``--wheels DIR`` installs wheels first (pip ``--no-index``): the device image has torch and
+transformers but not omegaconf, which ``bash benchmarks/gpu_wheels.sh`` downloads into ``.whl``. Without CUDA (or
+with ``--dry-run``) each step only checks that it is wired and reads "skipped: no CUDA"; ``NOT WIRED`` is a bug of
+this script.
 
-    bash benchmarks/gpu_check.sh [--out DIR]        # DIR defaults to $OUT, else benchmarks/results/gpu
+    bash benchmarks/gpu_wheels.sh                                   # here, once: .whl/ (git-ignored)
+    bash benchmarks/gpu_check.sh --wheels .whl --out /tmp/gpu && tar czf "$OUT/gpu.tgz" -C /tmp gpu   # there
     python benchmarks/gpu_check.py --dry-run --out /tmp/gpu_check
 """
 
@@ -51,6 +55,7 @@ class Step:
         if self.script:
             spec = importlib.util.spec_from_file_location(f"gpu_check_{self.name}", ROOT / self.script)
             module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # a script's dataclasses resolve their annotations through sys.modules
             spec.loader.exec_module(module)
             with contextlib.redirect_stderr(io.StringIO()) as err:
                 try:
@@ -76,6 +81,10 @@ class Outcome:
 
 def steps(out: Path) -> list[Step]:
     return [
+        Step("train", "dcmdp train on one GPU: stress config vs the CPU, Qwen3-8B full depth and Qwen3-30B-A3B (6 of 48 "
+             "layers, R3) at random init, per-phase time, tokens/s, MFU, peak memory",
+             script="benchmarks/gpu_train.py", limit_s=300,
+             args=["--out", str(out), "--work", "/tmp/dcmdp_gpu_train", "--budget-s", "290"]),
         Step("lm_head", "LM head accuracy vs float64, peak memory, fwd+bwd time (bf16, fp32, chunked, bf16x3)",
              script="benchmarks/lm_head.py", limit_s=120,
              args=["--device", "cuda", "--tokens", "4096", "--hidden", "2048", "--memory-tokens", "16384",
@@ -186,8 +195,15 @@ def write_summary(out: Path, env: dict, outcomes: list[Outcome], all_steps: list
                   argv: list[str] | None) -> None:
     about = {s.name: s.about for s in all_steps}
     cmd = "benchmarks/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    (out / "summary.json").write_text(json.dumps({"command": cmd, "env": env, "wall_s": wall_s,
-                                                  "steps": [asdict(o) for o in outcomes]}, indent=2) + "\n")
+    doc = {"command": cmd, "env": env, "wall_s": wall_s, "steps": [asdict(o) for o in outcomes]}
+    for name in ("train", "speed"):  # the steps' own results, merged: one file holds the whole check
+        path = out / f"{name}.json"
+        if path.is_file():
+            result = json.loads(path.read_text())
+            doc[name] = result
+            if name == "speed":
+                doc.update({k: v for k, v in result.items() if not isinstance(v, (dict, list))})
+    (out / "summary.json").write_text(json.dumps(doc, indent=2) + "\n")
     lines = ["# GPU check", "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; command: `{cmd}`; "
              f"{wall_s:.0f} s in all",

@@ -898,7 +898,8 @@ def _timings(rollout: Rollout, t0, t1, t2, t3, t4, t5, t6) -> dict[str, float]:
     tokens = float(rollout.response_mask_BT.sum())
     return {"time/rollout": t1 - t0, "time/old_logp": t2 - t1, "time/measure": t3 - t2, "time/update": t4 - t3,
             "time/dual": t5 - t4, "time/sync": t6 - t5, "time/step": t6 - t0,
-            "throughput/response_tokens_per_s": tokens / max(t6 - t0, 1e-9)}
+            "throughput/response_tokens_per_s": tokens / max(t6 - t0, 1e-9),
+            "throughput/tokens": tokens + float(rollout.prompt_mask_BP.sum())}
 
 
 def _version() -> str:

@@ -61,3 +61,38 @@ def test_lm_head_smoke_orders_the_heads_by_accuracy(tmp_path):
     saved = json.loads((tmp_path / "lm_head.json").read_text())
     assert saved["rows"] == rows
     assert "| bf16 weights | bf16x3 |" in (tmp_path / "lm_head.md").read_text()
+
+
+def test_the_train_step_checks_every_runs_config_in_its_dry_run(tmp_path, capsys):
+    train = _load("gpu_train")
+    doc = train.main(["--dry-run", "--out", str(tmp_path)])
+    assert doc["dry_run"] and [line.split(":")[0] for line in doc["checked"]] == [
+        "qwen3_8b", "qwen3_30b_a3b", "stress_cuda", "stress_cpu"]
+    assert "qwen3-8b, 3 steps, device=cuda" in doc["checked"][0]
+
+
+def test_the_train_steps_recipe_runs_train_on_the_cpu_at_tiny_size_and_fill_the_page(tmp_path):
+    """The 30B recipe's settings as the GPU check runs them (random init, R3 with gradient checkpointing, the engine
+    on the trainer's bf16 weights, the bf16x3 head, bf16 stochastic-rounding AdamW), shrunk to tiny-moe on the CPU:
+    the run trains, and the page reads its per-phase times back."""
+    train = _load("gpu_train")
+    doc = train.main(["--cpu-smoke", "--only", "qwen3_30b_a3b", "--out", str(tmp_path), "--work", str(tmp_path / "w")])
+    (run,) = doc["runs"]
+    assert run["status"] == "ok", run["log_tail"]
+    assert len(run["steps"]) == 2
+    assert all(s["routing/mismatch"] == 0.0 for s in run["steps"])  # R3 on shared weights: the same routes
+    phases = run["phases_s"]
+    assert 0 < phases["optimizer"] <= phases["update"] <= phases["step"]
+    assert run["params_active"] > 0 and run["mfu_step"] is None  # no GPU peak measured on the CPU
+    assert "| qwen3_30b_a3b | ok | 2 |" in (tmp_path / "train.md").read_text()
+
+
+def test_mfu_counts_the_active_parameters_of_the_recipes():
+    train = _load("gpu_train")
+    # Qwen3-8B: 36 layers x (attention 4096 x 128 x (2 x 32 + 2 x 8) + MLP 3 x 4096 x 12288) + head 151936 x 4096
+    dense = 36 * (4096 * 128 * 80 + 3 * 4096 * 12288) + 151936 * 4096
+    assert train.matmul_params_per_token("qwen3-8b", None, 100) == dense
+    assert 7.5e9 < dense < 7.6e9  # of the 8.19 B parameters, the embedding's 0.62 B are no matmul
+    # Qwen3-30B-A3B at 6 layers: 8 of 128 experts of 3 x 2048 x 768, the router 2048 x 128
+    moe = 6 * (2048 * 128 * (2 * 32 + 2 * 4) + 8 * 3 * 2048 * 768 + 2048 * 128) + 151936 * 2048
+    assert train.matmul_params_per_token("qwen3-30b-a3b", 6, 100) == moe
