@@ -12,6 +12,7 @@ import bisect
 import difflib
 import functools
 import math
+import os
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -201,6 +202,10 @@ class DistConfig:
     param_dtype: str = "fp32"
     # FSDP2 dtype of the gradient reduce-scatter: fp32 | bf16.
     reduce_dtype: str = "fp32"
+    # Under torchrun with ONE process, join a process group and shard with FSDP2 anyway: the distributed path (the
+    # backend, FSDP2, sharded checkpoints) on a one-GPU machine. Without it world size 1 is the plain single-process
+    # run.
+    shard_one_process: bool = False
 
     def check(self, prefix: str = "dist") -> None:
         if self.backend not in ("auto", "gloo", "nccl"):
@@ -330,8 +335,9 @@ def _undo_yaml_false(layer: DictConfig) -> None:
             OmegaConf.update(layer, key, yaml_value(key, value), merge=False)
 
 
-def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()) -> RunConfig:
-    """Compose defaults <- YAML file <- dotlist overrides into a checked RunConfig."""
+def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = (), *, check: bool = True) -> RunConfig:
+    """Compose defaults <- YAML file <- dotlist overrides into a checked RunConfig (``check=False``: composed and
+    typed, not validated, for ``dcmdp check`` to collect every problem of it)."""
     schema = OmegaConf.structured(RunConfig)
     layers = []
     if path is not None:
@@ -359,6 +365,7 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
     for layer in layers:
         _check_keys(layer, schema)
         _undo_yaml_false(layer)
+        _check_bools(layer, schema)
     try:
         merged = OmegaConf.merge(schema, *layers)
         for override in indexed:
@@ -367,6 +374,7 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
         as_written = redact.interpolations(OmegaConf.to_container(merged, resolve=False))
         cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
         redact.attach_written(cfg, as_written)
+        _accept_round_off(cfg)
     except (ConfigKeyError, ConfigAttributeError) as exc:
         raise ConfigError(f"unknown config key: {exc}") from exc
     except OmegaConfBaseException as exc:
@@ -376,8 +384,41 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
         if "is not a ListConfig" in msg:
             msg = "expected a list"
         raise ConfigError(f"bad value for '{key}': {msg}") from exc
-    validate(cfg)
+    if check:
+        validate(cfg)
     return cfg
+
+
+def _check_bools(layer: Any, schema: Any, prefix: str = "") -> None:
+    """A boolean key given a number other than 0 or 1 is an error (OmegaConf would read ``2`` as true)."""
+    from omegaconf.nodes import BooleanNode
+
+    if not isinstance(layer, DictConfig) or not isinstance(schema, DictConfig):
+        return
+    raw = OmegaConf.to_container(layer, resolve=False)
+    for key, value in raw.items():
+        node = schema._get_node(key)
+        if isinstance(node, BooleanNode) and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and value not in (0, 1):
+            raise ConfigError(f"config error at '{prefix}{key}': expected true or false, got {value!r}")
+        if isinstance(node, DictConfig):
+            _check_bools(layer._get_node(key), node, f"{prefix}{key}.")
+
+
+# Float fields whose valid range ends at 1 inclusive: a value a few ulps above 1 (1.0000000000000002, the round-off
+# of a computed setting) is read as 1.0.
+UNIT_CLOSED_KEYS = ("rollout.top_p", "cold_start.target_accuracy", "async_rollout.geometric.p",
+                    "rollout.vllm.gpu_memory_utilization")
+_ROUND_OFF_ULPS = 4
+
+
+def _accept_round_off(cfg: RunConfig) -> None:
+    for key in UNIT_CLOSED_KEYS:
+        *path, leaf = key.split(".")
+        obj = _get(cfg, ".".join(path))
+        value = getattr(obj, leaf)
+        if isinstance(value, float) and 1.0 < value <= 1.0 + _ROUND_OFF_ULPS * math.ulp(1.0):
+            setattr(obj, leaf, 1.0)
 
 
 # Float fields where +inf means "no bound" (a field NaN is never meaningful): the upper end of lambda's projection
@@ -457,6 +498,7 @@ def validate(cfg: RunConfig) -> None:
                 raise ConfigError(f"config error at 'dual.constraints[{i}].tolerance': dual.relative=true divides the "
                                   f"violation by c, which must be > 0 (got {c.tolerance})")
     _validate_staleness_control(cfg)
+    _check_sizes(cfg)
     if cfg.dual.context.by != "none" and cfg.dual.average:
         raise ConfigError("config error at 'dual.average': the running mean of the multipliers spans the run, not a "
                           "context; use dual.average=false with dual.context.by="
@@ -478,6 +520,62 @@ def validate(cfg: RunConfig) -> None:
     _validate_registries(cfg)
     _validate_modes(cfg)
     _check_shared_weights(cfg)
+
+
+# Bounds of size-like settings, checked at start (``_check_sizes``): beyond them a setting is either never used by a
+# run or asks for memory or time no run has. A reward call may take up to an hour (its worker is killed after it).
+MAX_REWARD_TIMEOUT = 3600.0
+# Samples of one rollout batch (prompts_per_step x samples_per_prompt), and samples per prompt.
+MAX_BATCH_SAMPLES = 1 << 20
+# Held-out prompts, and tokens per rollout batch (samples x max_new_tokens: ids and log-probs are kept per token).
+MAX_EVAL_SIZE = 1 << 20
+MAX_BATCH_TOKENS = 1 << 27
+# Below this temperature float32 sampling saturates: the sampled token's probability rounds to 1 and every other's
+# to 0 (a logit gap of 1 becomes exp(-100)), so the IS ratios, the entropy and the discrepancy measure nothing.
+MIN_TEMPERATURE = 1e-2
+# A staleness above the run's steps is never reached; up to this much is accepted whatever the steps.
+STALENESS_SLACK = 64
+
+
+def _check_sizes(cfg: RunConfig) -> None:
+    """Refuse at start a size-like setting no run can use (``MAX_*`` above; task digits against the context:
+    ``_check_task_fits``), and the reward timeout's upper end."""
+    t, a, algo = cfg.task, cfg.async_rollout, cfg.algo
+    if t.reward_timeout > MAX_REWARD_TIMEOUT:
+        raise ConfigError(f"config error at 'task.reward_timeout': {t.reward_timeout:g} s per reward call is above "
+                          f"{MAX_REWARD_TIMEOUT:g} s (an hour): a reward that hangs would hold the run that long "
+                          f"per call; use a finite limit of at most {MAX_REWARD_TIMEOUT:g}")
+    samples = algo.prompts_per_step * algo.samples_per_prompt
+    if samples > MAX_BATCH_SAMPLES:
+        raise ConfigError(f"config error at 'algo.prompts_per_step': {algo.prompts_per_step} prompts x "
+                          f"{algo.samples_per_prompt} samples = {samples} samples per step, above {MAX_BATCH_SAMPLES}")
+    if samples * cfg.rollout.max_new_tokens > MAX_BATCH_TOKENS:
+        raise ConfigError(f"config error at 'rollout.max_new_tokens': {samples} samples x "
+                          f"{cfg.rollout.max_new_tokens} new tokens = {samples * cfg.rollout.max_new_tokens} tokens per "
+                          f"rollout batch, above {MAX_BATCH_TOKENS}; lower one of them")
+    if t.eval_size > MAX_EVAL_SIZE:
+        raise ConfigError(f"config error at 'task.eval_size': {t.eval_size} held-out prompts, above {MAX_EVAL_SIZE}")
+    if t.items > MAX_EVAL_SIZE:
+        raise ConfigError(f"config error at 'task.items': {t.items} items per prompt cannot fit any context")
+    if cfg.rollout.temperature < MIN_TEMPERATURE:
+        raise ConfigError(f"config error at 'rollout.temperature': {cfg.rollout.temperature:g} is below "
+                          f"{MIN_TEMPERATURE:g}: float32 sampling is then greedy and every other token's probability "
+                          f"underflows to 0, so the IS ratios and the discrepancy measure nothing; use >= "
+                          f"{MIN_TEMPERATURE:g}")
+    if a.enabled:
+        key = "async_rollout.auto.max" if a.is_auto else "async_rollout.max_staleness"
+        bound = max(cfg.steps, STALENESS_SLACK)
+        if a.cap() > bound:
+            raise ConfigError(f"config error at '{key}': a staleness of {a.cap()} is never reached in a run of "
+                              f"steps={cfg.steps} (and every step keeps a histogram of that size); use at most {bound}")
+    if not a.is_auto and a.too_stale != "wait":
+        raise ConfigError(f"config error at 'async_rollout.too_stale': {a.too_stale} acts on batches staler than the "
+                          f"bound the controller sets (max_staleness: auto); with the fixed max_staleness="
+                          f"{a.max_staleness} no batch is ever staler; drop the key or set max_staleness: auto")
+    for key, value in (("threads", cfg.threads), ("async_rollout.threads", a.threads)):
+        if isinstance(value, int) and value > 4096:
+            raise ConfigError(f"config error at '{key}': {value} threads; use at most the machine's cores "
+                              f"({os.cpu_count()})")
 
 
 def _validate_staleness_control(cfg: RunConfig) -> None:
@@ -525,7 +623,7 @@ def _validate_registries(cfg: RunConfig) -> None:
     one_of(cfg.algo.advantage, ADVANTAGES, "algo.advantage")
     one_of(cfg.dual.rule, DUAL_RULES, "dual.rule")
     _check_coupling_feasible(cfg, DUAL_RULES[cfg.dual.rule])
-    _check_response_fits(cfg, PRESETS[cfg.model.preset])
+    _check_task_fits(cfg, _check_response_fits(cfg, PRESETS[cfg.model.preset]))
     one_of(cfg.dual.penalty, PENALTIES, "dual.penalty")
     one_of(cfg.dual.measure_at, ("rollout", "updates", "drift"), "dual.measure_at")
     for i, c in enumerate(cfg.dual.constraints):
@@ -755,7 +853,9 @@ URI_KEYS = ("tracking.uri",)
 
 
 def _is_resume_key(key: str) -> bool:
-    return re.sub(r"^dual\.constraints\.\d+\.", "dual.constraints.*.", key) in RESUME_KEYS
+    """A key a resume compares (``RESUME_KEYS``, ``NOT_ON_RESUME``): its records hold the resolved value."""
+    generic = _generic(key)
+    return generic in RESUME_KEYS or _not_on_resume(generic) is not None
 
 
 def public_config(cfg: RunConfig, *, resume_keys_resolved: bool = False) -> dict:
@@ -800,6 +900,25 @@ RESUME_KEYS = ("model.preset", "model.path", "model.dtype", "task.name", "dual.r
                "dual.constraints.*.tau")
 
 
+# Keys whose value a resumed run takes from the checkpoint's state, not from the config: a change is refused (exit 2,
+# naming the key) instead of being recorded in config.yaml while the old value trains. A key ending in "." is a
+# block (every key under it but ``RESUMABLE_IN_BLOCKS``).
+NOT_ON_RESUME = {
+    "seed": "the random generators continue from the checkpoint's states",
+    "optim.lr": "the optimiser and its schedule continue from the checkpoint's state",
+    "optim.betas": "the optimiser continues from the checkpoint's state",
+    "optim.weight_decay": "the optimiser continues from the checkpoint's state",
+    "optim.warmup_steps": "the schedule continues from the checkpoint's state",
+    "optim.precision": "the parameters and optimiser state continue in the checkpoint's precision",
+    "dual.constraints.*.lambda_init": "the multipliers continue from the checkpoint's",
+    "model.init": "the weights come from the checkpoint",
+    "model.num_layers": "the weights come from the checkpoint",
+    "cold_start.": "the weights come from the checkpoint, not from a cold start",
+}
+# Keys inside a ``NOT_ON_RESUME`` block that a resume does honour.
+RESUMABLE_IN_BLOCKS = frozenset({"cold_start.cache_dir"})
+
+
 def _rule_of_old_keys(saved: dict[str, str]) -> dict[str, str]:
     """A flattened config saved before ``dual.rule`` named off and fixed: its ``dual.enabled=False`` is rule off and
     its ``dual.fixed=True`` rule fixed (see ``RENAMED_KEYS``)."""
@@ -811,8 +930,9 @@ def _rule_of_old_keys(saved: dict[str, str]) -> dict[str, str]:
 
 
 def resume_conflicts(saved: dict[str, str], cfg: RunConfig) -> list[str]:
-    """One line per ``RESUME_KEYS`` key where ``cfg`` differs from the flattened config ``saved`` with a checkpoint
-    (``flatten``), the number of constraints first; empty when the run can continue from it."""
+    """One line per ``RESUME_KEYS`` or ``NOT_ON_RESUME`` key where ``cfg`` differs from the flattened config ``saved``
+    with a checkpoint (``flatten``: these keys resolved, so a value read from the environment is compared as the
+    value it is), the number of constraints first; empty when the run can continue from it."""
     saved = _rule_of_old_keys(saved)
     now = flatten(cfg)
 
@@ -823,10 +943,28 @@ def resume_conflicts(saved: dict[str, str], cfg: RunConfig) -> list[str]:
     if count(saved) != count(now):
         out.append(f"dual.constraints: {count(saved)} constraint(s) in the checkpoint, {count(now)} now")
     for key in sorted(set(saved) | set(now)):
-        generic = re.sub(r"^dual\.constraints\.\d+\.", "dual.constraints.*.", key)
-        if generic in RESUME_KEYS and key in saved and key in now and saved[key] != now[key]:
+        generic = _generic(key)
+        if key not in saved or key not in now or saved[key] == now[key]:
+            continue
+        if generic in RESUME_KEYS:
             out.append(f"{key}: {saved[key]!r} in the checkpoint, {now[key]!r} now")
+        elif (why := _not_on_resume(generic)) is not None:
+            out.append(f"{key}: {saved[key]!r} in the checkpoint, {now[key]!r} now ({why}: the new value would be "
+                       f"ignored)")
     return out
+
+
+def _generic(key: str) -> str:
+    return re.sub(r"^dual\.constraints\.\d+\.", "dual.constraints.*.", key)
+
+
+def _not_on_resume(generic: str) -> Optional[str]:
+    """Why a resumed run cannot honour a new value of the key (``NOT_ON_RESUME``), or None."""
+    for pattern, why in NOT_ON_RESUME.items():
+        if generic == pattern or (pattern.endswith(".") and generic.startswith(pattern)
+                                  and generic not in RESUMABLE_IN_BLOCKS):
+            return why
+    return None
 
 
 
@@ -898,9 +1036,10 @@ def _check_coupling_feasible(cfg: RunConfig, rule: Any) -> None:
                           f"{float(A[i] @ lam):g}): raise b[{i}] or lower the constraints' lambda_init")
 
 
-def _check_response_fits(cfg: RunConfig, preset: Any) -> None:
+def _check_response_fits(cfg: RunConfig, preset: Any) -> Optional[int]:
     """rollout.max_new_tokens must leave room for a prompt in the model's context (max_position_embeddings, from
-    model.path's config.json or the preset), checked before anything is built."""
+    model.path's config.json or the preset), checked before anything is built. Returns the context (None when
+    unknown)."""
     import json
 
     context = None
@@ -908,10 +1047,47 @@ def _check_response_fits(cfg: RunConfig, preset: Any) -> None:
         try:
             context = json.loads((Path(cfg.model.path) / "config.json").read_text()).get("max_position_embeddings")
         except (OSError, ValueError, AttributeError):
-            return  # the model loader names a missing or bad model.path
+            return None  # the model loader names a missing or bad model.path
     elif not preset.needs_path:
         context = preset.make_config(128).max_position_embeddings
     if isinstance(context, int) and cfg.rollout.max_new_tokens >= context:
         raise ConfigError(f"config error at 'rollout.max_new_tokens': {cfg.rollout.max_new_tokens} new tokens leave no "
                           f"room for a prompt in the context of model.preset={cfg.model.preset!r} ({context} "
                           f"positions); use at most {context - 1}, less the longest prompt")
+    return context if isinstance(context, int) else None
+
+
+# prompts drawn per digits setting to find the longest a generated task asks (its lengths vary with the draw)
+_FIT_DRAWS = 64
+
+
+def _check_task_fits(cfg: RunConfig, context: Optional[int]) -> None:
+    """Every digits setting of a generated task (task.digits, each task.curriculum phase) must give prompts that fit
+    the context with rollout.max_new_tokens, checked at start: a phase's prompts are otherwise drawn only when the
+    phase begins, and a number of more digits than the context has positions cannot even be generated cheaply.
+    Prompt length is counted in characters (one token each with the character tokenizer of the tiny presets; a
+    subword tokenizer takes at most as many for these digit prompts), over ``_FIT_DRAWS`` draws."""
+    import random as _random
+    from dataclasses import replace
+
+    from trainers.tasks import TASKS, generated_task_names
+
+    t = cfg.task
+    if context is None or t.name not in generated_task_names():
+        return
+    settings = [("task.digits", t.digits, t.min_digits)]
+    settings += [(f"task.curriculum[{i}].digits", p.digits, t.min_digits if p.min_digits is None else p.min_digits)
+                 for i, p in enumerate(t.curriculum)]
+    room = context - cfg.rollout.max_new_tokens
+    for key, digits, low in settings:
+        if digits >= room:
+            raise ConfigError(f"config error at '{key}': {digits} digits do not fit the context of model.preset="
+                              f"{cfg.model.preset!r} ({context} positions, {cfg.rollout.max_new_tokens} of them for the "
+                              f"response: rollout.max_new_tokens); use fewer digits")
+        task = TASKS[t.name](replace(t, digits=digits, min_digits=low, eval_size=1, curriculum=[]), cfg.seed)
+        longest = max(len(ex.prompt) for ex in task.sample(_random.Random(0), _FIT_DRAWS))
+        if longest + cfg.rollout.max_new_tokens > context:
+            raise ConfigError(f"config error at '{key}': prompts of {digits} digits run to {longest} characters, "
+                              f"which with rollout.max_new_tokens={cfg.rollout.max_new_tokens} exceed the context of "
+                              f"model.preset={cfg.model.preset!r} ({context} positions); use fewer digits or fewer new "
+                              f"tokens")

@@ -66,6 +66,8 @@ class Dist:
     shard: DataShard = field(default_factory=DataShard)
     # Where this process trains (``dcmdp.device.resolve_device``): model, optimiser state, engine, batches.
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # In a process group with an FSDP2-sharded model: world > 1, or one torchrun process with dist.shard_one_process.
+    sharded: bool = False
 
     @property
     def main(self) -> bool:
@@ -102,7 +104,7 @@ class Dist:
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The unsharded weights on rank 0 (an empty dict on the other ranks); a collective when distributed."""
-        if self.world == 1:
+        if not self.sharded:
             return model.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -114,9 +116,10 @@ def world_from_env() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def check_world(cfg, world: int) -> None:
-    """Raise DistributedSetupError for a config that cannot run on ``world`` data-parallel ranks."""
-    if world == 1:
+def check_world(cfg, world: int, sharded: bool = False) -> None:
+    """Raise DistributedSetupError for a config that cannot run on ``world`` data-parallel ranks (``sharded``: one
+    torchrun process sharded anyway, ``dist.shard_one_process``)."""
+    if world == 1 and not sharded:
         return
     algo = cfg.algo
     batch = algo.prompts_per_step * algo.samples_per_prompt
@@ -155,25 +158,26 @@ def init(cfg) -> Dist:
     """This process's place in the run: its device (``cfg.device``, logged with the reason) and, when ``torchrun``
     launched WORLD_SIZE > 1 processes, the process group (``dist.backend``; auto: nccl on CUDA, gloo on the CPU)."""
     rank, world = world_from_env()
-    check_world(cfg, world)
+    forced = world == 1 and cfg.dist.shard_one_process and "LOCAL_RANK" in os.environ
+    check_world(cfg, world, sharded=forced)
     device, why = resolve_device(cfg.device, local_rank())
     if rank == 0:
         log.info("training on %s", why)
     activate(device)
-    if world == 1:
+    if world == 1 and not forced:
         return Dist(device=device)
     backend = default_backend(device) if cfg.dist.backend == "auto" else cfg.dist.backend
     check_backend(backend, device)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
     return Dist(rank=dist.get_rank(), world=dist.get_world_size(), backend=backend,
-                shard=DataShard(rank=dist.get_rank(), world=dist.get_world_size()), device=device)
+                shard=DataShard(rank=dist.get_rank(), world=dist.get_world_size()), device=device, sharded=True)
 
 
 def shutdown(d: Dist) -> None:
     """Leave the process group together: a barrier first, so no rank tears down its gloo pairs while a peer is
     still in the run's last collectives or writing its results, then ``destroy_process_group``."""
-    if d.world > 1 and dist.is_initialized():
+    if d.sharded and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 
@@ -203,7 +207,7 @@ def shard_model(model: torch.nn.Module, cfg, d: Dist) -> torch.nn.Module:
     """FSDP2: ``fully_shard`` every decoder layer, the LM head (float32 parameters when ``model.fp32_lm_head``),
     then the root; gradients are summed across ranks (divide factor 1: the losses already divide by the
     global token count). Returns ``model`` itself (FSDP2 shards in place)."""
-    if d.world == 1:
+    if not d.sharded:
         return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -305,7 +309,7 @@ def rollout_engine(cfg, model: torch.nn.Module, model_dir: str, *, eos_id: int, 
     """The run's rollout engine: built as configured in a single process; under torchrun an engine whose
     ``weight_sync`` is every_rank hosted by every rank (``SpmdEngine``), any other engine driven by rank 0
     (``RankZeroEngine``)."""
-    if d.world == 1:
+    if not d.sharded:
         return build_engine(cfg.rollout, model, model_dir, eos_id=eos_id, pad_id=pad_id)
     if capabilities(cfg.rollout.engine).weight_sync == "every_rank":
         d.barrier()  # rank 0 may have just written model_dir
@@ -372,7 +376,7 @@ def restore_model_optimizer(path: str | Path, state: dict[str, Any], model: torc
     only: its optimiser state is keyed by parameter index, not by name.
     """
     if "model" in state:
-        if d.world > 1:
+        if d.sharded:
             raise CheckpointError(
                 f"checkpoint {path} was written by a single-process run; resume it with world size 1 (without "
                 f"torchrun), or start the {d.world}-rank run afresh")

@@ -305,7 +305,7 @@ def _checkpoint_before_failing(s: Setup, exc: BaseException) -> None:
     """Save the last completed step before an error ends the run, so that no finished step is lost to it. Not when
     the error came in the middle of a step's updates (the weights are then part-way between two steps), nor under
     torchrun (a sharded save needs every rank, and the failing one may be alone)."""
-    if s.state.done_step <= s.state.checkpointed_step or s.dist.world > 1:
+    if s.state.done_step <= s.state.checkpointed_step or s.dist.sharded:
         return
     if s.state.mid_update:
         log.error("%s during the update of step %d: no checkpoint of that step is consistent; the last one is of "
@@ -403,6 +403,7 @@ def _train_step(s: Setup, step: int, bar) -> None:
     elif cfg.dual.measure_at == "drift":  # pi_theta at each token's update vs pi_old: the update's own part
         measured_C = (constraint_values(cfg.dual.constraints, batch, result.trained_logp_BT, batch.old_logp_BT)
                       if result is not None else torch.full_like(measured_C, float("nan")))
+        floor_C = measured_C  # an automatic tolerance on the drift follows the run's own drift (dcmdp.dual)
     tolerance_C = batch_tolerances(s.state.dual, floor_C, cfg.dual) if cfg.async_rollout.is_auto else None
     s.state.dual, dual_metrics = dual_step(s.state.dual, measured_C, cfg.dual, floor_C=floor_C)
     if cfg.async_rollout.is_auto:  # the staleness bound, the dual's second action
@@ -645,7 +646,7 @@ def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> _Start:
         raise ConfigError(f"config error at 'steps': steps={cfg.steps} is below the step of the checkpoint it resumes "
                           f"({int(state['step'])}, {resume}); a run cannot go back: set steps >= "
                           f"{int(state['step'])}; nothing was changed")
-    if "model" in state and d.world > 1:
+    if "model" in state and d.sharded:
         raise RunFolderError(f"checkpoint {resume} was written by a single-process run; resume it with world size 1 "
                              f"(without torchrun), or start the {d.world}-rank run afresh")
     uid = checkpoint_run_uid(state)
@@ -753,7 +754,7 @@ def checkpoint(s: Setup, step: int) -> Path:
                                                                or str(Path(s.cfg.output_dir).resolve())},
                "scaler": s.optim.scaler.state_dict() if s.optim.scaler is not None else None}
     ckpt_dir = Path(s.cfg.output_dir) / "checkpoints"
-    if s.dist.world > 1:
+    if s.dist.sharded:
         payload = {k: v for k, v in payload.items() if k not in ("model", "optimizer")}
         path = distributed.save_sharded_checkpoint(ckpt_dir, step, payload, s.policy.model, s.optim.optimizer,
                                                    keep=s.cfg.checkpoint.keep, d=s.dist)

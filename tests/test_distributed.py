@@ -129,6 +129,18 @@ def test_two_ranks_match_one_process_with_one_minibatch_and_r3(workdir):
     assert all(h["routing/mismatch"] == 0 for h in two)
 
 
+def test_one_torchrun_process_sharded_anyway_matches_the_plain_run(workdir):
+    """dist.shard_one_process: a process group and FSDP2 at world size 1 (how a one-GPU machine checks nccl and the
+    sharded path); the same metrics as the plain single-process run, and a sharded checkpoint."""
+    out = workdir / "moe_one_sharded"
+    _torchrun(1, workdir / "config.yaml", _overrides("tiny-moe", out, workdir / "cache", STEPS, *MOE_EXTRA,
+                                                       "dist.shard_one_process=true"))
+    one = _single_process("tiny-moe", workdir / "config.yaml", workdir / "moe1_plain", workdir / "cache", *MOE_EXTRA)
+    _assert_close(one, _history(out))
+    state = load_checkpoint(find_resume_checkpoint(out / "checkpoints", "auto"))
+    assert state["world_size"] == 1 and "model" not in state
+
+
 def test_sharded_checkpoint_resumes_exactly_at_two_ranks(workdir, moe_two_ranks):
     ckpt = moe_two_ranks / "checkpoints" / "step_00000002"
     state = load_checkpoint(ckpt)
