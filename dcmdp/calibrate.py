@@ -17,14 +17,27 @@ batches at or below it; default 0.9): the share of steps inside the tolerance th
 demands (``select.min_inside_frac``), so a proposed c is one tune can select even with matched weights
 (kl_k1 is a signed estimator and may have a negative floor; a tolerance is >= 0).
 
-The proposal measures what the config constrains. Under ``dual.measure_at: updates`` the dual step's D-hat is
-pi_theta at each mini-batch update vs mu: the floor plus the drift of the batch's N updates. Each batch then also
-runs the config's N updates (its optimiser at the full learning rate, built once for all batches, lambda at
-lambda_init) on a copy of the weights, which are put back before the next batch, and c comes from those values ("at the updates" rows). A
-constraint with an automatic tolerance (``floor_slack``) has its c replaced by floor x (1 + floor_slack) from the
-first batch on, so the snippet proposes floor_slack = c / mean floor - 1 for it (and c as the first batch's
-tolerance). Calibrate writes only calibration.txt / .yaml and a new MLflow run into output_dir: it takes no lock
-and leaves a run's checkpoints there as they are.
+The proposal measures what the config constrains, at the point the dual step measures it. Under ``dual.measure_at:
+updates`` D-hat is pi_theta at each mini-batch update vs mu (the floor plus the drift of the batch's N updates),
+under ``drift`` pi_theta at each update vs pi_old (the drift alone). Each batch then also runs the config's N updates
+twice on a copy of the weights, which are put back before the next batch: once without the penalty (lambda = 0) and
+once at lambda_max, with the tolerance the run would put in force. The two give the range the dual can move D-hat
+over, D_0 (no penalty) and D_max (the strongest penalty); a tolerance is real only inside it (docs/tolerances.md):
+
+    c = (mean(D_max) (1 + slack) + mean(D_0)) / 2   when mean(D_max) (1 + slack) < mean(D_0),
+    c = q(D_max) (1 + slack)                         otherwise (q the ``inside_frac`` quantile of the batches)
+
+so that the strongest penalty holds D-hat under c on average and without the penalty D-hat lies above it: lambda has
+to act, from the interior of [0, lambda_max] (the c of a q90 of D_0 itself would leave the dual slack on ~90% of the
+steps: lambda at 0, the loosest setting). Means, not quantiles, in the first case: a few batches vary more than the
+penalty moves D-hat. When even lambda_max does not bring D-hat under the unconstrained mean the dual cannot hold a c
+it has to act for: the table says so. The optimiser (the config's, built once for
+all batches, its moments carried over as in a run) advances only on the lambda_max pass. A constraint with an
+automatic tolerance (``floor_slack``) has its c replaced by floor x (1 + floor_slack) from the first batch on, so
+the snippet proposes floor_slack = c / mean floor - 1 for it, and c as the first batch's tolerance; under drift the
+"floor" is the run's own drift, which an active c lies under, so the snippet proposes a fixed c there. ``training_ppl`` and ``rollout_ppl`` are perplexities of one engine, not
+discrepancies between the two: their rows show the floor and propose no c. Calibrate writes only calibration.txt /
+.yaml and a new MLflow run into output_dir: it takes no lock and leaves a run's checkpoints there as they are.
 """
 
 from __future__ import annotations
@@ -44,7 +57,7 @@ from scipy import stats
 from constraints.config import ConstraintConfig
 from constraints.measures import measure_constraint, panel_constraints
 from dcmdp.config import RunConfig
-from dcmdp.dual import penalty_spec
+from dcmdp.dual import DualState, init_state, penalty_spec, update_floor
 from dcmdp.loop import Setup, constraint_values, measure_phase, reward_phase, rollout_phase, screen_phase, setup
 from dcmdp.policy import Policy, step_seed
 from trainers import learner
@@ -54,6 +67,8 @@ log = logging.getLogger("dcmdp")
 
 # Share of batches at or below the proposed c: dcmdp tune's default select.min_inside_frac (tests keep them equal).
 INSIDE_FRAC = 0.9
+# Panel measures that are not a discrepancy between the engines (one engine's perplexity): no c is proposed for them.
+NOT_A_DISCREPANCY = ("discrepancy/training_ppl", "discrepancy/rollout_ppl")
 
 # Table rows: metric key of ``discrepancy_metrics`` -> the ConstraintConfig that measures the same thing; every
 # constrainable measure of the registry (``constraints.measures.MEASURES``), in registry order.
@@ -91,6 +106,8 @@ class Calibration:
     measure_at: str = "rollout"
     # algo.minibatches of the config (the updates per batch behind the "at the updates" values)
     minibatches: int = 1
+    # per proposed constraint: why its c is what it is (the range the dual can move D-hat over), for the table
+    notes: list[str] = field(default_factory=list)
 
     def row(self, name: str) -> FloorStats:
         for r in self.rows:
@@ -103,24 +120,31 @@ class Calibration:
         head = f"{'measure':<{w}}{'mean (floor)':>14}{'95% CI of mean':>28}{'p50':>12}{'p90':>12}{'p99':>12}" \
                f"{'proposed c':>14}"
         lines = [f"discrepancy floor over {self.batches} batches (identical weights), {self.rule()}",
-                 *(["rows ending /at_updates: pi_theta at the updates vs mu (dual.measure_at: updates), what the dual "
-                    "step constrains"] if self.measure_at == "updates" else []),
+                 *([f"rows ending /lambda_0 and /lambda_max: D-hat at the measurement point (dual.measure_at: "
+                    f"{self.measure_at}) after the config's updates without the penalty and at lambda_max, what the "
+                    f"dual step constrains"] if self.measure_at in _MOVED_POINTS else []),
                  head, "-" * len(head)]
         for r in self.rows:
             ci = f"[{r.ci_low:.3g}, {r.ci_high:.3g}]"
+            proposed = "-" if math.isnan(r.proposed) else f"{r.proposed:.3g}"
             lines.append(f"{r.name:<{w}}{r.mean:>14.4g}{ci:>28}{r.p50:>12.4g}{r.p90:>12.4g}{r.p99:>12.4g}"
-                         f"{r.proposed:>14.3g}")
-        return "\n".join(lines)
+                         f"{proposed:>14}")
+        return "\n".join([*lines, *self.notes])
 
     def snippet(self) -> str:
         """YAML to paste into a config (or pass as a config file): ``dual: {measure_at, constraints: [...]}`` with c
         (and floor_slack for an automatic tolerance), each keyed as the config keys it."""
         body = {"dual": {"measure_at": self.measure_at,
                          "constraints": [OmegaConf.to_container(OmegaConf.structured(c)) for c in self.constraints]}}
-        where = (f"at the updates (dual.measure_at: updates: pi_theta at each of the {self.minibatches} mini-batch "
-                 f"updates vs mu, the floor plus the updates' drift)" if self.measure_at == "updates" else
-                 "before the updates (dual.measure_at: rollout: pi_old vs mu, identical weights)")
-        note = [f"# dcmdp calibrate over {self.batches} batches: c measured {where}, {self.rule()}"]
+        where = {"updates": f"at the updates (dual.measure_at: updates: pi_theta at each of the {self.minibatches} "
+                            f"mini-batch updates vs mu, the floor plus the updates' drift)",
+                 "drift": f"at the updates (dual.measure_at: drift: pi_theta at each of the {self.minibatches} "
+                          f"mini-batch updates vs pi_old, the updates' drift)"}.get(
+            self.measure_at, "before the updates (dual.measure_at: rollout: pi_old vs mu, identical weights)")
+        rule = ("c between what lambda_max meets and D-hat without the penalty" if self.measure_at in _MOVED_POINTS
+                else self.rule())
+        note = [f"# dcmdp calibrate over {self.batches} batches: c measured {where}, {rule}",
+                *(f"# {n}" for n in self.notes)]
         if any(c.floor_slack is not None for c in self.constraints):
             note.append("# floor_slack (automatic tolerance): c = floor x (1 + floor_slack) from the first batch on, the "
                         "floor measured before the updates; floor_slack is set so that c = the proposed c at the "
@@ -165,6 +189,29 @@ def floor_stats(name: str, values: Sequence[float], slack: float, seed: int = 0,
     return FloorStats(name, [float(x) for x in v], mean, p50, p90, p99, lo, hi, proposed_tolerance(level, slack))
 
 
+# Measurement points where the updates move D-hat: calibrate runs them without the penalty and at lambda_max.
+_MOVED_POINTS = ("updates", "drift")
+
+
+def active_tolerance(at_zero: Sequence[float], at_max: Sequence[float], slack: float,
+                     inside_frac: float = INSIDE_FRAC) -> tuple[float, str]:
+    """c that the dual can hold and has to act for, from D-hat per batch without the penalty (``at_zero``) and at
+    lambda_max (``at_max``): c = (mean(D_max) (1 + slack) + mean(D_0)) / 2 when mean(D_max) (1 + slack) lies under
+    mean(D_0); else the ``inside_frac`` quantile of D_max times (1 + slack), which the dual can meet but will rarely
+    need to. Rounded up to 3 significant digits; with why, in words."""
+    at_max = np.asarray(at_max, dtype=np.float64)
+    low, high = float(at_max.mean()) * (1.0 + slack), float(np.mean(at_zero))
+    if low < high:
+        c = proposed_tolerance((low + high) / 2.0, 0.0)
+        return c, (f"c = {c:.3g}: halfway between the mean D-hat at lambda_max ({low:.3g}, with the slack) and without "
+                   f"the penalty ({high:.3g}): feasible, and the dual has to act")
+    c = proposed_tolerance(float(np.quantile(at_max, inside_frac, method="inverted_cdf")), slack)
+    return c, (f"c = {c:.3g}: lambda_max holds D-hat <= {c:.3g} on {inside_frac:.0%} of batches, but its mean ({low:.3g}, "
+               f"with the slack) is not under the mean without the penalty ({high:.3g}): the penalty moves D-hat less "
+               f"than the slack, so the dual will be slack most of the time; raise lambda_max or measure at another "
+               f"point")
+
+
 def _constraint_key(i: int, c: ConstraintConfig) -> str:
     return f"constraint/{i}/{c.measure}" + (f"_{c.tau:g}" if c.measure == "extreme_rate" else "")
 
@@ -183,7 +230,7 @@ def calibrate(cfg: RunConfig, batches: int = 8, slack: float = 0.25, measures: S
     if not slack >= 0:
         raise ValueError(f"--slack must be >= 0, got {slack}")
     targets = [ConstraintConfig(measure=m) for m in measures] if measures else list(cfg.dual.constraints)
-    at_updates = cfg.dual.measure_at == "updates"
+    at_updates = cfg.dual.measure_at in _MOVED_POINTS
     s: Setup = setup(cfg, owns_folder=False)
     try:
         s.tracker.set_tags({"dcmdp.kind": "calibrate"})
@@ -193,6 +240,11 @@ def calibrate(cfg: RunConfig, batches: int = 8, slack: float = 0.25, measures: S
         for n in range(batches):
             values, batch, examples = measure_batch(s.policy, s.scoring, cfg, targets, n)
             if at_updates:
+                if n == 0:  # the tolerances a run puts in force after its first batch (its floor)
+                    floor_C = torch.tensor([values[_constraint_key(i, c)] for i, c in enumerate(targets)],
+                                           dtype=torch.float64)
+                    s.state.dual = update_floor(init_state(replace(cfg.dual, constraints=targets)), floor_C,
+                                                replace(cfg.dual, constraints=targets))
                 values.update(measure_updates(s, batch, examples, targets, n, optimizer))
             for k, v in values.items():
                 per_key.setdefault(k, []).append(v)
@@ -201,17 +253,32 @@ def calibrate(cfg: RunConfig, batches: int = 8, slack: float = 0.25, measures: S
                 r = batch.rollout
                 kept.append((batch.old_logp_BT.clone(), r.rollout_logp_BT.float().clone(),
                              r.response_mask_BT.bool().clone()))
+        moved = [k for i, c in enumerate(targets) for k in (_updates_key(i, c, 0), _updates_key(i, c, 1))]
         rows = [floor_stats(k, per_key[k], slack, seed=cfg.seed, inside_frac=inside_frac)
-                for k in [*FLOOR_MEASURES, *(_updates_key(i, c) for i, c in enumerate(targets))] if k in per_key]
-        proposed = []
+                for k in [*FLOOR_MEASURES, *moved] if k in per_key]
+        for r in rows:
+            if r.name in NOT_A_DISCREPANCY:
+                r.proposed = math.nan
+        proposed, notes = [], []
         for i, c in enumerate(targets):
-            source = _updates_key(i, c) if at_updates else _constraint_key(i, c)
-            tol = floor_stats(source, per_key[source], slack, inside_frac=inside_frac).proposed
+            if at_updates:
+                tol, why = active_tolerance(per_key[_updates_key(i, c, 0)], per_key[_updates_key(i, c, 1)], slack,
+                                            inside_frac)
+                notes.append(f"constraint {i} ({c.measure}): {why}")
+            else:
+                tol = floor_stats(_constraint_key(i, c), per_key[_constraint_key(i, c)], slack,
+                                  inside_frac=inside_frac).proposed
             floor = float(np.mean(per_key[_constraint_key(i, c)]))
+            if cfg.dual.measure_at == "drift":
+                if c.floor_slack is not None:
+                    notes.append(f"constraint {i} ({c.measure}): floor_slack set to null: an automatic tolerance on the "
+                                 f"drift is (1 + floor_slack) x the run's own drift and cannot lie under it; c is fixed")
+                proposed.append(replace(c, tolerance=tol, floor_slack=None, floor_steps=None))
+                continue
             auto = c.floor_slack is not None and floor > 0 and math.isfinite(tol)
             proposed.append(replace(c, tolerance=tol, **({"floor_slack": _round_up(tol / floor - 1.0)} if auto else {})))
         result = Calibration(rows, proposed, slack, batches, s.tracker.run_id, kept, inside_frac, cfg.dual.measure_at,
-                             cfg.algo.minibatches)
+                             cfg.algo.minibatches, notes)
         out = Path(cfg.output_dir)
         (out / "calibration.txt").write_text(result.table() + "\n")
         (out / "calibration.yaml").write_text(result.snippet())
@@ -231,32 +298,47 @@ def _round_up(x: float) -> float:
     return proposed_tolerance(x, 0.0) if x > 0 else 0.0
 
 
-def _updates_key(i: int, c: ConstraintConfig) -> str:
-    return _constraint_key(i, c) + "/at_updates"
+def _updates_key(i: int, c: ConstraintConfig, at_max: int) -> str:
+    return _constraint_key(i, c) + ("/lambda_max" if at_max else "/lambda_0")
 
 
 def measure_updates(s: Setup, batch: learner.ScoredBatch, examples, targets: Sequence[ConstraintConfig], step: int,
                     optimizer: torch.optim.Optimizer) -> dict[str, float]:
-    """D-hat at the updates (``dual.measure_at: updates``) of one batch: the config's N mini-batch updates on a copy
-    of the weights (``optimizer``: the config's, at the full learning rate, one for all batches; lambda at
-    lambda_init), each token's log-prob at the update that trained on it vs mu. The weights are put back afterwards,
-    so every batch starts from the same ones; the optimiser's moments carry over, as in a run: a fresh AdamW's first
-    steps move every weight by about lr and would overstate the drift a run's updates make."""
+    """D-hat at the measurement point (``dual.measure_at`` updates: vs mu; drift: vs pi_old) of one batch after the
+    config's N mini-batch updates on a copy of the weights, once without the penalty and once at lambda_max (the
+    tolerances in force in ``s.state.dual``): each token's log-prob at the update that trained on it. The weights are
+    put back after each pass, so every pass and batch starts from the same ones. ``optimizer`` (the config's, at the
+    full learning rate, one for all batches) runs both passes from the same moments and keeps those of the lambda_max
+    pass, which carry over as in a run: a fresh AdamW's first steps move every weight by about lr and would overstate
+    the drift a run's updates make."""
     cfg = s.cfg
     model = s.policy.model
     saved = copy.deepcopy(model.state_dict())
+    moments = copy.deepcopy(optimizer.state_dict())
     rewards_B, _ = reward_phase(s.policy, examples, batch.rollout)
     rollout, advantages_B, _, _ = screen_phase(cfg.algo, batch.rollout, rewards_B)
     scored = learner.score_old(model, rollout, advantages_B, cfg.algo, s.scoring)
+    dual_cfg = replace(cfg.dual, constraints=list(targets))
+    out = {}
     try:
-        result = learner.update(model, learner.OptimStep(optimizer, grad_clip=cfg.optim.grad_clip), scored,
-                                scoring=s.scoring, penalty=penalty_spec(s.state.dual, cfg.dual), cfg=cfg.algo,
-                                generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 2)))
-        values_C = constraint_values(targets, scored, result.trained_logp_BT)
+        for at_max in (0, 1):
+            lam_C = torch.tensor([c.lambda_max if at_max else 0.0 for c in targets], dtype=torch.float64)
+            state: DualState = replace(s.state.dual, lambda_C=lam_C, lambda_avg_C=lam_C)
+            if not at_max:
+                optimizer.load_state_dict(copy.deepcopy(moments))
+            result = learner.update(model, learner.OptimStep(optimizer, grad_clip=cfg.optim.grad_clip), scored,
+                                    scoring=s.scoring, penalty=penalty_spec(state, dual_cfg), cfg=cfg.algo,
+                                    generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 2)))
+            anchor = scored.old_logp_BT if cfg.dual.measure_at == "drift" else None
+            values_C = constraint_values(targets, scored, result.trained_logp_BT, anchor)
+            out.update({_updates_key(i, c, at_max): float(v) for i, (c, v) in enumerate(zip(targets, values_C))})
+            model.load_state_dict(saved)
+            if not at_max:
+                optimizer.load_state_dict(moments)
     finally:
         model.load_state_dict(saved)
         model.eval()
-    return {_updates_key(i, c): float(v) for i, (c, v) in enumerate(zip(targets, values_C))}
+    return out
 
 
 @torch.no_grad()

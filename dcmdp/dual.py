@@ -29,13 +29,14 @@ controls). Under ``drift`` the penalty's anchor is pi_old instead of mu (``penal
 update back toward the policy that scored the batch and never toward the engine's rounding; derivation in
 docs/tolerances.md.
 
-Automatic tolerance (``constraints[i].floor_slack = s``): c_k = F_{k-1} (1 + s) (under ``measure_at: drift``
-c_k = F_{k-1} s, the update's share of F (1 + s): |pi_theta - mu| <= |pi_old - mu| + |pi_theta - pi_old| per token,
-so a drift inside F s keeps D_hat at the updates inside F (1 + s) wherever the engines' part is at its floor) (c_1 = F_1 (1 + s): the first
+Automatic tolerance (``constraints[i].floor_slack = s``): c_k = F_{k-1} (1 + s) (c_1 = F_1 (1 + s): the first
 batch's floor sets its own tolerance, never the configured one), F an EMA of the measure
 between pi_old and mu before the updates, which in a synchronous run is taken on identical weights (the
 numerical floor of the two engines at the current policy); it is re-measured every batch at no cost, so the
-tolerance tracks the floor as it drifts with the policy. Under asynchronous rollouts only the batches sampled
+tolerance tracks the floor as it drifts with the policy. Under ``measure_at: drift`` F is the EMA of the drift itself
+(the loop passes D_hat as the floor): the same quantity at the same point, so c = (1 + s) x the run's own drift, held
+after ``floor_steps`` batches, which bounds the growth of the update's drift whatever its scale on the task.
+Under asynchronous rollouts only the batches sampled
 by the trainer's current weights measure the floor (the first, and the first after each drain, e.g. at a
 checkpoint): a stale batch's pi_old vs mu also holds the policy's drift since its weights, which is part of
 what the constraint bounds, not of the floor; the loop passes NaN for it and F stays as it was.
@@ -272,12 +273,11 @@ def needs_floor(state: DualState, cfg: DualConfig) -> bool:
 
 def tolerances(state: DualState, cfg: DualConfig) -> Tensor:
     """(C,) the tolerance c_i in force: F_i (1 + floor_slack_i) for an automatic tolerance with a measured floor
-    F_i (F_i floor_slack_i under ``measure_at: drift``), else constraints[i].tolerance."""
+    F_i, else constraints[i].tolerance."""
     fixed_C = _per_constraint(cfg, "tolerance")
     if state.floor_C is None or not _has_auto_tolerance(cfg):
         return fixed_C
-    slack_C = _per_constraint(cfg, "floor_slack")
-    auto_C = state.floor_C * (slack_C if cfg.measure_at == "drift" else 1 + slack_C)
+    auto_C = state.floor_C * (1 + _per_constraint(cfg, "floor_slack"))
     return torch.where(_finite(auto_C), auto_C, fixed_C)
 
 
