@@ -404,7 +404,6 @@ def _train_step(s: Setup, step: int, bar) -> None:
         measured_C = (constraint_values(cfg.dual.constraints, batch, result.trained_logp_BT, batch.old_logp_BT)
                       if result is not None else torch.full_like(measured_C, float("nan")))
         floor_C = measured_C  # an automatic tolerance on the drift follows the run's own drift (dcmdp.dual)
-        floor_C = measured_C  # an automatic tolerance on the drift follows the run's own drift (dcmdp.dual)
     tolerance_C = batch_tolerances(s.state.dual, floor_C, cfg.dual) if cfg.async_rollout.is_auto else None
     s.state.dual, dual_metrics = dual_step(s.state.dual, measured_C, cfg.dual, floor_C=floor_C)
     if cfg.async_rollout.is_auto:  # the staleness bound, the dual's second action
