@@ -83,8 +83,11 @@ def steps(out: Path) -> list[Step]:
     return [
         Step("train", "dcmdp train on one GPU: stress config vs the CPU, Qwen3-8B full depth and Qwen3-30B-A3B (6 of 48 "
              "layers, R3) at random init, per-phase time, tokens/s, MFU, peak memory",
-             script="benchmarks/gpu_train.py", limit_s=300,
-             args=["--out", str(out), "--work", "/tmp/dcmdp_gpu_train", "--budget-s", "290"]),
+             script="benchmarks/gpu_train.py", limit_s=310,
+             args=["--out", str(out), "--work", "/tmp/dcmdp_gpu_train", "--budget-s", "300"]),
+        Step("speed", "speed anchors: bf16 AdamW vs torch fused, padded vs unpadded scoring, Qwen3-8B (8 of 36 layers) "
+             "and Qwen3-30B-A3B (4 of 48, R3) step MFU, decode vs the bandwidth bound, controller share of a step",
+             script="benchmarks/gpu_speed.py", limit_s=210, args=["--out", str(out), "--budget-s", "170"]),
         Step("lm_head", "LM head accuracy vs float64, peak memory, fwd+bwd time (bf16, fp32, chunked, bf16x3)",
              script="benchmarks/lm_head.py", limit_s=120,
              args=["--device", "cuda", "--tokens", "4096", "--hidden", "2048", "--memory-tokens", "16384",

@@ -7,6 +7,8 @@ come from ``tracking.progress_file``):
   the GPU, then its first ``--compare-steps`` steps with the same seed on the CPU, from the same cold start (the
   cache the GPU run filled). The two devices draw different sampling noise, so the rollouts differ sample by
   sample: the comparison is of the step means, within the tolerances of ``COMPARE`` (stated on the page).
+- ``stress_nccl``: the stress config's first steps under ``torchrun`` as one process in an nccl process group with
+  the model sharded by FSDP2 (``dist.shard_one_process``): the distributed path on a one-GPU machine.
 - ``qwen3_8b``: configs/qwen3-8b.yaml at full depth from random weights (``model.init=random``, the character
   tokenizer as a stand-in), rollouts and updates on ONE GPU: the torch engine decodes with the trainer's bf16
   parameters (``rollout.torch.share_weights``), ``optim.precision=bf16_stochastic``, the bf16x3 head.
@@ -62,6 +64,8 @@ class Run:
     overrides: list[str]
     device: str
     limit_s: int
+    # Launched by torchrun as one process in a process group (dist.shard_one_process: FSDP2 over nccl on CUDA).
+    torchrun: bool = False
 
 
 @dataclass
@@ -86,12 +90,14 @@ def runs(args, work: Path) -> list[Run]:
               "task.eval_size=64"]
     return [
         Run("qwen3_8b", "configs/qwen3-8b.yaml", [*RECIPE, f"steps={args.recipe_steps}", "algo.prompts_per_step=4",
-            "algo.samples_per_prompt=4", f"rollout.max_new_tokens={args.new_tokens}"], "cuda", 240),
+            "algo.samples_per_prompt=4", f"rollout.max_new_tokens={args.new_tokens}"], "cuda", 150),
         Run("qwen3_30b_a3b", "configs/qwen3-30b-a3b.yaml", [*RECIPE, f"model.num_layers={args.moe_layers}",
             f"steps={args.recipe_steps}", "algo.prompts_per_step=4", "algo.samples_per_prompt=4",
-            f"rollout.max_new_tokens={args.new_tokens}", "algo.routing_replay=r3"], "cuda", 200),
-        Run("stress_cuda", "configs/stress.yaml", [*stress, f"steps={args.stress_steps}"], "cuda", 180),
-        Run("stress_cpu", "configs/stress.yaml", [*stress, f"steps={args.compare_steps}", "threads=auto"], "cpu", 150),
+            f"rollout.max_new_tokens={args.new_tokens}", "algo.routing_replay=r3"], "cuda", 100),
+        Run("stress_cuda", "configs/stress.yaml", [*stress, f"steps={args.stress_steps}"], "cuda", 90),
+        Run("stress_cpu", "configs/stress.yaml", [*stress, f"steps={args.compare_steps}", "threads=auto"], "cpu", 60),
+        Run("stress_nccl", "configs/stress.yaml", [*stress, f"steps={args.compare_steps}", "dist.shard_one_process=true"],
+            "cuda", 60, torchrun=True),
     ]
 
 
@@ -99,27 +105,36 @@ def runs(args, work: Path) -> list[Run]:
 SMOKE = {"qwen3_8b": ("model.preset=tiny-dense", "model.num_layers=2"),
          "qwen3_30b_a3b": ("model.preset=tiny-moe", "model.num_layers=2"),
          "stress_cuda": ("model.preset=tiny-moe", "cold_start.steps=30", "cold_start.target_accuracy=null"),
-         "stress_cpu": ("model.preset=tiny-moe", "cold_start.steps=30", "cold_start.target_accuracy=null")}
+         "stress_cpu": ("model.preset=tiny-moe", "cold_start.steps=30", "cold_start.target_accuracy=null"),
+         "stress_nccl": ("model.preset=tiny-moe", "cold_start.steps=30", "cold_start.target_accuracy=null")}
 SMOKE_SIZES = ("algo.prompts_per_step=2", "algo.samples_per_prompt=2", "rollout.max_new_tokens=8", "steps=2",
                "task.eval_size=4", "task.digits=3", "threads=1")
 
 
 def smoke_runs(todo: list[Run]) -> list[Run]:
-    return [Run(r.name, r.config, [*r.overrides, *SMOKE[r.name], *SMOKE_SIZES], "cpu", r.limit_s) for r in todo]
+    return [Run(r.name, r.config, [*r.overrides, *SMOKE[r.name], *SMOKE_SIZES], "cpu", r.limit_s, r.torchrun)
+            for r in todo]
 
 
 def command(run: Run, work: Path) -> list[str]:
     out = work / run.name
-    return [sys.executable, "-m", "dcmdp.cli", "train", str(ROOT / run.config), *run.overrides, *COMMON,
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"] if run.torchrun else []
+    return [sys.executable, *launch, "-m", "dcmdp.cli", "train", str(ROOT / run.config), *run.overrides, *COMMON,
             f"device={run.device}", f"output_dir={out}", f"tracking.progress_file={out / 'progress.jsonl'}"]
+
+
+def config_of(run: Run, work: Path):
+    """The run's RunConfig as ``dcmdp train`` loads it from its command line."""
+    from dcmdp.config import load_config
+
+    cmd = command(run, work)
+    at = cmd.index("train") + 1
+    return load_config(cmd[at], cmd[at + 1:])
 
 
 def check_config(run: Run, work: Path) -> str:
     """The run's config as ``dcmdp train`` would load it (keys, bounds, cross-checks); raises ConfigError."""
-    from dcmdp.config import load_config
-
-    cmd = command(run, work)
-    cfg = load_config(cmd[4], cmd[5:])
+    cfg = config_of(run, work)
     return f"{run.name}: {cfg.model.preset}, {cfg.steps} steps, device={cfg.device}"
 
 
@@ -192,6 +207,24 @@ def compare(gpu: list[dict], cpu: list[dict], k: int) -> list[dict]:
     return rows
 
 
+# The sharded run against the plain one on the same device and seed (tests/test_distributed.py's tolerance: the same
+# quantities in another summation order).
+SAME_KEYS = ("loss/total", "discrepancy/abs_prob_diff", "discrepancy/kl_k3", "reward/mean")
+SAME_ATOL, SAME_RTOL = 1e-6, 1e-2
+
+
+def same_run(plain: list[dict], sharded: list[dict], k: int) -> list[dict]:
+    rows = []
+    for step, (a, b) in enumerate(zip(plain[:k], sharded[:k]), start=1):
+        for key in SAME_KEYS:
+            if key in a and key in b:
+                rows.append({"step": step, "metric": key, "plain": a[key], "nccl": b[key],
+                             "ok": bool(abs(a[key] - b[key]) <= SAME_ATOL + SAME_RTOL * abs(a[key]))})
+    if not rows:
+        rows.append({"step": 0, "metric": "no common step", "ok": False})
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------ running
 
 
@@ -215,10 +248,13 @@ def run_one(run: Run, work: Path, limit_s: float) -> RunResult:
 
 
 def write_page(out: Path, results: list[RunResult], comparison: list[dict], peak: Optional[float], wall_s: float,
-               meta: dict) -> dict:
+               meta: dict, sharded: Optional[list[dict]] = None) -> dict:
+    sharded = sharded or []
     doc = {"peak_bf16_tflops": peak, "wall_s": wall_s, **meta, "runs": [asdict(r) for r in results],
            "stress_cuda_vs_cpu": comparison,
-           "stress_matches_cpu": bool(comparison) and all(row["ok"] for row in comparison)}
+           "stress_matches_cpu": bool(comparison) and all(row["ok"] for row in comparison),
+           "stress_nccl_vs_plain": sharded,
+           "nccl_matches_plain": bool(sharded) and all(row["ok"] for row in sharded)}
     (out / "train.json").write_text(json.dumps(doc, indent=2) + "\n")
     fmt = lambda v, spec=".3g": "-" if v is None else format(v, spec)  # noqa: E731
     lines = ["# dcmdp train on one GPU", "", f"- bf16 matmul peak measured here: {fmt(peak)} TFLOP/s; {wall_s:.0f} s",
@@ -238,6 +274,13 @@ def write_page(out: Path, results: list[RunResult], comparison: list[dict], peak
         for row in comparison:
             lines.append(f"| {row['metric']} | {fmt(row.get('cuda'), '.4g')} | {fmt(row.get('cpu'), '.4g')} | "
                          f"{row.get('tolerance', row.get('why', ''))} | {row['ok']} |")
+    if sharded:
+        lines += ["", f"The same first steps under torchrun, one process, FSDP2 over nccl, against the plain run (same "
+                  f"device and seed: the same rollouts; |a - b| <= {SAME_ATOL:g} + {SAME_RTOL:g} |a|):", "",
+                  "| step | metric | plain | nccl | ok |", "|---:|---|---:|---:|---|"]
+        for row in sharded:
+            lines.append(f"| {row['step']} | {row['metric']} | {fmt(row.get('plain'), '.6g')} | "
+                         f"{fmt(row.get('nccl'), '.6g')} | {row['ok']} |")
     (out / "train.md").write_text("\n".join(lines) + "\n")
     return doc
 
@@ -249,7 +292,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dry-run", action="store_true", help="build and check every run's config, train nothing")
     ap.add_argument("--cpu-smoke", action="store_true", help="the page's code on one tiny run on the CPU")
     ap.add_argument("--only", nargs="+", default=None, help="these runs only")
-    ap.add_argument("--budget-s", type=float, default=560.0, help="deadline of all runs together")
+    ap.add_argument("--budget-s", type=float, default=300.0, help="deadline of all runs together")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stress-steps", type=int, default=20)
     ap.add_argument("--compare-steps", type=int, default=3)
@@ -275,7 +318,6 @@ def main(argv: Optional[list[str]] = None) -> dict:
         why = "dry run" if args.dry_run else "no CUDA device"
         print(f"{why}: every run's config checked, nothing trained", *lines, sep="\n")
         return {"dry_run": True, "checked": lines}
-    from dcmdp.config import load_config
     from trainers.tokenizer import build_char_tokenizer
 
     peak = None
@@ -293,8 +335,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
             results.append(RunResult(run.name, f"skipped: the {args.budget_s:.0f} s budget is spent"))
             continue
         result = run_one(run, work, min(run.limit_s, left - 10))
-        cmd = command(run, work)
-        cfg = load_config(cmd[4], cmd[5:])
+        cfg = config_of(run, work)
         summarise(result, cfg.model.preset, cfg.model.num_layers, vocab, cfg.algo.minibatches,
                   peak if run.device == "cuda" else None)
         results.append(result)
@@ -305,9 +346,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     comparison = []
     if "stress_cuda" in by_name and "stress_cpu" in by_name:
         comparison = compare(by_name["stress_cuda"].steps, by_name["stress_cpu"].steps, args.compare_steps)
+    sharded = []
+    if "stress_cuda" in by_name and "stress_nccl" in by_name:
+        sharded = same_run(by_name["stress_cuda"].steps, by_name["stress_nccl"].steps, args.compare_steps)
     meta = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
             "command": "benchmarks/gpu_train.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    return write_page(out, results, comparison, peak, time.perf_counter() - start, meta)
+    return write_page(out, results, comparison, peak, time.perf_counter() - start, meta, sharded)
 
 
 if __name__ == "__main__":

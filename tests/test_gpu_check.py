@@ -67,7 +67,7 @@ def test_the_train_step_checks_every_runs_config_in_its_dry_run(tmp_path, capsys
     train = _load("gpu_train")
     doc = train.main(["--dry-run", "--out", str(tmp_path)])
     assert doc["dry_run"] and [line.split(":")[0] for line in doc["checked"]] == [
-        "qwen3_8b", "qwen3_30b_a3b", "stress_cuda", "stress_cpu"]
+        "qwen3_8b", "qwen3_30b_a3b", "stress_cuda", "stress_cpu", "stress_nccl"]
     assert "qwen3-8b, 3 steps, device=cuda" in doc["checked"][0]
 
 
