@@ -298,3 +298,33 @@ def test_an_engine_on_the_trainers_weights_samples_what_a_copy_samples_and_needs
     assert shared.version == 1
     c = shared.generate(prompts, seed=3)
     assert not torch.equal(c.rollout_logp_BT, a.rollout_logp_BT)  # it samples from the updated weights
+
+
+def test_a_bf16_optimizer_state_saved_on_another_device_loads_and_reseeds(caplog):
+    """A checkpoint of a CUDA run resumed on the CPU: the moments load, the CUDA generator state is not restored
+    where no parameter lives, and the CPU stream restarts from the seed and the step count (not step 1's draws)."""
+    from trainers.optim import BF16AdamW
+
+    def fresh():
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(64).to(torch.bfloat16))
+        return p, BF16AdamW([p], lr=1e-3, seed=7)
+
+    p, opt = fresh()
+    for _ in range(3):
+        p.grad = torch.randn_like(p)
+        opt.step()
+    sd = opt.state_dict()
+    cpu_state = sd["rounding"]["generators"]["cpu"]
+    # as if written on a GPU: the generator state is keyed by the CUDA device
+    sd["rounding"]["generators"] = {"cuda:0": cpu_state}
+    q, opt2 = fresh()
+    with caplog.at_level("WARNING"):
+        opt2.load_state_dict(sd)
+    assert "restarts from the seed and step 3" in caplog.text
+    assert torch.equal(opt2.state[q]["exp_avg"], opt.state[p]["exp_avg"])
+    assert not torch.equal(opt2._generator(torch.device("cpu")).get_state(),
+                           torch.Generator().manual_seed(7).get_state())
+    q.grad = torch.randn_like(q)
+    opt2.step()  # and it steps
+    assert torch.isfinite(q.float()).all()

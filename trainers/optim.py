@@ -25,11 +25,14 @@ half a bfloat16 step (beta2 = 0.999), and the second moment would never decay.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 # Elements per bucket of a step: the parameters are cut into flat pieces grouped into buckets of at most this many
 # elements, each with one random draw (int64: 128 MiB) and one pass of float32 arithmetic (64 MiB per temporary).
@@ -255,8 +258,22 @@ class BF16AdamW(torch.optim.Optimizer):
         if saved is not None:
             self.seed = int(saved["seed"])
             self._generators = {}
+            here = {p.device for group in self.param_groups for p in group["params"]}
             for dev, rng in saved["generators"].items():
-                self._generator(torch.device(dev)).set_state(rng)
+                if torch.device(dev) in here:
+                    self._generator(torch.device(dev)).set_state(rng)
+            moved = here - set(self._generators)
+            if moved and saved["generators"]:
+                # a checkpoint written on another device (CPU <-> CUDA): that device's generator state means nothing
+                # here, and replaying the seed's first draws would repeat step 1's noise
+                steps = max((int(s["step"]) for s in self.state.values() if "step" in s), default=0)
+                for dev in moved:
+                    self._generators[dev] = torch.Generator(device=dev).manual_seed(
+                        (self.seed * 1_000_003 + steps) % 2**63)
+                log.warning("BF16AdamW: the rounding noise's generator was saved on %s and the parameters are on %s: "
+                            "its stream restarts from the seed and step %d (the resumed run rounds with other draws "
+                            "than an uninterrupted one would)", ", ".join(saved["generators"]),
+                            ", ".join(str(d) for d in sorted(moved, key=str)), steps)
 
 
 @dataclass(frozen=True)
