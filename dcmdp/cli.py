@@ -1,4 +1,4 @@
-"""The ``dcmdp`` command: train, calibrate, tune, eval, report, sync."""
+"""The ``dcmdp`` command: train, check, calibrate, tune, eval, report, sync."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -62,6 +63,13 @@ def _load(ns: argparse.Namespace, kind: str = ""):
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
+    from dcmdp.check import exit_code, find_problems, report
+
+    path, overrides = _split_config_args(ns.args)
+    problems = find_problems(path, overrides, run_folder=False)  # all at once, before the trainer's imports
+    if problems:
+        print("\n".join(report(problems, path or "the config")), file=sys.stderr)
+        return exit_code(problems)
     cfg = _load(ns)
     from dcmdp.device import local_rank, resolve_device
 
@@ -75,6 +83,22 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     summary = train(cfg)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
         print("\n".join(summary.lines()))
+    return 0
+
+
+def _cmd_check(ns: argparse.Namespace) -> int:
+    """Exit code 2 when any problem is found (each printed with its key and fix), 0 otherwise."""
+    from dcmdp.check import find_problems, report
+
+    t0 = time.perf_counter()
+    path, overrides = _split_config_args(ns.args)
+    problems = find_problems(path, overrides)
+    what = path or "the config"
+    if problems:
+        print("\n".join(report(problems, what, listed=True)), file=sys.stderr)
+        return 2
+    print(f"{what}: no problem found (config and tolerances, task files and split, reward, tokenizer and model, "
+          f"device, output folder, tracking) in {time.perf_counter() - t0:.1f} s")
     return 0
 
 
@@ -160,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("args", nargs="*", help="a YAML config file and/or dotlist overrides (algo.minibatches=4)")
     t.set_defaults(func=_cmd_train)
 
+    k = sub.add_parser("check", help="find every problem of a config at once (keys, values, tolerances, task files, "
+                       "tokenizer, model directory, device, output folder), each with its key and fix; exit code 2 "
+                       "if any: dcmdp check [CONFIG.yaml] [key=value ...]")
+    k.add_argument("args", nargs="*", help="a YAML config file and/or dotlist overrides, as for train")
+    k.set_defaults(func=_cmd_check)
+
     c = sub.add_parser("calibrate", help="measure the discrepancy floor with identical weights and propose c: "
                        "dcmdp calibrate [CONFIG.yaml] [key=value ...]")
     c.add_argument("args", nargs="*", help="a YAML config file and/or dotlist overrides")
@@ -200,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # The positional list of each command that key=value overrides join wherever they stand on the command line.
-_OVERRIDE_DEST = {"train": "args", "calibrate": "args", "eval": "args", "tune": "overrides"}
+_OVERRIDE_DEST = {"train": "args", "check": "args", "calibrate": "args", "eval": "args", "tune": "overrides"}
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

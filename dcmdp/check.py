@@ -1,0 +1,344 @@
+"""``dcmdp check CONFIG [key=value ...]``: every problem a run would meet at start, found at once, in seconds.
+
+A run reads its config, then its task files, the tokenizer and the model directory, and picks its device, each
+after the one before it succeeded and after seconds of imports: a newcomer met one problem per try. ``find_problems``
+looks at all of them and returns each with its config key and the fix:
+
+- config: unknown keys and bad values of each override and of the file, each component's bounds, the cross-component
+  rules (``dcmdp.config.validate``);
+- tolerances: each constraint's own rules, and a tolerance the measure can never exceed (it never binds);
+- files: the task files of ``jsonl`` and ``math`` (every malformed line counted, the first ones named), their split
+  (a held-out set that leaves nothing to train on), the cold start's demonstrations, the reward function, the
+  math-verify library;
+- tokenizer and model: ``model.path`` (a directory with a tokenizer that loads, a config.json of the preset's
+  architecture with as many embedding rows as the tokenizer has tokens, weight files), or its absence for a preset
+  that needs it;
+- device: ``dcmdp.device.resolve_device`` (``device=cuda`` without CUDA, a local rank beyond the GPUs);
+- output: a folder that holds another run (``dcmdp check`` only: ``train`` decides that under its folder lock) and a
+  tracking URI or experiment MLflow cannot use.
+
+``dcmdp train`` runs the same checks before it imports the trainer; the exit code is 2 when a problem is a config
+error, 1 when all are input errors (a file, a directory), as the run itself would report them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from dcmdp.config import ConfigError, RunConfig, check_finite, load_config, validate
+
+# Malformed lines of a task file named one by one; the rest are counted.
+NAMED_LINES = 3
+# Measures whose value never exceeds 1 (a probability difference, a share of tokens or routes): a tolerance of 1 or
+# more is never crossed, so lambda never acts.
+BOUNDED_BY_ONE = ("abs_prob_diff", "max_abs_prob_diff", "extreme_rate", "routing_mismatch")
+_KEY = re.compile(r"config error at '([^']+)'")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem: the config key it is about, what is wrong with the fix, and how the run would exit on it."""
+
+    key: str
+    message: str
+    # 2: a config error (a value to change); 1: an input error (a file or directory to fix), as ``dcmdp train``.
+    exit_code: int = 2
+
+    def line(self) -> str:
+        """``dcmdp: <message>``, or ``dcmdp: error: <message>`` for an input error: the line the run prints."""
+        return f"dcmdp: {self.message}" if self.exit_code == 2 else f"dcmdp: error: {self.message}"
+
+
+def _problem(exc: BaseException, key: str = "", exit_code: int = 2) -> Problem:
+    text = str(exc)
+    found = _KEY.search(text)
+    return Problem(found.group(1) if found else key, text, exit_code)
+
+
+def find_problems(path: Optional[str], overrides: Sequence[str], *, run_folder: bool = True) -> list[Problem]:
+    """Every problem of the config ``path`` + ``overrides`` and of what it names (see the module docstring), in the
+    order a run would meet them; [] when the run can start. ``run_folder``: also whether ``output_dir`` holds
+    another run and the tracking settings (``dcmdp check``; ``train`` checks those itself at start)."""
+    problems: list[Problem] = []
+    cfg = _compose(path, overrides, problems)
+    if cfg is None:
+        return problems
+    _validate(cfg, problems)
+    _tolerances(cfg, problems)
+    _task(cfg, problems)
+    _model(cfg, problems)
+    _device(cfg, problems)
+    if run_folder:
+        _run_folder(cfg, problems)
+    unique: dict[str, Problem] = {}
+    for p in problems:
+        unique.setdefault(p.message, p)
+    return list(unique.values())
+
+
+def _compose(path: Optional[str], overrides: Sequence[str], problems: list[Problem]) -> Optional[RunConfig]:
+    """The config composed without validation; an override that cannot be applied is a problem of its own and left
+    out, so that the checks go on with the rest."""
+    try:
+        return load_config(path, overrides, check=False)
+    except ConfigError as exc:
+        first = exc
+    try:
+        load_config(path, [], check=False)
+    except ConfigError as exc:  # the file itself: nothing else can be read from it
+        problems.append(_problem(exc, "config"))
+        return None
+    good = []
+    for override in overrides:
+        try:
+            load_config(path, [override], check=False)
+            good.append(override)
+        except ConfigError as exc:
+            problems.append(_problem(exc, override.split("=", 1)[0]))
+    try:
+        return load_config(path, good, check=False)
+    except ConfigError:  # overrides that fail only together
+        problems.append(_problem(first))
+        return None
+
+
+def _validate(cfg: RunConfig, problems: list[Problem]) -> None:
+    """Each component's bounds separately (several at once), then the cross-component rules, which ``validate``
+    reaches only when every component passes (its first error is then one of those already found)."""
+    checks: list[tuple[str, Callable[[], None]]] = [("", lambda: check_finite(cfg))]
+    for name in ("model", "rollout", "task", "cold_start", "algo", "optim", "dist", "async_rollout"):
+        checks.append((name, getattr(cfg, name).check))
+    checks += [("dual.pid", cfg.dual.pid.check), ("dual.context", cfg.dual.context.check)]
+    for i, c in enumerate(cfg.dual.constraints):
+        checks.append((f"dual.constraints[{i}]", lambda c=c, i=i: c.check(f"dual.constraints[{i}]")))
+    found: list[Problem] = []
+    for key, check in checks:
+        try:
+            check()
+        except ValueError as exc:  # ConfigError is a ValueError
+            found.append(_problem(exc, key))
+    try:
+        validate(cfg)
+    except ValueError as exc:
+        found.append(_problem(exc))
+    keys = {k for p in problems for k in _named(p.key)}
+    for p in found:  # one per key: a NaN learning rate is not finite, and then not > 0 either
+        if not keys & _named(p.key):
+            keys |= _named(p.key)
+            problems.append(p)
+
+
+def _named(key: str) -> set[str]:
+    """The keys a problem's key names: ``a.lambda_min/lambda_max`` names ``a.lambda_min`` and ``a.lambda_max``."""
+    head, _, last = key.rpartition(".")
+    return {f"{head}.{name}" if head else name for name in last.split("/")}
+
+
+def _tolerances(cfg: RunConfig, problems: list[Problem]) -> None:
+    """A fixed tolerance that the measure can never exceed: the constraint never binds and lambda never acts."""
+    if cfg.dual.rule in ("off", "fixed"):
+        return
+    keys = {p.key for p in problems}
+    for i, c in enumerate(cfg.dual.constraints):
+        if f"dual.constraints[{i}].tolerance" in keys:  # a value the config's own check refused (inf, < 0)
+            continue
+        if c.measure in BOUNDED_BY_ONE and c.floor_slack is None and c.quantile is None and c.tolerance >= 1:
+            problems.append(Problem(
+                f"dual.constraints[{i}].tolerance",
+                f"config error at 'dual.constraints[{i}].tolerance': {c.measure} never exceeds 1, so c = "
+                f"{c.tolerance:g} never binds and lambda never acts; set c below 1 (dcmdp calibrate measures the "
+                f"floor and proposes one), or dual.rule=off to train without the constraint"))
+
+
+def _task(cfg: RunConfig, problems: list[Problem]) -> None:
+    """Task files, their split, demonstrations and reward (file tasks); a generated task is built (it is cheap)."""
+    from trainers import tasks
+
+    t = cfg.task
+    if t.name not in tasks.TASKS:
+        return  # named by validate
+    if t.name not in ("jsonl", "math"):
+        try:
+            tasks.TASKS[t.name](t, cfg.seed)
+        except ValueError as exc:
+            problems.append(_problem(exc, "task.name"))
+        return
+    if t.name == "math":
+        try:
+            tasks._import_math_verify()
+        except ImportError as exc:
+            problems.append(Problem("task.name", str(exc), 1))
+        parse = lambda record, where: tasks.parse_math_record(record)  # noqa: E731
+    else:
+        parse = tasks.parse_jsonl_record
+        if t.reward:
+            try:
+                tasks.load_reward(t.reward)
+            except ValueError as exc:
+                problems.append(_problem(exc, "task.reward"))
+        else:
+            problems.append(Problem("task.reward", "config error at 'task.reward': task 'jsonl' needs a reward "
+                                                   "function: task.reward=module:function or "
+                                                   "task.reward=path/to/file.py:function"))
+    if not t.path:
+        problems.append(Problem("task.path", f"config error at 'task.path': task {t.name!r} needs a JSON-lines file "
+                                             f"(one example per line); set task.path"))
+        return
+    data = _read_examples("task.path", t.path, parse, t.name, problems)
+    held = _read_examples("task.eval_path", t.eval_path, parse, t.name, problems) if t.eval_path else None
+    if data is None or (t.eval_path and held is None):
+        return
+    try:
+        train, held_out = tasks._split(t, data, held)
+    except ValueError as exc:
+        key = "task.eval_path" if t.eval_path else "task.eval_size"
+        fix = ("; hold out other problems (task.eval_path names another file) or train on another task.path"
+               if "also appears" in str(exc) else "")
+        problems.append(Problem(key, f"{exc}{fix}", 1))
+        return
+    if t.name == "jsonl" and cfg.cold_start.steps > 0 and not cfg.model.path:
+        missing = [ex for ex in train + held_out if ex.completion is None]
+        if missing:
+            problems.append(Problem("cold_start.steps", (
+                f"config error at 'cold_start.steps': the cold start trains on demonstrations, and task 'jsonl' "
+                f"takes them from each record's \"completion\" string, which {len(missing)} of "
+                f"{len(train) + len(held_out)} records lack (first: {missing[0].source}); add a \"completion\" to "
+                f"every record of task.path and task.eval_path, or set cold_start.steps=0 (or model.path, to start "
+                f"from a trained model)"), 1))
+
+
+def _read_examples(key: str, path: str, parse, task: str, problems: list[Problem]) -> Optional[list]:
+    """Every example of a task file, or None after adding its problems: missing, not a file, compressed, or lines
+    that do not parse (all counted, the first ``NAMED_LINES`` named)."""
+    where = os.path.abspath(path)
+    if any(p.key == key for p in problems):  # the config's own check named the file already
+        return None
+    if not os.path.exists(path):
+        problems.append(Problem(key, f"config error at '{key}': file not found: {where} (relative paths are read "
+                                     f"from the working directory, {os.getcwd()})", 1))
+        return None
+    if not os.path.isfile(path):
+        problems.append(Problem(key, f"config error at '{key}': {where} is not a file; name a JSON-lines file", 1))
+        return None
+    with open(path, "rb") as f:
+        raw = f.read()
+    if raw[:2] == b"\x1f\x8b" or raw[:4] in (b"PK\x03\x04", b"BZh9", b"\xfd7zX"):
+        problems.append(Problem(key, f"{path}: a compressed file (it starts with the bytes {raw[:4]!r}); decompress "
+                                     f"it: the task reads JSON lines as plain UTF-8 text", 1))
+        return None
+    examples, bad = [], []
+    for lineno, line in enumerate(raw.splitlines(), start=1):
+        try:  # as trainers.tasks._load_jsonl reads them: a byte-order mark may open the file
+            text = line.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            if text.strip():
+                examples.append(parse(json.loads(text), f"{path}:{lineno}"))
+        except UnicodeDecodeError as exc:
+            bad.append(f"line {lineno}: not UTF-8 ({exc.reason} at column {exc.start + 1})")
+        except ValueError as exc:  # json.JSONDecodeError too
+            bad.append(f"line {lineno}: {exc}")
+    if bad:
+        named = "; ".join(bad[:NAMED_LINES])
+        more = f" (and {len(bad) - NAMED_LINES} more)" if len(bad) > NAMED_LINES else ""
+        problems.append(Problem(key, f"{path}: {len(bad)} malformed {task} line(s): {named}{more}; fix or remove "
+                                     f"them", 1))
+        return None
+    if not examples:
+        problems.append(Problem(key, f"{path}: no examples (the file is empty); name a file with one JSON object per "
+                                     f"line", 1))
+        return None
+    return examples
+
+
+def _model(cfg: RunConfig, problems: list[Problem]) -> None:
+    """The model directory: tokenizer, config.json (architecture, embedding rows) and weight files."""
+    from trainers.models import PRESETS
+
+    preset = PRESETS.get(cfg.model.preset)
+    if preset is None or cfg.model.init == "random":
+        return
+    if not cfg.model.path:
+        if preset.needs_path:
+            problems.append(Problem("model.path", f"model.preset={cfg.model.preset!r} loads real weights: set "
+                                                  f"model.path to a local directory with the weights and tokenizer, "
+                                                  f"or model.init=random for a speed or memory run without them", 1))
+        return
+    from trainers.tokenizer import load_tokenizer
+
+    try:
+        tokens = len(load_tokenizer(cfg.model.path))
+    except (OSError, ValueError) as exc:
+        problems.append(Problem("model.path", str(exc), 1))
+        tokens = None
+    config = Path(cfg.model.path) / "config.json"
+    if not Path(cfg.model.path).is_dir():
+        return  # the tokenizer's problem names the directory
+    try:
+        arch = json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        problems.append(Problem("model.path", f"no readable config.json in {cfg.model.path!r} ({exc}); model.path "
+                                              f"must be a Hugging Face model directory (save_pretrained)", 1))
+        return
+    if arch.get("model_type") != preset.model_type:
+        problems.append(Problem("model.path", f"model.path {cfg.model.path!r} holds a {arch.get('model_type')!r} model, "
+                                              f"preset {preset.name!r} expects {preset.model_type!r}: set model.preset "
+                                              f"to the directory's architecture", 1))
+    rows = arch.get("vocab_size")
+    if tokens is not None and isinstance(rows, int) and rows < tokens:
+        problems.append(Problem("model.path", f"tokenizer has {tokens} tokens but the model in {cfg.model.path!r} has "
+                                              f"only {rows} embedding rows: the tokenizer and the weights belong to "
+                                              f"different models", 1))
+    weights = [p for p in Path(cfg.model.path).iterdir() if p.suffix in (".safetensors", ".bin")
+               or p.name.endswith(".safetensors.index.json")]
+    if not weights:
+        problems.append(Problem("model.path", f"no weight files (*.safetensors, *.bin) in {cfg.model.path!r}: copy "
+                                              f"the model's weights there, or model.init=random for a speed or memory "
+                                              f"run without them", 1))
+
+
+def _device(cfg: RunConfig, problems: list[Problem]) -> None:
+    from dcmdp.device import local_rank, resolve_device
+
+    try:
+        resolve_device(cfg.device, local_rank())
+    except ConfigError as exc:
+        problems.append(_problem(exc, "device"))
+
+
+def _run_folder(cfg: RunConfig, problems: list[Problem]) -> None:
+    """A folder that holds another run, a resume path that names nothing, a tracking setting MLflow refuses."""
+    from dcmdp.checkpoint import run_in_folder
+    from dcmdp.tracking import check_tracking_config
+
+    out = Path(cfg.output_dir)
+    resume = cfg.checkpoint.resume
+    if resume and resume != "auto" and not Path(resume).exists():
+        problems.append(Problem("checkpoint.resume", f"checkpoint.resume={resume!r}: no checkpoint there; name a "
+                                                     f"checkpoint folder (<output_dir>/checkpoints/step_N), or auto",
+                                1))
+    if out.is_dir() and not resume and not cfg.overwrite and (earlier := run_in_folder(out)):
+        problems.append(Problem("output_dir", f"output_dir {out} already holds a run ({earlier}): continue it with "
+                                              f"checkpoint.resume=auto, start afresh there with overwrite=true, or "
+                                              f"choose another output_dir", 1))
+    try:
+        check_tracking_config(cfg.tracking, out)
+    except ConfigError as exc:
+        problems.append(_problem(exc, "tracking"))
+
+
+def report(problems: Sequence[Problem], what: str, *, listed: bool = False) -> list[str]:
+    """The lines that list ``problems`` found in ``what``: under a header line, each with its key; one problem alone
+    (``listed=False``, as ``train`` reports) is the one line the run would print."""
+    if len(problems) == 1 and not listed:
+        return [problems[0].line()]
+    return [f"dcmdp: {len(problems)} problem{'s' if len(problems) > 1 else ''} in {what}, each to fix before a run "
+            f"can start:", *(f"  {p.key or 'config'}: {p.message}" for p in problems)]
+
+
+def exit_code(problems: Sequence[Problem]) -> int:
+    """2 when any problem is a config error, 1 when every one is an input error, 0 for none."""
+    return max((p.exit_code for p in problems), default=0)
