@@ -41,6 +41,8 @@ def resolve_checkpoint(cfg: RunConfig, checkpoint: str) -> Path:
 
 
 def evaluate_checkpoint(cfg: RunConfig, checkpoint: str = "auto") -> EvalResult:
+    from dcmdp.device import local_rank, resolve_device
+    from dcmdp.distributed import Dist
     from dcmdp.policy import build_policy, held_out_accuracy, held_out_examples, seed_everything
 
     path = resolve_checkpoint(cfg, checkpoint)
@@ -57,8 +59,10 @@ def evaluate_checkpoint(cfg: RunConfig, checkpoint: str = "auto") -> EvalResult:
                           f"the same world size")
     seed_everything(cfg.seed)
     logging.getLogger("dcmdp").info("%s", apply_threads(cfg.threads))
+    device, why = resolve_device(cfg.device, local_rank())
+    logging.getLogger("dcmdp").info("evaluating on %s", why)
     with tempfile.TemporaryDirectory(prefix="dcmdp_eval_") as tmp:
-        policy = build_policy(cfg, Path(tmp), weights=state["model"])
+        policy = build_policy(cfg, Path(tmp), d=Dist(device=device), weights=state["model"])
         try:
             policy.engine.load_weights(policy.model.state_dict(), version=int(state["engine_version"]))
             accuracy = held_out_accuracy(policy, held_out_examples(policy), cfg.rollout.max_new_tokens, cfg.seed)
