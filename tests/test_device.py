@@ -328,3 +328,17 @@ def test_a_bf16_optimizer_state_saved_on_another_device_loads_and_reseeds(caplog
     q.grad = torch.randn_like(q)
     opt2.step()  # and it steps
     assert torch.isfinite(q.float()).all()
+
+
+@pytest.mark.parametrize("recipe", ["qwen3-8b", "qwen3-30b-a3b"])
+def test_the_documented_eight_gpu_launch_of_each_recipe_passes_the_world_check(recipe):
+    """docs/gpu.md's torchrun line: its overrides make the recipe valid at 8 ranks (FSDP2 over nccl, one colocated
+    vLLM engine at tensor-parallel size 8)."""
+    from dcmdp.distributed import check_world
+
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    line = next(ln for ln in text.splitlines() if f"configs/{recipe}.yaml" in ln and "--nproc_per_node 8" in ln)
+    args = line.split(f"configs/{recipe}.yaml", 1)[1].split("#")[0].split()
+    cfg = load_config(ROOT / "configs" / f"{recipe}.yaml", args)
+    check_world(cfg, 8)
+    assert cfg.device == "auto" and cfg.dist.backend == "auto"
