@@ -85,6 +85,9 @@ def steps(out: Path) -> list[Step]:
              "layers, R3) at random init, per-phase time, tokens/s, MFU, peak memory",
              script="benchmarks/gpu_train.py", limit_s=310,
              args=["--out", str(out), "--work", "/tmp/dcmdp_gpu_train", "--budget-s", "300"]),
+        Step("device", "checkpoints across devices: written on CUDA, resumed on the CPU and back (bf16 optimiser state)",
+             tests="tests/test_device.py", limit_s=60, needs=("pytest",),
+             args=["-m", "gpu", "--junitxml", str(out / "device.xml")]),
         Step("speed", "speed anchors: bf16 AdamW vs torch fused, padded vs unpadded scoring, Qwen3-8B (8 of 36 layers) "
              "and Qwen3-30B-A3B (4 of 48, R3) step MFU, decode vs the bandwidth bound, controller share of a step",
              script="benchmarks/gpu_speed.py", limit_s=210, args=["--out", str(out), "--budget-s", "170"]),

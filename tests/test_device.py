@@ -251,6 +251,7 @@ def test_a_checkpoint_written_on_cuda_resumes_on_the_cpu_and_back(tmp_path):
             "cold_start.target_accuracy=null", "task.eval_size=4", "algo.prompts_per_step=2",
             "algo.samples_per_prompt=2", "algo.minibatches=2", f"steps={steps}", "checkpoint.every=1",
             "checkpoint.resume=auto", "optim.precision=bf16_stochastic", "progress=false", f"device={device}",
+            "tracking.enabled=false",
             f"output_dir={tmp_path / 'out'}", "threads=1"])
         return train(cfg)
 
