@@ -709,7 +709,8 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
         policy.engine.load_weights(model.state_dict(), version=int(state["engine_version"]))
         accuracy_before = state.get("accuracy_before")
         log.info("resumed from %s at step %d (MLflow run %s)", resume, start_step, run_id)
-    tracker = Tracker(cfg.tracking, out) if d.main and cfg.tracking.enabled else NoTracker()
+    caps = {n: c.lambda_max for n, c in zip(constraint_names(cfg.dual.constraints), cfg.dual.constraints)}
+    tracker = Tracker(cfg.tracking, out, dual_caps=caps) if d.main and cfg.tracking.enabled else NoTracker()
     parent = ({"run_id": state.get("run_id"), "uid": checkpoint_run_uid(state), "checkpoint": str(resume)}
               if start.foreign else None)
     tracker.start(flatten(cfg), run_id=run_id,

@@ -48,6 +48,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import queue
 import re
@@ -81,10 +82,44 @@ LOCAL_ID_TAG = "dcmdp.local_id"
 # MLflow 3's UI files the runs of an experiment without a kind under "Evaluation runs" (its GenAI layout); this
 # experiment tag, which the UI reads and sets itself, makes it show them as model training runs.
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+# MLflow 3.17's UI takes the layout from its own workflow switch (default: GenAI), which this query parameter of a
+# link sets, whatever the experiment's tag: the link the run prints opens the run's charts in the training layout.
+UI_LAYOUT = "workflowType=machine_learning"
+# The port of ``mlflow ui`` when none is given: the link of a run in a local store.
+UI_DEFAULT = "http://127.0.0.1:5000"
+# The UI makes one chart section per metric-key prefix, in key order; the dual's overview is logged a second time
+# under this prefix, which sorts before every other ("0" < "a" byte-wise and in the UI's locale order), so that it
+# is the first section: per constraint lambda, its cap, D-hat and c side by side.
+OVERVIEW = "0_dual"
+_OVERVIEW_OF = {"lambda": "lambda", "measured": "measured", "tolerance": "tolerance"}
 PARENT_RUN_TAG = "mlflow.parentRunId"
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 # MLflow error codes that mean "this record can never be stored", as opposed to "try later".
 _REJECTED_CODES = {"INVALID_PARAMETER_VALUE", "INVALID_STATE"}
+
+
+def dual_overview(metrics: dict[str, Any], caps: dict[str, float]) -> dict[str, Any]:
+    """The overview keys of one step's metrics: ``dual/lambda/<c>``, ``dual/measured/<c>``, ``dual/tolerance/<c>``
+    again as ``0_dual/<c>/lambda``, ``0_dual/<c>/measured``, ``0_dual/<c>/tolerance``, and ``0_dual/<c>/lambda_max``
+    (``caps[c]``, when finite) wherever lambda is logged."""
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        group, kind, name = (key.split("/", 2) + ["", ""])[:3]
+        if group == "dual" and kind in _OVERVIEW_OF and name:
+            out[f"{OVERVIEW}/{name}/{_OVERVIEW_OF[kind]}"] = value
+            if kind == "lambda" and math.isfinite(caps.get(name, math.inf)):
+                out[f"{OVERVIEW}/{name}/lambda_max"] = caps[name]
+    return out
+
+
+def ui_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """The run's charts in MLflow's UI, in its training layout: the server of an http(s) URI (without credentials),
+    else ``mlflow ui`` on its default port (``UI_DEFAULT``)."""
+    parsed = urlparse(tracking_uri)
+    base = (parsed._replace(netloc=parsed.hostname + (f":{parsed.port}" if parsed.port else ""), params="", query="",
+                            fragment="").geturl().rstrip("/")
+            if parsed.scheme in ("http", "https") and parsed.hostname else UI_DEFAULT)
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}/model-metrics?{UI_LAYOUT}"
 
 
 def resolve_tracking_uri(cfg: TrackingConfig, output_dir: str | Path) -> str:
@@ -727,9 +762,12 @@ class Tracker:
     """
 
     def __init__(self, cfg: TrackingConfig, output_dir: str | Path, *, retry_interval: float = 10.0,
-                 max_retry_interval: float = 300.0):
+                 max_retry_interval: float = 300.0, dual_caps: Optional[dict[str, float]] = None):
         _set_http_defaults()
         self.cfg = cfg
+        # lambda_max per constraint of the run's dual, whose overview section (``dual_overview``) is logged with it;
+        # None: no overview (a tracker that logs no dual)
+        self.dual_caps = None if dual_caps is None else dict(dual_caps)
         self.output_dir = Path(output_dir)
         self.tracking_uri = resolve_tracking_uri(cfg, output_dir)
         self.buffer_dir = resolve_buffer_dir(cfg, output_dir)
@@ -806,7 +844,22 @@ class Tracker:
                 self._stray_dir.rmdir()
             except OSError:
                 pass  # not empty, or already gone: not ours to remove
+        if (link := self.ui_link()) is not None:
+            local = sqlite_store_file(self.tracking_uri) is not None
+            logger.info("MLflow: lambda, D-hat and c first (section %s) at %s%s", OVERVIEW, link,
+                        f" once `mlflow ui --backend-store-uri {self.tracking_uri}` runs" if local else "")
         return self.run_id  # type: ignore[return-value]
+
+    def ui_link(self) -> Optional[str]:
+        """``ui_link`` of this run; None while the store cannot be reached (the run is not created yet)."""
+        run_id = self.run_id
+        if run_id is None or run_id.startswith(LOCAL_ID_PREFIX):
+            return None
+        try:
+            experiment_id = self._sender._client().get_run(run_id).info.experiment_id
+        except Exception:  # an outage that began since: the link is a convenience, never a failure
+            return None
+        return ui_link(self.tracking_uri, experiment_id, run_id)
 
     def end_stale_run(self, run_id: str) -> None:
         """Mark ``run_id`` KILLED if the store still shows it RUNNING: the run this folder held before
@@ -855,7 +908,8 @@ class Tracker:
             raise RuntimeError("Tracker.log_metrics before Tracker.start")
         ts, run = _now_ms(), self.run_id
         records = []
-        for key, value in metrics.items():
+        overview = dual_overview(metrics, self.dual_caps) if self.dual_caps is not None else {}
+        for key, value in {**metrics, **overview}.items():
             if (key, int(step)) in self._logged:
                 continue
             try:
@@ -1037,9 +1091,13 @@ class NoTracker:
     run_id = None
     tracking_uri = ""
     buffered = 0
+    dual_caps = None
 
     def start(self, *args, **kwargs) -> None:
         pass
+
+    def ui_link(self) -> None:
+        return None
 
     def set_tags(self, tags: dict[str, str]) -> None:
         pass
