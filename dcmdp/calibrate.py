@@ -359,3 +359,53 @@ def measure_batch(policy: Policy, scoring: learner.ScoringSpec, cfg: RunConfig, 
         values[_constraint_key(i, c)] = float(measure_constraint(c, batch.old_logp_BT, r.rollout_logp_BT.float(),
                                                                  r.response_mask_BT.bool(), **routes))
     return values, batch, examples
+
+
+def lambda_response(cfg: RunConfig, lambdas: Sequence[float], batches: int = 4, skip: int = 1) -> list[dict[str, float]]:
+    """D-hat(lambda) and entropy(lambda) within one step: for each rollout batch and each lambda, the config's N
+    mini-batch updates on a copy of the weights with the penalty at that lambda (anchored as ``dual.measure_at``
+    says), from the same weights and optimiser moments; per lambda the means over batches ``skip``.. of D-hat vs mu at
+    the updates ("updates"), the drift vs pi_old ("drift"), both with the config's first constraint's measure, and the
+    policy entropy at the updates ("entropy"). The moments advance once per batch (on the first lambda's pass), so
+    that the later batches see a warmed-up AdamW, as a run does; the first ``skip`` batches are left out for that."""
+    target = cfg.dual.constraints[0]
+    s: Setup = setup(cfg, owns_folder=False)
+    rows: dict[float, dict[str, list[float]]] = {float(lam): {"updates": [], "drift": [], "entropy": []}
+                                                 for lam in lambdas}
+    try:
+        optimizer = build_optimizer(s.policy.model.parameters(), cfg.optim, seed=cfg.seed)
+        model = s.policy.model
+        for n in range(batches):
+            values, batch, examples = measure_batch(s.policy, s.scoring, cfg, [target], n)
+            if n == 0:
+                floor_C = torch.tensor([values[_constraint_key(0, target)]], dtype=torch.float64)
+                one = replace(cfg.dual, constraints=[target])
+                s.state.dual = update_floor(init_state(one), floor_C, one)
+            saved, moments = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+            rewards_B, _ = reward_phase(s.policy, examples, batch.rollout)
+            rollout, advantages_B, _, _ = screen_phase(cfg.algo, batch.rollout, rewards_B)
+            scored = learner.score_old(model, rollout, advantages_B, cfg.algo, s.scoring)
+            advanced = None
+            for k, lam in enumerate(rows):
+                optimizer.load_state_dict(copy.deepcopy(moments))
+                lam_C = torch.tensor([lam], dtype=torch.float64)
+                state = replace(s.state.dual, lambda_C=lam_C, lambda_avg_C=lam_C)
+                result = learner.update(model, learner.OptimStep(optimizer, grad_clip=cfg.optim.grad_clip), scored,
+                                        scoring=s.scoring, penalty=penalty_spec(state, replace(cfg.dual,
+                                                                                               constraints=[target])),
+                                        cfg=cfg.algo, generator=torch.Generator().manual_seed(step_seed(cfg.seed, n, 2)))
+                if k == 0:
+                    advanced = copy.deepcopy(optimizer.state_dict())
+                if n >= skip:
+                    rows[lam]["updates"].append(float(constraint_values([target], scored, result.trained_logp_BT)[0]))
+                    rows[lam]["drift"].append(float(constraint_values([target], scored, result.trained_logp_BT,
+                                                                      scored.old_logp_BT)[0]))
+                    rows[lam]["entropy"].append(float(np.mean([m["policy/entropy"] for m in result.steps
+                                                               if "policy/entropy" in m])))
+                model.load_state_dict(saved)
+            optimizer.load_state_dict(advanced)
+        s.tracker.finish()
+    finally:
+        model.eval()
+        s.policy.engine.close()
+    return [{"lambda": lam, **{k: float(np.mean(v)) for k, v in r.items()}} for lam, r in rows.items()]
