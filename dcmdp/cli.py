@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 from dcmdp.config import ConfigError, load_config
 from dcmdp.cpu import machine, passive_wait_policy
+from dcmdp.redact import filter_log_handlers
 
 
 def _split_config_args(args: Sequence[str]) -> tuple[Optional[str], list[str]]:
@@ -252,6 +253,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("urllib3", "alembic", "mlflow.store", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    filter_log_handlers()  # a library's log line may repeat a URI's credentials
     waiting = passive_wait_policy(machine()[1])  # before a command imports torch and its OpenMP runtime
     if waiting:
         logging.getLogger("dcmdp").info("%s", waiting)

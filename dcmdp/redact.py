@@ -22,6 +22,7 @@ Light: no torch, no mlflow.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import fields, is_dataclass
 from typing import Any, Callable, Iterator, Optional
@@ -56,6 +57,23 @@ def remember(value: str) -> None:
             _known.add(decoded)
 
 
+class ThirdPartyLogFilter(logging.Filter):
+    """``redact`` of every log record of a library (urllib3, mlflow, ...), which may repeat a URI with its query or
+    userinfo; the project's own messages name URIs through ``public_uri`` and pass unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(("dcmdp", "trainers", "constraints")) and _known:
+            record.msg, record.args = redact(record.getMessage()), None
+        return True
+
+
+def filter_log_handlers() -> None:
+    """Put ``ThirdPartyLogFilter`` on every handler of the root logger (once)."""
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, ThirdPartyLogFilter) for f in handler.filters):
+            handler.addFilter(ThirdPartyLogFilter())
+
+
 def redact(text: str) -> str:
     """Free text with every known secret value replaced by ``***`` (see the module docstring: never for records)."""
     for secret in sorted(_known, key=len, reverse=True):  # longest first: one secret may contain another
@@ -67,9 +85,11 @@ def redact(text: str) -> str:
 
 # a whole interpolation: a reference to a value, not the value
 _REF = re.compile(r"^\$\{[^{}]*\}$")
-# a query or fragment parameter that holds a credential, by its name (lower case, '-' read as '_')
-_CREDENTIAL_NAME = re.compile(r"token|secret|passw|pwd|auth|sign|(^|_)sig($|_)|credential|key|session|cookie|jwt|"
-                              r"bearer|private|otp|nonce|code$")
+# a query or fragment parameter that holds a credential, by its name: a word of it (split at anything but letters and
+# digits) is one of these, or contains one of the stems
+_CREDENTIAL_WORDS = frozenset({"key", "sig", "signature", "auth", "authorization", "pass", "pwd", "session",
+                               "sessionid", "cookie", "jwt", "bearer", "otp", "code", "private", "nonce", "sas"})
+_CREDENTIAL_STEMS = ("token", "secret", "passw", "apikey", "credential", "privatekey", "accesskey")
 
 
 def is_ref(text: str) -> bool:
@@ -79,7 +99,8 @@ def is_ref(text: str) -> bool:
 
 def credential_param(name: str) -> bool:
     """A query parameter named ``name`` holds a credential (``token``, ``api_key``, ``X-Amz-Signature``, ...)."""
-    return bool(_CREDENTIAL_NAME.search(unquote(name).lower().replace("-", "_")))
+    words = re.split(r"[^a-z0-9]+", unquote(name).lower())
+    return any(w in _CREDENTIAL_WORDS or any(stem in w for stem in _CREDENTIAL_STEMS) for w in words)
 
 
 def _authority_end(rest: str) -> int:
@@ -110,6 +131,19 @@ def _public_params(text: str, sep: str = "&") -> tuple[str, bool]:
     return sep.join(kept), removed
 
 
+def _split_outside_refs(text: str, sep: str) -> tuple[str, str, str]:
+    """``text.partition(sep)`` at the first ``sep`` outside an interpolation (``${oc.env:PW}`` holds a ':')."""
+    depth = 0
+    for i, ch in enumerate(text):
+        if text.startswith("${", i):
+            depth += 1
+        elif ch == "}" and depth:
+            depth -= 1
+        elif ch == sep and not depth:
+            return text[:i], sep, text[i + 1:]
+    return text, "", ""
+
+
 def split_credentials(uri: str) -> tuple[str, bool]:
     """(``uri`` without its credentials, whether it held any): see ``public_uri``."""
     if is_ref(uri.strip()) or "://" not in uri:
@@ -120,14 +154,14 @@ def split_credentials(uri: str) -> tuple[str, bool]:
     removed = False
     if "@" in authority:
         userinfo, _, host = authority.rpartition("@")
-        user, colon, password = userinfo.partition(":")
+        user, colon, password = _split_outside_refs(userinfo, ":")
         keep = (is_ref(password) if colon else is_ref(user)) and (not user or is_ref(user) or colon)
         if not keep:
             removed = True
-            for part in (user, password):
-                if part and not is_ref(part):
-                    remember(part)
-                    remember(unquote(part))
+            # the secret is the password, or a lone user name (a token); a user name beside a password is not
+            secret = password if colon else user
+            if secret and not is_ref(secret):
+                remember(secret)
             authority = host
     try:
         parts = urlsplit("x://h" + tail)

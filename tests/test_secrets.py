@@ -1,0 +1,217 @@
+"""Secrets kept out of every artefact by construction: a value read from the environment is recorded as its
+interpolation, a URI without its userinfo and credential parameters (dcmdp.redact). Property tests feed random
+secret strings through the config records (many examples, no training) and through every artefact of two real
+short runs (config.yaml, summary.json, checkpoints, run.lock, run.json, the tracking buffer, the MLflow store and
+the console), grepping every byte for them."""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+import torch
+import yaml
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from dcmdp import cli
+from dcmdp.config import ConfigError, flatten, load_config, resume_conflicts, to_yaml
+from dcmdp.redact import credential_param, public_uri, uri_problem
+
+BASE = ["model.preset=tiny-dense", "cold_start.steps=0", "algo.prompts_per_step=2", "algo.samples_per_prompt=2",
+        "algo.minibatches=1", "task.eval_size=2", "threads=1", "progress=false", "rollout.max_new_tokens=3", "steps=1"]
+
+# unreserved URI characters: a secret made of them reads the same percent-encoded, JSON-escaped or in YAML
+SECRET = st.text(alphabet=string.ascii_letters + string.digits + "-_.~", min_size=12, max_size=40).filter(
+    lambda s: not s.isdigit() and s.strip("-_.~"))
+# what may be given from the environment for a password, anything printable but a line break
+RAW = st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=0x2FF, exclude_characters="\\'\"${}"),
+              min_size=12, max_size=40)
+
+
+@pytest.fixture(autouse=True)
+def _no_env_store(monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
+def _forms(secret: str) -> list[bytes]:
+    return sorted({secret.encode(), quote(secret, safe="").encode(), json.dumps(secret)[1:-1].encode()})
+
+
+def _leaks(secret: str, blobs: dict[str, bytes]) -> list[str]:
+    return [name for name, data in blobs.items() for form in _forms(secret) if form in data]
+
+
+def _files(*roots: Path) -> dict[str, bytes]:
+    out = {}
+    for root in roots:
+        for path in root.rglob("*"):
+            if path.is_file():
+                out[str(path)] = path.read_bytes()
+    return out
+
+
+# ----------------------------------------------------------------------------------- records of a config, no run
+
+@settings(max_examples=10, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(password=RAW, token=SECRET, name=SECRET, literal=SECRET, key=SECRET)
+def test_random_secrets_never_reach_a_record_and_config_yaml_reads_back(monkeypatch, tmp_path, password, token, name,
+                                                                       literal, key):
+    """Secrets from the environment (a URI password of any printable characters, a query token, a fragment's
+    api_key, the run name) and a password written into a URI by hand: none is in config.yaml or the flattened
+    params, config.yaml parses as YAML and loads back to the same resolved config, and a URI the run cannot use
+    is refused by a message without the secret."""
+    monkeypatch.setenv("DCMDP_PW", password)
+    monkeypatch.setenv("DCMDP_TOK", token)
+    monkeypatch.setenv("DCMDP_NAME", name)
+    monkeypatch.setenv("DCMDP_KEY", key)
+    uri = "http://me:${oc.env:DCMDP_PW}@127.0.0.1:5000/mlflow?token=${oc.env:DCMDP_TOK}&x=1#api_key=${oc.env:DCMDP_KEY}"
+    overrides = [f"tracking.uri={uri}", "tracking.run_name=${oc.env:DCMDP_NAME}", "progress=${oc.env:DCMDP_PB,false}"]
+    try:
+        cfg = load_config(None, overrides)
+    except ConfigError as exc:  # a password with '/', '?', '#' or '@' breaks the URI: refused, the secret unsaid
+        assert "tracking.uri" in str(exc) and not _leaks(password, {"error": str(exc).encode()})
+        assert uri_problem(f"http://me:{password}@127.0.0.1:5000") is not None
+        return
+    records = {"config.yaml": to_yaml(cfg, public=True).encode(), "params": json.dumps(flatten(cfg)).encode()}
+    for secret in (password, token, name, key):
+        assert not _leaks(secret, records), secret
+    assert "${oc.env:DCMDP_PW}" in records["config.yaml"].decode()
+    path = tmp_path / "config.yaml"
+    path.write_text(records["config.yaml"].decode())
+    assert isinstance(yaml.safe_load(path.read_text()), dict)
+    assert load_config(path) == cfg
+    # a literal password written into the URI is left out with its userinfo
+    literal_cfg = load_config(None, [f"tracking.uri=postgresql://bob:{literal}@db:5432/mlflow?sslmode=require"
+                                     f"&api_key={key}"])
+    assert flatten(literal_cfg)["tracking.uri"] == "postgresql://db:5432/mlflow?sslmode=require"
+    assert not _leaks(literal, {"config.yaml": to_yaml(literal_cfg, public=True).encode()})
+
+
+@pytest.mark.parametrize("uri, public", [
+    ("http://127.0.0.1:5000/?token=abc123&x=1", "http://127.0.0.1:5000/?x=1"),
+    ("https://h/p?X-Amz-Signature=zz&X-Amz-Credential=cc&X-Amz-Date=1", "https://h/p?X-Amz-Date=1"),
+    ("https://h/p?sig=zz&access_token=t&password=p&auth=a&secret=s&key=k&page=2", "https://h/p?page=2"),
+    ("https://ghp_tokenasuser@host/x", "https://host/x"),
+    ("http://alice:QWxh/ZGRp+bg==@127.0.0.1:5000", "http://127.0.0.1:5000"),
+    ("http://host:5000/a@b", "http://host:5000/a@b"),
+    ("http://me:${oc.env:PW}@host/?token=${oc.env:T}", "http://me:${oc.env:PW}@host/?token=${oc.env:T}"),
+    ("http://${oc.env:TOKEN}@host", "http://${oc.env:TOKEN}@host"),
+    ("http://me:literal@host?token=${oc.env:T}", "http://host?token=${oc.env:T}"),
+    ("sqlite:////tmp/run/mlflow.db", "sqlite:////tmp/run/mlflow.db"),
+    ("databricks", "databricks"),
+])
+def test_public_uri_removes_credentials_structurally(uri, public):
+    assert public_uri(uri) == public
+
+
+def test_credential_parameters_are_known_by_name_and_common_words_are_not_masked(monkeypatch):
+    for name in ("token", "api_key", "apikey", "X-Amz-Signature", "sig", "access_token", "client_secret", "password",
+                 "passwd", "auth", "Authorization", "session_id", "jwt"):
+        assert credential_param(name), name
+    for name in ("page", "x", "experiment", "design", "signal_rate"):
+        assert not credential_param(name), name
+    # values that are common words are never masked in a record: nothing is replaced as a substring
+    monkeypatch.setenv("DCMDP_PB", "false")
+    cfg = load_config(None, ["progress=${oc.env:DCMDP_PB}"])
+    text = to_yaml(cfg, public=True)
+    assert "progress: ${oc.env:DCMDP_PB}" in text and "overwrite: false" in text
+    assert yaml.safe_load(text)["dual"]["average"] is False
+
+
+def test_a_password_with_a_slash_is_refused_naming_the_key_not_the_password(monkeypatch, capsys):
+    code = cli.main(["train", "tracking.uri=http://alice:QWxh/ZGRp+bg==@127.0.0.1:5000", "steps=1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "config error at 'tracking.uri': 'http://127.0.0.1:5000' cannot be used" in err
+    assert "QWxh" not in err and "ZGRp" not in err
+
+
+def test_a_resume_checked_key_from_the_environment_is_compared_on_its_value(monkeypatch):
+    monkeypatch.setenv("DCMDP_PRESET", "tiny-dense")
+    saved = flatten(load_config(None, ["model.preset=${oc.env:DCMDP_PRESET}"]))
+    assert saved["model.preset"] == "tiny-dense"  # what a checkpoint records of it
+    monkeypatch.setenv("DCMDP_PRESET", "tiny-moe")
+    now = load_config(None, ["model.preset=${oc.env:DCMDP_PRESET}"])
+    assert resume_conflicts(saved, now) == ["model.preset: 'tiny-dense' in the checkpoint, 'tiny-moe' now"]
+    assert "preset: ${oc.env:DCMDP_PRESET}" in to_yaml(now, public=True)
+
+
+# ---------------------------------------------------------------------------------------------- real short runs
+
+def _secrets(seed: int, n: int) -> list[str]:
+    rng = random.Random(seed)
+    alphabet = string.ascii_letters + string.digits + "-_.~"
+    return ["s" + "".join(rng.choice(alphabet) for _ in range(rng.randrange(12, 30))) for _ in range(n)]
+
+
+def _train(argv: list[str], capfd) -> tuple[int, str]:
+    code = cli.main(["train", *argv])
+    captured = capfd.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_random_secrets_reach_no_artefact_of_a_run_tracked_to_a_server(tmp_path, monkeypatch, capfd, caplog,
+                                                                      mlflow_server):
+    """A password and a run name from the environment; an output folder named from the environment too (its
+    records hold the interpolation). After a run, a resume from the run's own config.yaml: every file of the
+    output folder and of the MLflow server's store, and the console, are free of the secrets."""
+    password, run_name = _secrets(46, 2)
+    monkeypatch.setenv("DCMDP_T_PW", password)
+    monkeypatch.setenv("DCMDP_T_NAME", run_name)
+    out = tmp_path / "out"
+    monkeypatch.setenv("DCMDP_T_OUT", str(out))
+    host = mlflow_server.uri.split("://", 1)[1]
+    argv = [*BASE, f"tracking.uri=http://dcmdp:${{oc.env:DCMDP_T_PW}}@{host}",
+            "tracking.run_name=${oc.env:DCMDP_T_NAME}", "output_dir=${oc.env:DCMDP_T_OUT}", "checkpoint.every=1"]
+    code, console = _train(argv, capfd)
+    assert code == 0, console[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["output_dir"] == "${oc.env:DCMDP_T_OUT}"
+    # the run resumes from its own config.yaml, which names the interpolations
+    text = (out / "config.yaml").read_text()
+    assert "uri: http://dcmdp:${oc.env:DCMDP_T_PW}@" in text and "run_name: ${oc.env:DCMDP_T_NAME}" in text
+    code, console2 = _train([str(out / "config.yaml"), "steps=2", "checkpoint.resume=auto"], capfd)
+    assert code == 0, console2[-3000:]
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(mlflow_server.uri).get_run(summary["run_id"])
+    assert run.data.tags["dcmdp.output_dir"] == "${oc.env:DCMDP_T_OUT}"
+    assert run.data.tags["mlflow.runName"] == "${oc.env:DCMDP_T_NAME}"
+    state = torch.load(out / "checkpoints" / "step_00000002" / "state.pt", weights_only=True)
+    assert state["run"]["output_dir"] == "${oc.env:DCMDP_T_OUT}"
+    blobs = {**_files(out, mlflow_server.root), "console": (console + console2).encode(), "log": caplog.text.encode()}
+    for secret in (password, run_name):
+        assert not _leaks(secret, blobs), (secret, _leaks(secret, blobs))
+
+
+def test_random_secrets_reach_no_artefact_of_a_run_whose_tracking_is_buffered(tmp_path, monkeypatch, capfd, caplog):
+    """A tracking URI with a token as user name, a literal password, credential query parameters (literal and from
+    the environment) and an unreachable server: the metrics are buffered, and the buffer, run.lock, config.yaml,
+    summary.json, the checkpoint, the console and the log (urllib3's retry warnings repeat the URL) hold none of the
+    secrets; the buffer's header names the URI without them, and how to read them again."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: nothing answers there
+    user, password, token, sig = _secrets(4646, 4)
+    monkeypatch.setenv("DCMDP_T_SIG", sig)
+    out = tmp_path / "out"
+    uri = f"http://{user}:{password}@127.0.0.1:{port}/?token={token}&sig=${{oc.env:DCMDP_T_SIG}}&x=1"
+    code, console = _train([*BASE, f"tracking.uri={uri}", f"output_dir={out}"], capfd)
+    assert code == 0, console[-3000:]
+    [segment] = (out / "tracking_buffer").glob("*.jsonl")
+    header = json.loads(segment.read_text().splitlines()[0])
+    assert header["uri"] == f"http://127.0.0.1:{port}/?x=1" and header["credentials_removed"] is True
+    assert "sig=${oc.env:DCMDP_T_SIG}" in header["uri_as_written"]
+    blobs = {**_files(out), "console": console.encode(), "log": caplog.text.encode()}
+    for secret in (password, token, sig):
+        assert not _leaks(secret, blobs), (secret, _leaks(secret, blobs))
+    # a user name beside a password is no secret (a library's message may repeat it); no record holds it
+    del blobs["log"]
+    assert not _leaks(user, blobs), _leaks(user, blobs)
