@@ -97,9 +97,19 @@ class TorchEngineConfig:
     # bf16 on one GPU) and no weight sync. Needs the rollout precision to be the trainer's parameter dtype (bf16
     # with optim.precision=bf16_*, fp32 otherwise), no quantisation, no precision schedule, no async rollouts.
     share_weights: bool = False
+    # KV cache of a rollout: dynamic (grows by one position per decode step) | static (P + max_new_tokens positions
+    # allocated once and written in place: the fixed shapes a captured decode graph needs).
+    kv_cache: str = "dynamic"
+    # kv_cache=static on CUDA, dense models: decode steps compiled with torch.compile(mode="reduce-overhead") and
+    # replayed as CUDA graphs (finished rows are then fed padding instead of leaving the batch). Ignored elsewhere.
+    decode_graphs: bool = False
 
     def check(self, prefix: str = "rollout.torch") -> None:
         _require(self.int4_group_size >= 1, f"{prefix}.int4_group_size", f"must be >= 1, got {self.int4_group_size}")
+        _require(self.kv_cache in ("dynamic", "static"), f"{prefix}.kv_cache",
+                 f"must be dynamic or static, got {self.kv_cache!r}")
+        _require(not self.decode_graphs or self.kv_cache == "static", f"{prefix}.decode_graphs",
+                 "needs rollout.torch.kv_cache=static (a captured graph reads a cache of fixed shape)")
 
 
 @dataclass

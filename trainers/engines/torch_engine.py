@@ -28,6 +28,14 @@ is given. The same kernel on the same values: the output is bitwise that of the 
 (tests/test_torch_engine.py), so the trainer, which keeps ``sdpa``, still scores the engine's tokens to float
 rounding. The prefill goes through transformers' ``sdpa`` unchanged.
 
+KV cache (``rollout.torch.kv_cache``): ``dynamic`` (default) appends each step's keys and values, so the cache and
+the mask grow by one column per step; ``static`` allocates P + max_new_tokens positions (rounded up to
+``STATIC_CACHE_ROUND``) at the prefill, writes each step in place and masks the positions not yet fed: the same keys
+and values reach every softmax, so the same tokens from the same seed and log mu to float rounding
+(tests/test_torch_engine.py). Its fixed shapes let a decode step be captured once and replayed as a CUDA graph
+(``rollout.torch.decode_graphs``: ``torch.compile(mode="reduce-overhead")`` of the decoder, CUDA and dense models
+only; finished rows are then fed padding rather than compacted, which leaves the tokens unchanged as above).
+
 Logit noise (``rollout.logit_noise = sigma > 0``): a stress knob, not a deployment format. Each decode
 step adds ``sigma * N(0, 1)`` noise, drawn from the engine's generator seeded by ``generate``'s ``seed``
 (so a rollout stays reproducible from its seed), to the float32 logits after the LM head, before
@@ -48,7 +56,7 @@ import contextlib
 
 import torch
 from torch import Tensor
-from transformers import AttentionInterface, DynamicCache
+from transformers import AttentionInterface, DynamicCache, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
@@ -64,6 +72,10 @@ from trainers.scoring import lm_head_logits, position_ids, tempered_logp
 COMPACT_FRACTION = 0.125
 
 GQA_DECODE_ATTENTION = "dcmdp_sdpa_gqa_decode"
+
+# rollout.torch.kv_cache=static: the cache length P + max_new_tokens rounded up to a multiple of this, so that batches
+# of similar prompt lengths share one cache shape (one captured decode graph per shape).
+STATIC_CACHE_ROUND = 64
 
 
 def sdpa_gqa_decode(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
@@ -93,6 +105,18 @@ def nucleus_logp(logp_BV: Tensor, top_p: float) -> Tensor:
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     kept = logp_BV.masked_fill(~keep, float("-inf"))
     return kept - torch.logsumexp(kept, dim=-1, keepdim=True)
+
+
+def _select_rows(cache, keep_A: Tensor) -> None:
+    """Keep rows ``keep_A`` of every layer of a dynamic or static KV cache (in place)."""
+    if isinstance(cache, StaticCache):
+        for layer in cache.layers:
+            if layer.is_initialized:
+                layer.keys, layer.values = layer.keys[keep_A], layer.values[keep_A]
+                layer.batch_size = len(keep_A)
+        return
+    for layer in cache.layers:
+        layer.batch_select_indices(keep_A)
 
 
 class TorchEngine:
@@ -165,14 +189,24 @@ class TorchEngine:
         rows_A = torch.arange(B, device=dev)
         live_A = torch.ones(B, dtype=torch.bool, device=dev)
         # Mask over every position fed so far (decode batch rows); grows by one column per decode step.
-        mask_AS = prompt_mask_BP.clone()
+        # With a static cache it has the cache's L columns from the start, False where nothing was fed yet.
+        static = self.cfg.torch.kv_cache == "static"
+        graphs = static and self._decode_graphs()
+        if static:
+            L = -(-(P + T) // STATIC_CACHE_ROUND) * STATIC_CACHE_ROUND
+            cache = self._static_cache(B, L, reuse=graphs)
+            mask_AS = torch.zeros((B, L), dtype=torch.bool, device=dev)
+            mask_AS[:, :P] = prompt_mask_BP
+        else:
+            cache = DynamicCache(config=self.model.config)
+            mask_AS = prompt_mask_BP.clone()
         next_pos_A = prompt_mask_BP.sum(dim=-1)  # position of the first response token
-        cache = DynamicCache(config=self.model.config)
         fed_rows = []  # rows_A of every decode forward, for the routes
         base = self.model.model
+        decode = self._graph_step(base) if graphs else base
 
         with routing.capture_routes(self.model) if self.is_moe else contextlib.nullcontext() as capture:
-            out = base(input_ids=prompt_ids_BP, attention_mask=mask_AS, position_ids=position_ids(mask_AS),
+            out = base(input_ids=prompt_ids_BP, attention_mask=mask_AS, position_ids=position_ids(prompt_mask_BP),
                        past_key_values=cache, use_cache=True)
             hidden_AH = out.last_hidden_state[:, -1]
             steps = 0
@@ -188,19 +222,23 @@ class TorchEngine:
                     break
                 # A row leaves the decode batch the step after its EOS, which is still fed so that its routes
                 # are recorded as without compaction.
-                if self.cfg.torch.drop_finished and int((~fed_A).sum()) >= COMPACT_FRACTION * len(fed_A):
+                # (A captured decode graph has a fixed batch: finished rows are fed padding instead.)
+                if (self.cfg.torch.drop_finished and not graphs
+                        and int((~fed_A).sum()) >= COMPACT_FRACTION * len(fed_A)):
                     keep_A = fed_A.nonzero().squeeze(-1)
-                    for layer in cache.layers:
-                        layer.batch_select_indices(keep_A)
+                    _select_rows(cache, keep_A)
                     rows_A, mask_AS, next_pos_A = rows_A[keep_A], mask_AS[keep_A], next_pos_A[keep_A]
                     fed_A, live_A = fed_A[keep_A], live_A[keep_A]
                 # Feed token t back at its position in the full sequence (scoring.position_ids); in rows
                 # already finished (drop_finished off, or not compacted yet) it is padding, masked out of
                 # every later query.
-                mask_AS = torch.cat([mask_AS, fed_A[:, None]], dim=1)
+                if static:
+                    mask_AS[:, P + t] = fed_A
+                else:
+                    mask_AS = torch.cat([mask_AS, fed_A[:, None]], dim=1)
                 fed_rows.append(rows_A)
-                out = base(input_ids=response_ids_BT[rows_A, t:t + 1], attention_mask=mask_AS,
-                           position_ids=(next_pos_A + t)[:, None], past_key_values=cache, use_cache=True)
+                out = decode(input_ids=response_ids_BT[rows_A, t:t + 1], attention_mask=mask_AS,
+                             position_ids=(next_pos_A + t)[:, None], past_key_values=cache, use_cache=True)
                 hidden_AH = out.last_hidden_state[:, -1]
 
         response_ids_BT = response_ids_BT[:, :steps].contiguous()
@@ -232,6 +270,32 @@ class TorchEngine:
         race_BV = torch.empty((B, V), dtype=logp_AV.dtype, device=logp_AV.device).exponential_(1, generator=gen)
         token_A = (logp_AV.exp() / race_BV[rows_A]).argmax(dim=-1)
         return token_A, logp_AV.gather(-1, token_A[:, None]).squeeze(-1)
+
+    def _static_cache(self, B: int, L: int, *, reuse: bool) -> StaticCache:
+        """A static cache of B rows and L positions, allocated at its first write. ``reuse`` (decode graphs, which
+        never compact it): the one of the last rollout of the same shape, reset, so that its tensors keep the
+        addresses a captured graph reads."""
+        held = getattr(self, "_static", None)
+        if reuse and held is not None and held[0] == (B, L):
+            held[1].reset()
+            return held[1]
+        cache = StaticCache(config=self.model.config, max_cache_len=L)
+        self._static = ((B, L), cache) if reuse else None
+        return cache
+
+    def _decode_graphs(self) -> bool:
+        """Whether decode steps run as captured CUDA graphs (``rollout.torch.decode_graphs``): on CUDA, for dense
+        models only (an MoE's route capture records every router call in Python, which a graph would skip)."""
+        return self.cfg.torch.decode_graphs and self.device.type == "cuda" and not self.is_moe
+
+    def _graph_step(self, base: torch.nn.Module):
+        """The decoder's forward compiled with ``mode="reduce-overhead"``: inductor kernels replayed as CUDA graphs,
+        one per (batch, cache length); compiled once per engine model."""
+        step = getattr(self, "_compiled", None)
+        if step is None or step[0] is not base:
+            step = (base, torch.compile(base, mode="reduce-overhead", fullgraph=False, dynamic=False))
+            self._compiled = step
+        return step[1]
 
     def _assemble_routes(self, capture: routing.RouteCapture, prompt_mask_BP: Tensor, response_mask_BT: Tensor,
                          fed_rows: list[Tensor]) -> Tensor:
