@@ -157,6 +157,18 @@ class Experiment:
         return [*self.run_config(profile, level, method, n, seed), f"output_dir={out}", *CELL_PLUMBING]
 
 
+def _int(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ExperimentError(f"{where}: expected an integer, got {value!r}")
+    return value
+
+
+def _ints(value, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value:
+        raise ExperimentError(f"{where}: expected a non-empty list of integers, got {value!r}")
+    return tuple(_int(v, f"{where}[{i}]") for i, v in enumerate(value))
+
+
 def _strings(value, where: str) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -249,7 +261,7 @@ def _pool(p: dict, where: str, profiles: dict) -> tuple[Pooled, ...]:
         target = profiles.get(part["profile"])
         if not isinstance(target, dict) or "pool" in target:
             raise ExperimentError(f"{at}.profile: {part['profile']!r} is not a profile with cells")
-        out.append(Pooled(part["profile"], str(part["bench_dir"]), int(part["seed_offset"])))
+        out.append(Pooled(part["profile"], str(part["bench_dir"]), _int(part["seed_offset"], f"{at}.seed_offset")))
     seeds = [{(lv, m, n, s + q.seed_offset) for b in profiles[q.profile]["cells"] for lv in b["levels"]
               for m in b["methods"] for n in b["N"] for s in b["seeds"]} for q in out]
     if any(a & b for i, a in enumerate(seeds) for b in seeds[i + 1:]):
@@ -267,12 +279,22 @@ def load_experiment(spec: str | Path) -> Experiment:
         known = sorted(p.stem for p in EXPERIMENTS.glob("*.yaml"))
         raise ExperimentError(f"{spec}: no such experiment file (known: {known})")
     where = rel(path)
-    raw = _entry(yaml.safe_load(path.read_text()), where,
+    try:
+        text = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ExperimentError(f"{where}: not a readable YAML file: {' '.join(str(exc).split())}") from None
+    raw = _entry(text, where,
                  {"about", "base", "overrides", "levels", "methods", "profiles", "cell_name", "late_from",
                   "reference", "compare"})
     for key in ("base", "levels", "methods", "profiles"):
         if key not in raw:
             raise ExperimentError(f"{where}: missing key {key!r}")
+    if not isinstance(raw["base"], str) or not (ROOT / raw["base"]).is_file():
+        raise ExperimentError(f"{where}.base: no config file {raw['base']!r} (a path from the repository root, "
+                              f"{ROOT})")
+    for key in ("levels", "methods", "profiles"):
+        if not isinstance(raw[key], dict) or not raw[key]:
+            raise ExperimentError(f"{where}.{key}: expected a mapping of names to entries, got {raw[key]!r}")
     levels = {name: list(_strings(_entry(v, f"{where}.levels.{name}", {"about", "overrides"}).get("overrides"),
                                   f"{where}.levels.{name}.overrides")) for name, v in raw["levels"].items()}
     methods, method_levels = _resolve_methods(raw["methods"], f"{where}.methods", levels)
@@ -291,8 +313,8 @@ def load_experiment(spec: str | Path) -> Experiment:
                 missing = [x for x in b[key] if x not in known]
                 if missing:
                     raise ExperimentError(f"{at}.{key}: unknown {missing} (known: {sorted(known)})")
-            blocks.append(Block(tuple(b["levels"]), tuple(b["methods"]), tuple(int(n) for n in b["N"]),
-                                tuple(int(s) for s in b["seeds"])))
+            blocks.append(Block(tuple(b["levels"]), tuple(b["methods"]), _ints(b["N"], f"{at}.N"),
+                                _ints(b["seeds"], f"{at}.seeds")))
         if not blocks:
             raise ExperimentError(f"{where}.profiles.{name}.cells: a profile needs at least one block")
         profiles[name] = Profile(p["about"], _strings(p.get("overrides"), f"{where}.profiles.{name}.overrides"),
@@ -1084,12 +1106,12 @@ def run(exp: Experiment, profile_name: str, bench_dir: Path, results_prefix: Pat
         methods: Optional[Sequence[str]] = None) -> list[dict]:
     """Train the profile's missing runs (those at ``levels`` and of ``methods`` only, when given) and write its
     page."""
-    from dcmdp.config import load_config
+    from dcmdp.config import ConfigError, load_config
 
     for kind, wanted, i in (("level", levels, 0), ("method", methods, 1)):
         unknown = sorted(set(wanted or ()) - {c[i] for c in exp.cells(profile_name)})
         if unknown:
-            raise SystemExit(f"error: profile {profile_name!r} has no {kind} {', '.join(unknown)}")
+            raise ExperimentError(f"profile {profile_name!r} has no {kind} {', '.join(unknown)}")
     cells_here = [c for c in exp.cells(profile_name)
                   if (levels is None or c[0] in levels) and (methods is None or c[1] in methods)]
 
@@ -1101,7 +1123,11 @@ def run(exp: Experiment, profile_name: str, bench_dir: Path, results_prefix: Pat
     for level, method, n, seed in cells_here:
         out = exp.cell_dir(bench_dir, level, method, n, seed)
         overrides = exp.cell_overrides(profile_name, level, method, n, seed, out)
-        configs.append((seed, load_config(exp.base, overrides)))  # a bad override fails here, before anything trains
+        try:  # a bad override fails here, before anything trains
+            configs.append((seed, load_config(exp.base, overrides)))
+        except ConfigError as exc:
+            raise ExperimentError(f"experiment {exp.name}: run {level}/{method}/N={n}/seed={seed} of profile "
+                                  f"{profile_name!r} (base {rel(exp.base)}): {exc}") from None
         jobs.append(((level, method, n, seed), out, overrides))
     todo = [out for _, out, _ in jobs if not finished(out)] if train else []
     if todo:
@@ -1232,9 +1258,13 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict] | None:
         print(accuracy_figure(exp, cells, args.headline.split(","), [max(c["N"] for c in cells)],
                               results.with_name(results.name + "_headline.png")))
         return None
-    return run(exp, args.profile, bench.resolve(), results.resolve(), args.workers, command("run.py", argv),
-               train=not args.no_train, levels=args.levels.split(",") if args.levels else None,
-               methods=args.methods.split(",") if args.methods else None)
+    try:
+        return run(exp, args.profile, bench.resolve(), results.resolve(), args.workers, command("run.py", argv),
+                   train=not args.no_train, levels=args.levels.split(",") if args.levels else None,
+                   methods=args.methods.split(",") if args.methods else None)
+    except ExperimentError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 if __name__ == "__main__":
