@@ -254,6 +254,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for noisy in ("urllib3", "alembic", "mlflow.store", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     filter_log_handlers()  # a library's log line may repeat a URI's credentials
+    if not ns.verbose:
+        # it logs every failed query with its traceback (a full disk: one per call) before raising the error the
+        # tracker reports in one line, naming the store and where the metrics are buffered
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
     waiting = passive_wait_policy(machine()[1])  # before a command imports torch and its OpenMP runtime
     if waiting:
         logging.getLogger("dcmdp").info("%s", waiting)

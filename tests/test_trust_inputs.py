@@ -197,3 +197,24 @@ def test_the_benchmark_runner_names_the_file_and_key_of_a_bad_experiment(tmp_pat
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 2, done.stderr[-2000:]
     assert needle in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_one_line_per_failure_naming_the_path_not_a_traceback_per_query(tmp_path):
+    """A 1 MiB tmpfs as the output folder (in a private user+mount namespace): the local MLflow store and the
+    checkpoint both hit ENOSPC. Each failure is one line; the last names the checkpoint folder."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                            'mount -t tmpfs -o size=64k dcmdp_probe "$1"', "sh", str(mnt)], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("unprivileged user+mount namespaces are not available here")
+    argv = [sys.executable, "-m", "dcmdp.cli", "train", *TINY, "steps=3", "checkpoint.every=2",
+            f"output_dir={mnt / 'out'}"]
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                           'mount -t tmpfs -o size=1m dcmdp_full "$1" && shift && exec "$@"', "sh", str(mnt), *argv],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"dcmdp: error: could not write checkpoint step 2 to {mnt / 'out' / 'checkpoints'}: No space left on device")
