@@ -77,6 +77,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -94,8 +95,10 @@ from dcmdp.tracking import LOCAL_ID_PREFIX, Tracker, resolve_tracking_uri
 log = logging.getLogger("dcmdp.tune")
 # heartbeats, fail_stale_trials and the retry callback are marked experimental; used here with ask/tell
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+from dcmdp import redact
 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
 
+from dcmdp.redact import public_uri
 SAMPLERS = ("grid", "tpe", "gp")
 POLL_S = 0.5  # how often the parent reads a running trial's progress
 HEARTBEAT_S, GRACE_S = 20, 120  # Optuna heartbeat of running trials; a trial silent for GRACE_S is failed
@@ -315,11 +318,19 @@ def assess(trial: Trial, history: dict[str, list[float]], names: Sequence[str], 
     trial.inside_frac = sum(inside) / len(inside) if inside else math.nan
     trial.mean_discrepancy = {c: _finite_mean(history.get(f"dual/measured/{c}", [])) for c in names}
     trial.lambda_history = {c: list(history.get(f"dual/lambda/{c}", [])) for c in names}
+# The environment variable through which trials get the study's tracking URI.
+TRIAL_URI_VARIABLE = "DCMDP_TUNE_TRACKING_URI"
+
+
     trial.final_lambda = {c: v[-1] for c, v in trial.lambda_history.items() if v}
     trial.nonfinite_loss = any(not math.isfinite(v) for k, vs in history.items() if k.startswith("loss/") for v in vs)
     means = _window_means(history.get(rule.collapse_metric, []), rule.collapse_window)
     trial.peak_window_mean = max(means) if means else math.nan
     trial.final_window_mean = means[-1] if means else math.nan
+    # what was written as an interpolation stays so in the copy's records, unless a setting replaced it
+    replaced = {re.sub(r"\[(\d+)\]", r".\1", key) for key in settings}
+    redact.attach_written(out, {**{k: v for k, v in redact.written(cfg).items() if k not in replaced},
+                                **redact.interpolations(OmegaConf.to_container(node, resolve=False))})
     trial.collapsed = trial.nonfinite_loss or (bool(means) and trial.final_window_mean < rule.collapse_drop_frac
                                                * trial.peak_window_mean)
     return trial
@@ -560,13 +571,17 @@ class _Sweep:
             known = self.study.user_attrs.get("mlflow_parent")
             run_id = self.tracker.start({} if known else params, run_id=known, tags={"dcmdp.tune": "parent"})
             if run_id.startswith(LOCAL_ID_PREFIX):
-                log.warning("MLflow at %s is unreachable: trials are not nested under a parent run", self.tracking_uri)
+                log.warning("MLflow at %s is unreachable: trials are not nested under a parent run",
+                            public_uri(self.tracking_uri))
                 return None
             self.study.set_user_attr("mlflow_parent", run_id)
         return run_id
 
     def claim(self) -> Optional[optuna.Trial]:
         """The next trial: a waiting retry first, then a new point while the grid or budget has room."""
+        # trials read the URI (and any credential in it) from the environment they inherit, so that no trial's
+        # run.yaml holds it
+        os.environ[TRIAL_URI_VARIABLE] = self.tracking_uri
         with self.lock():
             if self.stopping:
                 return None
@@ -593,7 +608,7 @@ class _Sweep:
         d = self.out / "trials" / f"t{root_number(frozen):03d}"
         d.mkdir(parents=True, exist_ok=True)
         settings = {k: trial.params[k] for k in self.dists}
-        overrides = {"output_dir": str(d.resolve()), "tracking.uri": self.tracking_uri,
+        overrides = {"output_dir": str(d.resolve()), "tracking.uri": f"${{oc.env:{TRIAL_URI_VARIABLE}}}",
                      "tracking.run_name": f"{self.cfg.study}-{d.name}", "tracking.buffer_dir": None,
                      "tracking.parent_run_id": self.parent_id, "tracking.progress_file": str(d / "progress.jsonl"),
                      "progress": False,
@@ -603,7 +618,7 @@ class _Sweep:
         except ConfigError as exc:
             log.warning("trial %s: %s", d.name, exc)
             return self._tell(trial, TrialState.FAIL, Trial(d.name, settings, status="failed", error=str(exc)))
-        (d / "run.yaml").write_text(to_yaml(run_cfg))
+        (d / "run.yaml").write_text(to_yaml(run_cfg, public=True))
         trial.set_user_attr("steps_total", run_cfg.steps)
         trial.set_user_attr("process", f"{os.uname().nodename}:{os.getpid()}")
         self.started += 1

@@ -215,3 +215,21 @@ def test_random_secrets_reach_no_artefact_of_a_run_whose_tracking_is_buffered(tm
     # a user name beside a password is no secret (a library's message may repeat it); no record holds it
     del blobs["log"]
     assert not _leaks(user, blobs), _leaks(user, blobs)
+
+
+def test_a_tune_trial_config_keeps_interpolations_and_holds_no_uri_credential(monkeypatch, tmp_path):
+    """A trial's run.yaml is a record too: the study's URI reaches the trial through the environment, and values the
+    base config read from it stay interpolations."""
+    from dcmdp.tune import TRIAL_URI_VARIABLE, apply_settings
+
+    monkeypatch.setenv("DCMDP_NAME", "job-1234567")
+    monkeypatch.setenv(TRIAL_URI_VARIABLE, "http://me:pw-4711@h:5000")
+    base = load_config(None, ["tracking.run_name=${oc.env:DCMDP_NAME}", "dual.constraints[0].lr=${oc.env:DCMDP_LR,2}"])
+    trial = apply_settings(base, {"tracking.uri": f"${{oc.env:{TRIAL_URI_VARIABLE}}}",
+                                  "dual.constraints[0].lr": 0.5})
+    text = to_yaml(trial, public=True)
+    assert trial.tracking.uri == "http://me:pw-4711@h:5000" and "pw-4711" not in text
+    assert "run_name: ${oc.env:DCMDP_NAME}" in text and f"uri: ${{oc.env:{TRIAL_URI_VARIABLE}}}" in text
+    assert trial.dual.constraints[0].lr == 0.5 and "DCMDP_LR" not in text  # a setting replaces the interpolation
+    (tmp_path / "run.yaml").write_text(text)
+    assert load_config(tmp_path / "run.yaml") == trial
