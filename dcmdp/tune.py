@@ -9,7 +9,7 @@ A tune file (YAML; defaults in the dataclasses below)::
       dual.constraints[0].lr: {low: 0.1, high: 10, log: true}
     sampler: grid                        # grid (every combination of the lists) | tpe | gp, with `trials: N`
     storage: null                        # Optuna RDB URL (default: sqlite:///<output_dir>/study.db)
-    select: {min_inside_frac: 0.9, warmup_steps: 0, collapse_window: 5, collapse_drop_frac: 0.5}
+    select: {min_inside_frac: 0.7, max_slack_frac: 0.5, max_cap_frac: 0.5, tolerance_se: 1.0, warmup_steps: 0}
     prune: {enabled: true}
     workers: 2
 
@@ -26,8 +26,9 @@ that is redone here. The supervisor adds what Optuna cannot do from inside one P
 - pruning by the selection rule (``RulePruner``: a trial that can no longer be selected, collapsed or out of
   tolerance, stops), where Optuna's pruners rank intermediate values; the trial is stopped by SIGTERM so it
   writes its checkpoint and ends its MLflow run;
-- the selection rule itself (eligible: finished, not collapsed, D-hat <= c on most steps; then the best held-out
-  accuracy), which ``study.best_trial`` cannot express; eligibility goes to TPE and GP as an Optuna constraint;
+- the selection rule itself (eligible: finished, not collapsed, D-hat <= c on most steps with the dual active; then
+  the tightest c within one standard error of the best held-out accuracy), which ``study.best_trial`` cannot express;
+  eligibility goes to TPE and GP as an Optuna constraint;
 - the end of a grid shared by several processes: outside ``optimize`` Optuna's grid sampler neither stops nor
   avoids points other processes are running, so ``claim`` ends the sweep once every point has a trial;
 - a lock file around study bookkeeping on sqlite (no row locks there; a server database locks rows itself);
@@ -44,13 +45,19 @@ every ``POLL_S``, reports held-out accuracy (``eval/accuracy``, every ``eval_eve
 intermediate value and asks ``RulePruner``. A pruned trial gets SIGTERM, writes its checkpoint, ends its
 MLflow run KILLED and is tagged ``dcmdp.tune.state=PRUNED``.
 
-Selection rule. A trial is *eligible* when it finished, did not collapse, and kept every constraint's D-hat
+Selection rule. A trial is *eligible* when it finished, did not collapse, kept every constraint's D-hat
 <= c (``dual/measured/<c>`` <= ``dual/tolerance/<c>``) on at least ``min_inside_frac`` of its steps after
-warm-up (steps ``warmup_steps + 1 .. steps``). It *collapsed* when a ``loss/`` metric was non-finite, or when
-the mean of ``collapse_metric`` over its last ``collapse_window`` steps fell below ``collapse_drop_frac`` x
-its peak window mean. The selected trial is the eligible one with the highest held-out accuracy after
-training (ties: larger inside share, then smaller mean discrepancy, then the earlier trial). tpe and gp
-see eligibility as an Optuna constraint.
+warm-up (steps ``warmup_steps + 1 .. steps``), and its dual acted: no constraint slack (lambda at its floor with
+D-hat < c) on more than ``max_slack_frac`` of the steps, none with lambda at its cap on more than ``max_cap_frac``
+(the run's summary.json). A slack dual is a run without the penalty, a pinned one a constant: "best accuracy among
+trials inside c" alone rewards the loosest c, where the dual does nothing. It *collapsed* when a ``loss/`` metric
+was non-finite, or when the mean of ``collapse_metric`` over its last ``collapse_window`` steps fell below
+``collapse_drop_frac`` x its peak window mean. The selected trial is the eligible one with the tightest tolerance
+(mean c over its steps) among those whose held-out accuracy is within ``tolerance_se`` standard errors of the best
+eligible accuracy (the binomial standard error sqrt(p (1 - p) / n) of the best, n its eval prompts): accuracy
+differences inside the noise of the held-out set do not buy a looser c. Ties: higher accuracy, larger inside share,
+smaller mean discrepancy, the earlier trial. The table says why it chose. tpe and gp see eligibility as an Optuna
+constraint.
 
 Resume: running the tune file again continues the study. Finished and pruned trials stay; failed ones (an
 interrupted sweep, a crashed trial, a trial whose heartbeat stopped for ``GRACE_S``) run again as Optuna
@@ -70,6 +77,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,7 +85,6 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -88,17 +95,17 @@ from omegaconf.errors import OmegaConfBaseException
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
+from dcmdp import redact
 from dcmdp.config import (ConfigError, RunConfig, TrackingConfig, file_in_the_way, load_config, to_yaml, validate,
                           yaml_value)
+from dcmdp.redact import public_uri
 from dcmdp.tracking import LOCAL_ID_PREFIX, Tracker, resolve_tracking_uri
 
 log = logging.getLogger("dcmdp.tune")
 # heartbeats, fail_stale_trials and the retry callback are marked experimental; used here with ask/tell
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-from dcmdp import redact
 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
 
-from dcmdp.redact import public_uri
 SAMPLERS = ("grid", "tpe", "gp")
 POLL_S = 0.5  # how often the parent reads a running trial's progress
 HEARTBEAT_S, GRACE_S = 20, 120  # Optuna heartbeat of running trials; a trial silent for GRACE_S is failed
@@ -108,7 +115,13 @@ _MISSING = object()
 @dataclass
 class SelectRule:
     # Least share of post-warm-up steps with every constraint inside its tolerance.
-    min_inside_frac: float = 0.9
+    min_inside_frac: float = 0.7
+    # Most share of steps with a constraint slack (lambda at its floor, D-hat < c): above it the dual was off.
+    max_slack_frac: float = 0.5
+    # Most share of steps with lambda at its cap: above it the penalty was a constant.
+    max_cap_frac: float = 0.5
+    # The tightest c among the eligible trials within this many standard errors of the best accuracy is selected.
+    tolerance_se: float = 1.0
     # Steps 1..warmup_steps are left out of the inside-tolerance share.
     warmup_steps: int = 0
     # Steps in the moving mean that detects a collapse.
@@ -119,9 +132,11 @@ class SelectRule:
     collapse_metric: str = "reward/accuracy"
 
     def describe(self) -> str:
-        return (f"selection: highest held-out accuracy among finished trials that did not collapse and kept every "
-                f"constraint's D-hat <= c on >= {self.min_inside_frac:.0%} of steps after warm-up "
-                f"(steps > {self.warmup_steps}); collapsed = a non-finite loss/ value, or the mean "
+        return (f"selection: the tightest c within {self.tolerance_se:g} standard error(s) of the best held-out "
+                f"accuracy among finished trials that did not collapse, kept every constraint's D-hat <= c on >= "
+                f"{self.min_inside_frac:.0%} of steps after warm-up (steps > {self.warmup_steps}) and whose dual "
+                f"acted (slack on <= {self.max_slack_frac:.0%} of steps, lambda at its cap on <= "
+                f"{self.max_cap_frac:.0%}); collapsed = a non-finite loss/ value, or the mean "
                 f"{self.collapse_metric} of the last {self.collapse_window} steps < {self.collapse_drop_frac:g} x "
                 f"its peak {self.collapse_window}-step mean")
 
@@ -192,6 +207,14 @@ class Trial:
     # The run's end-of-run warnings (summary.json: a constraint slack throughout, accuracy at chance level), and
     # held-out accuracy that ended below its start.
     warnings: list[str] = field(default_factory=list)
+    # Largest share of steps over the constraints with the dual slack (lambda at its floor, D-hat < c), and with
+    # lambda at its cap (summary.json; NaN: unknown).
+    slack_frac: float = math.nan
+    cap_frac: float = math.nan
+    # Mean tolerance c over the steps, summed over the constraints (the tightness the rule prefers).
+    mean_tolerance: float = math.nan
+    # Held-out prompts behind accuracy_after (0: unknown; the standard error is then 0).
+    eval_prompts: int = 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -234,6 +257,12 @@ def _check(cfg: TuneConfig) -> None:
     if s.warmup_steps < 0 or s.collapse_window < 1 or not 0 <= s.collapse_drop_frac <= 1:
         raise ConfigError("tune config error at 'select': need warmup_steps >= 0, collapse_window >= 1 and "
                           "collapse_drop_frac in [0, 1]")
+    for key in ("max_slack_frac", "max_cap_frac"):
+        if not 0 <= getattr(s, key) <= 1:
+            raise ConfigError(f"tune config error at 'select.{key}': must be in [0, 1], got {getattr(s, key)}")
+    if not 0 <= s.tolerance_se < math.inf:
+        raise ConfigError(f"tune config error at 'select.tolerance_se': must be a finite value >= 0, got "
+                          f"{s.tolerance_se}")
     if cfg.prune.collapse_patience is not None and cfg.prune.collapse_patience < 1:
         raise ConfigError("tune config error at 'prune.collapse_patience': must be >= 1")
     if cfg.sampler not in SAMPLERS:
@@ -289,11 +318,19 @@ def _set_keys(node: Any, settings: dict[str, Any]) -> None:
             raise ConfigError(f"tune: cannot set '{key}' to {value!r}: {exc}") from exc
 
 
+# The environment variable through which trials get the study's tracking URI.
+TRIAL_URI_VARIABLE = "DCMDP_TUNE_TRACKING_URI"
+
+
 def apply_settings(cfg: RunConfig, settings: dict[str, Any]) -> RunConfig:
     """A copy of ``cfg`` with each ``key: value`` set (OmegaConf paths, ``[i]`` for list elements), checked."""
     node = OmegaConf.structured(cfg)
     _set_keys(node, settings)
     out: RunConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
+    # what was written as an interpolation stays so in the copy's records, unless a setting replaced it
+    replaced = {re.sub(r"\[(\d+)\]", r".\1", key) for key in settings}
+    redact.attach_written(out, {**{k: v for k, v in redact.written(cfg).items() if k not in replaced},
+                                **redact.interpolations(OmegaConf.to_container(node, resolve=False))})
     validate(out)
     return out
 
@@ -317,20 +354,13 @@ def assess(trial: Trial, history: dict[str, list[float]], names: Sequence[str], 
     trial.steps = max((len(v) for v in history.values()), default=0)
     trial.inside_frac = sum(inside) / len(inside) if inside else math.nan
     trial.mean_discrepancy = {c: _finite_mean(history.get(f"dual/measured/{c}", [])) for c in names}
+    trial.mean_tolerance = sum(_finite_mean(history.get(f"dual/tolerance/{c}", [])) for c in names) if names else 0.0
     trial.lambda_history = {c: list(history.get(f"dual/lambda/{c}", [])) for c in names}
-# The environment variable through which trials get the study's tracking URI.
-TRIAL_URI_VARIABLE = "DCMDP_TUNE_TRACKING_URI"
-
-
     trial.final_lambda = {c: v[-1] for c, v in trial.lambda_history.items() if v}
     trial.nonfinite_loss = any(not math.isfinite(v) for k, vs in history.items() if k.startswith("loss/") for v in vs)
     means = _window_means(history.get(rule.collapse_metric, []), rule.collapse_window)
     trial.peak_window_mean = max(means) if means else math.nan
     trial.final_window_mean = means[-1] if means else math.nan
-    # what was written as an interpolation stays so in the copy's records, unless a setting replaced it
-    replaced = {re.sub(r"\[(\d+)\]", r".\1", key) for key in settings}
-    redact.attach_written(out, {**{k: v for k, v in redact.written(cfg).items() if k not in replaced},
-                                **redact.interpolations(OmegaConf.to_container(node, resolve=False))})
     trial.collapsed = trial.nonfinite_loss or (bool(means) and trial.final_window_mean < rule.collapse_drop_frac
                                                * trial.peak_window_mean)
     return trial
@@ -394,24 +424,57 @@ class RulePruner(optuna.pruners.BasePruner):
         return bool(self.reason(trial.user_attrs))
 
 
+def accuracy_se(t: Trial) -> float:
+    """Binomial standard error sqrt(p (1 - p) / n) of a trial's held-out accuracy (0 with n unknown)."""
+    p = t.accuracy_after
+    return math.sqrt(max(p * (1.0 - p), 0.0) / t.eval_prompts) if t.eval_prompts > 0 and math.isfinite(p) else 0.0
+
+
 def select(trials: list[Trial], rule: SelectRule) -> Optional[Trial]:
-    """Mark eligible trials, the selected one and why every other was not selected; return it or None."""
+    """Mark eligible trials, the selected one, why it was chosen and why every other was not; return it or None.
+
+    Among the eligible trials (``_eligible``), the best accuracy p* and its standard error se (``accuracy_se``); the
+    selected trial is the one with the smallest mean tolerance among those with accuracy >= p* - tolerance_se x se
+    (ties: higher accuracy, larger inside share, smaller mean discrepancy, the earlier trial)."""
     for t in trials:
         t.selected = False
-        t.eligible = (t.status == "ok" and not t.collapsed and math.isfinite(t.accuracy_after)
-                      and t.inside_frac >= rule.min_inside_frac)
+        t.eligible = _eligible(t, rule)
     eligible = [(i, t) for i, t in enumerate(trials) if t.eligible]
+    if not eligible:
+        for t in trials:
+            t.reason = _why_not(t, None, rule)
+        return None
     mean_d = lambda t: sum(t.mean_discrepancy.values()) if t.mean_discrepancy else 0.0  # noqa: E731
-    best = max(eligible, key=lambda it: (it[1].accuracy_after, _nan_low(it[1].inside_frac), -mean_d(it[1]),
-                                         -it[0]))[1] if eligible else None
+    top = max((t for _, t in eligible), key=lambda t: t.accuracy_after)
+    floor = top.accuracy_after - rule.tolerance_se * accuracy_se(top)
+    near = [(i, t) for i, t in eligible if t.accuracy_after >= floor]
+    tight = lambda t: t.mean_tolerance if math.isfinite(t.mean_tolerance) else math.inf  # noqa: E731
+    best = min(near, key=lambda it: (tight(it[1]), -it[1].accuracy_after, -_nan_low(it[1].inside_frac),
+                                     mean_d(it[1]), it[0]))[1]
     for t in trials:
-        t.reason = _why_not(t, best, rule) if t is not best else ""
-    if best is not None:
-        best.selected = True
+        t.reason = _why_not(t, best, rule, floor) if t is not best else _why_chosen(best, top, floor, len(near),
+                                                                                   len(eligible), rule)
+    best.selected = True
     return best
 
 
-def _why_not(t: Trial, best: Optional[Trial], rule: SelectRule) -> str:
+def _eligible(t: Trial, rule: SelectRule) -> bool:
+    return (t.status == "ok" and not t.collapsed and math.isfinite(t.accuracy_after)
+            and t.inside_frac >= rule.min_inside_frac
+            and not t.slack_frac > rule.max_slack_frac and not t.cap_frac > rule.max_cap_frac)  # NaN: unknown, passes
+
+
+def _why_chosen(best: Trial, top: Trial, floor: float, n_near: int, n_eligible: int, rule: SelectRule) -> str:
+    if n_near == 1:
+        return (f"selected: the best held-out accuracy ({best.accuracy_after:.1%}) of {n_eligible} eligible trial(s); "
+                f"no other within {rule.tolerance_se:g} standard error(s) (>= {floor:.1%})")
+    same = " (the best accuracy too)" if best is top else f" (best: {top.trial}, {top.accuracy_after:.1%})"
+    return (f"selected: the tightest c (mean {best.mean_tolerance:.4g}) of the {n_near} eligible trials within "
+            f"{rule.tolerance_se:g} standard error(s) of the best accuracy, >= {floor:.1%}; its accuracy "
+            f"{best.accuracy_after:.1%}{same}")
+
+
+def _why_not(t: Trial, best: Optional[Trial], rule: SelectRule, floor: float = math.nan) -> str:
     if t.status != "ok":
         return f"{t.status}: {t.error}" if t.error else t.status
     if t.nonfinite_loss:
@@ -423,10 +486,19 @@ def _why_not(t: Trial, best: Optional[Trial], rule: SelectRule) -> str:
         return "no held-out accuracy"
     if not t.inside_frac >= rule.min_inside_frac:
         return f"inside tolerance on {_fmt(t.inside_frac, '.0%')} of steps < {rule.min_inside_frac:.0%}"
+    if t.slack_frac > rule.max_slack_frac:
+        return (f"dual off: slack (lambda at its floor, D-hat < c) on {t.slack_frac:.0%} of steps > "
+                f"{rule.max_slack_frac:.0%}")
+    if t.cap_frac > rule.max_cap_frac:
+        return f"lambda at its cap on {t.cap_frac:.0%} of steps > {rule.max_cap_frac:.0%}: a constant, not a controller"
     assert best is not None
-    if t.accuracy_after < best.accuracy_after:
-        return f"eligible, lower accuracy than {best.trial} ({t.accuracy_after:.1%} < {best.accuracy_after:.1%})"
-    return f"eligible, same accuracy as {best.trial}, lost the tie (inside share, then mean D, then order)"
+    if t.accuracy_after < floor:
+        return (f"eligible, accuracy {t.accuracy_after:.1%} more than {rule.tolerance_se:g} standard error(s) under "
+                f"the best (< {floor:.1%})")
+    if t.mean_tolerance > best.mean_tolerance:
+        return (f"eligible, within {rule.tolerance_se:g} standard error(s) of the best accuracy but a looser c than "
+                f"{best.trial} (mean {_fmt(t.mean_tolerance)} > {_fmt(best.mean_tolerance)})")
+    return f"eligible, same c as {best.trial}, lost the tie (accuracy, inside share, mean D, then order)"
 
 
 def _at(history: dict[str, list[float]], key: str, t: int) -> float:
@@ -506,6 +578,9 @@ class _Sweep:
         self.base = load_config(cfg.base, cfg.overrides)
         self.names = constraint_names(self.base.dual.constraints)
         self.tracking_uri = resolve_tracking_uri(self.base.tracking, self.out)
+        # trials read the URI (and any credential in it) from the environment they inherit, so that no trial's
+        # run.yaml holds it
+        os.environ[TRIAL_URI_VARIABLE] = self.tracking_uri
         self.dists = distributions(cfg.space, grid=cfg.sampler == "grid")
         self.pruner = RulePruner(cfg.select, cfg.prune.collapse_patience)
         url = cfg.storage or f"sqlite:///{(self.out / 'study.db').resolve()}"
@@ -579,9 +654,6 @@ class _Sweep:
 
     def claim(self) -> Optional[optuna.Trial]:
         """The next trial: a waiting retry first, then a new point while the grid or budget has room."""
-        # trials read the URI (and any credential in it) from the environment they inherit, so that no trial's
-        # run.yaml holds it
-        os.environ[TRIAL_URI_VARIABLE] = self.tracking_uri
         with self.lock():
             if self.stopping:
                 return None
@@ -684,6 +756,11 @@ class _Sweep:
         record.accuracy_before, record.accuracy_after = summary["accuracy_before"], summary["accuracy_after"]
         record.run_id, record.seconds = summary["run_id"], summary["seconds"]
         record.warnings = list(summary.get("warnings", []))
+        constraints = list((summary.get("constraints") or {}).values())
+        record.slack_frac = max((c.get("slack_frac", math.nan) for c in constraints), default=math.nan)
+        record.cap_frac = max((c.get("cap_frac", math.nan) for c in constraints), default=math.nan)
+        with contextlib.suppress(OSError, ValueError, ConfigError):
+            record.eval_prompts = int(load_config(d / "run.yaml", []).task.eval_size)
         if record.accuracy_after < record.accuracy_before:
             record.warnings.append(f"held-out accuracy fell below its start ({record.accuracy_before:.1%} -> "
                                    f"{record.accuracy_after:.1%})")
@@ -785,9 +862,9 @@ def _fmt(x: Any, spec: str = ".4g") -> str:
 
 
 def table(trials: list[Trial], names: Sequence[str], rule: SelectRule) -> str:
-    """The printed table; the rule is stated above it, and the last column says why a trial was not selected."""
+    """The printed table; the rule is stated above it, and the last column says why a trial was (not) selected."""
     head = ["trial", "settings", "acc before", "acc after", *[f"mean D {c}" for c in names], "inside",
-            *[f"final λ {c}" for c in names], "steps", "selected", "why not selected"]
+            *[f"final λ {c}" for c in names], "steps", "selected", "why (not) selected"]
     rows = [head]
     for t in trials:
         rows.append([t.trial, _fmt_settings(t.settings), _fmt(t.accuracy_before, ".1%"), _fmt(t.accuracy_after, ".1%"),
@@ -807,7 +884,7 @@ def write_outputs(cfg: TuneConfig, sweep: _Sweep, trials: list[Trial], best: Opt
     text = table(trials, names, cfg.select)
     text += (f"\n\n{len(trials)} trials in study {cfg.study!r} ({sweep.started} run now, {count['pruned']} pruned, "
              f"{count['failed']} failed) in {seconds:.0f} s with {cfg.workers} worker(s)")
-    text += f"\nselected: {best.trial} ({_fmt_settings(best.settings)})" if best else \
+    text += f"\nselected: {best.trial} ({_fmt_settings(best.settings)}): {best.reason}" if best else \
         "\nselected: none (no eligible trial)"
     for w in best.warnings if best else ():
         text += f"\nwarning: the selected trial {best.trial}: {w}"

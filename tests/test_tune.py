@@ -44,18 +44,19 @@ def test_collapsed_run_with_the_best_accuracy_is_rejected_and_the_table_says_why
     assert [t.eligible for t in trials] == [True, False, True, False, False, False]
     assert [t.selected for t in trials] == [False, False, True, False, False, False]
     assert [t.reason for t in trials] == [
-        "eligible, lower accuracy than c (40.0% < 55.0%)",
+        "eligible, accuracy 40.0% more than 1 standard error(s) under the best (< 55.0%)",
         "collapsed: last 5-step mean 0.2 < 0.5 x peak 0.9",
-        "",
+        "selected: the best held-out accuracy (55.0%) of 2 eligible trial(s); no other within 1 standard error(s) "
+        "(>= 55.0%)",
         "inside tolerance on 89% of steps < 90%",
         "failed: exit code 1: boom",
         "pruned: non-finite loss"]
     text = table(trials, ["abs_prob_diff"], SelectRule())
-    assert text.startswith("selection: highest held-out accuracy")
+    assert text.startswith("selection: the tightest c within 1 standard error(s) of the best held-out accuracy")
     lines = text.splitlines()
-    assert "why not selected" in lines[2]
+    assert "why (not) selected" in lines[2]
     assert lines[5].startswith("b ") and lines[5].endswith("collapsed: last 5-step mean 0.2 < 0.5 x peak 0.9")
-    assert lines[6].split()[0] == "c" and lines[6].rstrip().endswith("*")
+    assert lines[6].split()[0] == "c" and " *  " in lines[6] and "selected: the best held-out accuracy" in lines[6]
 
 
 def test_min_inside_frac_is_inclusive_and_configurable():
@@ -70,7 +71,7 @@ def test_min_inside_frac_is_inclusive_and_configurable():
 def test_ties_go_to_larger_inside_share_then_smaller_discrepancy_then_earlier_trial():
     trials = [_trial("a", 0.5, inside=0.92), _trial("b", 0.5, inside=0.97)]
     assert select(trials, SelectRule()) is trials[1]
-    assert trials[0].reason.startswith("eligible, same accuracy as b, lost the tie")
+    assert trials[0].reason.startswith("eligible, same c as b, lost the tie")
     trials = [_trial("a", 0.5, mean_d=2e-3), _trial("b", 0.5, mean_d=1e-3), _trial("c", 0.5, mean_d=1e-3)]
     assert select(trials, SelectRule()) is trials[1]
 
@@ -162,12 +163,13 @@ def test_plot_marks_ineligible_and_pruned_trials_on_a_log_axis(tmp_path):
 def test_calibrate_proposes_c_at_the_share_tune_selects_by():
     from dcmdp.calibrate import INSIDE_FRAC, floor_stats
 
-    assert INSIDE_FRAC == SelectRule().min_inside_frac
+    # calibrate's c is met on INSIDE_FRAC of the batches, at least the share tune's rule demands
+    assert INSIDE_FRAC >= SelectRule().min_inside_frac
     values = [1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 6e-3, 7e-3, 8e-3, 9e-3, 1.2345e-2]
     c = floor_stats("discrepancy/abs_prob_diff", values, slack=0.0).proposed
     assert c == 9e-3  # 9 of 10 batches (90%) at or below it
     history = {"dual/measured/m": values, "dual/tolerance/m": [c] * len(values)}
-    assert assess(Trial("t", {}), history, ["m"], SelectRule()).inside_frac == 0.9  # just eligible
+    assert assess(Trial("t", {}), history, ["m"], SelectRule(min_inside_frac=0.9)).inside_frac == 0.9  # just eligible
     assert floor_stats("d", values, slack=0.1).proposed == 9.9e-3  # 3 significant digits
     assert floor_stats("d", values, slack=0.1, inside_frac=1.0).proposed == 1.36e-2  # 1.35795e-2 rounded up
 
@@ -232,7 +234,8 @@ def _tune_file(tmp: Path, uri: str, cache: Path, space: list, steps: int, **extr
                           "algo.prompts_per_step=4", "algo.samples_per_prompt=2", "threads=1", f"tracking.uri={uri}",
                           "tracking.experiment=tune-test"],
             "space": {"dual.constraints[0].tolerance": space},
-            "select": {"warmup_steps": 1, "collapse_window": 2},
+            # c >= 1e-2 is slack on every step: allowed here, where the sweep's plumbing is what is tested
+            "select": {"warmup_steps": 1, "collapse_window": 2, "min_inside_frac": 0.9, "max_slack_frac": 1.0},
             "prime_cold_start": False,
             "output_dir": str(tmp / "sweep"), **extra}
     path = tmp / "tune.yaml"
@@ -273,12 +276,17 @@ def test_sweep_prunes_selects_nests_runs_and_resumes(tmp_path, mlflow_server, mo
     assert (done.constraints, pruned.constraints) == ({"eligible": 0.0}, {"eligible": 1.0})  # what tpe and gp model
 
     # table, CSV, plot, snippet
-    assert "selection: highest held-out accuracy" in printed and ">= 90% of steps after warm-up (steps > 1)" in printed
+    assert "selection: the tightest c within 1 standard error(s)" in printed
+    assert ">= 90% of steps after warm-up (steps > 1)" in printed and "slack on <= 100% of steps" in printed
     assert "(2 run now, 1 pruned, 1 failed)" in printed
     rows = {float(r["dual.constraints[0].tolerance"]): r for r in csv.DictReader(open(out / "results.csv"))}
     assert rows[1e-9]["status"] == "pruned" and rows[1e-9]["reason"].startswith("pruned: outside tolerance on ")
     assert rows[-1.0]["status"] == "failed" and "tolerance" in rows[-1.0]["reason"]
-    assert rows[1e-2]["status"] == "ok" and rows[1e-2]["selected"] == "1" and rows[1e-2]["reason"] == ""
+    assert rows[1e-2]["status"] == "ok" and rows[1e-2]["selected"] == "1"
+    assert rows[1e-2]["reason"].startswith("selected: the best held-out accuracy")
+    # lambda decays from lambda_0 = 0.1 by eta (D - c) per step, then sits at 0: slack on most steps, which the
+    # default max_slack_frac (0.5) would not accept
+    assert 0.9 <= float(rows[1e-2]["slack_frac"]) <= 1.0 and int(rows[1e-2]["eval_prompts"]) == 8
     assert float(rows[1e-2]["inside_frac"]) == 1.0 and rows[1e-2]["steps"] == "200"
     assert best is not None and best.trial == rows[1e-2]["trial"]
     import matplotlib.image
@@ -440,3 +448,30 @@ def test_a_tune_output_dir_that_is_a_file_or_empty_is_a_config_error(tmp_path):
             load_tune_config(path, [])
         assert needle.format(f=tmp_path / "a_file") in str(err.value)
     assert (tmp_path / "a_file").read_text() == "keep me"
+
+
+def test_the_rule_does_not_reward_switching_the_dual_off_and_says_why_it_chose():
+    """The loosest c wins "best accuracy inside c" with lambda at 0 throughout; here it is not eligible (dual off),
+    a pinned lambda is not either (a constant), and among the trials within one standard error of the best accuracy
+    the tightest c is selected, with the reason in words."""
+    def t(name, acc, c, slack, cap):
+        x = _trial(name, acc)
+        x.mean_tolerance, x.slack_frac, x.cap_frac, x.eval_prompts = c, slack, cap, 256
+        return x
+
+    trials = [t("loose", 0.60, 1e-2, 1.0, 0.0),    # dual off: the old rule's winner
+              t("pinned", 0.58, 1e-4, 0.0, 0.9),   # lambda at its cap: a constant
+              t("mid", 0.55, 2e-3, 0.2, 0.1),      # the best active trial
+              t("tight", 0.53, 1e-3, 0.1, 0.2),    # 2 points lower: within one SE of 55% on 256 prompts (3.1 points)
+              t("tighter", 0.50, 5e-4, 0.0, 0.3)]  # 5 points lower: outside
+    best = select(trials, SelectRule())
+    assert best is trials[3] and [x.eligible for x in trials] == [False, False, True, True, True]
+    se = math.sqrt(0.55 * 0.45 / 256)
+    assert best.reason == (f"selected: the tightest c (mean 0.001) of the 2 eligible trials within 1 standard error(s) "
+                           f"of the best accuracy, >= {0.55 - se:.1%}; its accuracy 53.0% (best: mid, 55.0%)")
+    assert trials[0].reason == "dual off: slack (lambda at its floor, D-hat < c) on 100% of steps > 50%"
+    assert trials[1].reason == "lambda at its cap on 90% of steps > 50%: a constant, not a controller"
+    assert trials[2].reason.startswith("eligible, within 1 standard error(s) of the best accuracy but a looser c")
+    assert trials[4].reason.startswith("eligible, accuracy 50.0% more than 1 standard error(s) under the best")
+    # with no standard error to allow (tolerance_se 0) the best accuracy wins
+    assert select(trials, SelectRule(tolerance_se=0.0)) is trials[2]
