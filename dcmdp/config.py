@@ -115,8 +115,9 @@ class ContextConfig:
 
 @dataclass
 class DualConfig:
-    # Dual update rule: projected | pid | fixed (lambda held at lambda_init: the fixed-coefficient baseline) | off
-    # (lambda = 0, no penalty; the measures are still logged). See dcmdp.dual.DUAL_RULES.
+    # Dual update rule: projected | pid | signed (projected, but lambda is not raised where raising it raised D-hat) |
+    # fixed (lambda held at lambda_init: the fixed-coefficient baseline) | off (lambda = 0, no penalty; the measures
+    # are still logged). See dcmdp.dual.DUAL_RULES.
     rule: str = "projected"
     # Penalty form in the primal loss: hinge | mean | advantage (see constraints.penalties.PENALTIES).
     penalty: str = "hinge"
