@@ -47,6 +47,8 @@ from typing import Any, Iterable, Iterator, Optional
 import numpy as np
 import torch
 
+from dcmdp.redact import public_command
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -187,26 +189,6 @@ def _cmdline(pid: int) -> str:
         return public_command([a.decode(errors="replace") for a in argv if a])
     except OSError:
         return "command unknown"
-
-
-def public_command(argv: list[str]) -> str:
-    """The command line as a record may hold it: the program and its plain arguments, and of each ``key=value``
-    override or ``--option=value`` only the key (a value may be a URI with a password, or a token)."""
-    words = [Path(argv[0]).name if argv else "python"]
-    elided, after_option = [], False
-    for arg in argv[1:]:
-        if after_option:
-            after_option = False
-            continue
-        if "=" in arg:
-            elided.append(arg.split("=", 1)[0])
-        elif arg.startswith("--") and arg not in ("--",):
-            words.append(arg)
-            after_option = True  # its value follows as the next word
-            words.append("…")
-        else:
-            words.append(arg)
-    return " ".join(words) + (f" (overrides, values not recorded: {', '.join(elided)})" if elided else "")
 
 
 def run_in_folder(folder: str | Path) -> Optional[str]:

@@ -23,6 +23,7 @@ Light: no torch, no mlflow.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import fields, is_dataclass
 from typing import Any, Callable, Iterator, Optional
@@ -208,6 +209,26 @@ def uri_problem(uri: str) -> Optional[str]:
     except ValueError as exc:
         return f"its port cannot be read ({exc})"
     return None
+
+
+def public_command(argv: list[str]) -> str:
+    """The command line as a record may hold it: the program and its plain arguments, and of each ``key=value``
+    override or ``--option=value`` only the key (a value may be a URI with a password, or a token)."""
+    words = [os.path.basename(argv[0]) if argv else "python"]
+    elided, after_option = [], False
+    for arg in argv[1:]:
+        if after_option:
+            after_option = False
+            continue
+        if "=" in arg:
+            elided.append(arg.split("=", 1)[0])
+        elif arg.startswith("--") and arg not in ("--",):
+            words.append(arg)
+            after_option = True  # its value follows as the next word
+            words.append("…")
+        else:
+            words.append(arg)
+    return " ".join(words) + (f" (overrides, values not recorded: {', '.join(elided)})" if elided else "")
 
 
 # ------------------------------------------------------------------------------------------ values as written

@@ -52,7 +52,6 @@ import math
 import os
 import queue
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -67,7 +66,7 @@ from urllib.parse import quote, unquote, urlparse
 from omegaconf import OmegaConf
 
 from dcmdp.config import ConfigError, TrackingConfig
-from dcmdp.redact import public_uri, redact, split_credentials, uri_problem, written_field
+from dcmdp.redact import public_command, public_uri, redact, split_credentials, uri_problem, written_field
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +213,7 @@ def provenance_tags() -> dict[str, str]:
     (with ``dcmdp.git_dirty``) when the code runs from one."""
     from importlib.metadata import PackageNotFoundError, version
 
-    tags = {"dcmdp.command": shlex.join(sys.argv)}
+    tags = {"dcmdp.command": public_command(sys.argv)}  # an override's value may be a credential
     for package in ("dcmdp", "torch", "transformers", "vllm"):
         try:
             tags[f"dcmdp.version.{package}"] = version(package)

@@ -7,8 +7,11 @@ the console), grepping every byte for them."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import string
+import subprocess
+import sys
 from pathlib import Path
 from urllib.parse import quote
 
@@ -189,7 +192,7 @@ def test_random_secrets_reach_no_artefact_of_a_run_tracked_to_a_server(tmp_path,
         assert not _leaks(secret, blobs), (secret, _leaks(secret, blobs))
 
 
-def test_random_secrets_reach_no_artefact_of_a_run_whose_tracking_is_buffered(tmp_path, monkeypatch, capfd, caplog):
+def test_random_secrets_reach_no_artefact_of_a_run_whose_tracking_is_buffered(tmp_path):
     """A tracking URI with a token as user name, a literal password, credential query parameters (literal and from
     the environment) and an unreachable server: the metrics are buffered, and the buffer, run.lock, config.yaml,
     summary.json, the checkpoint, the console and the log (urllib3's retry warnings repeat the URL) hold none of the
@@ -200,21 +203,29 @@ def test_random_secrets_reach_no_artefact_of_a_run_whose_tracking_is_buffered(tm
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed once the block ends: nothing answers there
     user, password, token, sig = _secrets(4646, 4)
-    monkeypatch.setenv("DCMDP_T_SIG", sig)
     out = tmp_path / "out"
     uri = f"http://{user}:{password}@127.0.0.1:{port}/?token={token}&sig=${{oc.env:DCMDP_T_SIG}}&x=1"
-    code, console = _train([*BASE, f"tracking.uri={uri}", f"output_dir={out}"], capfd)
-    assert code == 0, console[-3000:]
+    # a process of its own: its command line (run.lock, the dcmdp.command tag) holds the literal secrets
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}, "OMP_NUM_THREADS": "1",
+           "DCMDP_T_SIG": sig}
+    done = subprocess.run([sys.executable, "-m", "dcmdp.cli", "train", *BASE, f"tracking.uri={uri}",
+                           f"output_dir={out}"], capture_output=True, text=True, env=env, timeout=600)
+    console = done.stdout + done.stderr
+    assert done.returncode == 0, console[-3000:]
     [segment] = (out / "tracking_buffer").glob("*.jsonl")
     header = json.loads(segment.read_text().splitlines()[0])
     assert header["uri"] == f"http://127.0.0.1:{port}/?x=1" and header["credentials_removed"] is True
     assert "sig=${oc.env:DCMDP_T_SIG}" in header["uri_as_written"]
-    blobs = {**_files(out), "console": console.encode(), "log": caplog.text.encode()}
+    assert "tracking.uri" in (out / "run.lock").read_text()  # the key, not its value
+    records = [json.loads(line) for line in segment.read_text().splitlines()[1:]]
+    [command] = [r["tags"]["dcmdp.command"] for r in records if "dcmdp.command" in r.get("tags", {})]
+    assert command.endswith("(overrides, values not recorded: " + ", ".join(
+        o.split("=")[0] for o in [*BASE, "tracking.uri=", "output_dir="]) + ")")
+    blobs = {**_files(out), "console": console.encode()}
     for secret in (password, token, sig):
         assert not _leaks(secret, blobs), (secret, _leaks(secret, blobs))
     # a user name beside a password is no secret (a library's message may repeat it); no record holds it
-    del blobs["log"]
-    assert not _leaks(user, blobs), _leaks(user, blobs)
+    assert not _leaks(user, _files(out)), _leaks(user, _files(out))
 
 
 def test_a_tune_trial_config_keeps_interpolations_and_holds_no_uri_credential(monkeypatch, tmp_path):
