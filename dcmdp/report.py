@@ -16,6 +16,7 @@ from typing import Any, Optional
 from urllib.parse import unquote, urlparse
 
 from dcmdp.plots import plot_runs
+from dcmdp.redact import public_uri
 
 ACCURACY_KEY = "eval/accuracy"
 CSV_COLUMNS = ["run_id", "run_name", "status", "steps", "eval_accuracy_final", "constraint", "tolerance",
@@ -72,7 +73,7 @@ def _expand(client: Any, items: list[str]) -> list[Any]:
                 found = [client.get_run(item)]
             except Exception as exc:
                 raise ValueError(f"{item!r} is neither an experiment name nor a run id in the store "
-                                 f"{client.tracking_uri} (pass the store of the run's output_dir with --tracking-uri "
+                                 f"{public_uri(client.tracking_uri)} (pass the store of the run's output_dir with --tracking-uri "
                                  f"sqlite:///<output_dir>/mlflow.db)") from exc
         for run in found:
             if run.info.run_id not in seen:
@@ -196,7 +197,7 @@ def write_report(run_ids_or_experiment: list[str], out_dir: str | Path, tracking
     out_dir.mkdir(parents=True, exist_ok=True)
 
     md_path = out_dir / "report.md"
-    md_path.write_text(_markdown(summaries, client.tracking_uri) + "\n")
+    md_path.write_text(_markdown(summaries, public_uri(client.tracking_uri)) + "\n")
     with open(out_dir / "report.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         writer.writeheader()
