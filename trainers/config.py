@@ -199,14 +199,14 @@ class CurriculumPhase:
 
 @dataclass
 class TaskConfig:
-    # Task name: addition | sorting | long_addition | program_trace | math | jsonl (your data and reward;
+    # Task name: addition | sorting | long_addition | program_trace | list_ops | math | jsonl (your data and reward;
     # docs/custom_tasks.md). See trainers.tasks.TASKS and docs/tasks.md.
     name: str = "addition"
     # Largest operand / list element has this many digits (generated tasks).
     digits: int = 2
     # Shortest operand has this many digits (long_addition draws each length uniformly in [min_digits, digits]).
     min_digits: int = 1
-    # Number of items (sorting) or operands (addition).
+    # Number of items (sorting), operands (addition) or digits in the list (list_ops).
     items: int = 2
     # Size of the held-out evaluation set: a fixed sample per task config that training never draws (at most
     # half of the prompt space of a generated task).
