@@ -558,6 +558,9 @@ def _check_sizes(cfg: RunConfig) -> None:
         raise ConfigError(f"config error at 'task.eval_size': {t.eval_size} held-out prompts, above {MAX_EVAL_SIZE}")
     if t.items > MAX_EVAL_SIZE:
         raise ConfigError(f"config error at 'task.items': {t.items} items per prompt cannot fit any context")
+    if cfg.cold_start.batch_size > MAX_BATCH_SAMPLES:
+        raise ConfigError(f"config error at 'cold_start.batch_size': {cfg.cold_start.batch_size} demonstrations per "
+                          f"step, above {MAX_BATCH_SAMPLES}")
     if cfg.rollout.temperature < MIN_TEMPERATURE:
         raise ConfigError(f"config error at 'rollout.temperature': {cfg.rollout.temperature:g} is below "
                           f"{MIN_TEMPERATURE:g}: float32 sampling is then greedy and every other token's probability "
@@ -1080,6 +1083,10 @@ def _check_task_fits(cfg: RunConfig, context: Optional[int]) -> None:
     settings += [(f"task.curriculum[{i}].digits", p.digits, t.min_digits if p.min_digits is None else p.min_digits)
                  for i, p in enumerate(t.curriculum)]
     room = context - cfg.rollout.max_new_tokens
+    if t.items >= room:  # every item takes at least one position
+        raise ConfigError(f"config error at 'task.items': {t.items} items do not fit the context of model.preset="
+                          f"{cfg.model.preset!r} ({context} positions, {cfg.rollout.max_new_tokens} of them for the "
+                          f"response); use fewer items")
     for key, digits, low in settings:
         if digits >= room:
             raise ConfigError(f"config error at '{key}': {digits} digits do not fit the context of model.preset="

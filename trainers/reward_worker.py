@@ -52,6 +52,20 @@ class RewardRaised(Exception):
         self.type_name, self.message, self.traceback = type_name, message, tb
 
 
+class _RemoteTraceback(Exception):
+    """The traceback of an exception raised in the worker, as the cause of the ``RewardRaised`` that reports it (a
+    logged traceback then shows the reward's own frames)."""
+
+    def __str__(self) -> str:
+        return f"\n\n{self.args[0].rstrip()}\n(in the reward's worker process)"
+
+
+def _raised(reply: tuple) -> RewardRaised:
+    err = RewardRaised(*reply[1:])
+    err.__cause__ = _RemoteTraceback(reply[3])
+    return err
+
+
 class RewardExited(Exception):
     """The reward called ``sys.exit`` (its code), or its worker process died (code None, ``signal`` set)."""
 
@@ -93,7 +107,7 @@ class RewardWorker:
         if kind == "bad":
             raise RewardNotNumber(reply[1])
         if kind == "raised":
-            raise RewardRaised(*reply[1:])
+            raise _raised(reply)
         raise RewardExited(reply[1])
 
     def _reply(self, seconds: float) -> tuple:
@@ -127,7 +141,10 @@ class RewardWorker:
         try:
             # close_fds (the default) with only the two pipes passed: no lock or other descriptor of the trainer
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "trainers.reward_worker", str(to_worker_r), str(from_worker_w), self.spec],
+                # -P: the working directory is not put first on the path (as in the trainer, load_reward appends it
+                # last, so a local file never shadows an installed module, this one included)
+                [sys.executable, "-P", "-m", "trainers.reward_worker", str(to_worker_r), str(from_worker_w),
+                 self.spec],
                 pass_fds=(to_worker_r, from_worker_w), start_new_session=True, env=env, stdin=subprocess.DEVNULL)
         finally:
             os.close(to_worker_r)
@@ -138,7 +155,7 @@ class RewardWorker:
         reply = self._reply(max(START_TIMEOUT, self.timeout))
         if reply[0] != "ready":
             self.close()
-            raise RewardRaised(*reply[1:]) if reply[0] == "raised" else RewardExited(reply[1])
+            raise _raised(reply) if reply[0] == "raised" else RewardExited(reply[1])
 
     def close(self) -> None:
         """Kill the worker (and every process of its session's group) and close the pipes."""
@@ -207,8 +224,6 @@ def _serve(recv: Connection, send: Connection, spec: str) -> None:
 def main(argv: list[str]) -> None:
     recv_fd, send_fd, spec = int(argv[0]), int(argv[1]), argv[2]
     _die_with_parent()
-    if sys.path and sys.path[0] == os.getcwd():  # python -m put the working directory first: as in the trainer,
-        del sys.path[0]  # load_reward appends it last, so a local file never shadows an installed module
     # the reward's prints go to the trainer's stderr; stdout is left to nobody (the protocol has its own pipes)
     os.dup2(2, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when this process ends

@@ -756,10 +756,9 @@ def score_completions(task: Task, completions: list[str], examples: list[Example
         show = first_exc is not None and name not in _TRACEBACK_SHOWN
         if show:
             _TRACEBACK_SHOWN.add(name)
-        remote = show and isinstance(first_exc, RewardRaised)  # raised in the worker: its traceback as text
-        log.warning("reward %s failed on %d of %d samples (first: %s); they get reward 0 (counted in reward/errors)%s",
-                    name, errors, len(examples), first, f"\n{first_exc.traceback.rstrip()}" if remote else "",
-                    exc_info=first_exc if show and not remote else None)
+        # a reward's exception from its worker carries the worker's traceback as its cause
+        log.warning("reward %s failed on %d of %d samples (first: %s); they get reward 0 (counted in reward/errors)",
+                    name, errors, len(examples), first, exc_info=first_exc if show else None)
     return rewards, errors
 
 
