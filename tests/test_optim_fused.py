@@ -98,3 +98,38 @@ def test_compiled_step_equals_the_eager_step(rounding):
         for k, v in eager_opt.state[a].items():
             if k != "step":
                 _one_step_apart(v, fused_opt.state[b][k])
+
+
+def test_fsdp2_sharded_parameters_step_like_plain_ones(monkeypatch):
+    # FSDP2 parameters are DTensors: the step runs on their local shards. At world size 1 (gloo, one process) the
+    # shard is the whole tensor, so the sharded model must take bit for bit the unsharded model's steps.
+    import copy
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)).bfloat16()
+        sharded = copy.deepcopy(plain)
+        fully_shard(sharded)
+        for rounding in BF16AdamW.ROUNDINGS:
+            for model in (plain, sharded):
+                opt = BF16AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, rounding=rounding, seed=1)
+                for step in range(3):
+                    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)).bfloat16()
+                    model(x).float().pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+            for a, b in zip(plain.parameters(), sharded.parameters()):
+                assert type(b).__name__ == "DTensor"
+                assert torch.equal(a, b.full_tensor())
+    finally:
+        dist.destroy_process_group()

@@ -119,6 +119,11 @@ def _update_in_place(p: Tensor, g: Tensor, m: Tensor, v: Tensor, c: Optional[Ten
             dst.copy_(src)
 
 
+def _local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (an FSDP2 parameter, its gradient or state), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 _COMPILED: dict[str, Callable] = {}
 
 
@@ -190,10 +195,11 @@ class BF16AdamW(torch.optim.Optimizer):
                     if self.rounding == "kahan":
                         state["compensation"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 state["step"] += 1
-                flat = (p.view(-1), p.grad.reshape(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
-                        state["compensation"].view(-1) if "compensation" in state else None)
+                # an FSDP2 parameter (DTensor) is stepped through its local shard: the update is elementwise
+                flat = tuple(None if x is None else _local(x).reshape(-1) if x is p.grad else _local(x).view(-1)
+                             for x in (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state.get("compensation")))
                 parts = pieces.setdefault((p.device, int(state["step"].item())), [])
-                for start in range(0, p.numel(), BUCKET):
+                for start in range(0, flat[0].numel(), BUCKET):
                     parts.append(tuple(None if x is None else x[start:start + BUCKET] for x in flat))
             for (device, t), parts in pieces.items():
                 self._step_pieces(parts, device, group, t)
