@@ -64,7 +64,10 @@ class ThirdPartyLogFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.name.startswith(("dcmdp", "trainers", "constraints")) and _known:
-            record.msg, record.args = redact(record.getMessage()), None
+            try:
+                record.msg, record.args = redact(record.getMessage()), None
+            except Exception:  # a record whose arguments do not format: logging reports it as it would have
+                pass
         return True
 
 
@@ -286,11 +289,6 @@ def written(cfg: Any) -> dict[str, str]:
 def written_field(obj: Any, name: str) -> Optional[str]:
     """The interpolation field ``name`` of the dataclass ``obj`` was written as, or None."""
     return obj.__dict__.get(_WRITTEN, {}).get(name)
-
-
-def from_env(obj: Any, name: str) -> bool:
-    """Field ``name`` of ``obj`` was written as an interpolation (its value may come from the environment)."""
-    return written_field(obj, name) is not None
 
 
 def _dataclasses(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
