@@ -40,8 +40,10 @@ NOT_RUN = {
     "make test": "the test suite itself",
     "torchrun --standalone --nproc_per_node 8": "needs eight CUDA GPUs and the Qwen3-8B weights",
 }
-# Commands expected to fail here, and how: the recipe's check names the absent weights, and only them.
-EXPECTED = {".venv/bin/dcmdp check configs/qwen3-8b.yaml model.path=/models/Qwen3-8B": (2, {"model.path"})}
+# Commands that end otherwise here, and how: the recipe's check names the absent weights, and only them; the tune
+# study's 2-step trials end inside its 5-step warm-up, so none can be selected (exit code 3, its table written).
+EXPECTED = {".venv/bin/dcmdp check configs/qwen3-8b.yaml model.path=/models/Qwen3-8B": (2, {"model.path"}),
+            ".venv/bin/dcmdp tune configs/tune/tiny-dense.yaml steps=40 --workers 2": (3, None)}
 
 
 def bash_commands(path: Path) -> list[str]:
@@ -182,6 +184,8 @@ def test_every_readme_command_runs_in_order(tmp_path):
     for command in commands:
         run_command(command, folder)
     assert (folder / "report" / "report.md").is_file() and (folder / "data" / "math_train.jsonl").is_file()
+    assert re.search(r"6 trials in study 'tiny-dense' \(6 run now, \d+ pruned, 0 failed\)",
+                     (folder / "outputs" / "tune-tiny-dense" / "table.txt").read_text())
     default = next(c for c in commands if c.startswith(".venv/bin/dcmdp train configs/default.yaml"))
     again = run_command(default, folder)  # "run again: it resumes" (here: finished, nothing to train)
     assert "holds this run, finished at step 2 (summary.json): nothing to train" in again.stdout
@@ -193,7 +197,7 @@ def test_the_custom_task_example_runs_in_an_empty_folder(tmp_path):
     folder = tmp_path / "mine"
     folder.mkdir()
     # the files the example asks to save: the python and yaml blocks that open with their file name
-    for body in re.findall(r"```(?:python|yaml)\n(# (\S+?)(?::| ).*?)```", doc, flags=re.S):
+    for body in re.findall(r"```(?:python|yaml)\n(# (\S+?)(?::|\s).*?)```", doc, flags=re.S):
         text, name = body
         if name.endswith((".py", ".yaml")):
             (folder / name).write_text(text)
