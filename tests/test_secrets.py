@@ -244,3 +244,43 @@ def test_a_tune_trial_config_keeps_interpolations_and_holds_no_uri_credential(mo
     assert trial.dual.constraints[0].lr == 0.5 and "DCMDP_LR" not in text  # a setting replaces the interpolation
     (tmp_path / "run.yaml").write_text(text)
     assert load_config(tmp_path / "run.yaml") == trial
+
+
+def test_metrics_buffered_during_an_outage_are_sent_with_the_password_read_again(tmp_path, monkeypatch,
+                                                                                 mlflow_server):
+    """The buffer's header holds the URI without its password and the config's interpolation of it: ``dcmdp sync``
+    (here ``sync_report`` with no URI) resolves the interpolation from the environment and sends the run."""
+    from mlflow.tracking import MlflowClient
+
+    from dcmdp.tracking import Tracker, sync_report
+
+    monkeypatch.setenv("DCMDP_T_PW", "pw-of-the-outage-4711")
+    host = mlflow_server.uri.split("://", 1)[1]
+    cfg = load_config(None, [f"tracking.uri=http://dcmdp:${{oc.env:DCMDP_T_PW}}@{host}",
+                             f"tracking.buffer_dir={tmp_path / 'buffer'}", "tracking.async_log=false"])
+    mlflow_server.stop()
+    try:
+        tracker = Tracker(cfg.tracking, tmp_path)
+        local = tracker.start({"seed": "0"})
+        for step in range(3):
+            tracker.log_metrics({"reward/mean": 0.1 * step}, step=step)
+        tracker.finish()
+    finally:
+        mlflow_server.start()
+    [segment] = (tmp_path / "buffer").glob("*.jsonl")
+    assert local.startswith("local-") and b"pw-of-the-outage" not in segment.read_bytes()
+    header = json.loads(segment.read_text().splitlines()[0])
+    assert header["uri"] == mlflow_server.uri and header["uri_as_written"].startswith("http://dcmdp:${oc.env:")
+    from dcmdp import tracking
+
+    used, post_init = [], tracking._Sender.__post_init__  # which URI the sender is built with (the server asks none)
+    monkeypatch.setattr(tracking._Sender, "__post_init__", lambda self: (used.append(self.tracking_uri),
+                                                                          post_init(self))[1])
+    report = sync_report(tmp_path / "buffer")
+    assert report.sent == 3 and report.remaining == []
+    assert used == [f"http://dcmdp:pw-of-the-outage-4711@{host}"]
+    runs = MlflowClient(mlflow_server.uri).search_runs(
+        [e.experiment_id for e in MlflowClient(mlflow_server.uri).search_experiments()],
+        filter_string="params.seed = '0'")
+    assert any([m.value for m in MlflowClient(mlflow_server.uri).get_metric_history(r.info.run_id, "reward/mean")]
+               == [0.0, 0.1, 0.2] for r in runs)
