@@ -958,6 +958,8 @@ class Tracker:
             self._sender_thread.join()
             self._sender_thread = None
         self._emit([{"t": "end", "run": self.run_id, "status": status, "end_time": _now_ms()}], force=True)
+        if self.dual_caps is not None and self._segment is None and (link := self.ui_link()) is not None:
+            logger.info("MLflow: lambda, D-hat and c of run %s first (section %s) at %s", self.run_id, OVERVIEW, link)
         if self._segment is not None:
             logger.warning("MLflow at %s is unreachable: %d metrics of run %s stay buffered in %s; send them with "
                            "`dcmdp sync` (dcmdp.tracking.sync_buffer)", public_uri(self.tracking_uri), self._buffered,

@@ -61,7 +61,8 @@ def test_the_overview_is_the_first_section_with_lambda_its_cap_d_hat_and_c(mlflo
     link = tracker.ui_link()
     assert link == (f"{mlflow_server.uri}/#/experiments/{run.info.experiment_id}/runs/{run_id}/model-metrics?"
                     f"workflowType=machine_learning")
-    assert f"section {OVERVIEW}) at {link}" in caplog.text
+    assert f"section {OVERVIEW}) at {link}" in caplog.text  # at the start of the run
+    assert f"run {run_id} first (section {OVERVIEW}) at {link}" in caplog.text  # and again at its end
     with urllib.request.urlopen(link.split("#")[0], timeout=30) as page:  # the server serves the UI the link opens
         assert page.status == 200 and b"<html" in page.read().lower()
 
