@@ -764,6 +764,11 @@ class Tracker:
                  max_retry_interval: float = 300.0, dual_caps: Optional[dict[str, float]] = None):
         _set_http_defaults()
         self.cfg = cfg
+        if cfg.uri and split_credentials(written_field(cfg, "uri") or cfg.uri)[1]:
+            logger.warning("tracking.uri holds a credential written into it (a password, a token as user name or a "
+                           "credential parameter): no record of the run keeps it (%s), so a resume from config.yaml "
+                           "or a `dcmdp sync` has to be given it again; read it from the environment instead: "
+                           "http://user:${oc.env:NAME}@host", public_uri(cfg.uri))
         # lambda_max per constraint of the run's dual, whose overview section (``dual_overview``) is logged with it;
         # None: no overview (a tracker that logs no dual)
         self.dual_caps = None if dual_caps is None else dict(dual_caps)

@@ -217,6 +217,7 @@ def test_random_secrets_reach_no_artefact_of_a_run_whose_tracking_is_buffered(tm
     assert header["uri"] == f"http://127.0.0.1:{port}/?x=1" and header["credentials_removed"] is True
     assert "sig=${oc.env:DCMDP_T_SIG}" in header["uri_as_written"]
     assert "tracking.uri" in (out / "run.lock").read_text()  # the key, not its value
+    assert "tracking.uri holds a credential written into it" in console  # and says how to keep it
     records = [json.loads(line) for line in segment.read_text().splitlines()[1:]]
     [command] = [r["tags"]["dcmdp.command"] for r in records if "dcmdp.command" in r.get("tags", {})]
     assert command.endswith("(overrides, values not recorded: " + ", ".join(
