@@ -62,6 +62,10 @@ def test_every_step_of_lambda_and_discrepancy_reaches_the_server(tmp_path, mlflo
     measured = [m.value for m in client.get_metric_history(summary.run_id, "dual/measured/kl_k3")]
     assert summary.constraints["kl_k3"].measured_mean == pytest.approx(sum(measured) / len(measured), rel=1e-12)
     assert summary.constraints["kl_k3"].inside_frac == 0.0 and summary.constraints["kl_k3"].lambda_final == lam[-1]
+    # the loop gives the tracker its constraints' caps: lambda's overview section holds lambda and the cap
+    # (lambda_max: the default 10), and dual.png (lambda from lambda_init, D-hat against c) is one of the run's files
+    assert run.data.metrics["0_dual/kl_k3/lambda"] == lam[-1] and run.data.metrics["0_dual/kl_k3/lambda_max"] == 10.0
+    assert "dual.png" in {a.path for a in client.list_artifacts(summary.run_id)}
 
 
 def test_the_command_names_its_run_after_the_config_and_the_output_folder(tmp_path, mlflow_server, monkeypatch):
