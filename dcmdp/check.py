@@ -284,9 +284,9 @@ def _model(cfg: RunConfig, problems: list[Problem]) -> None:
                                               f"must be a Hugging Face model directory (save_pretrained)", 1))
         return
     if arch.get("model_type") != preset.model_type:
-        problems.append(Problem("model.path", f"model.path {cfg.model.path!r} holds a {arch.get('model_type')!r} model, "
-                                              f"preset {preset.name!r} expects {preset.model_type!r}: set model.preset "
-                                              f"to the directory's architecture", 1))
+        problems.append(Problem("model.path", f"model.path {cfg.model.path!r} holds a {arch.get('model_type')!r} "
+                                              f"model, preset {preset.name!r} expects {preset.model_type!r}: set "
+                                              f"model.preset to the directory's architecture", 1))
     rows = arch.get("vocab_size")
     if tokens is not None and isinstance(rows, int) and rows < tokens:
         problems.append(Problem("model.path", f"tokenizer has {tokens} tokens but the model in {cfg.model.path!r} has "

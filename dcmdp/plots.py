@@ -75,7 +75,8 @@ def dual_figure(history: list[dict[str, float]], names: list[str], *, lambda_ini
         lam_steps, lam_vals = _series(history, steps, f"dual/lambda/{name}")
         if name in lambda_init and (not lam_steps or lam_steps[0] > 0):  # logged after each step's dual update
             lam_steps, lam_vals = [0, *lam_steps], [lambda_init[name], *lam_vals]
-        ax_lam.plot(lam_steps, lam_vals, color="C0", lw=1.5, label="λ (step 0: λ₀)" if name in lambda_init else "λ")
+        ax_lam.plot(lam_steps, lam_vals, color="C0", lw=1.5,
+                    label="λ (step 0: λ₀)" if name in lambda_init else "λ")
         if math.isfinite(lambda_max.get(name, math.inf)):
             ax_lam.axhline(lambda_max[name], color="C3", ls=":", lw=1.2, label=f"cap λ_max = {lambda_max[name]:g}")
         ax_lam.legend(loc="best", fontsize=8, frameon=False)

@@ -60,7 +60,8 @@ def test_dapo_rows_are_deduplicated_and_a_held_out_set_is_drawn(tmp_path):
 
     # the 8B recipe then finds its task files in order: no task problem is left for `dcmdp check`
     problems = find_problems(str(ROOT / "configs" / "qwen3-8b.yaml"), [
-        f"task.path={tmp_path / 'data' / 'math_train.jsonl'}", f"task.eval_path={tmp_path / 'data' / 'math_eval.jsonl'}",
+        f"task.path={tmp_path / 'data' / 'math_train.jsonl'}",
+        f"task.eval_path={tmp_path / 'data' / 'math_eval.jsonl'}",
         f"output_dir={tmp_path / 'out'}", "model.init=random", "rollout.engine=torch", "device=cpu"])
     assert not [p for p in problems if p.key.startswith("task.")], problems
 
