@@ -128,8 +128,13 @@ def test_math_task_without_a_file():
 
 
 def test_prompt_longer_than_the_context_is_a_clear_error(tmp_path):
-    # 40-digit operands: prompts of up to 82 characters (= tokens) + 50 new tokens > 128 positions
-    cfg = load_config(None, _overrides(tmp_path / "out", "task.digits=40", "rollout.max_new_tokens=50"))
+    # 40-digit operands: prompts of up to 82 characters (= tokens) + 50 new tokens > 128 positions. The config is
+    # refused at load (the longest of the task's draws); the engine's own check, for every batch, still stands
+    # behind it: here it meets a config changed after it was checked
+    with pytest.raises(ConfigError, match=r"config error at 'task.digits': prompts of 40 digits run to \d+ characters"):
+        load_config(None, _overrides(tmp_path / "out", "task.digits=40", "rollout.max_new_tokens=50"))
+    cfg = load_config(None, _overrides(tmp_path / "out", "rollout.max_new_tokens=50"))
+    cfg.task.digits = 40
     with pytest.raises(ValueError, match=r"tokens; with rollout.max_new_tokens=50 that is \d+ positions, beyond the "
                                          r"model's context of 128 \(max_position_embeddings\)"):
         train(cfg)
