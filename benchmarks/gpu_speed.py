@@ -79,6 +79,25 @@ def _median_time(fn: Callable[[], None], device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _interleaved(fns: dict[str, Callable[[], None]], device, repeats: int) -> dict[str, float]:
+    """Median time of each function, the functions taking turns (after one warm-up call each), so that a change of
+    load or clock hits all of them alike."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    names = list(fns)
+    for rep in range(repeats):
+        # each round starts with another function: none always runs after the same one
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            fn = fns[name]
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def _configs(args):
     from trainers.models import PRESETS
 
@@ -111,6 +130,13 @@ def _rollout(B: int, prompt_len: list[int], response_len: list[int], vocab: int,
     return Rollout(prompt_ids_BP=ids[:, :P].to(device), prompt_mask_BP=pm.to(device),
                    response_ids_BT=ids[:, P:].to(device), response_mask_BT=rm.to(device),
                    rollout_logp_BT=torch.zeros(B, T, device=device))
+
+
+def padded_prompt_lengths(B: int, S: int) -> list[int]:
+    """Prompt lengths of the padded batch: spread evenly over S/8 ... 3S/8 and symmetric about S/4, so that with
+    responses of S - p_b every row holds S real tokens and the batch as many prompt and response tokens as the
+    unpadded one (prompts of S/4); left-padded to 3S/8, responses right-padded to 7S/8."""
+    return [S // 4 + round((S / 8) * (2 * b / max(B - 1, 1) - 1)) for b in range(B)]
 
 
 def _train_step(model, optimizer, rollout, spec, replay=None) -> Callable[[], None]:
@@ -153,8 +179,7 @@ def measure_training(args, device, result: dict, log) -> None:
     B, S = args.batch, args.seq
     peak = peak_tflops(device, 256 if args.tiny else 8192, 5) * 1e12
     result["peak_bf16_tflops"] = peak / 1e12
-    # the padded batch: every row holds S real tokens, prompts of S/8 ... S/4 (left-padded), the rest response
-    prompt_len = [S // 8 + (S // 8) * b // max(B - 1, 1) for b in range(B)]
+    prompt_len = padded_prompt_lengths(B, S)
     padded = _rollout(B, prompt_len, [S - p for p in prompt_len], dense_cfg.vocab_size, device)
     unpadded = _rollout(B, [S // 4] * B, [S - S // 4] * B, dense_cfg.vocab_size, device)
     result["padded_batch"] = {"rows": B, "real_tokens_per_row": S, "width_padded": padded.input_ids_BS.shape[1]}
@@ -162,10 +187,11 @@ def measure_training(args, device, result: dict, log) -> None:
     model = model_from_config(dense_cfg, seed=0, dtype="bfloat16", device=device)
     spec = learner.ScoringSpec(fp32_lm_head=True, lm_head_kernel="bf16x3" if device.type == "cuda" else "logits")
     optimizer = BF16AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.95))
-    t_unpadded = _median_time(_train_step(model, None, unpadded, spec), device, args.repeats)
-    t_padded = _median_time(_train_step(model, None, padded, spec), device, args.repeats)
-    t_masked = _median_time(_train_step(model, None, padded, learner.ScoringSpec(
-        fp32_lm_head=True, lm_head_kernel=spec.lm_head_kernel, justify=False)), device, args.repeats)
+    masked_spec = learner.ScoringSpec(fp32_lm_head=True, lm_head_kernel=spec.lm_head_kernel, justify=False)
+    times = _interleaved({"unpadded": _train_step(model, None, unpadded, spec),
+                          "padded": _train_step(model, None, padded, spec),
+                          "masked": _train_step(model, None, padded, masked_spec)}, device, args.repeats)
+    t_unpadded, t_padded, t_masked = times["unpadded"], times["padded"], times["masked"]
     result.update(padded_over_unpadded=t_padded / t_unpadded, padded_masked_over_unpadded=t_masked / t_unpadded,
                   forward_backward_unpadded_s=t_unpadded)
     log(f"padded {t_padded:.3f} s, masked {t_masked:.3f} s, unpadded {t_unpadded:.3f} s (forward + backward)")

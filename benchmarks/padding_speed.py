@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.gpu_speed import _configs, _rollout, _train_step  # noqa: E402
+from benchmarks.gpu_speed import _configs, _rollout, _train_step, padded_prompt_lengths  # noqa: E402
 from benchmarks.gpu_speed import parser as speed_parser  # noqa: E402
 from trainers import learner  # noqa: E402
 from trainers.models import model_from_config  # noqa: E402
@@ -40,8 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     cfg, _ = _configs(speed_parser().parse_args(["--tiny"]))
     B, S = args.rows, args.seq
-    # every row S real tokens: prompts of S/8 ... S/4 left-padded, the rest response (right-padded)
-    prompt_len = [S // 8 + (S // 8) * b // max(B - 1, 1) for b in range(B)]
+    prompt_len = padded_prompt_lengths(B, S)
     padded = _rollout(B, prompt_len, [S - p for p in prompt_len], cfg.vocab_size, torch.device("cpu"))
     unpadded = _rollout(B, [S // 4] * B, [S - S // 4] * B, cfg.vocab_size, torch.device("cpu"))
     model = model_from_config(cfg, seed=0, dtype="float32")
@@ -51,8 +50,11 @@ def main(argv: list[str] | None = None) -> dict:
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(args.repeats):
-        for name, fn in fns.items():
+    names = list(fns)
+    for rep in range(args.repeats):
+        # each round starts with another variant: no variant always runs after the same one
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            fn = fns[name]
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
