@@ -73,3 +73,22 @@ def _with_justify(spec_cls, justify: bool):
         return spec_cls(*args, **{"justify": justify, **kwargs})
     make.__wrapped__ = spec_cls
     return make
+
+
+@pytest.mark.parametrize("fp32_lm_head,kernel", [(True, "logits"), (True, "chunked"), (True, "bf16x3"),
+                                                 (False, "logits")])
+def test_justified_head_paths_equal_the_padded_ones(fp32_lm_head, kernel):
+    # the justified forward sends only the N real response tokens through the head, as a (1, N) batch: every head
+    # kernel gives the padded forward's log-probs and entropies there (float32 rounding; bf16x3 splits the float32
+    # operands into three bfloat16 parts either way) and 0 at padding
+    model, rollout, _, _ = _setup("tiny-dense", "none", 1)
+    out = {}
+    for justify in (True, False):
+        spec = learner.ScoringSpec(fp32_lm_head=fp32_lm_head, lm_head_kernel=kernel, justify=justify)
+        with torch.no_grad():
+            out[justify] = learner._forward_logp(model, rollout, spec, with_entropy=True, replay_experts_BSLK=None,
+                                                 capture=False)
+    mask_BT = rollout.response_mask_BT.bool()
+    for got, ref in zip(out[True][:2], out[False][:2]):
+        assert torch.allclose(got[mask_BT], ref[mask_BT], atol=1e-5, rtol=0), (got - ref)[mask_BT].abs().max()
+        assert (got[~mask_BT] == 0).all()
