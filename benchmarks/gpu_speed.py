@@ -348,8 +348,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    result["wall_s"] = time.perf_counter() - start
-    (out / "speed.json").write_text(json.dumps(result, indent=1) + "\n")
+        result["wall_s"] = time.perf_counter() - start
+        # written after every part: a run stopped by the check's time limit keeps what it measured
+        (out / "speed.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}, indent=1))
     return 0
 
