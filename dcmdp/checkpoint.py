@@ -82,8 +82,11 @@ class RunFolderLock:
 
     The kernel releases a flock when its holder exits, however it exits (``kill -9`` included), so a lock file
     left by a dead process is no obstacle: the next run takes the lock and writes its own holder line. The file
-    names the holder (PID, host, start time, command line), so a second run's error can say who holds it. The
-    file itself is never deleted: unlinking a lock file lets two processes lock two different files.
+    names the holder (PID, host, start time, and the command line with override keys but not their values, which
+    may be credentials: ``public_command``), so a second run's error can say who holds it; when that PID has ended
+    and the lock is still held, the error names the live processes that hold the file open instead. A child forked
+    from the run closes its copy at once (``_close_locks_in_child``). The file itself is never deleted: unlinking a
+    lock file lets two processes lock two different files.
     """
 
     def __init__(self, folder: str | Path):
