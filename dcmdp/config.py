@@ -526,6 +526,9 @@ def validate(cfg: RunConfig) -> None:
 # Bounds of size-like settings, checked at start (``_check_sizes``): beyond them a setting is either never used by a
 # run or asks for memory or time no run has. A reward call may take up to an hour (its worker is killed after it).
 MAX_REWARD_TIMEOUT = 3600.0
+# Below this a reward call cannot even reach its worker process and back (a pipe round trip and unpickling): every
+# call would time out, and every sample score 0.
+MIN_REWARD_TIMEOUT = 0.01
 # Samples of one rollout batch (prompts_per_step x samples_per_prompt), and samples per prompt.
 MAX_BATCH_SAMPLES = 1 << 20
 # Held-out prompts, and tokens per rollout batch (samples x max_new_tokens: ids and log-probs are kept per token).
@@ -546,6 +549,10 @@ def _check_sizes(cfg: RunConfig) -> None:
         raise ConfigError(f"config error at 'task.reward_timeout': {t.reward_timeout:g} s per reward call is above "
                           f"{MAX_REWARD_TIMEOUT:g} s (an hour): a reward that hangs would hold the run that long "
                           f"per call; use a finite limit of at most {MAX_REWARD_TIMEOUT:g}")
+    if 0 < t.reward_timeout < MIN_REWARD_TIMEOUT:
+        raise ConfigError(f"config error at 'task.reward_timeout': {t.reward_timeout:g} s is too short for a call to "
+                          f"reach the reward's worker process and come back: every call would time out; use at least "
+                          f"{MIN_REWARD_TIMEOUT:g}")
     samples = algo.prompts_per_step * algo.samples_per_prompt
     if samples > MAX_BATCH_SAMPLES:
         raise ConfigError(f"config error at 'algo.prompts_per_step': {algo.prompts_per_step} prompts x "

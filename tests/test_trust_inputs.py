@@ -86,6 +86,7 @@ def test_a_changed_lr_or_an_env_preset_is_refused_on_resume_and_nothing_changes(
     (["cold_start.batch_size=100000000"], "config error at 'cold_start.batch_size': 100000000 demonstrations"),
     (["task.reward_timeout=1e308"], "config error at 'task.reward_timeout': 1e+308 s per reward call is above 3600"),
     (["task.reward_timeout=7200"], "config error at 'task.reward_timeout': 7200 s per reward call"),
+    (["task.reward_timeout=1e-9"], "config error at 'task.reward_timeout': 1e-09 s is too short for a call"),
 ])
 def test_a_size_no_run_can_use_is_refused_at_start(overrides, needle):
     t0 = time.monotonic()
