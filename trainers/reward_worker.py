@@ -160,16 +160,10 @@ class RewardWorker:
     def close(self) -> None:
         """Kill the worker (and every process of its session's group) and close the pipes."""
         if self._proc is not None:
-            if self._proc.poll() is None:
-                try:
-                    os.killpg(self._proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            else:
-                try:  # helpers a dead worker left in its group
-                    os.killpg(self._proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            try:  # the group outlives a dead worker while a helper it started runs
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
             self._proc.wait()
             self._proc = None
         for conn in (self._send, self._recv):
