@@ -70,7 +70,8 @@ class _RouteContext:
     capture: bool = False
     # layer index -> (N, K) indices to replay for the next call; -1 rows use the router's own choice
     replay: Optional[dict[int, Tensor]] = None
-    replayed_pairs: int = 0
+    # replayed (token, layer) pairs, summed on the device (no host sync per router call); int(...) reads it
+    replayed_pairs: int | Tensor = 0
     router_calls: int = 0
 
 
@@ -104,7 +105,7 @@ def _patched_forward(self, hidden_states: Tensor):
                                f"for {tuple(own_idx_NK.shape)} router outputs (positions misaligned)")
         valid_N = (replay_NK >= 0).all(dim=-1)
         idx_NK = torch.where(valid_N[:, None], replay_NK, own_idx_NK)
-        ctx.replayed_pairs += int(valid_N.sum())
+        ctx.replayed_pairs = ctx.replayed_pairs + valid_N.sum()
     top_value_NK = router_probs.gather(-1, idx_NK)
     if self.norm_topk_prob:
         top_value_NK = top_value_NK / top_value_NK.sum(dim=-1, keepdim=True)
@@ -217,7 +218,7 @@ class ReplayStats:
     @property
     def replayed_pairs(self) -> int:
         """(token, layer) pairs whose expert set came from the replayed routes."""
-        return self._ctx.replayed_pairs
+        return int(self._ctx.replayed_pairs)
 
 
 @contextlib.contextmanager
