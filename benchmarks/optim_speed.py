@@ -142,6 +142,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--params", type=float, default=50e6, help="parameters to optimise (Qwen3-like shapes)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per optimiser (after the first)")
+    p.add_argument("--hidden", type=int, default=1024, help="hidden size of the Qwen3-like shapes")
+    p.add_argument("--vocab", type=int, default=16384, help="rows of the embedding")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
     p.add_argument("--baseline", default=None, help="git ref whose trainers/optim.py is timed as loop_*")
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001
         print(f"torchao not importable: {exc}")
     device = torch.device(args.device)
-    shapes = param_shapes(args.params)
+    shapes = param_shapes(args.params, hidden=args.hidden, vocab=args.vocab)
     n = sum(torch.Size(s).numel() for s in shapes)
     print(f"{n / 1e6:.1f} M bfloat16 parameters in {len(shapes)} tensors on {device}, {torch.get_num_threads()} threads")
     result = time_steps(shapes, device, methods(device, args.baseline, torchao, not args.no_compile), args.steps)
