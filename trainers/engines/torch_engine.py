@@ -237,6 +237,8 @@ class TorchEngine:
                 else:
                     mask_AS = torch.cat([mask_AS, fed_A[:, None]], dim=1)
                 fed_rows.append(rows_A)
+                if graphs:  # the last step's outputs were read (sampled from): the graph may overwrite them
+                    torch.compiler.cudagraph_mark_step_begin()
                 out = decode(input_ids=response_ids_BT[rows_A, t:t + 1], attention_mask=mask_AS,
                              position_ids=(next_pos_A + t)[:, None], past_key_values=cache, use_cache=True)
                 hidden_AH = out.last_hidden_state[:, -1]
