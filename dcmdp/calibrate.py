@@ -206,10 +206,10 @@ def active_tolerance(at_zero: Sequence[float], at_max: Sequence[float], slack: f
         return c, (f"c = {c:.3g}: halfway between the mean D-hat at lambda_max ({low:.3g}, with the slack) and without "
                    f"the penalty ({high:.3g}): feasible, and the dual has to act")
     c = proposed_tolerance(float(np.quantile(at_max, inside_frac, method="inverted_cdf")), slack)
-    return c, (f"c = {c:.3g}: lambda_max holds D-hat <= {c:.3g} on {inside_frac:.0%} of batches, but its mean ({low:.3g}, "
-               f"with the slack) is not under the mean without the penalty ({high:.3g}): the penalty moves D-hat less "
-               f"than the slack, so the dual will be slack most of the time; raise lambda_max or measure at another "
-               f"point")
+    return c, (f"c = {c:.3g}: lambda_max holds D-hat <= {c:.3g} on {inside_frac:.0%} of batches, but its mean "
+               f"({low:.3g}, with the slack) is not under the mean without the penalty ({high:.3g}): the penalty moves "
+               f"D-hat less than the slack, so the dual will be slack most of the time; raise lambda_max or measure at "
+               f"another point")
 
 
 def _constraint_key(i: int, c: ConstraintConfig) -> str:
@@ -271,8 +271,9 @@ def calibrate(cfg: RunConfig, batches: int = 8, slack: float = 0.25, measures: S
             floor = float(np.mean(per_key[_constraint_key(i, c)]))
             if cfg.dual.measure_at == "drift":
                 if c.floor_slack is not None:
-                    notes.append(f"constraint {i} ({c.measure}): floor_slack set to null: an automatic tolerance on the "
-                                 f"drift is (1 + floor_slack) x the run's own drift and cannot lie under it; c is fixed")
+                    notes.append(f"constraint {i} ({c.measure}): floor_slack set to null: an automatic tolerance on "
+                                 f"the drift is (1 + floor_slack) x the run's own drift and cannot lie under it; c is "
+                                 f"fixed")
                 proposed.append(replace(c, tolerance=tol, floor_slack=None, floor_steps=None))
                 continue
             auto = c.floor_slack is not None and floor > 0 and math.isfinite(tol)
@@ -361,7 +362,8 @@ def measure_batch(policy: Policy, scoring: learner.ScoringSpec, cfg: RunConfig, 
     return values, batch, examples
 
 
-def lambda_response(cfg: RunConfig, lambdas: Sequence[float], batches: int = 4, skip: int = 1) -> list[dict[str, float]]:
+def lambda_response(cfg: RunConfig, lambdas: Sequence[float], batches: int = 4,
+                    skip: int = 1) -> list[dict[str, float]]:
     """D-hat(lambda) and entropy(lambda) within one step: for each rollout batch and each lambda, the config's N
     mini-batch updates on a copy of the weights with the penalty at that lambda (anchored as ``dual.measure_at``
     says), from the same weights and optimiser moments; per lambda the means over batches ``skip``.. of D-hat vs mu at
@@ -390,10 +392,10 @@ def lambda_response(cfg: RunConfig, lambdas: Sequence[float], batches: int = 4, 
                 optimizer.load_state_dict(copy.deepcopy(moments))
                 lam_C = torch.tensor([lam], dtype=torch.float64)
                 state = replace(s.state.dual, lambda_C=lam_C, lambda_avg_C=lam_C)
+                penalty = penalty_spec(state, replace(cfg.dual, constraints=[target]))
                 result = learner.update(model, learner.OptimStep(optimizer, grad_clip=cfg.optim.grad_clip), scored,
-                                        scoring=s.scoring, penalty=penalty_spec(state, replace(cfg.dual,
-                                                                                               constraints=[target])),
-                                        cfg=cfg.algo, generator=torch.Generator().manual_seed(step_seed(cfg.seed, n, 2)))
+                                        scoring=s.scoring, penalty=penalty, cfg=cfg.algo,
+                                        generator=torch.Generator().manual_seed(step_seed(cfg.seed, n, 2)))
                 if k == 0:
                     advanced = copy.deepcopy(optimizer.state_dict())
                 if n >= skip:
