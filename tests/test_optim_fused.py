@@ -133,3 +133,29 @@ def test_fsdp2_sharded_parameters_step_like_plain_ones(monkeypatch):
                 assert torch.equal(a, b.full_tensor())
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rounding", BF16AdamW.ROUNDINGS)
+def test_cuda_compiled_step_equals_the_cuda_eager_step(rounding):
+    # on CUDA the compiled step is the default: the same draws as the eager step (same buckets), the same float32
+    # operations in a Triton kernel, so the parameters and state agree but for float32 rounding
+    def run(compile: bool):
+        params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)).bfloat16().cuda())
+                  for i, s in enumerate(SHAPES)]
+        opt = BF16AdamW(params, lr=1e-3, weight_decay=0.1, rounding=rounding, seed=3, compile=compile)
+        for step in range(3):
+            gen = torch.Generator().manual_seed(100 + step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).bfloat16().cuda()
+            opt.step()
+        return params, opt
+
+    eager, eager_opt = run(False)
+    fused, fused_opt = run(True)
+    for a, b in zip(eager, fused):
+        _one_step_apart(a.detach().cpu(), b.detach().cpu())
+        for k, v in eager_opt.state[a].items():
+            if k != "step":
+                _one_step_apart(v.cpu(), fused_opt.state[b][k].cpu())

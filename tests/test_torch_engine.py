@@ -376,3 +376,23 @@ def test_compiled_decode_step_samples_what_the_eager_one_samples():
     assert torch.equal(first.response_ids_BT, ref.response_ids_BT)
     assert torch.equal(second.response_ids_BT, ref.response_ids_BT)
     torch.testing.assert_close(first.rollout_logp_BT, ref.rollout_logp_BT, rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_decode_graphs_sample_what_the_dynamic_cache_samples():
+    """On CUDA, rollout.torch.decode_graphs replays the compiled decode step as CUDA graphs: the same tokens as the
+    dynamic-cache engine from the same seed (fp32), log mu to float rounding, twice (the second rollout replays)."""
+    model = _model("tiny-dense")
+    _boost_eos(model, 2.5)
+    model = model.cuda()
+    prompts = _prompts(24, seed=5)
+    ref = TorchEngine(RolloutConfig(max_new_tokens=16), model, eos_id=EOS, pad_id=PAD).generate(prompts, seed=11)
+    cfg = RolloutConfig(max_new_tokens=16, torch=TorchEngineConfig(kv_cache="static", decode_graphs=True))
+    engine = TorchEngine(cfg, model, eos_id=EOS, pad_id=PAD)
+    assert engine._decode_graphs()
+    for _ in range(2):
+        got = engine.generate(prompts, seed=11)
+        assert got.response_ids_BT.device.type == "cpu"
+        assert torch.equal(got.response_ids_BT, ref.response_ids_BT)
+        torch.testing.assert_close(got.rollout_logp_BT, ref.rollout_logp_BT, rtol=0, atol=1e-4)
