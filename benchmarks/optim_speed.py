@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     shapes = param_shapes(args.params, hidden=args.hidden, vocab=args.vocab)
     n = sum(torch.Size(s).numel() for s in shapes)
-    print(f"{n / 1e6:.1f} M bfloat16 parameters in {len(shapes)} tensors on {device}, {torch.get_num_threads()} threads")
+    print(f"{n / 1e6:.1f} M bfloat16 parameters in {len(shapes)} tensors on {device}, "
+          f"{torch.get_num_threads()} threads")
     result = time_steps(shapes, device, methods(device, args.baseline, torchao, not args.no_compile), args.steps)
     rel = ratios(result)
     for k, v in result.items():

@@ -16,11 +16,11 @@ parameter update is applied either
   sum to within the rounding of c (Kahan, "Further remarks on reducing truncation errors", CACM 1965;
   Zamirai et al. §3).
 
-The arithmetic of a step runs in float32 over buckets of parameter pieces (``BF16AdamW``: a real-width embedding
-has 6e8 elements, a float32 temporary of the whole tensor would be 2.5 GB): one random draw per bucket, then either
-one compiled kernel per piece (CUDA by default) or eager slices that stay in cache. The moments are stored with stochastic rounding in both
-variants: with round-to-nearest, exp_avg_sq * beta2 rounds back to exp_avg_sq whenever 1 - beta2 is below
-half a bfloat16 step (beta2 = 0.999), and the second moment would never decay.
+The arithmetic of a step runs in float32 over buckets of parameter pieces (``BF16AdamW``: a real-width embedding has
+6e8 elements, a float32 temporary of the whole tensor would be 2.5 GB): one random draw per bucket, then either one
+compiled kernel per piece (CUDA by default) or eager slices that stay in cache. The moments are stored with
+stochastic rounding in both variants: with round-to-nearest, exp_avg_sq * beta2 rounds back to exp_avg_sq whenever
+1 - beta2 is below half a bfloat16 step (beta2 = 0.999), and the second moment would never decay.
 """
 
 from __future__ import annotations
