@@ -6,8 +6,8 @@
   rows) on a batch with left-padded prompts and right-padded responses, over the same real tokens with no padding;
   ``padded_masked_over_unpadded``: the same with the padded layout and its mask (``ScoringSpec(justify=False)``).
 - ``dense8b_step_mfu``: one training step (scoring forward, backward, optimiser) of the Qwen3-8B shape at
-  ``--layers`` of its 36 layers, FLOPs by PaLM's rule (``benchmarks/mfu_gpu.flops_per_step``) over the measured
-  bf16 matmul peak (``mfu_gpu.peak_tflops``).
+  ``--layers`` of its 36 layers, FLOPs by PaLM's rule (``benchmarks/mfu_gpu.flops_per_step``, the LM head's on the
+  real response tokens it runs on) over the measured bf16 matmul peak (``mfu_gpu.peak_tflops``).
 - ``moe_step_active_mfu``: the same for Qwen3-30B-A3B at ``--moe-layers`` of 48 layers, FLOPs of the active
   parameters (8 of 128 experts), with R3 replay of the routes of its own forward.
 - ``decode_fraction_of_bound``: the torch engine's decode steps per second at ``--decode-prompts`` prompts against
@@ -152,6 +152,15 @@ def _train_step(model, optimizer, rollout, spec, replay=None) -> Callable[[], No
     return step
 
 
+def _step_flops(config, n_body: int, n_head: int, rollout) -> float:
+    """FLOPs of a scoring step (``benchmarks/mfu_gpu.flops_per_step``: PaLM's 6N rule plus attention) with the LM head
+    on the real response tokens only, as the justified forward runs it."""
+    from benchmarks.mfu_gpu import flops_per_step
+
+    B, S = rollout.input_ids_BS.shape
+    return flops_per_step(config, n_body, 0, B, S) + 6 * int(rollout.response_mask_BT.sum()) * n_head
+
+
 def _active_matmul_params(config) -> tuple[int, int]:
     """(N_body, N_head) per token: attention and active MLP (or MoE: top-k experts + router) weights of the layers,
     and the LM head."""
@@ -170,7 +179,7 @@ def measure_training(args, device, result: dict, log) -> None:
     """padded_over_unpadded, dense8b_step_mfu, moe_step_active_mfu and controller_share_of_step."""
     import torch
 
-    from benchmarks.mfu_gpu import flops_per_step, peak_tflops
+    from benchmarks.mfu_gpu import peak_tflops
     from trainers import learner, routing
     from trainers.models import model_from_config
     from trainers.optim import BF16AdamW
@@ -197,7 +206,7 @@ def measure_training(args, device, result: dict, log) -> None:
     log(f"padded {t_padded:.3f} s, masked {t_masked:.3f} s, unpadded {t_unpadded:.3f} s (forward + backward)")
     t_step = _median_time(_train_step(model, optimizer, unpadded, spec), device, args.repeats)
     n_body, n_head = _active_matmul_params(dense_cfg)
-    flops = flops_per_step(dense_cfg, n_body, n_head, B, S)
+    flops = _step_flops(dense_cfg, n_body, n_head, unpadded)
     result.update(dense8b_step_mfu=flops / t_step / peak, dense8b_step_s=t_step,
                   dense8b_layers=dense_cfg.num_hidden_layers)
     log(f"dense step {t_step:.3f} s at {dense_cfg.num_hidden_layers} layers: MFU {flops / t_step / peak:.1%}")
@@ -215,7 +224,7 @@ def measure_training(args, device, result: dict, log) -> None:
                                              capture=True)
     t_moe = _median_time(_train_step(moe, moe_opt, unpadded, spec, replay=routes), device, args.repeats)
     n_body, n_head = _active_matmul_params(moe_cfg)
-    flops = flops_per_step(moe_cfg, n_body, n_head, B, S)
+    flops = _step_flops(moe_cfg, n_body, n_head, unpadded)
     result.update(moe_step_active_mfu=flops / t_moe / peak, moe_step_s=t_moe, moe_layers=moe_cfg.num_hidden_layers)
     log(f"MoE step {t_moe:.3f} s at {moe_cfg.num_hidden_layers} layers: active MFU {flops / t_moe / peak:.1%}")
 
