@@ -461,8 +461,9 @@ def verify_checkpoint(path: str | Path) -> tuple[bool, str]:
     return True, f"step {step}, {len(files)} file(s), {total} bytes, checksums ok"
 
 
-def find_resume_checkpoint(ckpt_dir: str | Path, resume: Optional[str]) -> Optional[Path]:
-    """The checkpoint to resume from, or None for a fresh run.
+def find_resume_checkpoint(ckpt_dir: str | Path, resume: Optional[str], *, purpose: str = "resuming from"
+                           ) -> Optional[Path]:
+    """The checkpoint to resume from, or None for a fresh run; ``purpose`` starts the log line naming it.
 
     ``resume`` empty/None: None. ``"auto"``: the highest-step checkpoint in ``ckpt_dir`` that verifies;
     the ones skipped on the way (corrupt, partial) are logged as warnings with the reason; None when there
@@ -474,7 +475,7 @@ def find_resume_checkpoint(ckpt_dir: str | Path, resume: Optional[str]) -> Optio
         for path in _complete_or_not(Path(ckpt_dir)):
             ok, why = verify_checkpoint(path)
             if ok:
-                log.info("resuming from %s (%s)", path, why)
+                log.info("%s %s (%s)", purpose, path, why)
                 return path
             log.warning("skipping checkpoint %s: %s", path, why)
         return None

@@ -33,7 +33,7 @@ class EvalResult:
 
 def resolve_checkpoint(cfg: RunConfig, checkpoint: str) -> Path:
     """``auto``: the newest valid checkpoint in ``<output_dir>/checkpoints``; else the given directory."""
-    path = find_resume_checkpoint(Path(cfg.output_dir) / "checkpoints", checkpoint)
+    path = find_resume_checkpoint(Path(cfg.output_dir) / "checkpoints", checkpoint, purpose="evaluating")
     if path is None:
         raise FileNotFoundError(f"no valid checkpoint in {Path(cfg.output_dir) / 'checkpoints'} (--checkpoint auto); "
                                 f"pass the run's output_dir=... or a checkpoint path")

@@ -31,9 +31,12 @@ def test_eval_of_the_final_checkpoint_reproduces_the_final_accuracy(tmp_path):
     assert result.accuracy == summary["accuracy_after"]
 
     cli = subprocess.run([sys.executable, "-m", "dcmdp.cli", "eval", *_overrides(out, cache), "--checkpoint",
-                          result.checkpoint], env=env, timeout=300, capture_output=True, text=True)
+                          "auto"], env=env, timeout=300, capture_output=True, text=True)
     assert cli.returncode == 0, cli.stderr[-2000:]
     assert f"held-out accuracy: {summary['accuracy_after']:.1%} on 32 prompts" in cli.stdout
+    # an evaluation reads the checkpoint, it does not resume a run; and the torch engine needs no model on disk
+    assert f"evaluating {result.checkpoint}" in cli.stderr and "resuming" not in cli.stderr
+    assert "Writing model shards" not in cli.stderr
 
 
 def test_eval_without_a_checkpoint_is_a_clear_error(tmp_path):
