@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 from dcmdp.config import ConfigError, load_config
 from dcmdp.cpu import machine, passive_wait_policy
-from dcmdp.redact import filter_log_handlers
+from dcmdp.redact import attach_written, filter_log_handlers, written_field
 
 
 def _split_config_args(args: Sequence[str]) -> tuple[Optional[str], list[str]]:
@@ -59,7 +59,11 @@ def _load(ns: argparse.Namespace, kind: str = ""):
     path, overrides = _split_config_args(ns.args)
     cfg = load_config(path, overrides)
     if not cfg.tracking.run_name:
-        cfg.tracking.run_name = default_run_name(path, cfg.output_dir) + (f"/{kind}" if kind else "")
+        suffix = f"/{kind}" if kind else ""
+        cfg.tracking.run_name = default_run_name(path, cfg.output_dir) + suffix
+        if (folder := written_field(cfg, "output_dir")) is not None:
+            # an output folder read from the environment: the records name the run after the interpolation
+            attach_written(cfg, {"tracking.run_name": default_run_name(path, folder) + suffix})
     return cfg
 
 

@@ -285,3 +285,14 @@ def test_metrics_buffered_during_an_outage_are_sent_with_the_password_read_again
         filter_string="params.seed = '0'")
     assert any([m.value for m in MlflowClient(mlflow_server.uri).get_metric_history(r.info.run_id, "reward/mean")]
                == [0.0, 0.1, 0.2] for r in runs)
+
+
+def test_the_default_run_name_of_an_output_folder_from_the_environment_holds_the_interpolation(monkeypatch):
+    import argparse
+
+    monkeypatch.setenv("DCMDP_T_OUT", "/tmp/folder-s3cr3t-name")
+    cfg = cli._load(argparse.Namespace(args=["output_dir=${oc.env:DCMDP_T_OUT}"]))
+    assert cfg.output_dir == "/tmp/folder-s3cr3t-name"
+    text = to_yaml(cfg, public=True)
+    assert "run_name: defaults/${oc.env:DCMDP_T_OUT}" in text
+    assert "s3cr3t" not in text and "s3cr3t" not in json.dumps(flatten(cfg))
