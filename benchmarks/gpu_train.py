@@ -96,8 +96,8 @@ def runs(args, work: Path) -> list[Run]:
             f"rollout.max_new_tokens={args.new_tokens}", "algo.routing_replay=r3"], "cuda", 100),
         Run("stress_cuda", "configs/stress.yaml", [*stress, f"steps={args.stress_steps}"], "cuda", 90),
         Run("stress_cpu", "configs/stress.yaml", [*stress, f"steps={args.compare_steps}", "threads=auto"], "cpu", 60),
-        Run("stress_nccl", "configs/stress.yaml", [*stress, f"steps={args.compare_steps}", "dist.shard_one_process=true"],
-            "cuda", 60, torchrun=True),
+        Run("stress_nccl", "configs/stress.yaml",
+            [*stress, f"steps={args.compare_steps}", "dist.shard_one_process=true"], "cuda", 60, torchrun=True),
     ]
 
 
@@ -242,7 +242,8 @@ def run_one(run: Run, work: Path, limit_s: float) -> RunResult:
         except subprocess.TimeoutExpired:
             status = f"timed out after {limit_s:.0f} s"
     progress = out / "progress.jsonl"
-    steps = [json.loads(line) for line in progress.read_text().splitlines() if line.strip()] if progress.is_file() else []
+    lines = progress.read_text().splitlines() if progress.is_file() else []
+    steps = [json.loads(line) for line in lines if line.strip()]
     tail = log.read_text(errors="replace").splitlines()[-12:]
     return RunResult(run.name, status, time.perf_counter() - t0, steps, log_tail=tail)
 

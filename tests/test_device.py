@@ -282,8 +282,8 @@ def test_an_engine_on_the_trainers_weights_samples_what_a_copy_samples_and_needs
     from trainers.engines.torch_engine import TorchEngine
 
     model = cast_model(build_model(ModelConfig(preset="tiny-moe"), 64, seed=0), torch.bfloat16).train()
-    shared = TorchEngine(RolloutConfig(precision="bf16", max_new_tokens=12, torch=TorchEngineConfig(share_weights=True)), model,
-                         eos_id=1, pad_id=0)
+    shared = TorchEngine(RolloutConfig(precision="bf16", max_new_tokens=12,
+                                       torch=TorchEngineConfig(share_weights=True)), model, eos_id=1, pad_id=0)
     copied = TorchEngine(RolloutConfig(precision="bf16", max_new_tokens=12), model, eos_id=1, pad_id=0)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     a, b = shared.generate(prompts, seed=3), copied.generate(prompts, seed=3)
@@ -331,14 +331,16 @@ def test_a_bf16_optimizer_state_saved_on_another_device_loads_and_reseeds(caplog
     assert torch.isfinite(q.float()).all()
 
 
-@pytest.mark.parametrize("recipe", ["qwen3-8b", "qwen3-30b-a3b"])
-def test_the_documented_eight_gpu_launch_of_each_recipe_passes_the_world_check(recipe):
-    """docs/gpu.md's torchrun line: its overrides make the recipe valid at 8 ranks (FSDP2 over nccl, one colocated
-    vLLM engine at tensor-parallel size 8)."""
+@pytest.mark.parametrize("doc, recipe", [("docs/gpu.md", "qwen3-8b"), ("docs/gpu.md", "qwen3-30b-a3b"),
+                                         ("README.md", "qwen3-8b")])
+def test_the_documented_eight_gpu_launch_of_each_recipe_passes_the_world_check(doc, recipe):
+    """The torchrun lines of the docs: their overrides make the recipe valid at 8 ranks (FSDP2 over nccl, one
+    colocated vLLM engine at tensor-parallel size 8)."""
     from dcmdp.distributed import check_world
 
-    text = (ROOT / "docs" / "gpu.md").read_text()
-    line = next(ln for ln in text.splitlines() if f"configs/{recipe}.yaml" in ln and "--nproc_per_node 8" in ln)
+    text = (ROOT / doc).read_text()
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("torchrun") and f"configs/{recipe}.yaml" in ln
+                and "--nproc_per_node 8" in ln)
     args = line.split(f"configs/{recipe}.yaml", 1)[1].split("#")[0].split()
     cfg = load_config(ROOT / "configs" / f"{recipe}.yaml", args)
     check_world(cfg, 8)

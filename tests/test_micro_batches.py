@@ -83,7 +83,8 @@ def test_bucketed_step_equals_the_padded_step(preset, replay, minibatches):
         assert torch.equal(batch.train_experts_BSLK, ref_batch.train_experts_BSLK)
     metrics = result.metrics()
     for key, ref in ref_result.metrics().items():
-        assert metrics[key] == pytest.approx(ref, rel=1e-4, abs=1e-6), key
+        if not key.startswith("time/"):  # wall clock
+            assert metrics[key] == pytest.approx(ref, rel=1e-4, abs=1e-6), key
     assert metrics["penalty/loss"] > 0.0
     assert len(grads) == len(ref_grads) == minibatches
     for step, ref_step in zip(grads, ref_grads):

@@ -69,7 +69,8 @@ def test_the_fused_step_is_the_two_pass_step_with_one_forward(preset, replay):
     assert len(result.steps) == len(ref_result.steps) == 1
     metrics = result.metrics()
     for key, ref in ref_result.metrics().items():
-        assert metrics[key] == pytest.approx(ref, rel=1e-4, abs=1e-6), key
+        if not key.startswith("time/"):  # wall clock
+            assert metrics[key] == pytest.approx(ref, rel=1e-4, abs=1e-6), key
     assert metrics["penalty/loss"] > 0.0  # the DCMDP penalty acted on this step
     assert grads.keys() == ref_grads.keys() and grads
     for name, g in grads.items():
