@@ -559,8 +559,8 @@ def _check_sizes(cfg: RunConfig) -> None:
                           f"{algo.samples_per_prompt} samples = {samples} samples per step, above {MAX_BATCH_SAMPLES}")
     if samples * cfg.rollout.max_new_tokens > MAX_BATCH_TOKENS:
         raise ConfigError(f"config error at 'rollout.max_new_tokens': {samples} samples x "
-                          f"{cfg.rollout.max_new_tokens} new tokens = {samples * cfg.rollout.max_new_tokens} tokens per "
-                          f"rollout batch, above {MAX_BATCH_TOKENS}; lower one of them")
+                          f"{cfg.rollout.max_new_tokens} new tokens = {samples * cfg.rollout.max_new_tokens} tokens "
+                          f"per rollout batch, above {MAX_BATCH_TOKENS}; lower one of them")
     if t.eval_size > MAX_EVAL_SIZE:
         raise ConfigError(f"config error at 'task.eval_size': {t.eval_size} held-out prompts, above {MAX_EVAL_SIZE}")
     if t.items > MAX_EVAL_SIZE:
@@ -1097,8 +1097,8 @@ def _check_task_fits(cfg: RunConfig, context: Optional[int]) -> None:
     for key, digits, low in settings:
         if digits >= room:
             raise ConfigError(f"config error at '{key}': {digits} digits do not fit the context of model.preset="
-                              f"{cfg.model.preset!r} ({context} positions, {cfg.rollout.max_new_tokens} of them for the "
-                              f"response: rollout.max_new_tokens); use fewer digits")
+                              f"{cfg.model.preset!r} ({context} positions, {cfg.rollout.max_new_tokens} of them for "
+                              f"the response: rollout.max_new_tokens); use fewer digits")
         task = TASKS[t.name](replace(t, digits=digits, min_digits=low, eval_size=1, curriculum=[]), cfg.seed)
         longest = max(len(ex.prompt) for ex in task.sample(_random.Random(0), _FIT_DRAWS))
         if longest + cfg.rollout.max_new_tokens > context:

@@ -898,8 +898,8 @@ class Tracker:
                                     if m.step > after_step)
         except Exception as exc:
             logger.warning("could not read the metrics of run %s at %s (%s); steps after %d that ran before the "
-                           "restart may appear twice", self.run_id, public_uri(self.tracking_uri), redact(str(exc))[:300],
-                           after_step)
+                           "restart may appear twice", self.run_id, public_uri(self.tracking_uri),
+                           redact(str(exc))[:300], after_step)
             return 0
         if self._logged:
             steps = sorted({step for _, step in self._logged})
@@ -1072,8 +1072,8 @@ class Tracker:
 
     def _recovered(self, sent: int) -> None:
         if self._outage:
-            logger.warning("MLflow tracking at %s answers again; %d buffered metrics sent", public_uri(self.tracking_uri),
-                           sent)
+            logger.warning("MLflow tracking at %s answers again; %d buffered metrics sent",
+                           public_uri(self.tracking_uri), sent)
         self._outage = False
         self._interval = self._retry_interval
         self._retry_at = 0.0
