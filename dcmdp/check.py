@@ -60,13 +60,22 @@ def _problem(exc: BaseException, key: str = "", exit_code: int = 2) -> Problem:
     return Problem(found.group(1) if found else key, text, exit_code)
 
 
-def find_problems(path: Optional[str], overrides: Sequence[str], *, run_folder: bool = True) -> list[Problem]:
+def find_problems(path: Optional[str], overrides: Sequence[str], *, run_folder: bool = True,
+                  text_first: bool = False) -> list[Problem]:
     """Every problem of the config ``path`` + ``overrides`` and of what it names (see the module docstring), in the
     order a run would meet them; [] when the run can start. ``run_folder``: also whether ``output_dir`` holds
-    another run and the tracking settings (``dcmdp check``; ``train`` checks those itself at start)."""
+    another run and the tracking settings (``dcmdp check``; ``train`` checks those itself at start).
+    ``text_first`` (``train``): problems of the config's own text (a key, a type, a non-finite number) are returned
+    alone, before the checks that import torch with the project's registries, so a typo costs no start-up."""
     problems: list[Problem] = []
     cfg = _compose(path, overrides, problems)
     if cfg is None:
+        return problems
+    try:
+        check_finite(cfg)
+    except ValueError as exc:
+        problems.append(_problem(exc))
+    if problems and text_first:
         return problems
     _validate(cfg, problems)
     _tolerances(cfg, problems)

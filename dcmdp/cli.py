@@ -71,7 +71,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     from dcmdp.check import exit_code, find_problems, report
 
     path, overrides = _split_config_args(ns.args)
-    problems = find_problems(path, overrides, run_folder=False)  # all at once, before the trainer's imports
+    problems = find_problems(path, overrides, run_folder=False, text_first=True)  # before the trainer's imports
     if problems:
         print("\n".join(report(problems, path or "the config")), file=sys.stderr)
         return exit_code(problems)

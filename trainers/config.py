@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
+# How a float32 LM head computes log-probs (trainers.lm_head implements them): here so a config check needs no torch.
+HEAD_KERNELS = ("logits", "chunked", "bf16x3")
+
+
 def _require(cond: bool, key: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"config error at '{key}': {msg}")
@@ -60,7 +64,6 @@ class ModelConfig:
                  f"drop one of them (model.path=null for a random-init run)")
         _require(self.dtype in ("float32", "bfloat16", "float16"), f"{prefix}.dtype",
                  f"got {self.dtype!r}, expected float32, bfloat16 or float16")
-        from trainers.lm_head import HEAD_KERNELS
         _require(self.lm_head_kernel in HEAD_KERNELS, f"{prefix}.lm_head_kernel",
                  f"got {self.lm_head_kernel!r}, expected one of {', '.join(HEAD_KERNELS)}")
         _require(self.fp32_lm_head or self.lm_head_kernel == "logits", f"{prefix}.lm_head_kernel",

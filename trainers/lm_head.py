@@ -37,9 +37,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-# How the float32 LM head computes its log-probs: "logits" materialises the (B, T, V) float32 logits (trainers.scoring
-# .lm_head_logits); the others go through head_logprobs.
-HEAD_KERNELS = ("logits", "chunked", "bf16x3")
+# How the float32 LM head computes its log-probs (the names live with the config, which checks them): "logits"
+# materialises the (B, T, V) float32 logits (trainers.scoring.lm_head_logits); the others go through head_logprobs.
+from trainers.config import HEAD_KERNELS
 
 # Tile of one fused step: rows x vocabulary entries (a 4096 x 16384 float32 tile is 256 MiB).
 ROW_CHUNK = 4096
