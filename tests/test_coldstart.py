@@ -138,6 +138,7 @@ def test_cold_start_seed_gives_run_seeds_one_starting_model(tmp_path):
         finally:
             s.tracker.finish()
             s.policy.engine.close()
+            s.lock.release()  # the run folder's lock: each start() is a run of its own in the same folder
 
     a, b = start(1, "cold_start.seed=7"), start(2, "cold_start.seed=7")
     assert all(torch.equal(a[k], b[k]) for k in a)
