@@ -265,7 +265,7 @@ def test_staleness_smoke_throughput_section(smoke_run):
 
 
 @pytest.mark.parametrize("smoke_run", ["stress"], indirect=True)
-def test_stress_smoke_dual_and_assembled_page(smoke_run, tmp_path):
+def test_stress_smoke_dual_and_assembled_page(smoke_run, tmp_path, capsys):
     """Stress: the automatic tolerance and the relative dual step re-derived from the logged measurements; logit
     noise opens a discrepancy fp32 rollouts lack; copied run folders render without training."""
     import csv
@@ -318,9 +318,11 @@ def test_stress_smoke_dual_and_assembled_page(smoke_run, tmp_path):
     run.main(["stress", "--profile", "smoke", "--levels", "fp32", "--bench-dir", str(assembled), "--results", str(page4)])
     rows = page4.with_suffix(".csv").read_text().splitlines()[1:]
     assert rows and all(r.startswith("fp32,") for r in rows)
-    with pytest.raises(SystemExit, match="no level int8"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
         run.main(["stress", "--profile", "smoke", "--levels", "int8", "--bench-dir", str(assembled),
                   "--results", str(page4)])
+    assert stopped.value.code == 2 and "has no level int8" in capsys.readouterr().err
     # and --methods the runs of those methods (both filters together: both must match)
     page5 = tmp_path / "stress_one_method"
     method = exp.cells("smoke")[0][1]
@@ -328,9 +330,11 @@ def test_stress_smoke_dual_and_assembled_page(smoke_run, tmp_path):
               "--results", str(page5)])
     rows = page5.with_suffix(".csv").read_text().splitlines()[1:]
     assert rows and all(r.startswith("fp32,") and f",{method}," in r for r in rows)
-    with pytest.raises(SystemExit, match="no method ghost"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
         run.main(["stress", "--profile", "smoke", "--methods", "ghost", "--bench-dir", str(assembled),
                   "--results", str(page4)])
+    assert stopped.value.code == 2 and "has no method ghost" in capsys.readouterr().err
     # the next part adds its runs to the page: the fp32 runs come from page4's record, the others from their folders
     noise_only = tmp_path / "noise_only"
     for cell in (c for c in exp.cells("smoke") if c[0] != "fp32"):

@@ -132,12 +132,12 @@ def test_the_step_line_gives_the_mean_time_per_step_since_the_previous_line():
 
 
 def test_summary_gives_each_constraint_as_constrained_and_warns_when_it_was_slack_throughout(tmp_path, capsys):
-    """c = 1 is far above any D-hat: lambda falls to its floor 0 at the first step and stays, so the constraint is
+    """c = 0.5 is far above any D-hat: lambda falls to its floor 0 at the first step and stays, so the constraint is
     slack on every step; the random model ends at chance level. Both warnings reach the console and summary.json,
     and the per-constraint figures equal the MLflow history of the dual/ metrics."""
     out = tmp_path / "out"
     assert cli.main(["train", *BASE, f"output_dir={out}", "steps=4", "progress=false",
-                     "dual.constraints=[{measure: abs_prob_diff, tolerance: 1.0, lambda_init: 0.1}]"]) == 0
+                     "dual.constraints=[{measure: abs_prob_diff, tolerance: 0.5, lambda_init: 0.1}]"]) == 0
     stdout = capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
     c = summary["constraints"]["abs_prob_diff"]
@@ -149,9 +149,9 @@ def test_summary_gives_each_constraint_as_constrained_and_warns_when_it_was_slac
 
     measured = series("dual/measured/abs_prob_diff")
     assert len(measured) == 4 and c["measured_mean"] == pytest.approx(sum(measured) / 4, rel=1e-12)
-    assert c["tolerance_start"] == c["tolerance_end"] == 1.0 and c["inside_frac"] == 1.0 and c["slack_frac"] == 1.0
-    assert c["lambda_final"] == 0.0 and c["lambda_mean"] == 0.0  # 0.1 + 1 x (D - 1) < 0 from the first step
-    assert re.search(r"constraint abs_prob_diff: mean D-hat [\d.e-]+ \(as constrained\), c 1 -> 1, inside on 100% of "
+    assert c["tolerance_start"] == c["tolerance_end"] == 0.5 and c["inside_frac"] == 1.0 and c["slack_frac"] == 1.0
+    assert c["lambda_final"] == 0.0 and c["lambda_mean"] == 0.0  # 0.1 + 1 x (D - 0.5) < 0 from the first step
+    assert re.search(r"constraint abs_prob_diff: mean D-hat [\d.e-]+ \(as constrained\), c 0.5 -> 0.5, inside on 100% of "
                      r"steps, lambda mean 0, final 0", stdout), stdout
     # dcmdp report shows the same mean D-hat as the summary
     (row,) = [r for r in csv.DictReader(open(write_report([run_id], tmp_path / "rep", tracking_uri=local_store_uri(out))
