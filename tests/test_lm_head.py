@@ -209,7 +209,8 @@ def test_learner_update_with_the_fused_head_takes_the_logits_step(kernel):
     tol = 1e-5 if kernel == "chunked" else 1e-4
     torch.testing.assert_close(batch.old_logp_BT[mask_BT], ref_batch.old_logp_BT[mask_BT], atol=tol, rtol=0)
     for key, ref in ref_metrics.items():
-        assert metrics[key] == pytest.approx(ref, rel=10 * tol, abs=tol), key
+        if not key.startswith("time/"):  # wall clock
+            assert metrics[key] == pytest.approx(ref, rel=10 * tol, abs=tol), key
     assert grads.keys() == ref_grads.keys() and "lm_head.bias" in grads
     for name, g in grads.items():
         scale = float(ref_grads[name].abs().max())
