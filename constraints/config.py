@@ -36,6 +36,10 @@ class ConstraintConfig:
     # floor that keeps following the measurement rises with it when the policy drifts to where the deployment
     # deviates most, and so does c; a held floor keeps c where the run started.
     floor_steps: Optional[int] = None
+    # The tolerance follows the floor down and never back up: c_k = (1 + s) x the lowest F so far (F the EMA above).
+    # A measure that falls as the policy sharpens (the drift of the updates) leaves a held c slack; a ratcheted c
+    # stays (1 + s) above the lowest level the run has reached, so a later rise of D-hat meets the constraint.
+    floor_ratchet: bool = False
 
     def check(self, prefix: str = "constraint") -> None:
         if not self.tolerance >= 0:
@@ -63,3 +67,11 @@ class ConstraintConfig:
                                  f"set '{prefix}.floor_slack' too, or floor_steps: null")
             if not self.floor_steps >= 1:
                 raise ValueError(f"config error at '{prefix}.floor_steps': must be >= 1 or null, got {self.floor_steps}")
+        if self.floor_ratchet:
+            if self.floor_slack is None:
+                raise ValueError(f"config error at '{prefix}.floor_ratchet': ratchets the floor of an automatic "
+                                 f"tolerance; set '{prefix}.floor_slack' too, or floor_ratchet: false")
+            if self.floor_steps is not None:
+                raise ValueError(f"config error at '{prefix}.floor_ratchet': a ratcheted floor keeps following the "
+                                 f"measurement downward, a held one stops after floor_steps; choose one "
+                                 f"(floor_steps: null or floor_ratchet: false)")

@@ -274,7 +274,7 @@ def calibrate(cfg: RunConfig, batches: int = 8, slack: float = 0.25, measures: S
                     notes.append(f"constraint {i} ({c.measure}): floor_slack set to null: an automatic tolerance on "
                                  f"the drift is (1 + floor_slack) x the run's own drift and cannot lie under it; c is "
                                  f"fixed")
-                proposed.append(replace(c, tolerance=tol, floor_slack=None, floor_steps=None))
+                proposed.append(replace(c, tolerance=tol, floor_slack=None, floor_steps=None, floor_ratchet=False))
                 continue
             auto = c.floor_slack is not None and floor > 0 and math.isfinite(tol)
             proposed.append(replace(c, tolerance=tol, **({"floor_slack": _round_up(tol / floor - 1.0)} if auto else {})))

@@ -510,6 +510,10 @@ def validate(cfg: RunConfig) -> None:
     if cfg.dual.floor_by != "none" and not any(c.floor_slack is not None for c in cfg.dual.constraints):
         raise ConfigError("config error at 'dual.floor_by': keeps the floor of an automatic tolerance per "
                           f"{cfg.dual.floor_by}; set a constraint's floor_slack, or dual.floor_by=none")
+    ratchet = [i for i, c in enumerate(cfg.dual.constraints) if c.floor_ratchet]
+    if cfg.dual.floor_by != "none" and ratchet:
+        raise ConfigError(f"config error at 'dual.constraints[{ratchet[0]}].floor_ratchet': one lowest floor spans the "
+                          f"run, not a {cfg.dual.floor_by}; use dual.floor_by=none or floor_ratchet: false")
     if cfg.dual.context.by == "staleness" and not cfg.async_rollout.enabled:
         raise ConfigError("config error at 'dual.context.by': staleness contexts need asynchronous rollouts "
                           "(async_rollout.enabled=true); every synchronous batch is fresh")

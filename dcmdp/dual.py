@@ -116,6 +116,9 @@ class DualState:
     floors: Optional[dict[str, list]] = None
     # The precision whose floor floor_C holds; None before the first batch and without dual.floor_by.
     floor_key: Optional[str] = None
+    # (C,) the lowest F so far, behind a ratcheted tolerance (constraints[i].floor_ratchet); NaN until the first
+    # finite floor and for the other constraints. None in states written before it existed: F stands in.
+    floor_low_C: Optional[Tensor] = None
 
     def lambda_avg(self) -> Tensor:
         """(C,) lambda_bar_k, the running mean of lambda_0..lambda_k (lambda_C for a state without one)."""
@@ -128,7 +131,8 @@ class DualState:
         return {"lambda_C": self.lambda_C.tolist(), "rule": copy.deepcopy(self.rule), "steps": int(self.steps),
                 "skipped": int(self.skipped), "floor_C": floor, "lambda_avg_C": self.lambda_avg().tolist(),
                 "staleness": copy.deepcopy(self.staleness), "contexts": copy.deepcopy(self.contexts),
-                "context": self.context, "floors": copy.deepcopy(self.floors), "floor_key": self.floor_key}
+                "context": self.context, "floors": copy.deepcopy(self.floors), "floor_key": self.floor_key,
+                "floor_low_C": [] if self.floor_low_C is None else _floor_list(self.floor_low_C)}
 
     @classmethod
     def from_state_dict(cls, d: dict[str, Any]) -> "DualState":
@@ -142,7 +146,8 @@ class DualState:
         return cls(lambda_C=lam, rule=copy.deepcopy(rule), steps=int(d["steps"]), skipped=int(d["skipped"]),
                    floor_C=floor, lambda_avg_C=avg, staleness=copy.deepcopy(d.get("staleness")),
                    contexts=copy.deepcopy(d.get("contexts")), context=d.get("context"),
-                   floors=copy.deepcopy(d.get("floors")), floor_key=d.get("floor_key"))
+                   floors=copy.deepcopy(d.get("floors")), floor_key=d.get("floor_key"),
+                   floor_low_C=_floor_vec(d["floor_low_C"]) if d.get("floor_low_C") else None)
 
 
 def _floor_list(floor_C: Tensor) -> list:
@@ -271,13 +276,21 @@ def needs_floor(state: DualState, cfg: DualConfig) -> bool:
     return bool((auto_C & torch.isnan(state.floor_C)).any())
 
 
+def _ratchet_mask(cfg: DualConfig) -> Tensor:
+    """(C,) bool: the constraints whose tolerance follows the lowest floor (``floor_ratchet``)."""
+    return torch.tensor([bool(c.floor_ratchet) for c in cfg.constraints])
+
+
 def tolerances(state: DualState, cfg: DualConfig) -> Tensor:
     """(C,) the tolerance c_i in force: F_i (1 + floor_slack_i) for an automatic tolerance with a measured floor
-    F_i, else constraints[i].tolerance."""
+    F_i (the lowest F_i so far under ``floor_ratchet``), else constraints[i].tolerance."""
     fixed_C = _per_constraint(cfg, "tolerance")
     if state.floor_C is None or not _has_auto_tolerance(cfg):
         return fixed_C
-    auto_C = state.floor_C * (1 + _per_constraint(cfg, "floor_slack"))
+    floor_C = state.floor_C
+    if state.floor_low_C is not None:
+        floor_C = torch.where(_ratchet_mask(cfg) & _finite(state.floor_low_C), state.floor_low_C, floor_C)
+    auto_C = floor_C * (1 + _per_constraint(cfg, "floor_slack"))
     return torch.where(_finite(auto_C), auto_C, fixed_C)
 
 
@@ -327,7 +340,13 @@ def update_floor(state: DualState, floor_measured_C: Tensor, cfg: DualConfig) ->
     a_C = _per_constraint(cfg, "floor_ema")
     ema_C = torch.where(old_finite_C, a_C * old_C + (1 - a_C) * x_C, x_C)
     new_C = torch.where(auto_C & ~(passed_C & old_finite_C) & _finite(x_C), ema_C, old_C)
-    return replace(state, floor_C=new_C)
+    ratchet_C = _ratchet_mask(cfg)
+    if not bool(ratchet_C.any()):
+        return replace(state, floor_C=new_C)
+    low_C = state.floor_low_C if state.floor_low_C is not None else old_C
+    # the lowest F so far: fmin ignores a NaN on either side (no floor yet, or none before this state existed)
+    low_C = torch.where(ratchet_C, torch.fmin(low_C, new_C), torch.full_like(new_C, float("nan")))
+    return replace(state, floor_C=new_C, floor_low_C=low_C)
 
 
 def _solve_projection_qp(target: np.ndarray, lo: np.ndarray, hi: np.ndarray, A: np.ndarray, b: np.ndarray,

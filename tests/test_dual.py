@@ -339,6 +339,42 @@ def test_a_held_floor_keeps_the_tolerance_of_the_first_batches_by_hand():
     assert state.floor_C[0].item() == pytest.approx(0.003, abs=1e-15)
     with pytest.raises(ValueError, match=r"floor_steps.*set '.*floor_slack' too"):
         _one(floor_steps=3).check("dual.constraints[0]")
+
+
+def test_a_ratcheted_floor_follows_the_measure_down_and_never_back_up_by_hand():
+    # slack 0.5, EMA 0.5, floors 0.004, 0.002, 0.006, 0.0005, 0.01: F = 0.004, 0.003, 0.0045, 0.0025, 0.00625;
+    # its running minimum 0.004, 0.003, 0.003, 0.0025, 0.0025; c = 1.5 x that minimum from the batch after each
+    # update (the first batch: its own floor), against c = 1.5 F for the plain automatic tolerance beside it
+    cfg = _cfg(constraints=[_one(tolerance=0.01, floor_slack=0.5, floor_ema=0.5, floor_ratchet=True),
+                            _one(measure="kl_k3", tolerance=0.01, floor_slack=0.5, floor_ema=0.5),
+                            _one(measure="chi2", tolerance=0.01)])
+    state = init_state(cfg)
+    tol = []
+    for floor in (0.004, 0.002, 0.006, 0.0005, 0.01):
+        state, m = dual_step(state, torch.tensor([0.005, 0.005, 0.005], dtype=torch.float64), cfg,
+                             floor_C=torch.tensor([floor] * 3, dtype=torch.float64))
+        tol.append((m["dual/tolerance/abs_prob_diff"], m["dual/tolerance/kl_k3"], m["dual/tolerance/chi2"]))
+    ratchet, plain, fixed = zip(*tol)
+    assert ratchet == pytest.approx([0.006, 0.006, 0.0045, 0.0045, 0.00375], abs=1e-15)
+    assert plain == pytest.approx([0.006, 0.006, 0.0045, 0.00675, 0.00375], abs=1e-15)
+    assert fixed == pytest.approx([0.01] * 5, abs=1e-15)
+    assert state.floor_C[0].item() == pytest.approx(0.00625, abs=1e-15)
+    assert state.floor_low_C[0].item() == pytest.approx(0.0025, abs=1e-15)
+    assert math.isnan(state.floor_low_C[1].item()) and math.isnan(state.floor_low_C[2].item())
+    # the lowest floor survives a checkpoint: a high floor after the round trip does not raise c
+    state = DualState.from_state_dict(state.state_dict())
+    state, m = dual_step(state, torch.tensor([0.005] * 3, dtype=torch.float64), cfg,
+                         floor_C=torch.tensor([0.05] * 3, dtype=torch.float64))
+    assert m["dual/tolerance/abs_prob_diff"] == pytest.approx(0.00375, abs=1e-15)
+    assert state.floor_low_C[0].item() == pytest.approx(0.0025, abs=1e-15)
+    # a state written before the ratchet existed: the lowest floor starts from its F
+    old = state.state_dict()
+    del old["floor_low_C"]
+    assert DualState.from_state_dict(old).floor_low_C is None
+    with pytest.raises(ValueError, match=r"floor_ratchet.*set '.*floor_slack' too"):
+        _one(floor_ratchet=True).check("dual.constraints[0]")
+    with pytest.raises(ValueError, match=r"floor_ratchet.*choose one"):
+        _one(floor_slack=0.5, floor_steps=3, floor_ratchet=True).check("dual.constraints[0]")
     with pytest.raises(ValueError, match=r"floor_steps': must be >= 1"):
         _one(floor_slack=1.0, floor_steps=0).check("dual.constraints[0]")
 
