@@ -36,9 +36,11 @@ class ConstraintConfig:
     # floor that keeps following the measurement rises with it when the policy drifts to where the deployment
     # deviates most, and so does c; a held floor keeps c where the run started.
     floor_steps: Optional[int] = None
-    # The tolerance follows the floor down and never back up: c_k = (1 + s) x the lowest F so far (F the EMA above).
-    # A measure that falls as the policy sharpens (the drift of the updates) leaves a held c slack; a ratcheted c
-    # stays (1 + s) above the lowest level the run has reached, so a later rise of D-hat meets the constraint.
+    # The tolerance follows the floor down and never back up: c_k = (1 + s) x the lowest F so far (F the EMA above,
+    # then never held). A measure that falls as the policy sharpens (the drift of the updates) leaves a held c slack;
+    # a ratcheted c stays (1 + s) above the lowest level the run has reached, so a later rise of D-hat meets the
+    # constraint. With floor_steps K the lowest F is taken from batch K + 1 on (c = (1 + s) F before): the drift of a
+    # learning-rate warm-up, near 0, would otherwise hold c near 0 for the whole run.
     floor_ratchet: bool = False
 
     def check(self, prefix: str = "constraint") -> None:
@@ -71,7 +73,3 @@ class ConstraintConfig:
             if self.floor_slack is None:
                 raise ValueError(f"config error at '{prefix}.floor_ratchet': ratchets the floor of an automatic "
                                  f"tolerance; set '{prefix}.floor_slack' too, or floor_ratchet: false")
-            if self.floor_steps is not None:
-                raise ValueError(f"config error at '{prefix}.floor_ratchet': a ratcheted floor keeps following the "
-                                 f"measurement downward, a held one stops after floor_steps; choose one "
-                                 f"(floor_steps: null or floor_ratchet: false)")

@@ -511,6 +511,12 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("config error at 'dual.floor_by': keeps the floor of an automatic tolerance per "
                           f"{cfg.dual.floor_by}; set a constraint's floor_slack, or dual.floor_by=none")
     ratchet = [i for i, c in enumerate(cfg.dual.constraints) if c.floor_ratchet]
+    late = [i for i in ratchet if (cfg.dual.constraints[i].floor_steps or 0) < cfg.optim.warmup_steps]
+    if late:
+        raise ConfigError(f"config error at 'dual.constraints[{late[0]}].floor_steps': a ratcheted tolerance follows the "
+                          f"lowest floor, and the drift during the learning-rate warm-up (optim.warmup_steps="
+                          f"{cfg.optim.warmup_steps}) is near 0; set floor_steps >= {cfg.optim.warmup_steps} so the "
+                          f"minimum starts after it")
     if cfg.dual.floor_by != "none" and ratchet:
         raise ConfigError(f"config error at 'dual.constraints[{ratchet[0]}].floor_ratchet': one lowest floor spans the "
                           f"run, not a {cfg.dual.floor_by}; use dual.floor_by=none or floor_ratchet: false")

@@ -327,7 +327,8 @@ def update_floor(state: DualState, floor_measured_C: Tensor, cfg: DualConfig) ->
     """F_i <- a_i F_i + (1 - a_i) D_floor_i for the constraints with an automatic tolerance (F_i <- D_floor_i at
     the first finite measurement; a non-finite one leaves F_i as it was), a_i = constraints[i].floor_ema. A
     constraint with ``floor_steps`` K holds a finite F_i once ``state.steps`` (dual steps taken, this one
-    included) exceeds K: only the measurements of steps 1..K enter it."""
+    included) exceeds K: only the measurements of steps 1..K enter it. A ratcheted constraint (``floor_ratchet``)
+    keeps F moving and keeps its lowest value in ``floor_low_C``, from step K + 1 on with ``floor_steps`` K."""
     n = len(cfg.constraints)
     old_C = state.floor_C if state.floor_C is not None else torch.full((n,), float("nan"), dtype=_F64)
     if not _has_auto_tolerance(cfg):  # every F_i stays NaN
@@ -339,14 +340,16 @@ def update_floor(state: DualState, floor_measured_C: Tensor, cfg: DualConfig) ->
                              for c in cfg.constraints)) > 0
     a_C = _per_constraint(cfg, "floor_ema")
     ema_C = torch.where(old_finite_C, a_C * old_C + (1 - a_C) * x_C, x_C)
-    new_C = torch.where(auto_C & ~(passed_C & old_finite_C) & _finite(x_C), ema_C, old_C)
     ratchet_C = _ratchet_mask(cfg)
+    # a ratcheted floor is never held: floor_steps only delays its running minimum
+    new_C = torch.where(auto_C & ~(passed_C & old_finite_C & ~ratchet_C) & _finite(x_C), ema_C, old_C)
     if not bool(ratchet_C.any()):
         return replace(state, floor_C=new_C)
-    low_C = state.floor_low_C if state.floor_low_C is not None else old_C
+    low_C = state.floor_low_C if state.floor_low_C is not None else torch.full_like(new_C, float("nan"))
+    started_C = _vector(tuple(float(c.floor_steps is None or state.steps > c.floor_steps) for c in cfg.constraints)) > 0
     # the lowest F so far: fmin ignores a NaN on either side (no floor yet, or none before this state existed)
-    low_C = torch.where(ratchet_C, torch.fmin(low_C, new_C), torch.full_like(new_C, float("nan")))
-    return replace(state, floor_C=new_C, floor_low_C=low_C)
+    low_C = torch.where(ratchet_C & started_C, torch.fmin(low_C, new_C), low_C)
+    return replace(state, floor_C=new_C, floor_low_C=torch.where(ratchet_C, low_C, torch.full_like(new_C, float("nan"))))
 
 
 def _solve_projection_qp(target: np.ndarray, lo: np.ndarray, hi: np.ndarray, A: np.ndarray, b: np.ndarray,

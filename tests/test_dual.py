@@ -373,8 +373,27 @@ def test_a_ratcheted_floor_follows_the_measure_down_and_never_back_up_by_hand():
     assert DualState.from_state_dict(old).floor_low_C is None
     with pytest.raises(ValueError, match=r"floor_ratchet.*set '.*floor_slack' too"):
         _one(floor_ratchet=True).check("dual.constraints[0]")
-    with pytest.raises(ValueError, match=r"floor_ratchet.*choose one"):
-        _one(floor_slack=0.5, floor_steps=3, floor_ratchet=True).check("dual.constraints[0]")
+
+
+def test_a_ratchet_with_floor_steps_takes_its_minimum_after_them_and_keeps_the_floor_moving():
+    # floor_steps 2: F = 0.0001 (a warm-up's near-zero drift), 0.00205, 0.004025, 0.0030125, 0.0045 at EMA 0.5; the
+    # minimum starts at step 3 (0.004025), then 0.0030125; c = 2 F until the minimum exists, then 2 x the minimum
+    cfg = _cfg(constraints=[_one(tolerance=0.01, floor_slack=1.0, floor_ema=0.5, floor_steps=2, floor_ratchet=True)])
+    state, tol = init_state(cfg), []
+    for floor in (0.0001, 0.004, 0.006, 0.002, 0.006, 0.006):
+        state, m = dual_step(state, torch.tensor([0.005], dtype=torch.float64), cfg,
+                             floor_C=torch.tensor([floor], dtype=torch.float64))
+        tol.append(m["dual/tolerance/abs_prob_diff"])
+    assert tol == pytest.approx([0.0002, 0.0002, 0.0041, 0.00805, 0.006025, 0.006025], abs=1e-15)
+    assert state.floor_C.item() == pytest.approx(0.005253125, abs=1e-15)
+
+
+def test_a_ratchet_needs_its_minimum_to_start_after_the_learning_rate_warm_up():
+    from dcmdp.config import ConfigError, load_config
+    ratchet = "dual.constraints=[{measure: abs_prob_diff, floor_slack: 0.5, floor_ratchet: true%s}]"
+    with pytest.raises(ConfigError, match=r"floor_steps': a ratcheted tolerance.*warmup_steps=10.*floor_steps >= 10"):
+        load_config("configs/default.yaml", [ratchet % ""])
+    assert load_config("configs/default.yaml", [ratchet % ", floor_steps: 10"]).dual.constraints[0].floor_ratchet
     with pytest.raises(ValueError, match=r"floor_steps': must be >= 1"):
         _one(floor_slack=1.0, floor_steps=0).check("dual.constraints[0]")
 
