@@ -660,8 +660,10 @@ def _mean_sd(x: Sequence[float]) -> tuple[float, float]:
     return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
 
 
-def aggregate(runs: list[Run], keys: list[tuple[str, str, int]]) -> list[dict]:
-    """One row per (level, method, N) in ``keys`` order: mean ± sd over seeds, collapses, the dual's course."""
+def aggregate(runs: list[Run], keys: list[tuple[str, str, int]], caps: Optional[dict[str, float]] = None) -> list[dict]:
+    """One row per (level, method, N) in ``keys`` order: mean ± sd over seeds, collapses, the dual's course
+    (``caps``: lambda_max per method, for the share of steps at the cap; NaN where a method has none)."""
+    caps = caps or {}
     cells = []
     for level, method, n in keys:
         rs = [r for r in runs if (r.level, r.method, r.n) == (level, method, n)]
@@ -686,6 +688,10 @@ def aggregate(runs: list[Run], keys: list[tuple[str, str, int]]) -> list[dict]:
             "mean_lambda": float(np.nanmean([np.nanmean(r.lambdas) for r in rs])),
             "extreme_share": extreme_share([r.lambdas for r in rs]),
             "final_lambda": float(np.nanmean([r.lambdas[-1] for r in rs])),
+            # the dual acting: lambda above 0.01 (a slack dual sits at 0); at its cap: within 1e-9 of lambda_max
+            "acting_share": float(np.mean([np.mean(np.asarray(r.lambdas) > 0.01) for r in rs])),
+            "cap_share": float(np.mean([np.mean(np.asarray(r.lambdas) >= caps[method] - 1e-9) for r in rs]))
+                         if math.isfinite(caps.get(method, math.nan)) else math.nan,
             "extra": {k: float(np.nanmean([r.extra[k] for r in rs])) for k in sorted(set.intersection(
                 *(set(r.extra) for r in rs)))},
         })
@@ -798,11 +804,13 @@ def compute_rows(cmp: Compare, runs: list[Run]) -> list[dict]:
 def table(cells: list[dict]) -> list[str]:
     return md_table(
         ("N", "level", "kl_k3 at start", "method", "final held-out acc", "late held-out acc", "peak held-out acc",
-         "collapses", "mean abs_prob_diff", "steps inside c", "mean λ", "final λ", "λ at its extremes"),
+         "collapses", "mean abs_prob_diff", "steps inside c", "mean λ", "final λ", "λ at its extremes", "λ > 0.01",
+         "λ at its cap"),
         [(c["N"], c["level"], _fmt(c["kl_k3_start"], ".2e"), c["method"], f"{c['final']:.3f} ± {c['final_sd']:.3f}",
           f"{c['late']:.3f} ± {c['late_sd']:.3f}", f"{c['peak']:.3f} ± {c['peak_sd']:.3f}",
           f"{c['collapses']}/{c['seeds']}", _fmt(c["abs_prob_diff"], ".2e"), _fmt(c["inside_share"], ".0%"),
-          f"{c['mean_lambda']:.3g}", f"{c['final_lambda']:.3g}", _fmt(c["extreme_share"], ".0%")) for c in cells])
+          f"{c['mean_lambda']:.3g}", f"{c['final_lambda']:.3g}", _fmt(c["extreme_share"], ".0%"),
+          _fmt(c.get("acting_share", math.nan), ".0%"), _fmt(c.get("cap_share", math.nan), ".0%")) for c in cells])
 
 
 def _fmt(x: float, spec: str) -> str:
@@ -878,30 +886,47 @@ def plot(exp: Experiment, runs: list[Run], cells: list[dict], prefix: Path) -> l
     paths.append(prefix.with_name(prefix.name + "_curves.png"))
     fig.savefig(paths[-1], dpi=120), plt.close(fig)
 
-    # the dual there: D-hat (5-step mean) against c, and lambda, per seed, for the last DCMDP config
-    dual = [m for m in methods if is_dcmdp(m)]
-    rs = [r for r in runs if dual and (r.level, r.method, r.n) == (last, dual[-1], n)]
-    if rs:
-        fig, (ax_d, ax_l) = plt.subplots(1, 2, figsize=(11, 4.2))
-        for k, r in enumerate(rs):
-            steps = np.arange(1, len(r.lambdas) + 1)
-            if r.measured:  # a run recorded before the series were kept has none
-                w = min(5, len(r.measured))
-                ax_d.plot(steps[w - 1:], np.convolve(r.measured, np.ones(w) / w, mode="valid"), color=f"C{k}",
-                          label=f"D̂ seed {r.seed}")
-                ax_d.plot(steps, r.tolerance, color=f"C{k}", ls="--", lw=0.8)
-            ax_l.plot(steps, r.lambdas, color=f"C{k}", label=f"seed {r.seed}")
-        ax_d.set_yscale("log"), ax_d.set_xlabel("RL step"), ax_d.grid(alpha=0.3)
-        if any(r.measured for r in rs):
-            ax_d.legend(fontsize=7)
-        ax_d.set_ylabel("D̂ fed to the dual (5-step mean); dashed: c in force")
-        ax_l.set_xlabel("RL step"), ax_l.set_ylabel("λ"), ax_l.grid(alpha=0.3), ax_l.legend(fontsize=7)
-        fig.suptitle(f"{dual[-1]} at {last}, N = {n}"), fig.tight_layout()
+    # the dual there: D-hat (5-step mean) against c, and lambda against its cap, per seed, a row per DCMDP config
+    dual = [m for m in methods if is_dcmdp(m) and any((r.level, r.method, r.n) == (last, m, n) for r in runs)]
+    if dual:
+        fig, axes = plt.subplots(len(dual), 2, figsize=(11, 3.8 * len(dual)), squeeze=False)
+        for (ax_d, ax_l), method in zip(axes, dual):
+            rs = [r for r in runs if (r.level, r.method, r.n) == (last, method, n)]
+            for k, r in enumerate(rs):
+                steps = np.arange(1, len(r.lambdas) + 1)
+                if r.measured:  # a run recorded before the series were kept has none
+                    w = min(5, len(r.measured))
+                    ax_d.plot(steps[w - 1:], np.convolve(r.measured, np.ones(w) / w, mode="valid"), color=f"C{k}",
+                              label=f"D̂ seed {r.seed}")
+                    ax_d.plot(steps, r.tolerance, color=f"C{k}", ls="--", lw=0.8)
+                ax_l.plot(steps, r.lambdas, color=f"C{k}", lw=0.9, label=f"seed {r.seed}")
+            cap = lambda_cap(exp, method)
+            if math.isfinite(cap):
+                ax_l.axhline(cap, color="0.3", ls="--", lw=1.0, label=f"cap lambda_max = {cap:g}")
+            ax_d.set_yscale("log"), ax_d.set_xlabel("RL step"), ax_d.grid(alpha=0.3)
+            if any(r.measured for r in rs):
+                ax_d.legend(fontsize=7)
+            ax_d.set_ylabel("D̂ to the dual (5-step mean)\ndashed: c in force", fontsize=8)
+            ax_d.set_title(f"{method} at {last}, N = {n}", fontsize=9)
+            ax_l.set_xlabel("RL step"), ax_l.set_ylabel("λ"), ax_l.grid(alpha=0.3), ax_l.legend(fontsize=7)
+        fig.tight_layout()
         paths.append(prefix.with_name(prefix.name + "_dual.png"))
-        fig.savefig(paths[-1], dpi=120), plt.close(fig)
+        fig.savefig(paths[-1], dpi=110), plt.close(fig)
     if any(r.schedule for r in runs):
         paths.append(lambda_figure(runs, levels, methods, color, n, prefix.with_name(prefix.name + "_lambda.png")))
     return paths
+
+
+def lambda_cap(exp: Experiment, method: str) -> float:
+    """lambda_max of the method's first constraint (the experiment's and the method's overrides on its base
+    config), NaN where the config does not load."""
+    from dcmdp.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(exp.base, [*exp.overrides, *exp.methods[method]])
+    except (ConfigError, ValueError, KeyError):
+        return math.nan
+    return float(cfg.dual.constraints[0].lambda_max) if cfg.dual.constraints else math.nan
 
 
 def lambda_figure(runs: list[Run], levels: Sequence[str], methods: Sequence[str], color: dict, n: int,
@@ -1069,7 +1094,8 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
         "and peak, mean ± sd over seeds; kl_k3 at start = pi_old vs mu over the first 5 steps; steps inside c = "
         "share of steps with the D̂ fed to the dual <= the tolerance in force; λ = the multiplier the penalty "
         "carried; λ at its extremes = share of steps with λ within 1% of its run's range from the run's lowest or "
-        "highest λ (runs whose λ moves; - where none does)", "",
+        "highest λ (runs whose λ moves; - where none does); λ > 0.01 = share of steps with the dual acting (a slack "
+        "dual sits at 0); λ at its cap = share of steps with λ at lambda_max (DCMDP configs)", "",
         *md_table(("level", "overrides", "about"), [(lv, f"`{' '.join(exp.levels[lv])}`" if exp.levels[lv] else "-",
                                                       exp.abouts[f"levels.{lv}"]) for lv in levels]), "",
         *md_table(("method", "overrides", "about"),
@@ -1204,7 +1230,9 @@ def page(exp: Experiment, profile_name: str, runs: list[Run], cells_here: list[t
     earlier cells) where that cell holds the same runs."""
     if not runs:
         raise SystemExit(f"no run of {exp.name}/{profile_name} finished ({where})")
-    cells = aggregate(runs, list(dict.fromkeys((lv, m, n) for lv, m, n, _ in sorted(cells_here, key=lambda c: c[2]))))
+    caps = {m: lambda_cap(exp, m) for m in dict.fromkeys(r.method for r in runs) if is_dcmdp(m)}
+    cells = aggregate(runs, list(dict.fromkeys((lv, m, n) for lv, m, n, _ in sorted(cells_here, key=lambda c: c[2]))),
+                      caps)
     for c in cells:
         old = record_cells.get((c["level"], c["method"], c["N"]))
         if old and old["lates"] == c["lates"] and math.isnan(c["inside_share"]):  # aggregate: runs lack series
