@@ -175,7 +175,12 @@ EXPERIMENTS = Path(__file__).resolve().parents[1] / "benchmarks" / "experiments"
 EXPERIMENT_FILES = sorted(p.stem for p in EXPERIMENTS.glob("*.yaml"))
 
 
-@pytest.fixture(scope="module", params=EXPERIMENT_FILES)
+# the experiments of the current round by default, the older ones' smoke profiles on request
+SMOKE_BY_DEFAULT = ("constraint", "default_dual", "stress")
+
+
+@pytest.fixture(scope="module", params=[p if p in SMOKE_BY_DEFAULT else pytest.param(p, marks=pytest.mark.slow)
+                                        for p in EXPERIMENT_FILES])
 def smoke_run(request, tmp_path_factory):
     """Each experiment file's smoke profile, trained once through real worker processes."""
     run = _runner()

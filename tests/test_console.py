@@ -36,6 +36,7 @@ def _local_store(monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
 
+@pytest.mark.slow
 def test_without_a_terminal_a_line_every_log_every_steps_and_no_bar(tmp_path):
     env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "dcmdp.cli", "train", *BASE, f"output_dir={tmp_path / 'out'}",

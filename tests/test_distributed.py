@@ -229,6 +229,7 @@ def test_configs_that_cannot_run_on_two_ranks_fail_before_anything_runs(override
         check_world(cfg, 2)
 
 
+@pytest.mark.slow
 def test_a_worker_that_fails_ends_torchrun_with_its_error_and_the_run_exits_nonzero(tmp_path):
     """Each torchrun worker leaves through dcmdp.distributed.exit_worker with the command's exit code: a config
     that cannot split over 2 ranks reaches the user as a worker's error message and a failed torchrun."""

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,6 +74,7 @@ def test_the_train_step_checks_every_runs_config_in_its_dry_run(tmp_path, capsys
     assert "qwen3-8b, 3 steps, device=cuda" in doc["checked"][0]
 
 
+@pytest.mark.slow  # the train step's dry run checks every run's config by default
 def test_the_train_steps_recipe_runs_train_on_the_cpu_at_tiny_size_and_fill_the_page(tmp_path):
     """The 30B recipe's settings as the GPU check runs them (random init, R3 with gradient checkpointing, the engine
     on the trainer's bf16 weights, the bf16x3 head, bf16 stochastic-rounding AdamW), shrunk to tiny-moe on the CPU:

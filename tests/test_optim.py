@@ -155,6 +155,7 @@ def test_unknown_precision_is_a_config_error_exit_2(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # the optimiser's own state round trip (above) runs by default
 @pytest.mark.parametrize("precision", ["bf16_kahan"])
 def test_training_run_in_bf16_resumes_bit_for_bit(precision, tmp_path):
     """A tiny-moe run trains bfloat16 parameters with the chosen optimiser, checkpoints its state (moments,

@@ -36,6 +36,7 @@ def _history(out: Path) -> list[dict]:
     return [{k: v for k, v in h.items() if not k.startswith(("time/", "throughput/"))} for h in state["history"]]
 
 
+@pytest.mark.slow  # kill -9 and resume also runs by default in test_run_folder.py
 def test_kill9_and_resume_matches_uninterrupted_run(tmp_path):
     cache = tmp_path / "cache"
     ref = tmp_path / "ref"

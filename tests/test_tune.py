@@ -330,6 +330,7 @@ def test_sweep_prunes_selects_nests_runs_and_resumes(tmp_path, mlflow_server, mo
     assert best2 is not None and best2.trial == best.trial and len(trials2) == 3
 
 
+@pytest.mark.slow  # the real sweep (prune, select, resume) runs by default in the test above
 def test_two_processes_share_one_study_without_running_a_trial_twice(tmp_path, mlflow_server, cold_start_cache):
     tolerances = [1e-2, 2e-2, 5e-2]
     tune_file = _tune_file(tmp_path, mlflow_server.uri, cold_start_cache, tolerances, steps=2, workers=1)

@@ -115,8 +115,10 @@ def test_unsupported_head_dim_is_refused(tiny, tok):
         VllmEngine(RolloutConfig(engine="vllm"), model, None, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
 
 
-@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+# the MoE model at T = 1 by default, the other three pairs on request
+@pytest.mark.parametrize("preset, temperature", [("tiny-moe", 1.0), pytest.param("tiny-dense", 0.7, marks=pytest.mark.slow),
+                                                 pytest.param("tiny-dense", 1.0, marks=pytest.mark.slow),
+                                                 pytest.param("tiny-moe", 0.7, marks=pytest.mark.slow)])
 def test_fp32_logprobs_match_trainer(tiny, tok, prompts, preset, temperature):
     """mu from vLLM (processed log-probs: after temperature) = the trainer's log softmax(logits / T) in fp32."""
     engine = start(tiny[preset], tok, temperature=temperature)
@@ -135,6 +137,7 @@ def test_fp32_logprobs_match_trainer(tiny, tok, prompts, preset, temperature):
         assert raw.mean() > 0.05
 
 
+@pytest.mark.slow
 def test_top_p_logprobs_are_the_renormalised_nucleus(tiny, tok, prompts):
     """With top_p < 1, mu is the tempered distribution restricted to the nucleus and renormalised."""
     temperature, top_p = 0.7, 0.8
@@ -204,6 +207,7 @@ def test_rollout_layout(tiny, tok, prompts):
                            rollout.response_ids_BT[:, :min(T, other.response_ids_BT.shape[1])])
 
 
+@pytest.mark.slow
 def test_second_engine_after_close_reproduces(tiny, tok, prompts):
     """close() frees the engine; a new one in the same process samples the same rollout."""
     first = start(tiny["tiny-dense"], tok)
@@ -219,7 +223,7 @@ def test_second_engine_after_close_reproduces(tiny, tok, prompts):
     assert torch.equal(again.rollout_logp_BT, rollout.rollout_logp_BT)
 
 
-@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+@pytest.mark.parametrize("preset", [pytest.param("tiny-dense", marks=pytest.mark.slow), "tiny-moe"])
 def test_load_weights_syncs_without_restart(tiny, tok, prompts, preset):
     """After load_weights of perturbed weights, mu matches the new trainer weights (not the old ones)."""
     temperature = 0.7
@@ -241,7 +245,7 @@ def test_load_weights_syncs_without_restart(tiny, tok, prompts, preset):
         assert_routes_match_transformers(new_model, rollout)
 
 
-@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+@pytest.mark.parametrize("preset", ["tiny-dense", pytest.param("tiny-moe", marks=pytest.mark.slow)])
 def test_bf16_discrepancy_is_measurable(tiny, tok, prompts, preset):
     """A bf16 engine differs from the fp32 trainer by a small, nonzero amount; sync keeps it that way."""
     base = tiny[preset]
