@@ -39,8 +39,9 @@ class ConstraintConfig:
     # The tolerance follows the floor down and never back up: c_k = (1 + s) x the lowest F so far (F the EMA above,
     # then never held). A measure that falls as the policy sharpens (the drift of the updates) leaves a held c slack;
     # a ratcheted c stays (1 + s) above the lowest level the run has reached, so a later rise of D-hat meets the
-    # constraint. With floor_steps K the lowest F is taken from batch K + 1 on (c = (1 + s) F before): the drift of a
-    # learning-rate warm-up, near 0, would otherwise hold c near 0 for the whole run.
+    # constraint. The minimum starts once F spans its window, 1 / (1 - floor_ema) batches; with floor_steps K, F
+    # restarts at batch K + 1 and the minimum starts K batches later still (c = (1 + s) F before): an EMA that still
+    # carries a learning-rate warm-up's near-zero drift would hold c there for the whole run.
     floor_ratchet: bool = False
 
     def check(self, prefix: str = "constraint") -> None:

@@ -328,7 +328,10 @@ def update_floor(state: DualState, floor_measured_C: Tensor, cfg: DualConfig) ->
     the first finite measurement; a non-finite one leaves F_i as it was), a_i = constraints[i].floor_ema. A
     constraint with ``floor_steps`` K holds a finite F_i once ``state.steps`` (dual steps taken, this one
     included) exceeds K: only the measurements of steps 1..K enter it. A ratcheted constraint (``floor_ratchet``)
-    keeps F moving and keeps its lowest value in ``floor_low_C``, from step K + 1 on with ``floor_steps`` K."""
+    keeps F moving and keeps its lowest value in ``floor_low_C``. With ``floor_steps`` K its F restarts at step
+    K + 1 (F <- D_floor: the warm-up's measurements leave it), and the minimum is taken once F spans its window,
+    from step K + ceil(1 / (1 - a)) on (K = 0 without floor_steps): an EMA of a few noisy batches, or one that
+    still carries a learning-rate warm-up's near-zero drift, would set a minimum the run never returns to."""
     n = len(cfg.constraints)
     old_C = state.floor_C if state.floor_C is not None else torch.full((n,), float("nan"), dtype=_F64)
     if not _has_auto_tolerance(cfg):  # every F_i stays NaN
@@ -339,14 +342,17 @@ def update_floor(state: DualState, floor_measured_C: Tensor, cfg: DualConfig) ->
     passed_C = _vector(tuple(float(c.floor_steps is not None and state.steps > c.floor_steps)
                              for c in cfg.constraints)) > 0
     a_C = _per_constraint(cfg, "floor_ema")
-    ema_C = torch.where(old_finite_C, a_C * old_C + (1 - a_C) * x_C, x_C)
     ratchet_C = _ratchet_mask(cfg)
+    restart_C = ratchet_C & (_vector(tuple(float(c.floor_steps is not None and state.steps == c.floor_steps + 1)
+                                           for c in cfg.constraints)) > 0)
+    ema_C = torch.where(old_finite_C & ~restart_C, a_C * old_C + (1 - a_C) * x_C, x_C)
     # a ratcheted floor is never held: floor_steps only delays its running minimum
     new_C = torch.where(auto_C & ~(passed_C & old_finite_C & ~ratchet_C) & _finite(x_C), ema_C, old_C)
     if not bool(ratchet_C.any()):
         return replace(state, floor_C=new_C)
     low_C = state.floor_low_C if state.floor_low_C is not None else torch.full_like(new_C, float("nan"))
-    started_C = _vector(tuple(float(c.floor_steps is None or state.steps > c.floor_steps) for c in cfg.constraints)) > 0
+    started_C = _vector(tuple(float(state.steps >= (c.floor_steps or 0) + math.ceil(1 / (1 - c.floor_ema) - 1e-9))
+                              for c in cfg.constraints)) > 0
     # the lowest F so far: fmin ignores a NaN on either side (no floor yet, or none before this state existed)
     low_C = torch.where(ratchet_C & started_C, torch.fmin(low_C, new_C), low_C)
     return replace(state, floor_C=new_C, floor_low_C=torch.where(ratchet_C, low_C, torch.full_like(new_C, float("nan"))))

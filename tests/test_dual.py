@@ -375,17 +375,27 @@ def test_a_ratcheted_floor_follows_the_measure_down_and_never_back_up_by_hand():
         _one(floor_ratchet=True).check("dual.constraints[0]")
 
 
-def test_a_ratchet_with_floor_steps_takes_its_minimum_after_them_and_keeps_the_floor_moving():
-    # floor_steps 2: F = 0.0001 (a warm-up's near-zero drift), 0.00205, 0.004025, 0.0030125, 0.0045 at EMA 0.5; the
-    # minimum starts at step 3 (0.004025), then 0.0030125; c = 2 F until the minimum exists, then 2 x the minimum
+def test_a_ratchet_with_floor_steps_restarts_its_floor_after_them_and_takes_the_minimum_over_a_full_window():
+    # floor_steps 2, EMA 0.5 (window 1 / (1 - 0.5) = 2 batches): F = 0.0001 (a warm-up's near-zero drift), 0.00205,
+    # then restarts at step 3 (F = 0.006, the warm-up gone), 0.004, 0.005, 0.0055; the minimum starts at step
+    # 2 + 2 = 4 (0.004). c = 2 F until the minimum exists, then 2 x the minimum, from the batch after each update.
+    # Without the restart the minimum would keep the warm-up's 0.00205 EMA for the whole run.
     cfg = _cfg(constraints=[_one(tolerance=0.01, floor_slack=1.0, floor_ema=0.5, floor_steps=2, floor_ratchet=True)])
     state, tol = init_state(cfg), []
     for floor in (0.0001, 0.004, 0.006, 0.002, 0.006, 0.006):
         state, m = dual_step(state, torch.tensor([0.005], dtype=torch.float64), cfg,
                              floor_C=torch.tensor([floor], dtype=torch.float64))
         tol.append(m["dual/tolerance/abs_prob_diff"])
-    assert tol == pytest.approx([0.0002, 0.0002, 0.0041, 0.00805, 0.006025, 0.006025], abs=1e-15)
-    assert state.floor_C.item() == pytest.approx(0.005253125, abs=1e-15)
+    assert tol == pytest.approx([0.0002, 0.0002, 0.0041, 0.012, 0.008, 0.008], abs=1e-15)
+    assert state.floor_C.item() == pytest.approx(0.0055, abs=1e-15)
+    assert state.floor_low_C.item() == pytest.approx(0.004, abs=1e-15)
+    # at EMA 0.9 the minimum waits ten batches (the EMA's window) after floor_steps: c = 2 F up to step 12
+    cfg = _cfg(constraints=[_one(tolerance=0.01, floor_slack=1.0, floor_ema=0.9, floor_steps=2, floor_ratchet=True)])
+    state = init_state(cfg)
+    for k in range(1, 14):
+        state, m = dual_step(state, torch.tensor([0.005], dtype=torch.float64), cfg,
+                             floor_C=torch.tensor([0.001 * k], dtype=torch.float64))
+        assert math.isnan(state.floor_low_C.item()) == (k < 12), k
 
 
 def test_a_ratchet_needs_its_minimum_to_start_after_the_learning_rate_warm_up():
