@@ -828,7 +828,8 @@ def welch_table(rows: list[dict]) -> list[str]:
 
 
 def accuracy_figure(exp: Experiment, cells: list[dict], methods: Sequence[str], ns: Sequence[int], path: Path) -> Path:
-    """Final held-out accuracy (mean ± sd over seeds) of ``methods``: one bar per level, one panel per N."""
+    """Late held-out accuracy (the comparisons' measure; mean ± sd over seeds, a dot per seed) of ``methods``: one
+    bar per level, one panel per N."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -836,18 +837,22 @@ def accuracy_figure(exp: Experiment, cells: list[dict], methods: Sequence[str], 
 
     levels = [lv for lv in exp.levels if any(c["level"] == lv for c in cells)]
     by = {(c["level"], c["method"], c["N"]): c for c in cells}
-    fig, axes = plt.subplots(1, len(ns), figsize=(max(6.5, 0.8 * len(methods)) * len(ns), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(ns), figsize=(max(6.5, 1.1 * len(methods)) * len(ns), 4.6), squeeze=False)
     width = 0.8 / len(levels)
     for ax, n in zip(axes[0], ns):
         for j, level in enumerate(levels):
             got = [by.get((level, m, n)) for m in methods]
-            ax.bar(np.arange(len(methods)) + (j - (len(levels) - 1) / 2) * width, [100 * c["final"] if c else np.nan
-                   for c in got], width, yerr=[100 * c["final_sd"] if c else 0.0 for c in got], capsize=3,
-                   color=f"C{j}", label=f"{level}: {exp.abouts[f'levels.{level}']}")
-        ax.set_xticks(range(len(methods)), [exp.labels[m] for m in methods],
-                      **({"rotation": 20, "ha": "right"} if len(methods) > 5 else {}))
-        ax.set_ylabel(f"final held-out accuracy, % (N = {n})"), ax.set_ylim(0, 100)
-        ax.grid(axis="y", alpha=0.3), ax.legend(fontsize=7, loc="upper left")
+            x = np.arange(len(methods)) + (j - (len(levels) - 1) / 2) * width
+            ax.bar(x, [100 * c["late"] if c else np.nan for c in got], width,
+                   yerr=[100 * c["late_sd"] if c else 0.0 for c in got], capsize=3, color=f"C{j}", alpha=0.75,
+                   label=level)
+            for xi, c in zip(x, got):  # one dot per seed
+                if c and c.get("lates"):
+                    ax.plot([xi] * len(c["lates"]), [100 * v for v in c["lates"]], "k.", ms=4)
+        ax.set_xticks(range(len(methods)), [exp.labels[m] for m in methods], rotation=25, ha="right", fontsize=8)
+        ax.set_ylabel(f"late held-out accuracy, % (N = {n})"), ax.set_ylim(0, 100)
+        ax.grid(axis="y", alpha=0.3), ax.legend(fontsize=7, loc="upper left", title="level (dots: seeds)",
+                                                 title_fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120), plt.close(fig)
     return path
