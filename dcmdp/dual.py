@@ -276,11 +276,6 @@ def needs_floor(state: DualState, cfg: DualConfig) -> bool:
     return bool((auto_C & torch.isnan(state.floor_C)).any())
 
 
-def _ratchet_mask(cfg: DualConfig) -> Tensor:
-    """(C,) bool: the constraints whose tolerance follows the lowest floor (``floor_ratchet``)."""
-    return torch.tensor([bool(c.floor_ratchet) for c in cfg.constraints])
-
-
 def tolerances(state: DualState, cfg: DualConfig) -> Tensor:
     """(C,) the tolerance c_i in force: F_i (1 + floor_slack_i) for an automatic tolerance with a measured floor
     F_i (the lowest F_i so far under ``floor_ratchet``), else constraints[i].tolerance."""
@@ -289,7 +284,8 @@ def tolerances(state: DualState, cfg: DualConfig) -> Tensor:
         return fixed_C
     floor_C = state.floor_C
     if state.floor_low_C is not None:
-        floor_C = torch.where(_ratchet_mask(cfg) & _finite(state.floor_low_C), state.floor_low_C, floor_C)
+        ratchet_C = _per_constraint(cfg, "floor_ratchet") > 0
+        floor_C = torch.where(ratchet_C & _finite(state.floor_low_C), state.floor_low_C, floor_C)
     auto_C = floor_C * (1 + _per_constraint(cfg, "floor_slack"))
     return torch.where(_finite(auto_C), auto_C, fixed_C)
 
@@ -342,7 +338,7 @@ def update_floor(state: DualState, floor_measured_C: Tensor, cfg: DualConfig) ->
     passed_C = _vector(tuple(float(c.floor_steps is not None and state.steps > c.floor_steps)
                              for c in cfg.constraints)) > 0
     a_C = _per_constraint(cfg, "floor_ema")
-    ratchet_C = _ratchet_mask(cfg)
+    ratchet_C = _per_constraint(cfg, "floor_ratchet") > 0
     restart_C = ratchet_C & (_vector(tuple(float(c.floor_steps is not None and state.steps == c.floor_steps + 1)
                                            for c in cfg.constraints)) > 0)
     ema_C = torch.where(old_finite_C & ~restart_C, a_C * old_C + (1 - a_C) * x_C, x_C)
