@@ -19,7 +19,10 @@ cell (Welch's t-test on final and on late accuracy). An experiment with a ``refe
 method's end-to-end tokens/s as a ratio to the reference's at the same seed, and a throughput-accuracy plot. An
 experiment's ``compare`` block pre-registers its comparisons: each of its ``configs`` against each rival role (a
 method list, or one per level; the candidate with the best late mean is the rival), with Welch's t-test on late and
-final accuracy, and the run-minutes of each method and of each ``compute`` group (a tuned constant's sweep).
+final accuracy, and the run-minutes of each method and of each ``compute`` group (a tuned constant's sweep). Its
+optional ``bar`` writes the pre-registered bar clause by clause per cell: each named role's reading ("level": level
+or ahead; "ahead"), at most ``collapses`` collapses, D-hat inside c on at least ``inside_c`` of the steps and lambda
+below its cap on at least ``below_cap`` of them; a cell whose runs did not all finish is "not decided", never met.
 """
 
 from __future__ import annotations
@@ -98,6 +101,15 @@ class Profile:
 
 
 @dataclass(frozen=True)
+class Bar:
+    """A ``compare`` block's pre-registered bar, clause by clause (``None``: a clause the bar does not have)."""
+    roles: dict[str, str]  # rival role -> the reading the config needs against it: "level" (or ahead) or "ahead"
+    collapses: Optional[int] = None  # at most this many collapsed runs of the config
+    inside_c: Optional[float] = None  # D-hat inside c on at least this share of steps
+    below_cap: Optional[float] = None  # lambda below its cap on at least this share of steps
+
+
+@dataclass(frozen=True)
 class Compare:
     """An experiment's pre-registered comparisons (its ``compare`` block): each config against each rival role."""
     about: str
@@ -106,6 +118,7 @@ class Compare:
     rivals: dict[str, dict[str, tuple[str, ...]]]
     # label -> methods whose runs' time it sums per level (e.g. a tuned constant: its sweep and its extra seeds)
     compute: dict[str, tuple[str, ...]]
+    bar: Optional[Bar] = None
 
     def rival_candidates(self, role: str, level: str) -> tuple[str, ...]:
         by_level = self.rivals[role]
@@ -222,7 +235,7 @@ def _compare(raw, where: str, levels: dict, methods: dict) -> Optional[Compare]:
     """The ``compare`` block: ``{about, configs: [m], rivals: {role: [m] | {level: [m]}}, compute: {label: [m]}}``."""
     if raw is None:
         return None
-    raw = _entry(raw, where, {"about", "configs", "rivals", "compute"})
+    raw = _entry(raw, where, {"about", "configs", "rivals", "compute", "bar"})
 
     def names(value, at: str) -> tuple[str, ...]:
         if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
@@ -244,7 +257,38 @@ def _compare(raw, where: str, levels: dict, methods: dict) -> Optional[Compare]:
     if not rivals:
         raise ExperimentError(f"{where}.rivals: name at least one rival role")
     compute = {label: names(v, f"{where}.compute.{label}") for label, v in (raw.get("compute") or {}).items()}
-    return Compare(raw["about"], names(raw.get("configs"), f"{where}.configs"), rivals, compute)
+    bar = _bar(raw["bar"], f"{where}.bar", rivals) if "bar" in raw else None
+    return Compare(raw["about"], names(raw.get("configs"), f"{where}.configs"), rivals, compute, bar)
+
+
+def _bar(raw, where: str, rivals: dict) -> Bar:
+    """The bar: ``{roles: {role: level | ahead}, collapses: int, inside_c: share, below_cap: share}``."""
+    if not isinstance(raw, dict):
+        raise ExperimentError(f"{where}: expected a mapping, got {raw!r}")
+    unknown = set(raw) - {"roles", "collapses", "inside_c", "below_cap"}
+    if unknown:
+        raise ExperimentError(f"{where}: unknown key(s) {sorted(unknown)} (allowed: below_cap, collapses, inside_c, "
+                              "roles)")
+    roles = raw.get("roles") or {}
+    if not isinstance(roles, dict):
+        raise ExperimentError(f"{where}.roles: expected a mapping of rival roles to level or ahead, got {roles!r}")
+    for role, need in roles.items():
+        if role not in rivals:
+            raise ExperimentError(f"{where}.roles: {role!r} is not a rival role (known: {sorted(rivals)})")
+        if need not in ("level", "ahead"):
+            raise ExperimentError(f"{where}.roles.{role}: expected level or ahead, got {need!r}")
+    collapses = raw.get("collapses")
+    if collapses is not None and (isinstance(collapses, bool) or not isinstance(collapses, int) or collapses < 0):
+        raise ExperimentError(f"{where}.collapses: expected an integer >= 0, got {collapses!r}")
+    shares = {}
+    for key in ("inside_c", "below_cap"):
+        v = raw.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
+            raise ExperimentError(f"{where}.{key}: expected a share in [0, 1], got {v!r}")
+        shares[key] = None if v is None else float(v)
+    if not roles and collapses is None and all(v is None for v in shares.values()):
+        raise ExperimentError(f"{where}: name at least one clause (roles, collapses, inside_c, below_cap)")
+    return Bar(dict(roles), collapses, **shares)
 
 
 def _pool(p: dict, where: str, profiles: dict) -> tuple[Pooled, ...]:
@@ -785,6 +829,61 @@ def compare_table(rows: list[dict]) -> list[str]:
           r["reading"], f"{r['final_diff']:+.3f}", f"{r['p_final']:.3g}", r["collapses"]) for r in rows])
 
 
+def bar_rows(cmp: Compare, cells: list[dict], compared: list[dict], missing: dict[tuple[str, int], int]) -> list[dict]:
+    """Per (level, N) and config: each clause of the pre-registered bar with its measured value and whether it is met,
+    and the verdict: "met", "not met" (naming the clauses that fail) or "not decided" (``missing``: runs of the
+    profile in that cell that have not finished; a clause with nothing to measure it)."""
+    bar = cmp.bar
+    if bar is None:
+        return []
+    out = []
+    for key in dict.fromkeys((c["level"], c["N"]) for c in cells):
+        here = {c["method"]: c for c in cells if (c["level"], c["N"]) == key}
+        for config in (m for m in cmp.configs if m in here):
+            mine, clauses = here[config], []
+            for role, need in bar.roles.items():
+                row = next((r for r in compared if (r["level"], r["N"], r["config"], r["role"]) == (*key, config, role)),
+                           None)
+                if row is None:
+                    clauses.append((f"vs {role} ({need})", "no run", None))
+                else:
+                    ok = row["reading"] == "ahead" or (need == "level" and row["reading"] == "level")
+                    clauses.append((f"vs {role} ({need})", f"{row['reading']} vs {row['rival']}, "
+                                    f"{row['late_diff']:+.3f}, p = {row['p_late']:.2g}", ok))
+            if bar.collapses is not None:
+                clauses.append((f"collapses (<= {bar.collapses})", f"{mine['collapses']}/{mine['seeds']}",
+                                mine["collapses"] <= bar.collapses))
+            if bar.inside_c is not None:
+                v = mine["inside_share"]
+                clauses.append((f"inside c (>= {bar.inside_c:.0%})", "-" if not math.isfinite(v) else f"{v:.0%}",
+                                None if not math.isfinite(v) else v >= bar.inside_c))
+            if bar.below_cap is not None:
+                # a config without a finite cap is below it on every step
+                v = 1.0 - mine["cap_share"] if math.isfinite(mine["cap_share"]) else 1.0
+                clauses.append((f"λ below its cap (>= {bar.below_cap:.0%})", f"{v:.0%}", v >= bar.below_cap))
+            gone = missing.get(key, 0)
+            failed = [name for name, _, ok in clauses if ok is False]
+            if gone or any(ok is None for _, _, ok in clauses):
+                verdict = (f"not decided ({gone} of the cell's runs not finished)" if gone
+                           else "not decided (a clause has no run to measure it)")
+            else:
+                verdict = "met" if not failed else "not met: " + "; ".join(failed)
+            out.append({"level": key[0], "N": key[1], "config": config, "verdict": verdict,
+                        "clauses": [{"clause": n, "value": v, "met": ok} for n, v, ok in clauses]})
+    return out
+
+
+def bar_table(rows: list[dict]) -> list[str]:
+    mark = {True: "met", False: "**not met**", None: "not decided"}
+    names = list(dict.fromkeys(c["clause"] for r in rows for c in r["clauses"]))
+    body = []
+    for r in rows:
+        by = {c["clause"]: c for c in r["clauses"]}
+        body.append((r["N"], r["level"], r["config"],
+                     *(f"{by[n]['value']} ({mark[by[n]['met']]})" if n in by else "-" for n in names), r["verdict"]))
+    return md_table(("N", "level", "config", *names, "the bar"), body)
+
+
 def compute_rows(cmp: Compare, runs: list[Run]) -> list[dict]:
     """Per level: the run-minutes of each config, each rival candidate, and each ``compute`` group (its methods'
     runs summed: a tuned constant's sweep counts toward it)."""
@@ -1040,6 +1139,12 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
     rows = welch(cells)
     compared = compare_rows(exp.compare, cells) if exp.compare else []
     compute = compute_rows(exp.compare, runs) if exp.compare else []
+    finished = {(r.level, r.method, r.n, r.seed) for r in runs}
+    missing: dict[tuple[str, int], int] = {}
+    for lv, m, n, seed in exp.cells(profile_name):
+        if (lv, m, n, seed) not in finished:
+            missing[(lv, n)] = missing.get((lv, n), 0) + 1
+    barred = bar_rows(exp.compare, cells, compared, missing) if exp.compare else []
     pngs = plot(exp, runs, cells, prefix)
     speed = throughput_rows(exp, runs)
     if speed:
@@ -1057,7 +1162,7 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
         {"experiment": exp.name, "profile": profile_name, "base": rel(exp.base), "overrides": list(exp.overrides),
          "profile_overrides": list(profile.overrides), "levels": {lv: exp.levels[lv] for lv in levels},
          "methods": {m: exp.methods[m] for m in methods}, "cells": cells, "welch": rows, "throughput": speed,
-         "compare": compared, "compute": compute, "walls": walls, "walls_partial": walls_partial,
+         "compare": compared, "bar": barred, "compute": compute, "walls": walls, "walls_partial": walls_partial,
          "runs": []}, indent=1)
     records = [json.dumps(run_record(r, configs[(r.level, r.method, r.n, r.seed)]), separators=(",", ":"))
                for r in runs]
@@ -1119,6 +1224,11 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
         bar = ["", f"Pre-registered comparisons: {exp.compare.about}. Each config against each rival role's candidate "
                "with the best late mean in the cell (Welch's t-test on late and on final accuracy; reading: ahead or "
                "behind where late p < 0.05, else level):", "", *compare_table(compared), "",
+               *(["The pre-registered bar, clause by clause (λ below its cap: share of all steps; a cell whose runs "
+                  "have not all finished is not decided):", "", *bar_table(barred), "",
+                  f"The bar is met in {sum(r['verdict'] == 'met' for r in barred)} of {len(barred)} (level, config) "
+                  f"cells; not decided in {sum(r['verdict'].startswith('not decided') for r in barred)}.", ""]
+                 if barred else []),
                "Compute (run-minutes of the runs on this page; a group sums its methods' runs):", "",
                *md_table(("level", "what", "runs", "run-minutes"),
                          [(c["level"], c["what"] if c["methods"] == [c["what"]]
@@ -1126,7 +1236,8 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
                           for c in compute])]
     plots = [f"![{p.stem}]({p.name})" for p in pngs]
     prefix.with_suffix(".md").write_text("\n".join(header + lines + bar + test + diag + [""] + plots) + "\n")
-    return lines + [""] + (compare_table(compared) if compared else welch_table(rows))
+    return lines + [""] + (compare_table(compared) + ([""] + bar_table(barred) if barred else []) if compared
+                           else welch_table(rows))
 
 
 # ------------------------------------------------------------------------------------------- main

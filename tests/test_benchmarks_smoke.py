@@ -1,3 +1,4 @@
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -556,6 +557,76 @@ def test_extreme_share_counts_steps_at_a_runs_lowest_or_highest_lambda():
     assert abs(run.extreme_share([bang]) - 6 / 8) < 1e-15
     assert abs(run.extreme_share([bang, smooth, [0.3] * 5, [math.nan, 0.3, 0.3]]) - (6 / 8 + 2 / 6) / 2) < 1e-15
     assert math.isnan(run.extreme_share([[0.3] * 4, []]))
+
+
+def test_bar_checks_each_clause_and_leaves_an_unfinished_cell_undecided(tmp_path):
+    """The ``bar``: per (level, config) each clause from the measured cell - a "level" role is met by level or ahead,
+    an "ahead" role only by ahead; collapses; the share of steps with D-hat <= c; the share with λ below lambda_max -
+    and the verdict names the failed clauses; a cell with runs missing is not decided whatever its clauses say."""
+    import yaml
+
+    run = _runner()
+    raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
+    raw["levels"]["fp8"] = {"about": "fp8 rollouts", "overrides": ["rollout.precision=fp8"]}
+    raw["compare"] = {"about": "the bar", "configs": ["dcmdp_r3"],
+                      "rivals": {"swept": ["minirl", "minirl_r2"], "transfer": ["minirl"]},
+                      "bar": {"roles": {"swept": "level", "transfer": "ahead"}, "collapses": 0, "inside_c": 0.7,
+                              "below_cap": 0.5}}
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    exp = run.load_experiment(path)
+
+    def dual_run(level, seed, late, measured, lambdas, collapsed=False):
+        return dataclasses.replace(_fake_run(run, level, "dcmdp_r3", seed, late, collapsed=collapsed),
+                                   measured=measured, tolerance=[1.0] * len(measured), lambdas=lambdas)
+
+    # int8: level with the swept pick (minirl_r2), ahead of the transfer constant (minirl); inside c on 3 of 4 steps
+    # (75%), λ at its cap 0.3 on 1 of 4 (below on 75%): every clause met
+    runs = [dual_run("int8", s, x, [0.5, 0.5, 0.5, 2.0], [0.0, 0.1, 0.2, 0.3]) for s, x in enumerate([0.70, 0.71, 0.69])]
+    runs += [_fake_run(run, "int8", "minirl", s, x) for s, x in enumerate([0.40, 0.42, 0.41])]
+    runs += [_fake_run(run, "int8", "minirl_r2", s, x) for s, x in enumerate([0.70, 0.72, 0.69])]
+    # fp8: level with the transfer constant (not ahead), inside c on 1 of 4 steps, λ at its cap on 3 of 4, a collapse
+    runs += [dual_run("fp8", s, x, [0.5, 2.0, 2.0, 2.0], [0.1, 0.3, 0.3, 0.3], collapsed=s == 0)
+             for s, x in enumerate([0.5, 0.6, 0.7])]
+    runs += [_fake_run(run, "fp8", m, s, x) for m in ("minirl", "minirl_r2") for s, x in enumerate([0.55, 0.6, 0.65])]
+    keys = [(lv, m, 4) for lv in ("int8", "fp8") for m in ("dcmdp_r3", "minirl", "minirl_r2")]
+    cells = run.aggregate(runs, keys, caps={"dcmdp_r3": 0.3})
+    compared = run.compare_rows(exp.compare, cells)
+    rows = {r["level"]: r for r in run.bar_rows(exp.compare, cells, compared, {})}
+    met = {c["clause"]: c["met"] for c in rows["int8"]["clauses"]}
+    assert met == {"vs swept (level)": True, "vs transfer (ahead)": True, "collapses (<= 0)": True,
+                   "inside c (>= 70%)": True, "λ below its cap (>= 50%)": True} and rows["int8"]["verdict"] == "met"
+    fp8 = {c["clause"]: c for c in rows["fp8"]["clauses"]}
+    assert fp8["vs swept (level)"]["met"] and not fp8["vs transfer (ahead)"]["met"]
+    assert fp8["collapses (<= 0)"]["value"] == "1/3" and fp8["inside c (>= 70%)"]["value"] == "25%"
+    assert fp8["λ below its cap (>= 50%)"]["value"] == "25%"
+    assert rows["fp8"]["verdict"] == ("not met: vs transfer (ahead); collapses (<= 0); inside c (>= 70%); "
+                                      "λ below its cap (>= 50%)")
+    # the same cells with one of int8's runs unfinished: not decided, though every clause is met
+    undecided = {r["level"]: r for r in run.bar_rows(exp.compare, cells, compared, {("int8", 4): 1})}
+    assert undecided["int8"]["verdict"].startswith("not decided") and undecided["fp8"]["verdict"].startswith("not met")
+    table = "\n".join(run.bar_table(list(rows.values())))
+    assert "**not met**" in table and "| met |" in table
+
+
+@pytest.mark.parametrize("bar, message", [
+    ({"roles": {"ghost": "level"}}, "compare.bar.roles: 'ghost' is not a rival role"),
+    ({"roles": {"c": "better"}}, "compare.bar.roles.c: expected level or ahead"),
+    ({"inside_c": 70}, "compare.bar.inside_c: expected a share in [0, 1]"),
+    ({"collapses": -1}, "compare.bar.collapses: expected an integer >= 0"),
+    ({"inside": 0.7}, "compare.bar: unknown key(s) ['inside']"),
+    ({}, "compare.bar: name at least one clause"),
+])
+def test_bar_errors(tmp_path, bar, message):
+    import yaml
+
+    run = _runner()
+    raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
+    raw["compare"] = {"about": "x", "configs": ["dcmdp_r3"], "rivals": {"c": ["minirl"]}, "bar": bar}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(run.ExperimentError, match=re.escape(message)):
+        run.load_experiment(path)
 
 
 @pytest.mark.parametrize("block, message", [
