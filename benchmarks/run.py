@@ -829,10 +829,13 @@ def compare_table(rows: list[dict]) -> list[str]:
           r["reading"], f"{r['final_diff']:+.3f}", f"{r['p_final']:.3g}", r["collapses"]) for r in rows])
 
 
-def bar_rows(cmp: Compare, cells: list[dict], compared: list[dict], missing: dict[tuple[str, int], int]) -> list[dict]:
+def bar_rows(cmp: Compare, cells: list[dict], compared: list[dict], missing: dict[tuple[str, int], int],
+             expected: Optional[set[tuple[str, str, int]]] = None) -> list[dict]:
     """Per (level, N) and config: each clause of the pre-registered bar with its measured value and whether it is met,
     and the verdict: "met", "not met" (naming the clauses that fail) or "not decided" (``missing``: runs of the
-    profile in that cell that have not finished; a clause with nothing to measure it)."""
+    profile in that cell that have not finished; a clause with nothing to measure it). A (level, N) with runs missing
+    and none finished gets a "not decided" row per config the profile runs there (``expected``: its (level, method,
+    N) cells; every config where not given)."""
     bar = cmp.bar
     if bar is None:
         return []
@@ -870,6 +873,12 @@ def bar_rows(cmp: Compare, cells: list[dict], compared: list[dict], missing: dic
                 verdict = "met" if not failed else "not met: " + "; ".join(failed)
             out.append({"level": key[0], "N": key[1], "config": config, "verdict": verdict,
                         "clauses": [{"clause": n, "value": v, "met": ok} for n, v, ok in clauses]})
+    # a level of the profile none of whose runs has finished: its row says so rather than leaving the level out
+    for key, gone in missing.items():
+        if not any((c["level"], c["N"]) == key for c in cells):
+            out += [{"level": key[0], "N": key[1], "config": config, "clauses": [],
+                     "verdict": f"not decided ({gone} of the cell's runs not finished)"} for config in cmp.configs
+                    if expected is None or (key[0], config, key[1]) in expected]
     return out
 
 
@@ -1144,7 +1153,8 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
     for lv, m, n, seed in exp.cells(profile_name):
         if (lv, m, n, seed) not in finished:
             missing[(lv, n)] = missing.get((lv, n), 0) + 1
-    barred = bar_rows(exp.compare, cells, compared, missing) if exp.compare else []
+    barred = (bar_rows(exp.compare, cells, compared, missing, {(lv, m, n) for lv, m, n, _ in exp.cells(profile_name)})
+              if exp.compare else [])
     pngs = plot(exp, runs, cells, prefix)
     speed = throughput_rows(exp, runs)
     if speed:

@@ -603,8 +603,13 @@ def test_bar_checks_each_clause_and_leaves_an_unfinished_cell_undecided(tmp_path
     assert rows["fp8"]["verdict"] == ("not met: vs transfer (ahead); collapses (<= 0); inside c (>= 70%); "
                                       "λ below its cap (>= 50%)")
     # the same cells with one of int8's runs unfinished: not decided, though every clause is met
-    undecided = {r["level"]: r for r in run.bar_rows(exp.compare, cells, compared, {("int8", 4): 1})}
+    undecided = {r["level"]: r for r in run.bar_rows(exp.compare, cells, compared, {("int8", 4): 1, ("int4", 4): 7})}
     assert undecided["int8"]["verdict"].startswith("not decided") and undecided["fp8"]["verdict"].startswith("not met")
+    # a level none of whose runs has finished is listed as not decided, not left off
+    assert undecided["int4"]["verdict"] == "not decided (7 of the cell's runs not finished)"
+    # ... for the configs the profile runs there only
+    assert not [r for r in run.bar_rows(exp.compare, cells, compared, {("int4", 4): 7}, {("int4", "minirl", 4)})
+                if r["level"] == "int4"]
     table = "\n".join(run.bar_table(list(rows.values())))
     assert "**not met**" in table and "| met |" in table
 
