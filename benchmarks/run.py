@@ -98,6 +98,8 @@ class Profile:
     blocks: tuple[Block, ...]
     # a pooled profile trains nothing: its page holds the runs of these profiles' folders together
     pool: tuple[Pooled, ...] = ()
+    # the profile's own pre-registered bar (e.g. a lever's), checked on its page in place of the compare block's
+    bar: Optional["Bar"] = None
 
 
 @dataclass(frozen=True)
@@ -261,6 +263,13 @@ def _compare(raw, where: str, levels: dict, methods: dict) -> Optional[Compare]:
     return Compare(raw["about"], names(raw.get("configs"), f"{where}.configs"), rivals, compute, bar)
 
 
+def page_compare(exp: Experiment, profile_name: str) -> Optional[Compare]:
+    """The comparisons a profile's page checks: the experiment's ``compare`` block, its bar replaced by the
+    profile's own where the profile has one."""
+    bar = exp.profiles[profile_name].bar
+    return exp.compare if exp.compare is None or bar is None else dataclasses.replace(exp.compare, bar=bar)
+
+
 def _bar(raw, where: str, rivals: dict) -> Bar:
     """The bar: ``{roles: {role: level | ahead}, collapses: int, inside_c: share, below_cap: share}``."""
     if not isinstance(raw, dict):
@@ -344,9 +353,15 @@ def load_experiment(spec: str | Path) -> Experiment:
     methods, method_levels = _resolve_methods(raw["methods"], f"{where}.methods", levels)
     profiles = {}
     for name, p in raw["profiles"].items():
-        p = _entry(p, f"{where}.profiles.{name}", {"about", "overrides", "cells", "pool"})
+        p = _entry(p, f"{where}.profiles.{name}", {"about", "overrides", "cells", "pool", "bar"})
+        bar = None
+        if "bar" in p:
+            if raw.get("compare") is None:
+                raise ExperimentError(f"{where}.profiles.{name}.bar: a bar needs the experiment's compare block (its "
+                                      "configs and rival roles)")
+            bar = _bar(p["bar"], f"{where}.profiles.{name}.bar", raw["compare"].get("rivals") or {})
         if "pool" in p:
-            profiles[name] = Profile(p["about"], (), (), _pool(p, f"{where}.profiles.{name}", raw["profiles"]))
+            profiles[name] = Profile(p["about"], (), (), _pool(p, f"{where}.profiles.{name}", raw["profiles"]), bar)
             continue
         blocks = []
         for i, b in enumerate(p.get("cells") or []):
@@ -362,7 +377,7 @@ def load_experiment(spec: str | Path) -> Experiment:
         if not blocks:
             raise ExperimentError(f"{where}.profiles.{name}.cells: a profile needs at least one block")
         profiles[name] = Profile(p["about"], _strings(p.get("overrides"), f"{where}.profiles.{name}.overrides"),
-                                 tuple(blocks))
+                                 tuple(blocks), bar=bar)
     abouts = {f"{kind}.{name}": v["about"] for kind in ("levels", "methods", "profiles")
               for name, v in raw[kind].items()}
     labels = {name: str(v.get("label", name)) for name, v in raw["methods"].items()}
@@ -1153,8 +1168,8 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
     for lv, m, n, seed in exp.cells(profile_name):
         if (lv, m, n, seed) not in finished:
             missing[(lv, n)] = missing.get((lv, n), 0) + 1
-    barred = (bar_rows(exp.compare, cells, compared, missing, {(lv, m, n) for lv, m, n, _ in exp.cells(profile_name)})
-              if exp.compare else [])
+    barred = (bar_rows(page_compare(exp, profile_name), cells, compared, missing,
+                       {(lv, m, n) for lv, m, n, _ in exp.cells(profile_name)}) if exp.compare else [])
     pngs = plot(exp, runs, cells, prefix)
     speed = throughput_rows(exp, runs)
     if speed:
@@ -1235,7 +1250,9 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
                "with the best late mean in the cell (Welch's t-test on late and on final accuracy; reading: ahead or "
                "behind where late p < 0.05, else level):", "", *compare_table(compared), "",
                *(["The pre-registered bar, clause by clause (λ below its cap: share of all steps; a cell whose runs "
-                  "have not all finished is not decided):", "", *bar_table(barred), "",
+                  "have not all finished is not decided)" + (" - this profile's own bar, not the experiment's"
+                                                             if profile.bar is not None else "") + ":", "",
+                  *bar_table(barred), "",
                   f"The bar is met in {sum(r['verdict'] == 'met' for r in barred)} of {len(barred)} (level, config) "
                   f"cells; not decided in {sum(r['verdict'].startswith('not decided') for r in barred)}.", ""]
                  if barred else []),

@@ -614,6 +614,42 @@ def test_bar_checks_each_clause_and_leaves_an_unfinished_cell_undecided(tmp_path
     assert "**not met**" in table and "| met |" in table
 
 
+def test_a_profile_bar_replaces_the_experiments_on_its_page_only(tmp_path):
+    """A profile's own ``bar`` (a lever's pre-registered bar) is the one its page checks; the other profiles keep the
+    compare block's; the cells are read the same way. A profile bar names the compare block's roles."""
+    import yaml
+
+    run = _runner()
+    raw = yaml.safe_load((run.EXPERIMENTS / "stability.yaml").read_text())
+    raw["compare"] = {"about": "the bar", "configs": ["dcmdp_r3"],
+                      "rivals": {"swept": ["minirl_r2"], "transfer": ["minirl"]},
+                      "bar": {"roles": {"swept": "level", "transfer": "ahead"}}}
+    raw["profiles"]["lever"] = {**raw["profiles"]["smoke"], "about": "a lever", "bar": {"roles": {"swept": "level"},
+                                                                                          "collapses": 0}}
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    exp = run.load_experiment(path)
+    assert run.page_compare(exp, "smoke").bar == exp.compare.bar
+    lever = run.page_compare(exp, "lever")
+    assert lever.bar == run.Bar({"swept": "level"}, collapses=0) and lever.rivals == exp.compare.rivals
+    # level with minirl_r2, level (not ahead) with minirl: the experiment's bar fails, the lever's holds
+    runs = [_fake_run(run, "int8", "dcmdp_r3", s, x) for s, x in enumerate([0.60, 0.62, 0.61])]
+    runs += [_fake_run(run, "int8", m, s, x) for m in ("minirl", "minirl_r2") for s, x in enumerate([0.6, 0.61, 0.62])]
+    cells = run.aggregate(runs, [("int8", m, 4) for m in ("dcmdp_r3", "minirl", "minirl_r2")])
+    compared = run.compare_rows(exp.compare, cells)
+    assert run.bar_rows(exp.compare, cells, compared, {})[0]["verdict"].startswith("not met")
+    assert run.bar_rows(lever, cells, compared, {})[0]["verdict"] == "met"
+    raw["profiles"]["lever"]["bar"] = {"roles": {"ghost": "level"}}
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(run.ExperimentError, match=re.escape("profiles.lever.bar.roles: 'ghost' is not a rival role")):
+        run.load_experiment(path)
+    del raw["compare"]
+    raw["profiles"]["lever"]["bar"] = {"collapses": 0}
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(run.ExperimentError, match=re.escape("profiles.lever.bar: a bar needs the experiment's compare")):
+        run.load_experiment(path)
+
+
 @pytest.mark.parametrize("bar, message", [
     ({"roles": {"ghost": "level"}}, "compare.bar.roles: 'ghost' is not a rival role"),
     ({"roles": {"c": "better"}}, "compare.bar.roles.c: expected level or ahead"),
