@@ -109,6 +109,7 @@ class Bar:
     collapses: Optional[int] = None  # at most this many collapsed runs of the config
     inside_c: Optional[float] = None  # D-hat inside c on at least this share of steps
     below_cap: Optional[float] = None  # lambda below its cap on at least this share of steps
+    acting: Optional[float] = None  # lambda above 0.01 (the dual acting, not slack) on at least this share of steps
 
 
 @dataclass(frozen=True)
@@ -271,13 +272,13 @@ def page_compare(exp: Experiment, profile_name: str) -> Optional[Compare]:
 
 
 def _bar(raw, where: str, rivals: dict) -> Bar:
-    """The bar: ``{roles: {role: level | ahead}, collapses: int, inside_c: share, below_cap: share}``."""
+    """The bar: ``{roles: {role: level | ahead}, collapses: int, inside_c: share, below_cap: share, acting: share}``."""
     if not isinstance(raw, dict):
         raise ExperimentError(f"{where}: expected a mapping, got {raw!r}")
-    unknown = set(raw) - {"roles", "collapses", "inside_c", "below_cap"}
+    unknown = set(raw) - {"roles", "collapses", "inside_c", "below_cap", "acting"}
     if unknown:
-        raise ExperimentError(f"{where}: unknown key(s) {sorted(unknown)} (allowed: below_cap, collapses, inside_c, "
-                              "roles)")
+        raise ExperimentError(f"{where}: unknown key(s) {sorted(unknown)} (allowed: acting, below_cap, collapses, "
+                              "inside_c, roles)")
     roles = raw.get("roles") or {}
     if not isinstance(roles, dict):
         raise ExperimentError(f"{where}.roles: expected a mapping of rival roles to level or ahead, got {roles!r}")
@@ -290,13 +291,13 @@ def _bar(raw, where: str, rivals: dict) -> Bar:
     if collapses is not None and (isinstance(collapses, bool) or not isinstance(collapses, int) or collapses < 0):
         raise ExperimentError(f"{where}.collapses: expected an integer >= 0, got {collapses!r}")
     shares = {}
-    for key in ("inside_c", "below_cap"):
+    for key in ("inside_c", "below_cap", "acting"):
         v = raw.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
             raise ExperimentError(f"{where}.{key}: expected a share in [0, 1], got {v!r}")
         shares[key] = None if v is None else float(v)
     if not roles and collapses is None and all(v is None for v in shares.values()):
-        raise ExperimentError(f"{where}: name at least one clause (roles, collapses, inside_c, below_cap)")
+        raise ExperimentError(f"{where}: name at least one clause (roles, collapses, inside_c, below_cap, acting)")
     return Bar(dict(roles), collapses, **shares)
 
 
@@ -879,6 +880,11 @@ def bar_rows(cmp: Compare, cells: list[dict], compared: list[dict], missing: dic
                 # a config without a finite cap is below it on every step
                 v = 1.0 - mine["cap_share"] if math.isfinite(mine["cap_share"]) else 1.0
                 clauses.append((f"λ below its cap (>= {bar.below_cap:.0%})", f"{v:.0%}", v >= bar.below_cap))
+            if bar.acting is not None:
+                # an idle dual meets the clauses above without doing anything: this one asks that it acts
+                v = mine.get("acting_share", math.nan)
+                clauses.append((f"λ > 0.01 (>= {bar.acting:.0%})", "-" if not math.isfinite(v) else f"{v:.0%}",
+                                None if not math.isfinite(v) else v >= bar.acting))
             gone = missing.get(key, 0)
             failed = [name for name, _, ok in clauses if ok is False]
             if gone or any(ok is None for _, _, ok in clauses):

@@ -612,6 +612,11 @@ def test_bar_checks_each_clause_and_leaves_an_unfinished_cell_undecided(tmp_path
                 if r["level"] == "int4"]
     table = "\n".join(run.bar_table(list(rows.values())))
     assert "**not met**" in table and "| met |" in table
+    # the dual-acting clause: int8's λ is above 0.01 on 3 of 4 steps (75%), fp8's on 4 of 4
+    acting = dataclasses.replace(exp.compare, bar=run.Bar({}, acting=0.8))
+    clause = {r["level"]: r["clauses"][0] for r in run.bar_rows(acting, cells, compared, {})}
+    assert clause["int8"] == {"clause": "λ > 0.01 (>= 80%)", "value": "75%", "met": False}
+    assert clause["fp8"] == {"clause": "λ > 0.01 (>= 80%)", "value": "100%", "met": True}
 
 
 def test_a_profile_bar_replaces_the_experiments_on_its_page_only(tmp_path):
@@ -656,6 +661,7 @@ def test_a_profile_bar_replaces_the_experiments_on_its_page_only(tmp_path):
     ({"inside_c": 70}, "compare.bar.inside_c: expected a share in [0, 1]"),
     ({"collapses": -1}, "compare.bar.collapses: expected an integer >= 0"),
     ({"inside": 0.7}, "compare.bar: unknown key(s) ['inside']"),
+    ({"acting": 1.5}, "compare.bar.acting: expected a share in [0, 1]"),
     ({}, "compare.bar: name at least one clause"),
 ])
 def test_bar_errors(tmp_path, bar, message):
