@@ -110,6 +110,9 @@ class Bar:
     inside_c: Optional[float] = None  # D-hat inside c on at least this share of steps
     below_cap: Optional[float] = None  # lambda below its cap on at least this share of steps
     acting: Optional[float] = None  # lambda above 0.01 (the dual acting, not slack) on at least this share of steps
+    # roles the config must be ahead of on at least one level of the page (a clause across levels, e.g. "ahead of
+    # the ESS rule alone on at least one task, for the dual to count")
+    ahead_somewhere: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -272,13 +275,14 @@ def page_compare(exp: Experiment, profile_name: str) -> Optional[Compare]:
 
 
 def _bar(raw, where: str, rivals: dict) -> Bar:
-    """The bar: ``{roles: {role: level | ahead}, collapses: int, inside_c: share, below_cap: share, acting: share}``."""
+    """The bar: ``{roles: {role: level | ahead}, collapses: int, inside_c: share, below_cap: share, acting: share,
+    ahead_somewhere: [role]}``."""
     if not isinstance(raw, dict):
         raise ExperimentError(f"{where}: expected a mapping, got {raw!r}")
-    unknown = set(raw) - {"roles", "collapses", "inside_c", "below_cap", "acting"}
+    unknown = set(raw) - {"roles", "collapses", "inside_c", "below_cap", "acting", "ahead_somewhere"}
     if unknown:
-        raise ExperimentError(f"{where}: unknown key(s) {sorted(unknown)} (allowed: acting, below_cap, collapses, "
-                              "inside_c, roles)")
+        raise ExperimentError(f"{where}: unknown key(s) {sorted(unknown)} (allowed: acting, ahead_somewhere, below_cap, "
+                              "collapses, inside_c, roles)")
     roles = raw.get("roles") or {}
     if not isinstance(roles, dict):
         raise ExperimentError(f"{where}.roles: expected a mapping of rival roles to level or ahead, got {roles!r}")
@@ -296,9 +300,16 @@ def _bar(raw, where: str, rivals: dict) -> Bar:
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
             raise ExperimentError(f"{where}.{key}: expected a share in [0, 1], got {v!r}")
         shares[key] = None if v is None else float(v)
-    if not roles and collapses is None and all(v is None for v in shares.values()):
-        raise ExperimentError(f"{where}: name at least one clause (roles, collapses, inside_c, below_cap, acting)")
-    return Bar(dict(roles), collapses, **shares)
+    somewhere = raw.get("ahead_somewhere") or []
+    if not isinstance(somewhere, list) or not all(isinstance(r, str) for r in somewhere):
+        raise ExperimentError(f"{where}.ahead_somewhere: expected a list of rival roles, got {somewhere!r}")
+    for role in somewhere:
+        if role not in rivals:
+            raise ExperimentError(f"{where}.ahead_somewhere: {role!r} is not a rival role (known: {sorted(rivals)})")
+    if not roles and collapses is None and all(v is None for v in shares.values()) and not somewhere:
+        raise ExperimentError(f"{where}: name at least one clause (roles, collapses, inside_c, below_cap, acting, "
+                              "ahead_somewhere)")
+    return Bar(dict(roles), collapses, **shares, ahead_somewhere=tuple(somewhere))
 
 
 def _pool(p: dict, where: str, profiles: dict) -> tuple[Pooled, ...]:
@@ -903,6 +914,34 @@ def bar_rows(cmp: Compare, cells: list[dict], compared: list[dict], missing: dic
     return out
 
 
+def bar_across(cmp: Compare, compared: list[dict], missing: dict[tuple[str, int], int],
+               configs: Optional[set[str]] = None) -> list[dict]:
+    """The bar's clause across levels (``ahead_somewhere``), per config and role: met when the config reads ahead of
+    the role's candidate on at least one level of the page; not decided while none does and a level has runs missing
+    (or has no reading yet); else not met. Each entry keeps the per-level readings it was decided on. ``configs``:
+    the configs the profile runs (every config of the block where not given)."""
+    bar = cmp.bar
+    if bar is None or not bar.ahead_somewhere:
+        return []
+    out = []
+    for config in (c for c in cmp.configs if configs is None or c in configs):
+        for role in bar.ahead_somewhere:
+            rows = [r for r in compared if r["config"] == config and r["role"] == role]
+            ahead = any(r["reading"] == "ahead" for r in rows)
+            met = True if ahead else (None if missing else False)
+            out.append({"config": config, "role": role, "met": met,
+                        "readings": [{"level": r["level"], "N": r["N"], "reading": r["reading"],
+                                      "late_diff": r["late_diff"], "p_late": r["p_late"]} for r in rows]})
+    return out
+
+
+def bar_across_lines(rows: list[dict]) -> list[str]:
+    mark = {True: "met", False: "**not met**", None: "not decided (runs missing)"}
+    return [f"- {r['config']} ahead of the {r['role']} on at least one level: {mark[r['met']]} ("
+            + ("; ".join(f"{x['reading']} at {x['level']}, {x['late_diff']:+.3f}, p = {x['p_late']:.2g}"
+                         for x in r["readings"]) or "no reading yet") + ")" for r in rows]
+
+
 def bar_table(rows: list[dict]) -> list[str]:
     mark = {True: "met", False: "**not met**", None: "not decided"}
     names = list(dict.fromkeys(c["clause"] for r in rows for c in r["clauses"]))
@@ -1176,6 +1215,8 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
             missing[(lv, n)] = missing.get((lv, n), 0) + 1
     barred = (bar_rows(page_compare(exp, profile_name), cells, compared, missing,
                        {(lv, m, n) for lv, m, n, _ in exp.cells(profile_name)}) if exp.compare else [])
+    across = (bar_across(page_compare(exp, profile_name), compared, missing,
+                         {m for _, m, _, _ in exp.cells(profile_name)}) if exp.compare else [])
     pngs = plot(exp, runs, cells, prefix)
     speed = throughput_rows(exp, runs)
     if speed:
@@ -1193,7 +1234,7 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
         {"experiment": exp.name, "profile": profile_name, "base": rel(exp.base), "overrides": list(exp.overrides),
          "profile_overrides": list(profile.overrides), "levels": {lv: exp.levels[lv] for lv in levels},
          "methods": {m: exp.methods[m] for m in methods}, "cells": cells, "welch": rows, "throughput": speed,
-         "compare": compared, "bar": barred, "compute": compute, "walls": walls, "walls_partial": walls_partial,
+         "compare": compared, "bar": barred, "bar_across": across, "compute": compute, "walls": walls, "walls_partial": walls_partial,
          "runs": []}, indent=1)
     records = [json.dumps(run_record(r, configs[(r.level, r.method, r.n, r.seed)]), separators=(",", ":"))
                for r in runs]
@@ -1260,8 +1301,9 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
                                                              if profile.bar is not None else "") + ":", "",
                   *bar_table(barred), "",
                   f"The bar is met in {sum(r['verdict'] == 'met' for r in barred)} of {len(barred)} (level, config) "
-                  f"cells; not decided in {sum(r['verdict'].startswith('not decided') for r in barred)}.", ""]
-                 if barred else []),
+                  f"cells; not decided in {sum(r['verdict'].startswith('not decided') for r in barred)}.", "",
+                  *(["Its clause across levels:", "", *bar_across_lines(across), ""] if across else [])]
+                 if barred or across else []),
                "Compute (run-minutes of the runs on this page; a group sums its methods' runs):", "",
                *md_table(("level", "what", "runs", "run-minutes"),
                          [(c["level"], c["what"] if c["methods"] == [c["what"]]

@@ -617,6 +617,19 @@ def test_bar_checks_each_clause_and_leaves_an_unfinished_cell_undecided(tmp_path
     clause = {r["level"]: r["clauses"][0] for r in run.bar_rows(acting, cells, compared, {})}
     assert clause["int8"] == {"clause": "λ > 0.01 (>= 80%)", "value": "75%", "met": False}
     assert clause["fp8"] == {"clause": "λ > 0.01 (>= 80%)", "value": "100%", "met": True}
+    # the clause across levels: ahead of the transfer constant at int8 (met), of the swept pick nowhere (not met; not
+    # decided while a level has runs missing); only for the configs the profile runs
+    def across(roles, missing=None, configs=None):
+        cmp = dataclasses.replace(exp.compare, bar=run.Bar({}, ahead_somewhere=roles))
+        return [(r["role"], r["met"]) for r in run.bar_across(cmp, compared, missing or {}, configs)]
+
+    assert across(("transfer", "swept")) == [("transfer", True), ("swept", False)]
+    assert across(("swept",), {("int4", 4): 7}) == [("swept", None)]
+    assert across(("swept",), configs={"minirl"}) == []
+    line = run.bar_across_lines(run.bar_across(dataclasses.replace(exp.compare, bar=run.Bar({}, ahead_somewhere=(
+        "swept",))), compared, {}))
+    assert line[0].startswith("- dcmdp_r3 ahead of the swept on at least one level: **not met** (level at int8, ")
+    assert "; level at fp8, " in line[0]
 
 
 def test_a_profile_bar_replaces_the_experiments_on_its_page_only(tmp_path):
@@ -662,6 +675,7 @@ def test_a_profile_bar_replaces_the_experiments_on_its_page_only(tmp_path):
     ({"collapses": -1}, "compare.bar.collapses: expected an integer >= 0"),
     ({"inside": 0.7}, "compare.bar: unknown key(s) ['inside']"),
     ({"acting": 1.5}, "compare.bar.acting: expected a share in [0, 1]"),
+    ({"ahead_somewhere": ["ghost"]}, "compare.bar.ahead_somewhere: 'ghost' is not a rival role"),
     ({}, "compare.bar: name at least one clause"),
 ])
 def test_bar_errors(tmp_path, bar, message):
