@@ -1210,13 +1210,12 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
     compute = compute_rows(exp.compare, runs) if exp.compare else []
     finished = {(r.level, r.method, r.n, r.seed) for r in runs}
     missing: dict[tuple[str, int], int] = {}
-    for lv, m, n, seed in exp.cells(profile_name):
+    cmp, profile_cells = page_compare(exp, profile_name), exp.cells(profile_name)
+    for lv, m, n, seed in profile_cells:
         if (lv, m, n, seed) not in finished:
             missing[(lv, n)] = missing.get((lv, n), 0) + 1
-    barred = (bar_rows(page_compare(exp, profile_name), cells, compared, missing,
-                       {(lv, m, n) for lv, m, n, _ in exp.cells(profile_name)}) if exp.compare else [])
-    across = (bar_across(page_compare(exp, profile_name), compared, missing,
-                         {m for _, m, _, _ in exp.cells(profile_name)}) if exp.compare else [])
+    barred = bar_rows(cmp, cells, compared, missing, {(lv, m, n) for lv, m, n, _ in profile_cells}) if cmp else []
+    across = bar_across(cmp, compared, missing, {m for _, m, _, _ in profile_cells}) if cmp else []
     pngs = plot(exp, runs, cells, prefix)
     speed = throughput_rows(exp, runs)
     if speed:
@@ -1234,7 +1233,8 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
         {"experiment": exp.name, "profile": profile_name, "base": rel(exp.base), "overrides": list(exp.overrides),
          "profile_overrides": list(profile.overrides), "levels": {lv: exp.levels[lv] for lv in levels},
          "methods": {m: exp.methods[m] for m in methods}, "cells": cells, "welch": rows, "throughput": speed,
-         "compare": compared, "bar": barred, "bar_across": across, "compute": compute, "walls": walls, "walls_partial": walls_partial,
+         "compare": compared, "bar": barred, "bar_across": across, "compute": compute, "walls": walls,
+         "walls_partial": walls_partial,
          "runs": []}, indent=1)
     records = [json.dumps(run_record(r, configs[(r.level, r.method, r.n, r.seed)]), separators=(",", ":"))
                for r in runs]
