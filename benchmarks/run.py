@@ -533,10 +533,15 @@ def warm_cold_starts(base: Path, configs: list) -> None:
                    eos_id=tok.eos_token_id, progress=False)
 
 
+# a wall count's key when it is a folder's total over every profile trained there (counted before walls were kept
+# per profile)
+SHARED_WALL = " (every profile in the folder)"
+
+
 def train_missing(todo: list[Path], bench_dir: Path, workers: int, wall_file: Path) -> list[Path]:
     """Train the cells in ``todo`` on ``workers`` worker processes; the cells that failed. ``wall_file`` holds the
-    folder's training wall seconds, brought up to date as each cell ends (an invocation killed midway keeps its
-    count up to its last finished cell)."""
+    profile's training wall seconds in ``bench_dir``, brought up to date as each cell ends (an invocation killed
+    midway keeps its count up to its last finished cell)."""
     pool_workers: queue.Queue[Worker] = queue.Queue()
     for k in range(max(1, workers)):
         pool_workers.put(Worker(bench_dir / f"worker{k}.log"))
@@ -1242,7 +1247,9 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
     lines = table(cells) + (throughput_lines(exp, speed) if speed else [])
     # walls: wall seconds per run folder that trained runs of the page (walls_partial: some were not recorded)
     trained = (f"{sum(walls.values()) / 60:.0f} min wall over the invocations that trained the runs"
-               f"{' whose wall was recorded' if walls_partial else ''}; " if walls
+               f"{' whose wall was recorded' if walls_partial else ''}"
+               f"{' and other profiles in the same folder' if any(k.endswith(SHARED_WALL) for k in walls) else ''}"
+               "; " if walls
                else "no run trained here: every run folder was copied in; " if len(runs) > carried else "")
     if carried:
         trained += f"{carried} runs read from the page's earlier record, their folders not here; "
@@ -1354,10 +1361,14 @@ def run(exp: Experiment, profile_name: str, bench_dir: Path, results_prefix: Pat
             prepare(out, exp.base, ov, template)
     done = sum(finished(out) for _, out, _ in jobs)
     print(f"{done} of {len(jobs)} runs already finished; training {len(todo)} with {workers} workers", flush=True)
-    wall_file = bench_dir / "wall_seconds.txt"
+    # one wall count per profile: profiles that share a folder do not add up each other's wall
+    wall_file = bench_dir / f"wall_seconds.{profile_name}.txt"
     failed = train_missing(todo, bench_dir, workers, wall_file) if todo else []
-    # None: nothing ever trained in this folder (an assembled profile)
-    wall: Optional[float] = float(wall_file.read_text()) if wall_file.exists() else None
+    shared = bench_dir / "wall_seconds.txt"  # a folder's count from before it was kept per profile
+    wall_key, wall_from = (rel(bench_dir), wall_file) if wall_file.exists() or not shared.exists() else (
+        rel(bench_dir) + SHARED_WALL, shared)
+    # None: nothing ever trained in this folder for this profile (an assembled profile)
+    wall: Optional[float] = float(wall_from.read_text()) if wall_from.exists() else None
     warmup = load_config(exp.base, [*exp.overrides, *exp.profiles[profile_name].overrides]).optim.warmup_steps
     # the page: the profile's runs this invocation covers, from their folders where finished, and every other run
     # of the profile that the page's earlier record holds (a profile trained in parts, or in another session)
@@ -1369,7 +1380,7 @@ def run(exp: Experiment, profile_name: str, bench_dir: Path, results_prefix: Pat
     carried = sum(key not in here for key in every if key in record)
     walls = dict(record_walls) if carried else {}
     if wall is not None:
-        walls[rel(bench_dir)] = round(wall, 1)
+        walls[wall_key] = round(wall, 1)
     cells = page(exp, profile_name, runs, every, results_prefix, cmd, walls, len(every), f"see {bench_dir}/*/log.txt",
                  configs, record_cells, carried=carried, walls_partial=bool(carried) and record_partial)
     if failed:

@@ -298,7 +298,8 @@ def test_stress_smoke_dual_and_assembled_page(smoke_run, tmp_path, capsys):
     kl = {cell[0]: [h["discrepancy/kl_k3"] for h in hist[cell]] for cell in hist if cell[1] == "grpo_no_is"}
     assert min(kl["noise1"]) > 100 * max(kl["fp32"])
     md = prefix.with_suffix(".md").read_text()
-    assert "min wall over the invocations that trained the runs" in md
+    assert "min wall over the invocations that trained the runs; " in md  # this profile's own count
+    assert (bench / "wall_seconds.smoke.txt").exists() and not (bench / "wall_seconds.txt").exists()
     # the README's one-panel plot, rendered from the page's JSON without training
     run.main(["stress", "--profile", "smoke", "--results", str(prefix), "--headline", "grpo_no_is,dcmdp_r3"])
     assert prefix.with_name("stress_smoke_headline.png").stat().st_size > 0
@@ -308,8 +309,13 @@ def test_stress_smoke_dual_and_assembled_page(smoke_run, tmp_path, capsys):
         shutil.copytree(exp.cell_dir(bench, *cell), exp.cell_dir(assembled, *cell))
     run.main(["stress", "--profile", "smoke", "--workers", "1", "--bench-dir", str(assembled), "--results", str(page)])
     md2 = page.with_suffix(".md").read_text()
-    assert "no run trained here" in md2 and not (assembled / "wall_seconds.txt").exists()
+    assert "no run trained here" in md2 and not list(assembled.glob("wall_seconds*"))
     assert md2.split("Welch")[0].split("| N | level")[1] == md.split("Welch")[0].split("| N | level")[1]
+    # a folder counted before walls were kept per profile: its total is shown, and said to cover other profiles
+    (assembled / "wall_seconds.txt").write_text("600.0\n")
+    run.main(["stress", "--profile", "smoke", "--no-train", "--bench-dir", str(assembled), "--results", str(page)])
+    md3 = page.with_suffix(".md").read_text()
+    assert "(10 min wall over the invocations that trained the runs and other profiles in the same folder; " in md3
 
     # a profile in progress: --no-train writes the page from the finished runs and trains none of the others
     partial, page3 = tmp_path / "partial", tmp_path / "stress_partial"
