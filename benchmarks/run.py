@@ -6,7 +6,8 @@ EXPERIMENT is a name under ``benchmarks/experiments/`` (``stress``, ``stability`
 run is the experiment's base config + its ``overrides`` + the profile's + the level's + the method's +
 ``algo.minibatches=N seed=S``. The missing cells train in long-lived worker processes (one torch thread each);
 a cell whose ``summary.json`` and ``history.json`` exist is skipped and a killed run resumes from its last
-checkpoint, so a folder of finished cells copied in renders without training. The page
+checkpoint, so a folder of finished cells copied in renders without training; a run the page's record holds is not
+trained again (``--retrain`` does). The page
 ``benchmarks/results/<experiment>_<profile>.md`` (with .csv, .json and plots) is generated from the run folders
 and the page's record: its .json holds every run (accuracy curve, λ and discrepancy per step, diagnostics, the
 overrides it was trained with), and a run the folder lacks is read from there while the experiment file still
@@ -1327,9 +1328,9 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
 
 def run(exp: Experiment, profile_name: str, bench_dir: Path, results_prefix: Path, workers: int,
         cmd: str, train: bool = True, levels: Optional[Sequence[str]] = None,
-        methods: Optional[Sequence[str]] = None) -> list[dict]:
-    """Train the profile's missing runs (those at ``levels`` and of ``methods`` only, when given) and write its
-    page."""
+        methods: Optional[Sequence[str]] = None, retrain: bool = False) -> list[dict]:
+    """Train the profile's missing runs (those at ``levels`` and of ``methods`` only, when given; a run the page's
+    record holds is missing only with ``retrain``) and write its page."""
     from dcmdp.config import ConfigError, load_config
 
     for kind, wanted, i in (("level", levels, 0), ("method", methods, 1)):
@@ -1353,16 +1354,26 @@ def run(exp: Experiment, profile_name: str, bench_dir: Path, results_prefix: Pat
             raise ExperimentError(f"experiment {exp.name}: run {level}/{method}/N={n}/seed={seed} of profile "
                                   f"{profile_name!r} (base {rel(exp.base)}): {exc}") from None
         jobs.append(((level, method, n, seed), out, overrides))
-    todo = [out for _, out, _ in jobs if not finished(out)] if train else []
+    # the page's record is the result and the folders are scratch: a run the record holds (trained with the overrides
+    # the experiment file gives now) is not trained again unless ``retrain``
+    record, record_cells, record_walls, record_partial = recorded_runs(exp, profile_name, results_prefix)
+    kept = [] if retrain else [out for key, out, _ in jobs if not finished(out) and key in record]
+    todo = [out for key, out, _ in jobs if not finished(out) and out not in kept] if train else []
+    # one wall count per profile: profiles that share a folder do not add up each other's wall
+    wall_file = bench_dir / f"wall_seconds.{profile_name}.txt"
     if todo:
         warm_cold_starts(exp.base, configs)
         template = mlflow_template(bench_dir)
         for _, out, ov in jobs:
-            prepare(out, exp.base, ov, template)
+            if out in todo:
+                prepare(out, exp.base, ov, template)
+        if kept and not wall_file.exists() and rel(bench_dir) in record_walls:
+            # a fresh folder for a profile trained in part elsewhere: its wall goes on from the record's count
+            wall_file.write_text(f"{record_walls[rel(bench_dir)]:.1f}\n")
     done = sum(finished(out) for _, out, _ in jobs)
-    print(f"{done} of {len(jobs)} runs already finished; training {len(todo)} with {workers} workers", flush=True)
-    # one wall count per profile: profiles that share a folder do not add up each other's wall
-    wall_file = bench_dir / f"wall_seconds.{profile_name}.txt"
+    print(f"{done} of {len(jobs)} runs already finished"
+          + (f", {len(kept)} more read from the page's record (--retrain trains them anew)" if kept else "")
+          + f"; training {len(todo)} with {workers} workers", flush=True)
     failed = train_missing(todo, bench_dir, workers, wall_file) if todo else []
     shared = bench_dir / "wall_seconds.txt"  # a folder's count from before it was kept per profile
     wall_key, wall_from = (rel(bench_dir), wall_file) if wall_file.exists() or not shared.exists() else (
@@ -1372,7 +1383,6 @@ def run(exp: Experiment, profile_name: str, bench_dir: Path, results_prefix: Pat
     warmup = load_config(exp.base, [*exp.overrides, *exp.profiles[profile_name].overrides]).optim.warmup_steps
     # the page: the profile's runs this invocation covers, from their folders where finished, and every other run
     # of the profile that the page's earlier record holds (a profile trained in parts, or in another session)
-    record, record_cells, record_walls, record_partial = recorded_runs(exp, profile_name, results_prefix)
     here = {key: load_run(out, *key, warmup=warmup, late_from=exp.late_from) for key, out, _ in jobs if finished(out)}
     every = exp.cells(profile_name)
     runs = [here[key] if key in here else record[key] for key in every if key in here or key in record]
@@ -1462,6 +1472,9 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict] | None:
                     help="train only the profile's runs of these methods (with --levels too: both must match)")
     ap.add_argument("--no-train", action="store_true",
                     help="train nothing: write the page from the runs that finished (a profile in progress)")
+    ap.add_argument("--retrain", action="store_true",
+                    help="train anew the runs the page's record holds but the run folder lacks (by default they "
+                         "are read from the record)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # worker mode (see Worker)
     args = ap.parse_args(argv)
     if args.serve:
@@ -1491,7 +1504,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict] | None:
     try:
         return run(exp, args.profile, bench.resolve(), results.resolve(), args.workers, command("run.py", argv),
                    train=not args.no_train, levels=args.levels.split(",") if args.levels else None,
-                   methods=args.methods.split(",") if args.methods else None)
+                   methods=args.methods.split(",") if args.methods else None, retrain=args.retrain)
     except ExperimentError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2)

@@ -391,6 +391,19 @@ def test_page_record_renders_the_page_without_run_folders(smoke_run, tmp_path):
         assert b["extra"] == pytest.approx(a["extra"], rel=1e-5)
     md = again.with_suffix(".md").read_text()
     assert f"{len(first['runs'])} runs read from the page's earlier record" in md and "in progress" not in md
+    # the record is the result: a fresh folder (another machine, scratch cleaned) trains none of the recorded runs
+    fresh = tmp_path / "fresh"
+    run.main(["stress", "--profile", "smoke", "--bench-dir", str(fresh), "--results", str(again)])
+    assert not fresh.exists() or not any(fresh.iterdir())
+    assert f"{len(first['runs'])} runs read from the page's earlier record" in again.with_suffix(".md").read_text()
+    # --retrain trains them anew (here one level and method): those come from the folder, the rest from the record
+    level, method = exp.cells("smoke")[0][:2]
+    chosen = [c for c in exp.cells("smoke") if c[:2] == (level, method)]
+    run.main(["stress", "--profile", "smoke", "--retrain", "--levels", level, "--methods", method, "--workers", "1",
+              "--bench-dir", str(fresh), "--results", str(again)])
+    assert all((exp.cell_dir(fresh, *c) / "summary.json").exists() for c in chosen)
+    assert f"{len(first['runs']) - len(chosen)} runs read from the page's earlier record" in \
+        again.with_suffix(".md").read_text()
 
     # an edited method: its recorded runs no longer hold for the experiment file, the others still do
     raw = yaml.safe_load((run.EXPERIMENTS / "stress.yaml").read_text())
