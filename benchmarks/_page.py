@@ -35,8 +35,7 @@ def env_lines(cmd: str) -> list[str]:
     import transformers
 
     return [f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
-            f"- machine: {platform.machine()} ({torch.backends.cpu.get_cpu_capability()} kernels), "
-            f"{os.cpu_count()} logical CPUs, torch threads {torch.get_num_threads()}",
+            f"- machine: {machine_kind()}, {os.cpu_count()} logical CPUs, torch threads {torch.get_num_threads()}",
             f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
             f"transformers {transformers.__version__}", f"- command: `{cmd}`"]
 
@@ -63,6 +62,14 @@ def cpu_model() -> str:
         return next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
     except (OSError, StopIteration):
         return platform.processor() or "unknown CPU"
+
+
+def machine_kind() -> str:
+    """What sets a CPU run's numbers besides its config: the architecture, the kernels torch dispatches to and the
+    CPU model (the same config trains to other weights on another kind)."""
+    import torch
+
+    return f"{platform.machine()} ({torch.backends.cpu.get_cpu_capability()} kernels, {cpu_model()})"
 
 
 def md_table(head: Sequence[str], rows: Sequence[Sequence]) -> list[str]:

@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from benchmarks._page import command, md_table, rel  # noqa: E402
+from benchmarks._page import command, machine_kind, md_table, rel  # noqa: E402
 
 EXPERIMENTS = ROOT / "benchmarks" / "experiments"
 # per-step metrics kept in history.json (the checkpoint's history has every metric)
@@ -462,6 +462,18 @@ class Worker:
             self.proc.wait(timeout=60)
 
 
+# a finished cell's machine kind (a run resumed on another kind lists both)
+MACHINE_FILE = "machine.txt"
+
+
+def note_machine(out: Path) -> None:
+    """Add this machine's kind to the cell's ``MACHINE_FILE``."""
+    path, here = out / MACHINE_FILE, machine_kind()
+    kinds = path.read_text().strip().split(" then ") if path.exists() else []
+    if not kinds or kinds[-1] != here:
+        path.write_text(" then ".join([*kinds, here]) + "\n")
+
+
 def serve() -> None:
     """Worker mode: train the cell folders read from stdin (see ``Worker``)."""
     import logging
@@ -475,6 +487,7 @@ def serve() -> None:
         ok = False
         try:
             run_cell(out)
+            note_machine(out)
             ok = True
         except Exception:  # a failed cell is reported and the matrix goes on
             logging.getLogger("benchmarks.run").error("run failed:\n%s", traceback.format_exc())
@@ -595,8 +608,9 @@ class Run:
     peak: float
     late: float  # mean of the evaluations from late_from of the steps on
     extra: dict[str, float] = field(default_factory=dict)
-    finished: float = math.nan
-    schedule: dict[str, list[float]] = field(default_factory=dict)  # per-step values of the SCHEDULE_KEYS logged  # when the run finished (its summary's mtime, seconds since the epoch)
+    finished: float = math.nan  # when the run finished (its summary's mtime, seconds since the epoch)
+    schedule: dict[str, list[float]] = field(default_factory=dict)  # per-step values of the SCHEDULE_KEYS logged
+    machine: str = ""  # the machine kind that trained it ('' where not recorded)
 
 
 def collapse_check(eval_acc: Sequence[float], reward_acc: Sequence[float], nonfinite: int,
@@ -614,6 +628,20 @@ def collapse_check(eval_acc: Sequence[float], reward_acc: Sequence[float], nonfi
         if running[-1] < 0.5 * peak:
             return True, f"reward accuracy {running[-1]:.3f} < half of peak {peak:.3f}"
     return False, ""
+
+
+def machines_trained(runs: Sequence[Run]) -> str:
+    """'' when every run was trained on this machine's kind, else the kinds that trained them, with counts."""
+    kinds: dict[str, int] = {}
+    for r in runs:
+        if r.machine:
+            kinds[r.machine] = kinds.get(r.machine, 0) + 1
+    unknown = sum(not r.machine for r in runs)
+    if set(kinds) <= {machine_kind()} and not unknown:
+        return ""
+    return "; the runs were trained on " + ", ".join(
+        [f"{k} ({n} runs)" for k, n in kinds.items()] + ([f"a kind not recorded ({unknown} runs)"] if unknown else [])
+    ) + " (the same config trains to other weights on another kind)"
 
 
 def load_run(out: Path, level: str, method: str, n: int, seed: int, warmup: int, late_from: float) -> Run:
@@ -648,7 +676,8 @@ def load_run(out: Path, level: str, method: str, n: int, seed: int, warmup: int,
                series("discrepancy/abs_prob_diff"), series("discrepancy/kl_k3"), float(summary["seconds"]),
                eval_acc[-1], max(eval_acc), late,
                extra, (out / "summary.json").stat().st_mtime,
-               {k: series(k) for k in SCHEDULE_KEYS if any(k in h for h in history)})
+               {k: series(k) for k in SCHEDULE_KEYS if any(k in h for h in history)},
+               (out / MACHINE_FILE).read_text().strip() if (out / MACHINE_FILE).exists() else "")
 
 
 def _sig(x: Sequence[float]) -> list[float]:
@@ -665,7 +694,8 @@ def run_record(r: Run, config: Sequence[str]) -> dict:
             "lambda": _sig(r.lambdas), "measured": _sig(r.measured), "tolerance": _sig(r.tolerance),
             "abs_prob_diff": _sig(r.abs_prob_diff), "kl_k3": _sig(r.kl_k3),
             "extra": {k: float(f"{v:.6g}") for k, v in r.extra.items()},
-            "schedule": {k: _sig(v) for k, v in r.schedule.items()}, "tokens_per_s": r.extra.get("tokens_per_s")}
+            "schedule": {k: _sig(v) for k, v in r.schedule.items()}, "tokens_per_s": r.extra.get("tokens_per_s"),
+            **({"machine": r.machine} if r.machine else {})}
 
 
 def run_from_record(d: dict, late_from: float, seconds: float = math.nan) -> Run:
@@ -678,7 +708,7 @@ def run_from_record(d: dict, late_from: float, seconds: float = math.nan) -> Run
     return Run(d["level"], d["method"], d["N"], d["seed"], acc[0], steps, acc, d["collapsed"], d["collapse_reason"],
                d.get("measured", []), d.get("tolerance", []), d["lambda"], d.get("abs_prob_diff", []),
                d.get("kl_k3", []), float(d.get("seconds", seconds)), acc[-1], max(acc), late, extra,
-               float(d.get("finished") or math.nan), d.get("schedule", {}))
+               float(d.get("finished") or math.nan), d.get("schedule", {}), d.get("machine", ""))
 
 
 def recorded_runs(exp: Experiment, profile_name: str, prefix: Path
@@ -1269,8 +1299,8 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
             f"; run summaries dated {_utc(min(dated))} to {_utc(max(dated))} (a run folder copied without its dates "
             "carries the copy's)" if dated else "") + (
             f"; {len(runs) - len(dated)} runs recorded without their dates" if len(dated) < len(runs) else ""),
-        f"- machine: {platform.machine()} ({torch.backends.cpu.get_cpu_capability()} kernels), {os.cpu_count()} "
-        "logical CPUs; every run one process with one torch thread",
+        f"- machine: {machine_kind()}, {os.cpu_count()} logical CPUs; every run one process with one torch thread"
+        + machines_trained(runs),
         f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
         f"transformers {transformers.__version__}",
         f"- command: `{cmd}` ({trained}{sum(r.seconds for r in runs) / 60:.0f} run-minutes in all)",

@@ -391,6 +391,21 @@ def test_page_record_renders_the_page_without_run_folders(smoke_run, tmp_path):
         assert b["extra"] == pytest.approx(a["extra"], rel=1e-5)
     md = again.with_suffix(".md").read_text()
     assert f"{len(first['runs'])} runs read from the page's earlier record" in md and "in progress" not in md
+    # each run records the machine kind that trained it; a page whose runs all trained on this kind says nothing more
+    from benchmarks._page import machine_kind
+
+    assert {r.get("machine") for r in first["runs"]} == {machine_kind()} and "trained on" not in md
+    assert all((exp.cell_dir(bench, *c) / run.MACHINE_FILE).read_text().strip() == machine_kind()
+               for c in exp.cells("smoke"))
+    # a run recorded from another kind: the page lists the kinds with their counts
+    page = json.loads(again.with_suffix(".json").read_text())
+    page["runs"][0]["machine"] = "riscv64 (test kernels, no CPU)"
+    del page["runs"][1]["machine"]  # a run recorded before runs carried their machine
+    again.with_suffix(".json").write_text(json.dumps(page))
+    run.main(["stress", "--profile", "smoke", "--no-train", "--bench-dir", str(tmp_path / "none"),
+              "--results", str(again)])
+    assert (f"the runs were trained on riscv64 (test kernels, no CPU) (1 runs), {machine_kind()} "
+            f"({len(first['runs']) - 2} runs), a kind not recorded (1 runs)") in again.with_suffix(".md").read_text()
     # the record is the result: a fresh folder (another machine, scratch cleaned) trains none of the recorded runs
     fresh = tmp_path / "fresh"
     run.main(["stress", "--profile", "smoke", "--bench-dir", str(fresh), "--results", str(again)])
