@@ -17,10 +17,14 @@ Hence the tolerance |a - b| <= ATOL + RTOL * scale, per step and quantity (loss,
 - scale = |a|, except for the signed means of log rho (kl_k1, log_ppl_diff), whose terms nearly cancel (their value
   can be 10x smaller than the terms): their rounding is bounded by the mean magnitude of the terms, abs_log_ratio
   (a sum's error is bounded by eps * sum |x_i|, not eps * |sum x_i|).
+- scale = max(|a|, the measure's mean) for a per-token quantile ('_p50', '_p90', '_p99'): a quantile moves by as much
+  as the token it lands on, and that token's change is set by its probabilities, not by the quantile's value. On an
+  Intel Xeon the p90 of abs_prob_diff at step 4 differed by 1.8e-2 of its value, 5.3e-3 of the measure's mean.
 Resuming a 2-rank sharded checkpoint at 2 ranks is exact: bitwise-equal metrics.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -77,15 +81,23 @@ RTOL = 1e-2
 TERM_SCALE = {"discrepancy/kl_k1": "discrepancy/abs_log_ratio", "discrepancy/log_ppl_diff": "discrepancy/abs_log_ratio"}
 
 
-def _assert_close(one: list[dict], two: list[dict]) -> None:
-    assert len(one) == len(two) == STEPS
+def _scale(a: dict, k: str) -> float:
+    if k in TERM_SCALE:
+        return abs(a[TERM_SCALE[k]])
+    base = re.fullmatch(r"(.+)_p\d+", k)
+    if base and base[1] in a:
+        return max(abs(a[k]), _scale(a, base[1]))
+    return abs(a[k])
+
+
+def _assert_close(one: list[dict], two: list[dict], steps: int = STEPS) -> None:
+    assert len(one) == len(two) == steps
     for step, (a, b) in enumerate(zip(one, two), start=1):
         assert set(a) == set(b)
         keys = [k for k in a if k == "loss/total" or k.startswith(("dual/lambda/", "dual/measured/", "discrepancy/"))]
         assert "loss/total" in keys and any(k.startswith("dual/lambda/") for k in keys)
         for k in keys:
-            scale = a[TERM_SCALE[k]] if k in TERM_SCALE else abs(a[k])
-            assert abs(a[k] - b[k]) <= ATOL + RTOL * scale, (step, k, a[k], b[k], scale)
+            assert abs(a[k] - b[k]) <= ATOL + RTOL * _scale(a, k), (step, k, a[k], b[k], _scale(a, k))
 
 
 @pytest.fixture(scope="module")
@@ -174,15 +186,11 @@ def test_two_ranks_match_one_process_with_the_fused_lm_head(workdir):
     _torchrun(2, workdir / "config.yaml", _overrides("tiny-dense", out, workdir / "cache", STEPS, kernel))
     one = _single_process("tiny-dense", workdir / "config.yaml", workdir / "dense1_chunked", workdir / "cache", kernel)
     two = _history(out)
-    # the first STEPS - 1 steps as tightly as the logits head; by the last one a token's per-token discrepancy has
-    # crossed the hinge's tolerance (1e-4) in one run and not the other (dual/outside_frac 17/30 vs 16/30 when this
-    # was written), a discrete change of the penalty gradient that float32 rounding alone decides
+    # the first STEPS - 1 steps to the module's tolerance, as the logits head; by the last one a token's per-token
+    # discrepancy has crossed the hinge's tolerance (1e-4) in one run and not the other (dual/outside_frac 17/30 vs
+    # 16/30 when this was written), a discrete change of the penalty gradient that float32 rounding alone decides
     assert len(one) == len(two) == STEPS
-    for step, (a, b) in enumerate(zip(one[:-1], two[:-1]), start=1):
-        assert set(a) == set(b)
-        for k in a:
-            if k == "loss/total" or k.startswith(("dual/lambda/", "dual/measured/", "discrepancy/")):
-                assert abs(a[k] - b[k]) <= 1e-6 + 1e-3 * abs(a[k]), (step, k, a[k], b[k])
+    _assert_close(one[:-1], two[:-1], STEPS - 1)
     # the last step's rollouts are still the same samples
     for k in ("response/length_mean", "reward/accuracy"):
         assert one[-1][k] == two[-1][k], k

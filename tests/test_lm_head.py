@@ -48,16 +48,24 @@ def _rel(x, ref):
     return float((x.double() - ref).abs().max() / ref.abs().max())
 
 
-@pytest.mark.parametrize("kernel, tol_logp, tol_grad", [("chunked", 1e-5, 1e-5), ("bf16x3", 2e-4, 1e-4)])
+@pytest.mark.parametrize("kernel, tol_logp, tol_grad", [("chunked", None, 1e-5), ("bf16x3", 2e-4, 1e-4)])
 def test_float32_operands_match_float64_with_chunks_that_do_not_divide(kernel, tol_logp, tol_grad):
+    """tol_logp None: the chunked kernel's log-probs and entropies within 2x of the plain float32 head's own error
+    against float64 (log-probs down to -44 here, where float32's spacing is 3.8e-6: measured 1.06e-5 fused vs
+    1.26e-5 plain on an Intel Xeon; the fused under 1e-5 on an AMD EPYC)."""
     h, w, b, y, g_logp, g_ent = _problem()
     ref = _float64_head(h, w, b, y, 0.7, g_logp, g_ent)
+    lp32 = torch.log_softmax((h.float() @ w.float().T + b.float()) / 0.7, dim=-1)
+    float32_err = (lp32.gather(1, y[:, None]).squeeze(1).double() - ref[0]).abs().max(), \
+        (-(lp32.exp() * lp32).sum(-1).double() - ref[1]).abs().max()
+    assert max(float32_err) < 5e-5
+    tol_logp, tol_ent = (2 * float32_err[0], 2 * float32_err[1]) if tol_logp is None else (tol_logp, tol_logp)
     # 5003 = 3 x 1667 + 2 and 96 = 5 x 17 + 11: ragged last tiles in both directions
     out = _fused(h.float(), w.float(), b.float(), y, 0.7, g_logp, g_ent, kernel=kernel, row_chunk=17, vocab_chunk=1667)
     logp, ent, gh, gw, gb = out
     assert logp.dtype == torch.float32 and gh.dtype == torch.float32 and gw.dtype == torch.float32
     assert (logp.double() - ref[0]).abs().max() < tol_logp
-    assert (ent.double() - ref[1]).abs().max() < tol_logp
+    assert (ent.double() - ref[1]).abs().max() < tol_ent
     assert _rel(gh, ref[2]) < tol_grad and _rel(gw, ref[3]) < tol_grad and _rel(gb, ref[4]) < tol_grad
     # the plain bfloat16 head, for scale: two orders of magnitude worse than either fused kernel
     z16 = (h.bfloat16() @ w.bfloat16().T + b.bfloat16()) / 0.7

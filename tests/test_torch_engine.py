@@ -314,9 +314,11 @@ def test_gqa_decode_attention_is_bitwise_the_copying_path(preset):
 def test_static_cache_samples_what_the_dynamic_cache_samples(preset, precision, drop):
     """rollout.torch.kv_cache=static writes every position into a cache of P + max_new_tokens (rounded) positions
     allocated once, the unfilled ones masked: the same keys and values in every softmax, so the same tokens, masks
-    and routes from the same seed, and log mu to float rounding (measured max 4.8e-7 in fp32; bf16 attention over a
-    longer, partly masked cache rounds differently: measured 2.0e-3, bound 2e-2), with and without compaction of
-    finished rows."""
+    and routes from the same seed, and log mu to float rounding (measured max 4.8e-7 in fp32), with and without
+    compaction of finished rows. bf16 attention over a longer, partly masked cache rounds differently (log mu within
+    2.0e-3 measured, bound 2e-2), and a draw that lands inside that rounding of a token boundary samples another
+    token from there on: measured none of 24 rows on an AMD EPYC, 1 of 24 (at its 11th token) on an AVX-512 Xeon.
+    In bf16 the test allows 2 of 24 rows to part that way, and compares them up to where they part."""
     model = _model(preset)
     _boost_eos(model, 2.5)  # rows finish after 1 to 16 tokens
     prompts = _prompts(24, seed=5)
@@ -328,9 +330,14 @@ def test_static_cache_samples_what_the_dynamic_cache_samples(preset, precision, 
     dyn, sta = runs["dynamic"], runs["static"]
     lengths = dyn.response_mask_BT.sum(-1)
     assert lengths.min() < lengths.max()  # uneven rows: the static mask carries finished rows' padding
-    assert torch.equal(dyn.response_ids_BT, sta.response_ids_BT)
-    assert torch.equal(dyn.response_mask_BT, sta.response_mask_BT)
-    torch.testing.assert_close(sta.rollout_logp_BT, dyn.rollout_logp_BT, rtol=0,
+    # a row's tokens agree up to the first token where the two rollouts part (all of it when they never do)
+    parts_BT = (dyn.response_ids_BT != sta.response_ids_BT).long().cummax(-1).values.bool()
+    parted_B = parts_BT.any(-1)
+    assert int(parted_B.sum()) <= (0 if precision == "fp32" else 2), parted_B.nonzero().flatten().tolist()
+    assert torch.equal(dyn.response_mask_BT[~parted_B], sta.response_mask_BT[~parted_B])
+    before_BT = ~parts_BT & dyn.response_mask_BT
+    assert torch.equal(before_BT, ~parts_BT & sta.response_mask_BT)
+    torch.testing.assert_close(sta.rollout_logp_BT[before_BT], dyn.rollout_logp_BT[before_BT], rtol=0,
                                atol=1e-5 if precision == "fp32" else 2e-2)
     if preset == "tiny-moe":
         assert torch.equal(dyn.rollout_experts_BSLK, sta.rollout_experts_BSLK)
