@@ -43,6 +43,25 @@ class ConstraintConfig:
     # restarts at batch K + 1 and the minimum starts K batches later still (c = (1 + s) F before): an EMA that still
     # carries a learning-rate warm-up's near-zero drift would hold c there for the whole run.
     floor_ratchet: bool = False
+    # Anchored tolerance (dcmdp.anchor): position xi in [0, 1] of c between D-hat at lambda_max (0) and D-hat without
+    # the penalty (1), both measured by probing the run's own updates on the same batch from the same weights;
+    # c_k = F_k + g with g = D_max + xi (D_0 - D_max) - F held from the probes and F the floor EMA, so c follows the
+    # floor (a precision switch) and is re-anchored when it moves; null: off. Needs floor_slack (c before the first
+    # anchoring) and dual.measure_at: updates.
+    anchor: Optional[float] = None
+    # The first step probed for the anchor (0-based): after the learning-rate warm-up, once AdamW's moments have
+    # settled (a fresh AdamW's first steps move every weight by about lr and overstate the drift).
+    anchor_start: int = 10
+    # Batches probed per anchoring; the gap g is taken from their means.
+    anchor_batches: int = 4
+    # Re-anchor this many steps after the last anchoring (0: only when the floor moves): the drift of the updates
+    # changes as the policy sharpens.
+    anchor_every: int = 100
+    # Re-anchor when the floor F leaves [F_a / anchor_ratio, F_a x anchor_ratio], F_a the floor at the last anchoring.
+    anchor_ratio: float = 1.5
+    # Chance rule (dual.rule: chance): the share alpha of steps allowed outside c; lambda moves by
+    # eta (1[D_hat > c] - alpha), so an interior lambda holds D-hat inside c on 1 - alpha of the steps.
+    miss_rate: float = 0.2
 
     def check(self, prefix: str = "constraint") -> None:
         if not self.tolerance >= 0:
@@ -70,6 +89,27 @@ class ConstraintConfig:
                                  f"set '{prefix}.floor_slack' too, or floor_steps: null")
             if not self.floor_steps >= 1:
                 raise ValueError(f"config error at '{prefix}.floor_steps': must be >= 1 or null, got {self.floor_steps}")
+        if not 0 < self.miss_rate < 1:
+            raise ValueError(f"config error at '{prefix}.miss_rate': must be in (0, 1), got {self.miss_rate}")
+        if self.anchor is not None:
+            if not 0 <= self.anchor <= 1:
+                raise ValueError(f"config error at '{prefix}.anchor': a position between D-hat at lambda_max (0) and "
+                                 f"without the penalty (1), got {self.anchor}; or null")
+            if self.floor_slack is None:
+                raise ValueError(f"config error at '{prefix}.anchor': anchors c to the floor of an automatic tolerance "
+                                 f"(c = F + g); set '{prefix}.floor_slack' too (c before the first anchoring)")
+            if self.floor_steps is not None or self.floor_ratchet:
+                raise ValueError(f"config error at '{prefix}.anchor': the anchored c follows the floor as it moves; "
+                                 f"set floor_steps: null and floor_ratchet: false")
+            if not (self.anchor_start >= 0 and self.anchor_batches >= 1 and self.anchor_every >= 0):
+                raise ValueError(f"config error at '{prefix}.anchor_start/anchor_batches/anchor_every': need "
+                                 f"anchor_start >= 0, anchor_batches >= 1, anchor_every >= 0, got {self.anchor_start}, "
+                                 f"{self.anchor_batches}, {self.anchor_every}")
+            if 0 < self.anchor_every <= self.anchor_batches:
+                raise ValueError(f"config error at '{prefix}.anchor_every': must exceed anchor_batches "
+                                 f"({self.anchor_batches}) or be 0, got {self.anchor_every}")
+            if not self.anchor_ratio > 1:
+                raise ValueError(f"config error at '{prefix}.anchor_ratio': must be > 1, got {self.anchor_ratio}")
         if self.floor_ratchet:
             if self.floor_slack is None:
                 raise ValueError(f"config error at '{prefix}.floor_ratchet': ratchets the floor of an automatic "

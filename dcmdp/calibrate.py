@@ -56,9 +56,11 @@ from scipy import stats
 
 from constraints.config import ConstraintConfig
 from constraints.measures import measure_constraint, panel_constraints
+from constraints.penalties import constraint_names
 from dcmdp.config import RunConfig
-from dcmdp.dual import DualState, init_state, penalty_spec, update_floor
-from dcmdp.loop import Setup, constraint_values, measure_phase, reward_phase, rollout_phase, screen_phase, setup
+from dcmdp.dual import init_state, penalty_spec, tolerances, update_floor
+from dcmdp.loop import Setup, measure_phase, reward_phase, rollout_phase, screen_phase, setup, train_step
+from dcmdp.probe import constraint_values, probe_updates
 from dcmdp.policy import Policy, step_seed
 from trainers import learner
 from trainers.optim import build_optimizer
@@ -230,6 +232,8 @@ def calibrate(cfg: RunConfig, batches: int = 8, slack: float = 0.25, measures: S
     if not slack >= 0:
         raise ValueError(f"--slack must be >= 0, got {slack}")
     targets = [ConstraintConfig(measure=m) for m in measures] if measures else list(cfg.dual.constraints)
+    if cfg.dual.measure_at == "updates":
+        return calibrate_anchored(cfg, targets, batches, slack, inside_frac)
     at_updates = cfg.dual.measure_at in _MOVED_POINTS
     s: Setup = setup(cfg, owns_folder=False)
     try:
@@ -293,6 +297,90 @@ def calibrate(cfg: RunConfig, batches: int = 8, slack: float = 0.25, measures: S
         s.policy.engine.close()
     return result
 
+# Position of c between D-hat at lambda_max (0) and without the penalty (1) for a constraint the config does not anchor.
+ANCHOR_POSITION = 0.5
+
+
+def anchored_config(cfg: RunConfig, targets: Sequence[ConstraintConfig], batches: int) -> RunConfig:
+    """``cfg`` with ``targets`` as its constraints, each anchored (its own position, else ``ANCHOR_POSITION``) over a
+    window of ``batches`` probed batches; floor_slack 1 before the window where the config has none."""
+    cons = [replace(c, anchor=ANCHOR_POSITION if c.anchor is None else c.anchor, anchor_batches=batches,
+                    floor_slack=1.0 if c.floor_slack is None else c.floor_slack, floor_steps=None, floor_ratchet=False)
+            for c in targets]
+    return replace(cfg, dual=replace(cfg.dual, constraints=cons))
+
+
+def calibrate_anchored(cfg: RunConfig, targets: Sequence[ConstraintConfig], batches: int, slack: float,
+                       inside_frac: float) -> Calibration:
+    """``dual.measure_at: updates``: the tolerance the anchored mode (``constraints[i].anchor``) sets in a run of this
+    config, by running that run's first steps: from the start the same steps as ``dcmdp train`` (same seed, batches,
+    updates, dual) in memory, until every constraint's first window of ``batches`` probed batches has closed; c is then
+    the tolerance in force, F + g (dcmdp.dual.record_anchor), proposed as a fixed tolerance. Rows: the floor measures on
+    the probed batches (pi_old vs mu before the updates, identical weights in a synchronous run) and D-hat at the updates
+    without the penalty (/lambda_0) and at lambda_max (/lambda_max). Nothing is written but calibration.txt / .yaml and
+    an MLflow run tagged ``dcmdp.kind=calibrate``."""
+    acfg = anchored_config(cfg, targets, batches)
+    s: Setup = setup(acfg, owns_folder=False)
+    try:
+        s.tracker.set_tags({"dcmdp.kind": "calibrate"})
+        names = constraint_names(acfg.dual.constraints)
+        last = max(c.anchor_start for c in acfg.dual.constraints) + batches
+        step, probed = 0, []
+        # a step that kept no sample is not probed: allow as many again before giving up
+        while step < last + batches and not _all_anchored(s):
+            train_step(s, step)
+            if any(f"dual/anchor_zero/{n}" in s.state.history[-1] for n in names):
+                probed.append(s.state.history[-1])
+            step += 1
+        if not _all_anchored(s):
+            raise RuntimeError(f"calibrate: {len(probed)} of {batches} batches could be probed in {step} steps (a "
+                               f"step whose samples were all screened out is not probed); raise --batches or check "
+                               f"the task's rewards")
+        per_key = {k: [h[k] for h in probed if k in h] for k in FLOOR_MEASURES}
+        for i, (c, n) in enumerate(zip(targets, names)):
+            per_key[_updates_key(i, c, 0)] = [h[f"dual/anchor_zero/{n}"] for h in probed if f"dual/anchor_zero/{n}" in h]
+            per_key[_updates_key(i, c, 1)] = [h[f"dual/anchor_max/{n}"] for h in probed if f"dual/anchor_max/{n}" in h]
+        rows = [floor_stats(k, v, slack, seed=cfg.seed, inside_frac=inside_frac) for k, v in per_key.items() if v]
+        for r in rows:
+            if r.name in NOT_A_DISCREPANCY or r.name.endswith(("/lambda_0", "/lambda_max")):
+                r.proposed = math.nan
+        c_C = tolerances(s.state.dual, acfg.dual).tolist()
+        proposed, notes = [], []
+        for i, (c, tol) in enumerate(zip(targets, c_C)):
+            tol = _round_up(tol)
+            at_zero = float(np.mean(per_key[_updates_key(i, c, 0)]))
+            at_max = float(np.mean(per_key[_updates_key(i, c, 1)]))
+            pos = acfg.dual.constraints[i].anchor
+            band = (f"between D-hat at lambda_max ({at_max:.3g}) and without the penalty ({at_zero:.3g}), at position "
+                    f"{pos:g}" if at_max < at_zero else
+                    f"at D-hat without the penalty ({at_zero:.3g}): lambda_max did not lower D-hat on these batches, "
+                    f"so the dual will rest; raise lambda_max or constrain another measure")
+            notes.append(f"constraint {i} ({c.measure}): c = {tol:.3g}, the anchored tolerance a run of this config "
+                         f"sets at step {step}: the floor F plus the gap to a point {band}; anchor: {pos:g} in the "
+                         f"config lets the run re-anchor as the floor and the drift move (configs/default.yaml)")
+            proposed.append(replace(c, tolerance=tol, floor_slack=None, floor_steps=None, floor_ratchet=False,
+                                    anchor=None))
+        result = Calibration(rows, proposed, slack, len(probed), s.tracker.run_id, [], inside_frac, "updates",
+                             cfg.algo.minibatches, notes)
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "calibration.txt").write_text(result.table() + "\n")
+        (out / "calibration.yaml").write_text(result.snippet())
+        s.tracker.log_artifact(out / "calibration.txt")
+        s.tracker.log_artifact(out / "calibration.yaml")
+        s.tracker.finish()
+    except BaseException:
+        s.tracker.finish("FAILED")
+        raise
+    finally:
+        s.policy.engine.close()
+    return result
+
+
+def _all_anchored(s: Setup) -> bool:
+    a = s.state.dual.anchor
+    return a is not None and all(g is not None for g in a["gap_C"])
+
 
 def _round_up(x: float) -> float:
     """max(x, 0) rounded up to 3 significant digits."""
@@ -305,40 +393,27 @@ def _updates_key(i: int, c: ConstraintConfig, at_max: int) -> str:
 
 def measure_updates(s: Setup, batch: learner.ScoredBatch, examples, targets: Sequence[ConstraintConfig], step: int,
                     optimizer: torch.optim.Optimizer) -> dict[str, float]:
-    """D-hat at the measurement point (``dual.measure_at`` updates: vs mu; drift: vs pi_old) of one batch after the
-    config's N mini-batch updates on a copy of the weights, once without the penalty and once at lambda_max (the
-    tolerances in force in ``s.state.dual``): each token's log-prob at the update that trained on it. The weights are
-    put back after each pass, so every pass and batch starts from the same ones. ``optimizer`` (the config's, at the
-    full learning rate, one for all batches) runs both passes from the same moments and keeps those of the lambda_max
-    pass, which carry over as in a run: a fresh AdamW's first steps move every weight by about lr and would overstate
-    the drift a run's updates make."""
+    """D-hat at the measurement point (``dual.measure_at`` drift: vs pi_old) of one batch after the config's N
+    mini-batch updates on a copy of the weights, once without the penalty and once at lambda_max (the tolerances in
+    force in ``s.state.dual``; ``dcmdp.probe.probe_updates``): each token's log-prob at the update that trained on it.
+    Every pass and batch starts from the same weights. ``optimizer`` (the config's, at the full learning rate, one for
+    all batches) runs both passes from the same moments and keeps those of the lambda_max pass, which carry over as in
+    a run: a fresh AdamW's first steps move every weight by about lr and would overstate the drift a run's updates
+    make."""
     cfg = s.cfg
-    model = s.policy.model
-    saved = copy.deepcopy(model.state_dict())
-    moments = copy.deepcopy(optimizer.state_dict())
     rewards_B, _ = reward_phase(s.policy, examples, batch.rollout)
     rollout, advantages_B, _, _ = screen_phase(cfg.algo, batch.rollout, rewards_B)
-    scored = learner.score_old(model, rollout, advantages_B, cfg.algo, s.scoring)
+    scored = learner.score_old(s.policy.model, rollout, advantages_B, cfg.algo, s.scoring)
     dual_cfg = replace(cfg.dual, constraints=list(targets))
-    out = {}
-    try:
-        for at_max in (0, 1):
-            lam_C = torch.tensor([c.lambda_max if at_max else 0.0 for c in targets], dtype=torch.float64)
-            state: DualState = replace(s.state.dual, lambda_C=lam_C, lambda_avg_C=lam_C)
-            if not at_max:
-                optimizer.load_state_dict(copy.deepcopy(moments))
-            result = learner.update(model, learner.OptimStep(optimizer, grad_clip=cfg.optim.grad_clip), scored,
-                                    scoring=s.scoring, penalty=penalty_spec(state, dual_cfg), cfg=cfg.algo,
-                                    generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 2)))
-            anchor = scored.old_logp_BT if cfg.dual.measure_at == "drift" else None
-            values_C = constraint_values(targets, scored, result.trained_logp_BT, anchor)
-            out.update({_updates_key(i, c, at_max): float(v) for i, (c, v) in enumerate(zip(targets, values_C))})
-            model.load_state_dict(saved)
-            if not at_max:
-                optimizer.load_state_dict(moments)
-    finally:
-        model.load_state_dict(saved)
-        model.eval()
+    optim = learner.OptimStep(optimizer, grad_clip=cfg.optim.grad_clip)
+    lam_max_C = torch.tensor([c.lambda_max for c in targets], dtype=torch.float64)
+    at_zero_C, at_max_C = probe_updates(s.policy.model, optim, scored, scoring=s.scoring, algo=cfg.algo,
+                                        dual_state=s.state.dual, dual_cfg=dual_cfg,
+                                        lambdas=[torch.zeros_like(lam_max_C), lam_max_C],
+                                        seed=step_seed(cfg.seed, step, 2), keep_moments=True)
+    s.policy.model.eval()
+    out = {_updates_key(i, c, 0): float(v) for i, (c, v) in enumerate(zip(targets, at_zero_C))}
+    out.update({_updates_key(i, c, 1): float(v) for i, (c, v) in enumerate(zip(targets, at_max_C))})
     return out
 
 

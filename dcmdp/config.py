@@ -647,6 +647,10 @@ def _validate_registries(cfg: RunConfig) -> None:
     _check_task_fits(cfg, _check_response_fits(cfg, PRESETS[cfg.model.preset]))
     one_of(cfg.dual.penalty, PENALTIES, "dual.penalty")
     one_of(cfg.dual.measure_at, ("rollout", "updates", "drift"), "dual.measure_at")
+    anchored = [i for i, c in enumerate(cfg.dual.constraints) if c.anchor is not None]
+    if anchored and cfg.dual.measure_at != "updates":
+        raise ConfigError(f"config error at 'dual.constraints[{anchored[0]}].anchor': the anchor probes D-hat at the "
+                          f"updates against mu; set dual.measure_at=updates (got {cfg.dual.measure_at})")
     for i, c in enumerate(cfg.dual.constraints):
         one_of(c.measure, MEASURES, f"dual.constraints[{i}].measure")
     penalizes = DUAL_RULES[cfg.dual.rule].penalizes

@@ -13,6 +13,9 @@ Rules (``DUAL_RULES``: name -> ``DualRule``, each owning its state, see ``DualRu
 - ``signed``: the projected rule with a sign test on the measured response of D_hat to lambda, see ``signed_step``:
   it does not raise lambda where raising lambda raised D_hat (the right side of the U that D_hat(lambda) traces,
   DESIGN.md §11); there it lowers lambda toward the bottom of the U instead.
+- ``chance`` (configs/default.yaml): the chance constraint P(D_hat > c) <= alpha by stochastic dual ascent,
+  lambda <- Pi(lambda + eta (1[D_hat > c] - alpha)), with a sign test that never raises lambda where raising it
+  raised D_hat, see ``chance_step``.
 - ``fixed``: lambda held at lambda_init (the fixed-coefficient penalty); ``off``: lambda = 0, no penalty.
 
 A new rule is one ``DualRule(init, step)`` and one registry line; the checkpoint stores its state as the
@@ -40,6 +43,13 @@ Under asynchronous rollouts only the batches sampled
 by the trainer's current weights measure the floor (the first, and the first after each drain, e.g. at a
 checkpoint): a stale batch's pi_old vs mu also holds the policy's drift since its weights, which is part of
 what the constraint bounds, not of the floor; the loop passes NaN for it and F stays as it was.
+
+Anchored tolerance (``constraints[i].anchor = xi``): c_k = F_k + g, F the floor EMA above and g measured by the run
+itself: on ``anchor_batches`` batches from ``anchor_start`` on, the loop probes the batch's updates twice from the same
+weights and moments, without the penalty (D_0) and at lambda_max (D_max), and g puts c at position xi between the two
+(``anchor_gap``): the strongest penalty can hold it and without the penalty D-hat lies above it, so lambda has to act
+from the interior. c follows the floor additively, and a new window is probed when F leaves a band around the floor of
+the last anchoring or every ``anchor_every`` steps (``anchor_due``, ``record_anchor``; the probes: dcmdp.probe).
 
 Averaged multiplier (``cfg.average``): the rule moves lambda_k as always, and the penalty carries the running mean
 lambda_bar_k = (lambda_0 + ... + lambda_k) / (k + 1), the averaged dual iterate of primal-dual methods, instead of
@@ -119,6 +129,10 @@ class DualState:
     # (C,) the lowest F so far, behind a ratcheted tolerance (constraints[i].floor_ratchet); NaN until the first
     # finite floor and for the other constraints. None in states written before it existed: F stands in.
     floor_low_C: Optional[Tensor] = None
+    # The anchored tolerances (constraints[i].anchor, ``anchor_due`` / ``record_anchor``), JSON-safe, per constraint:
+    # "gap_C" g (None until anchored), "floor_C" F_a at the last anchoring, "step_C" the step it ended at, and
+    # "probes_C" the (D_0, D_max, F) triples of the window being collected. None without anchored constraints.
+    anchor: Optional[dict[str, Any]] = None
 
     def lambda_avg(self) -> Tensor:
         """(C,) lambda_bar_k, the running mean of lambda_0..lambda_k (lambda_C for a state without one)."""
@@ -132,7 +146,8 @@ class DualState:
                 "skipped": int(self.skipped), "floor_C": floor, "lambda_avg_C": self.lambda_avg().tolist(),
                 "staleness": copy.deepcopy(self.staleness), "contexts": copy.deepcopy(self.contexts),
                 "context": self.context, "floors": copy.deepcopy(self.floors), "floor_key": self.floor_key,
-                "floor_low_C": [] if self.floor_low_C is None else _floor_list(self.floor_low_C)}
+                "floor_low_C": [] if self.floor_low_C is None else _floor_list(self.floor_low_C),
+                "anchor": copy.deepcopy(self.anchor)}
 
     @classmethod
     def from_state_dict(cls, d: dict[str, Any]) -> "DualState":
@@ -147,7 +162,8 @@ class DualState:
                    floor_C=floor, lambda_avg_C=avg, staleness=copy.deepcopy(d.get("staleness")),
                    contexts=copy.deepcopy(d.get("contexts")), context=d.get("context"),
                    floors=copy.deepcopy(d.get("floors")), floor_key=d.get("floor_key"),
-                   floor_low_C=_floor_vec(d["floor_low_C"]) if d.get("floor_low_C") else None)
+                   floor_low_C=_floor_vec(d["floor_low_C"]) if d.get("floor_low_C") else None,
+                   anchor=copy.deepcopy(d.get("anchor")))
 
 
 def _floor_list(floor_C: Tensor) -> list:
@@ -209,7 +225,7 @@ def init_state(cfg: DualConfig) -> DualState:
             raise ValueError(f"dual: lambda_init {lam.tolist()} violates the coupled limits A lambda <= b "
                              f"(A lambda = {(A @ lam.numpy()).tolist()}, b = {b.tolist()})")
     return DualState(lambda_C=lam, rule=rule.init(cfg), floor_C=torch.full((n,), float("nan"), dtype=_F64),
-                     lambda_avg_C=lam.clone())
+                     lambda_avg_C=lam.clone(), anchor=anchor_init(cfg))
 
 
 def enter_context(state: DualState, key: str, cfg: DualConfig) -> DualState:
@@ -277,8 +293,9 @@ def needs_floor(state: DualState, cfg: DualConfig) -> bool:
 
 
 def tolerances(state: DualState, cfg: DualConfig) -> Tensor:
-    """(C,) the tolerance c_i in force: F_i (1 + floor_slack_i) for an automatic tolerance with a measured floor
-    F_i (the lowest F_i so far under ``floor_ratchet``), else constraints[i].tolerance."""
+    """(C,) the tolerance c_i in force: F_i + g_i for an anchored tolerance with a measured gap g_i, F_i (1 +
+    floor_slack_i) for an automatic tolerance with a measured floor F_i (the lowest F_i so far under
+    ``floor_ratchet``), else constraints[i].tolerance."""
     fixed_C = _per_constraint(cfg, "tolerance")
     if state.floor_C is None or not _has_auto_tolerance(cfg):
         return fixed_C
@@ -287,6 +304,9 @@ def tolerances(state: DualState, cfg: DualConfig) -> Tensor:
         ratchet_C = _per_constraint(cfg, "floor_ratchet") > 0
         floor_C = torch.where(ratchet_C & _finite(state.floor_low_C), state.floor_low_C, floor_C)
     auto_C = floor_C * (1 + _per_constraint(cfg, "floor_slack"))
+    if state.anchor is not None:  # an anchored c = F + g once its gap is measured
+        gap_C = _floor_vec(state.anchor["gap_C"])
+        auto_C = torch.where(_finite(gap_C), floor_C + gap_C, auto_C)
     return torch.where(_finite(auto_C), auto_C, fixed_C)
 
 
@@ -297,8 +317,9 @@ def constraints_in_force(state: DualState, cfg: DualConfig) -> list:
 
 def applied_lambda(state: DualState, cfg: DualConfig) -> Tensor:
     """(C,) float64, the multipliers the penalty carries: lambda_C, or its running mean lambda_bar under
-    ``cfg.average``."""
-    return state.lambda_avg() if cfg.average else state.lambda_C
+    ``cfg.average``; under the chance rule dithered by one step (``dithered_lambda``)."""
+    lam_C = state.lambda_avg() if cfg.average else state.lambda_C
+    return dithered_lambda(lam_C, state.rule, cfg) if cfg.rule == "chance" else lam_C
 
 
 def penalty_spec(state: DualState, cfg: DualConfig) -> PenaltySpec:
@@ -352,6 +373,78 @@ def update_floor(state: DualState, floor_measured_C: Tensor, cfg: DualConfig) ->
     # the lowest F so far: fmin ignores a NaN on either side (no floor yet, or none before this state existed)
     low_C = torch.where(ratchet_C & started_C, torch.fmin(low_C, new_C), low_C)
     return replace(state, floor_C=new_C, floor_low_C=torch.where(ratchet_C, low_C, torch.full_like(new_C, float("nan"))))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The anchored tolerance (constraints[i].anchor; docs/tolerances.md, "A tolerance the run finds for itself")
+
+
+def _anchored(cfg: DualConfig) -> list[bool]:
+    return [c.anchor is not None for c in cfg.constraints]
+
+
+def anchor_init(cfg: DualConfig) -> Optional[dict[str, Any]]:
+    """The empty anchor state: no gap, no probes (None without anchored constraints)."""
+    n = len(cfg.constraints)
+    if not any(_anchored(cfg)):
+        return None
+    return {"gap_C": [None] * n, "floor_C": [None] * n, "step_C": [None] * n, "probes_C": [[] for _ in range(n)]}
+
+
+def anchor_due(state: DualState, cfg: DualConfig, step: int) -> list[bool]:
+    """Per constraint, whether this step's batch is probed for its anchor: an anchored constraint from
+    ``anchor_start`` on while it has no gap yet or a window is being collected, ``anchor_every`` steps after its last
+    anchoring, and when the floor F has left [F_a / anchor_ratio, F_a x anchor_ratio] (the floor moved: a precision
+    switch, a staleness change)."""
+    a = state.anchor if state.anchor is not None else anchor_init(cfg)
+    if a is None:
+        return [False] * len(cfg.constraints)
+    floor = _floor_list(state.floor_C) if state.floor_C is not None else [None] * len(cfg.constraints)
+    due = []
+    for i, c in enumerate(cfg.constraints):
+        if c.anchor is None or step < c.anchor_start:
+            due.append(False)
+            continue
+        gap, last, f_a, f = a["gap_C"][i], a["step_C"][i], a["floor_C"][i], floor[i]
+        moved = f is not None and f_a is not None and f_a > 0 and not f_a / c.anchor_ratio <= f <= f_a * c.anchor_ratio
+        due.append(gap is None or bool(a["probes_C"][i]) or moved
+                   or (c.anchor_every > 0 and last is not None and step - last >= c.anchor_every))
+    return due
+
+
+def anchor_gap(at_zero: float, at_max: float, floor: float, position: float) -> float:
+    """g = D_max + xi (D_0 - D_max) - F, at least 0: the tolerance c = F + g sits at position xi between D-hat at
+    lambda_max (xi = 0) and without the penalty (xi = 1), above the floor F that no update of a step changes. Where the
+    strongest penalty does not lower D-hat (D_max >= D_0) there is no band to hold: c = D_0 (the dual rests)."""
+    target = at_max + position * (at_zero - at_max) if at_max < at_zero else at_zero
+    return max(target - floor, 0.0)
+
+
+def record_anchor(state: DualState, cfg: DualConfig, step: int, due: Sequence[bool], at_zero_C: Tensor,
+                  at_max_C: Tensor, floor_C: Tensor) -> tuple[DualState, dict[str, float]]:
+    """Add one probed batch (D-hat without the penalty, at lambda_max, and the floor F) to each due constraint's window;
+    a window of ``anchor_batches`` finite probes sets the gap from its means (``anchor_gap``) and closes. Non-finite
+    probes are not counted. Metrics: 'dual/anchor_zero/n', 'dual/anchor_max/n' (this batch's probes) and, when a window
+    closes, 'dual/anchor_gap/n'."""
+    a = copy.deepcopy(state.anchor) if state.anchor is not None else anchor_init(cfg)
+    if a is None:
+        return state, {}
+    metrics: dict[str, float] = {}
+    names = constraint_names(cfg.constraints)
+    for i, c in enumerate(cfg.constraints):
+        if not due[i]:
+            continue
+        d0, dmax, f = float(at_zero_C[i]), float(at_max_C[i]), float(floor_C[i])
+        metrics[f"dual/anchor_zero/{names[i]}"], metrics[f"dual/anchor_max/{names[i]}"] = d0, dmax
+        if not all(math.isfinite(x) for x in (d0, dmax, f)):
+            continue
+        a["probes_C"][i].append([d0, dmax, f])
+        if len(a["probes_C"][i]) >= c.anchor_batches:
+            m0, mmax, mf = (float(np.mean(col)) for col in zip(*a["probes_C"][i]))
+            a["gap_C"][i], a["floor_C"][i], a["step_C"][i] = anchor_gap(m0, mmax, mf, c.anchor), mf, step
+            a["probes_C"][i] = []
+            metrics[f"dual/anchor_gap/{names[i]}"] = a["gap_C"][i]
+    return replace(state, anchor=a), metrics
 
 
 def _solve_projection_qp(target: np.ndarray, lo: np.ndarray, hi: np.ndarray, A: np.ndarray, b: np.ndarray,
@@ -431,22 +524,29 @@ def signed_init(cfg: DualConfig) -> dict[str, Any]:
     return {"hist": [[] for _ in range(n)], "slope_C": [math.nan] * n, "direction_C": [1.0] * n}
 
 
-def response_slope(pairs: Sequence[Sequence[float]]) -> Optional[float]:
+def response_slope(pairs: Sequence[Sequence[float]], with_error: bool = False):
     """b of the least-squares fit dD_k = a + b dlambda_k over consecutive differences of (lambda applied, D_hat) pairs.
 
     Differences, not levels: in closed loop lambda rises *because* D_hat is high, so the levels correlate whatever
     the response; a step's change of D_hat against the change of the lambda its updates carried is the response
     (the intercept a takes the slow drift of D_hat as the policy sharpens). None with fewer than 3 differences or
-    when lambda did not vary.
+    when lambda did not vary. ``with_error``: (b, its standard error) instead, the error from the fit's residuals
+    (inf with only 3 differences), (None, inf) where b is None.
     """
     if len(pairs) < _SIGN_MIN_DIFFS + 1:
-        return None
+        return (None, math.inf) if with_error else None
     a = np.asarray(pairs, dtype=np.float64)
     x, y = np.diff(a[:, 0]), np.diff(a[:, 1])
     var = float(x.var())
     if not var > 1e-18:
-        return None
-    return float(((x - x.mean()) * (y - y.mean())).mean() / var)
+        return (None, math.inf) if with_error else None
+    b = float(((x - x.mean()) * (y - y.mean())).mean() / var)
+    if not with_error:
+        return b
+    n = x.size
+    resid = (y - y.mean()) - b * (x - x.mean())
+    se = math.sqrt(float((resid ** 2).sum()) / (n - 2) / (var * n)) if n > 2 else math.inf
+    return b, se
 
 
 def signed_step(lambda_C: Tensor, rule_state: dict[str, Any], measured_C: Tensor, tolerance_C: Tensor,
@@ -476,14 +576,75 @@ def signed_step(lambda_C: Tensor, rule_state: dict[str, Any], measured_C: Tensor
         if not ok:
             step.append(0.0)
             continue
-        hist[i] = (hist[i] + [[lam, d]])[-(SIGN_WINDOW + 1):]
-        b = response_slope(hist[i])
-        pinned = b is None and len(hist[i]) == SIGN_WINDOW + 1 and all(l >= hi_C[i] - 1e-12 for l, _ in hist[i])
+        hist[i], b, pinned = _sign_test(hist[i], lam, d, float(hi_C[i]))
+        pinned = pinned and b is None
         down = (b is not None and b > 0) or (pinned and d > c)
         slopes[i], directions[i] = (math.nan if b is None else b), (-1.0 if down else 1.0)
         step.append(-float(eta_C[i]) * (abs(d - c) + SIGN_MIN_STEP * c) if down else float(eta_C[i]) * (d - c))
     new_C = _project(lambda_C + torch.tensor(step, dtype=_F64), cfg, fixed_C=~finite_C)
     return new_C, {"hist": hist, "slope_C": slopes, "direction_C": directions}
+
+
+def _sign_test(hist: list, lam: float, d: float, hi: float) -> tuple[list, Optional[float], bool]:
+    """The pairs (lambda applied, D_hat) with this step's appended (the last ``SIGN_WINDOW`` + 1), their response
+    slope (``response_slope``) and whether lambda sat at its cap over the whole window."""
+    hist = (hist + [[lam, d]])[-(SIGN_WINDOW + 1):]
+    pinned = len(hist) == SIGN_WINDOW + 1 and all(l >= hi - 1e-12 for l, _ in hist)
+    return hist, response_slope(hist), pinned
+
+
+def chance_init(cfg: DualConfig) -> dict[str, Any]:
+    """The signed rule's state (no pairs yet) and the dither's sign, +1 on the first batch."""
+    return {**signed_init(cfg), "dither": 1.0}
+
+
+def dithered_lambda(lambda_C: Tensor, rule_state: dict[str, Any], cfg: DualConfig) -> Tensor:
+    """(C,) the multipliers a batch's updates carry under the chance rule: Pi(lambda + s eta), s = +1, -1, +1, ...
+    alternating from batch to batch (a square-wave dither of one step's size), so that consecutive batches differ in
+    lambda and the response slope of D_hat is measured from the applied values even while lambda itself holds still."""
+    eta_C = _per_constraint(cfg, "lr")
+    return _project(lambda_C + float(rule_state.get("dither", 0.0)) * eta_C, cfg)
+
+
+def chance_step(lambda_C: Tensor, rule_state: dict[str, Any], measured_C: Tensor, tolerance_C: Tensor,
+                cfg: DualConfig) -> tuple[Tensor, dict[str, Any]]:
+    """lambda <- Pi(lambda + eta_i (1[D_hat_i > c_i] - alpha_i)), alpha_i = constraints[i].miss_rate, with the sign test.
+
+    Stochastic dual ascent on the chance constraint P(D_hat > c) <= alpha: the cost is the indicator of a step outside
+    the tolerance region, so an interior lambda sits where D_hat is inside c on 1 - alpha of the steps (the mean-based
+    rules hold E[D_hat] = c, inside on about half of them when D_hat is noisy). The step is bounded (eta per step at
+    most) and scale-free: the same eta serves every measure and needs no relative units.
+
+    Sign test (DESIGN.md §11): D_hat(lambda) is U-shaped over a run. Where the response slope b of D_hat to lambda
+    (``response_slope`` over the last ``SIGN_WINDOW`` + 1 steps) is significantly positive (b > 2 standard errors) or
+    lambda sat at its cap over the whole window with D_hat still outside (anti-windup), raising lambda would raise D_hat:
+    an outside step then lowers lambda by eta (1 - alpha) instead. A slope within its noise leaves the ascent as it is
+    (a noisy sign would cancel the integral action). Non-finite D_hat_i: lambda_i and its pairs unchanged.
+    State: the pairs ("hist"), the last slope ("slope_C", NaN when unknown) and direction ("direction_C").
+    """
+    finite_C = _finite(measured_C)
+    eta_C, hi_C, alpha_C = (_per_constraint(cfg, k) for k in ("lr", "lambda_max", "miss_rate"))
+    applied_C = dithered_lambda(lambda_C, rule_state, cfg).tolist()
+    hist = [list(h) for h in rule_state["hist"]]
+    slopes, directions = list(rule_state["slope_C"]), list(rule_state["direction_C"])
+    step = []
+    for i, (lam, d, c, ok) in enumerate(zip(lambda_C.tolist(), measured_C.tolist(), tolerance_C.tolist(),
+                                            finite_C.tolist())):
+        if not ok:
+            step.append(0.0)
+            continue
+        hist[i], _, pinned = _sign_test(hist[i], applied_C[i], d, float(hi_C[i]))
+        pinned = pinned or (len(hist[i]) == SIGN_WINDOW + 1 and lam >= float(hi_C[i]) - 1e-12
+                            and all(l >= float(hi_C[i]) - float(eta_C[i]) - 1e-12 for l, _ in hist[i]))
+        b, se = response_slope(hist[i], with_error=True)
+        outside = d > c
+        down = outside and ((b is not None and b > 2.0 * se) or pinned)
+        slopes[i], directions[i] = (math.nan if b is None else b), (-1.0 if down else 1.0)
+        eta, alpha = float(eta_C[i]), float(alpha_C[i])
+        step.append(-eta * (1.0 - alpha) if down else eta * (float(outside) - alpha))
+    new_C = _project(lambda_C + torch.tensor(step, dtype=_F64), cfg, fixed_C=~finite_C)
+    return new_C, {"hist": hist, "slope_C": slopes, "direction_C": directions,
+                   "dither": -float(rule_state.get("dither", 1.0))}
 
 
 _PID_KEYS = ("integral_C", "p_C", "cost_ema_C", "cost_hist")
@@ -583,6 +744,8 @@ DUAL_RULES: dict[str, DualRule] = {
     "projected": DualRule(_no_state, projected_step),
     "pid": DualRule(pid_init, pid_step),
     "signed": DualRule(signed_init, signed_step),
+    # the chance constraint P(D_hat > c) <= miss_rate, with the sign test (the configs/default.yaml rule)
+    "chance": DualRule(chance_init, chance_step),
     # lambda held at lambda_init: the fixed-coefficient penalty baseline
     "fixed": DualRule(_no_state, _keep),
     # no penalty and no controller: lambda stays 0 (the measurements are still logged)
@@ -601,7 +764,8 @@ def dual_step(state: DualState, measured_C: Tensor, cfg: DualConfig,
               floor_C: Optional[Tensor] = None) -> tuple[DualState, dict[str, float]]:
     """One dual update from D_hat_C (the batch measures, already averaged over the global batch).
 
-    The rule is ``get_rule(cfg)`` (``fixed`` and ``off`` still log the measurements). Non-finite entries of measured_C leave their lambda
+    The rule is ``get_rule(cfg)`` (``fixed`` and ``off`` still log the measurements); an anchored constraint whose
+    first window has not closed keeps its lambda (there is no tolerance to hold yet). Non-finite entries of measured_C leave their lambda
     unchanged and are counted. The tolerance is the one in force for this batch (``tolerances``); with
     ``cfg.relative`` the rule sees D_hat / c against 1, i.e. the violation (D_hat - c) / c. ``floor_C`` (pi_old
     vs mu before the updates, default measured_C) then updates the floor of the automatic tolerances, which
@@ -627,6 +791,10 @@ def dual_step(state: DualState, measured_C: Tensor, cfg: DualConfig,
         lambda_C, rule_state = rule.step(state.lambda_C, state.rule, measured_C / scale_C, tolerance_C / scale_C, cfg)
     else:
         lambda_C, rule_state = rule.step(state.lambda_C, state.rule, measured_C, tolerance_C, cfg)
+    if state.anchor is not None:  # an anchored constraint has no tolerance to hold until its first window closes
+        waiting_C = torch.tensor([c.anchor is not None and g is None for c, g in zip(cfg.constraints,
+                                                                                   state.anchor["gap_C"])])
+        lambda_C = torch.where(waiting_C, state.lambda_C, lambda_C)
     steps = state.steps + 1
     avg_prev_C = state.lambda_avg()
     # lambda_bar_k = lambda_bar_{k-1} + (lambda_k - lambda_bar_{k-1}) / (k + 1): the mean of lambda_0..lambda_k

@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from constraints.config import ConstraintConfig
-from constraints.measures import discrepancy_metrics, measure_constraint
+from constraints.measures import discrepancy_metrics
 from constraints.penalties import constraint_names
 from dcmdp.async_rollout import RolloutWorker, staleness_plan
 from dcmdp.checkpoint import (RunFolderError, RunFolderLock, SignalCheckpointer, capture_rng, checkpoint_run_uid,
@@ -35,7 +35,8 @@ from dcmdp.config import ConfigError, RunConfig, flatten, load_config, resume_co
 from dcmdp import distributed
 from dcmdp.cpu import apply_threads
 from dcmdp.dual import DualState, dual_step, enter_context, enter_floor, init_state, needs_floor, penalty_spec
-from dcmdp.dual import batch_tolerances, bound_in_force, staleness_step, with_staleness
+from dcmdp.dual import anchor_due, batch_tolerances, bound_in_force, record_anchor, staleness_step, with_staleness
+from dcmdp.probe import constraint_values, probe_updates
 from dcmdp.plots import plot_dual
 from dcmdp.redact import public_uri, written_field
 from dcmdp.tracking import NoTracker, Tracker, check_tracking_config, provenance_tags
@@ -176,7 +177,7 @@ OUTSIDE_FRAC = 0.5
 # Steps at the start of a run whose floor at the measurement point decides feasibility (``feasibility_warnings``).
 FEASIBILITY_STEPS = 3
 # Rules whose lambda responds to D-hat: only they can be slack, pinned or infeasible in the sense above.
-_MOVING_RULES = ("projected", "pid", "signed")
+_MOVING_RULES = ("projected", "pid", "signed", "chance")
 
 
 def constraint_summaries(history: Sequence[dict[str, float]], names: Sequence[str],
@@ -358,6 +359,12 @@ def _train(s: Setup, t_start: float) -> Summary:
     return finish(s, acc_before, acc_after, time.perf_counter() - t_start)
 
 
+def train_step(s: Setup, step: int) -> None:
+    """One rollout batch of ``s``'s run, outside ``train``'s loop and without a progress bar (``dcmdp calibrate`` runs
+    a run's first steps in memory through it)."""
+    _train_step(s, step, tqdm(disable=True))
+
+
 def _train_step(s: Setup, step: int, bar) -> None:
     """One rollout batch: rollout -> pi_old -> measure -> updates -> dual step -> sync -> log.
 
@@ -385,10 +392,14 @@ def _train_step(s: Setup, step: int, bar) -> None:
                                 (torch.full((len(s.names),), float("nan"), dtype=torch.float64), {}))
     t3 = time.perf_counter()
     context_metrics = _enter_context(s, step, async_metrics)
+    due = anchor_due(s.state.dual, cfg.dual, step) if kept else []
+    probes = anchor_probes(s, batch, step) if any(due) else None
     s.state.mid_update = kept
+    # a probe put the weights back in place, which invalidates the fused forward's graph: the update recomputes it
     result = learner.update(
         s.policy.model, s.optim, batch, scoring=s.scoring, penalty=penalty_spec(s.state.dual, cfg.dual), cfg=cfg.algo,
-        generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 2)), forward=old.forward) if kept else None
+        generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 2)),
+        forward=old.forward if probes is None else None) if kept else None
     del old  # the fused forward's graph
     t4 = time.perf_counter()
     if result is not None and train_logp_BT is None:
@@ -406,6 +417,10 @@ def _train_step(s: Setup, step: int, bar) -> None:
         floor_C = measured_C  # an automatic tolerance on the drift follows the run's own drift (dcmdp.dual)
     tolerance_C = batch_tolerances(s.state.dual, floor_C, cfg.dual) if cfg.async_rollout.is_auto else None
     s.state.dual, dual_metrics = dual_step(s.state.dual, measured_C, cfg.dual, floor_C=floor_C)
+    if probes is not None:  # the anchored tolerance's window; its c applies from the next batch, like lambda
+        floor_now_C = torch.where(torch.isfinite(s.state.dual.floor_C), s.state.dual.floor_C, point_floor_C)
+        s.state.dual, anchor_metrics = record_anchor(s.state.dual, cfg.dual, step, due, *probes, floor_now_C)
+        dual_metrics.update(anchor_metrics)
     if cfg.async_rollout.is_auto:  # the staleness bound, the dual's second action
         s.state.dual, staleness_metrics = staleness_step(s.state.dual, measured_C, tolerance_C, cfg.async_rollout.auto)
         dual_metrics.update(staleness_metrics)
@@ -824,17 +839,16 @@ def reward_phase(policy: Policy, examples: list[Example], rollout: Rollout) -> t
                        "response/length_mean": float(lengths.mean())}
 
 
-def constraint_values(constraints: Sequence[ConstraintConfig], batch: learner.ScoredBatch, train_logp_BT: torch.Tensor,
-                      anchor_logp_BT: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """D-hat of every constraint: the training engine's log-probs ``train_logp_BT`` vs mu, or vs ``anchor_logp_BT``
-    when given (pi_old under ``dual.measure_at: drift``) (float64, [C])."""
-    r = batch.rollout
-    if not constraints:
-        return torch.zeros(0, dtype=torch.float64)
-    anchor_BT = r.rollout_logp_BT.float() if anchor_logp_BT is None else anchor_logp_BT.float()
-    # reduced where the batch lives, then to the host: the dual's state is float64 on the CPU (one sync)
-    return torch.stack([measure_constraint(c, train_logp_BT, anchor_BT, r.response_mask_BT.bool(),
-                                           **batch.routes()).double() for c in constraints]).cpu()
+def anchor_probes(s: Setup, batch: learner.ScoredBatch, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """D-hat at the updates of this batch without the penalty and at lambda_max (``dcmdp.probe.probe_updates``, from
+    the run's weights, moments and this step's mini-batches, all put back): the anchored tolerance's probes."""
+    cfg = s.cfg
+    lam_max_C = torch.tensor([c.lambda_max for c in cfg.dual.constraints], dtype=torch.float64)
+    at_zero_C, at_max_C = probe_updates(s.policy.model, s.optim, batch, scoring=s.scoring, algo=cfg.algo,
+                                        dual_state=s.state.dual, dual_cfg=cfg.dual,
+                                        lambdas=[torch.zeros_like(lam_max_C), lam_max_C],
+                                        seed=step_seed(cfg.seed, step, 2))
+    return at_zero_C, at_max_C
 
 
 def measure_phase(constraints: Sequence[ConstraintConfig], batch: learner.ScoredBatch,
