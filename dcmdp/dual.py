@@ -47,8 +47,8 @@ what the constraint bounds, not of the floor; the loop passes NaN for it and F s
 Anchored tolerance (``constraints[i].anchor = xi``): c_k = F_k + g, F the floor EMA above and g measured by the run
 itself: on ``anchor_batches`` batches from ``anchor_start`` on, the loop probes the batch's updates twice from the same
 weights and moments, without the penalty (D_0) and at lambda_max (D_max), and g puts c at position xi between the two
-(``anchor_gap``): the strongest penalty can hold it and without the penalty D-hat lies above it, so lambda has to act
-from the interior. c follows the floor additively, and a new window is probed when F leaves a band around the floor of
+levels that a batch exceeds with probability miss_rate (``anchor_gap``): the strongest penalty can hold it and without
+the penalty D-hat exceeds it too often, so lambda has to act from the interior. c follows the floor additively, and a new window is probed when F leaves a band around the floor of
 the last anchoring or every ``anchor_every`` steps (``anchor_due``, ``record_anchor``; the probes: dcmdp.probe).
 
 Averaged multiplier (``cfg.average``): the rule moves lambda_k as always, and the penalty carries the running mean
@@ -76,6 +76,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
@@ -412,18 +413,26 @@ def anchor_due(state: DualState, cfg: DualConfig, step: int) -> list[bool]:
     return due
 
 
-def anchor_gap(at_zero: float, at_max: float, floor: float, position: float) -> float:
-    """g = D_max + xi (D_0 - D_max) - F, at least 0: the tolerance c = F + g sits at position xi between D-hat at
-    lambda_max (xi = 0) and without the penalty (xi = 1), above the floor F that no update of a step changes. Where the
-    strongest penalty does not lower D-hat (D_max >= D_0) there is no band to hold: c = D_0 (the dual rests)."""
-    target = at_max + position * (at_zero - at_max) if at_max < at_zero else at_zero
-    return max(target - floor, 0.0)
+def anchor_gap(at_zero: Sequence[float], at_max: Sequence[float], floor: Sequence[float], position: float,
+               miss_rate: float) -> float:
+    """g = q_max + xi (q_0 - q_max) - mean(F), at least 0, from the probed batches' D-hat without the penalty (D_0), at
+    lambda_max (D_max) and floor F: q = mean + z sd, z = Phi^-1(1 - alpha) (alpha = miss_rate), the level a batch's
+    D-hat exceeds with probability alpha under normal batch-to-batch noise. The tolerance c = F + g then sits at
+    position xi between where the strongest penalty holds D-hat inside on 1 - alpha of the steps (xi = 0) and where no
+    penalty does (xi = 1): the chance rule's lambda has to act, from the interior. Where the strongest penalty does not
+    lower D-hat on average (mean D_max >= mean D_0) there is no band: c = q_0 (the dual rests). One probed batch: sd 0."""
+    z = statistics.NormalDist().inv_cdf(1.0 - miss_rate)
+    d0, dmax = np.asarray(at_zero, dtype=np.float64), np.asarray(at_max, dtype=np.float64)
+    sd = (lambda x: float(x.std(ddof=1)) if x.size > 1 else 0.0)
+    q0, qmax = float(d0.mean()) + z * sd(d0), float(dmax.mean()) + z * sd(dmax)
+    target = qmax + position * (q0 - qmax) if dmax.mean() < d0.mean() else q0
+    return max(target - float(np.mean(floor)), 0.0)
 
 
 def record_anchor(state: DualState, cfg: DualConfig, step: int, due: Sequence[bool], at_zero_C: Tensor,
                   at_max_C: Tensor, floor_C: Tensor) -> tuple[DualState, dict[str, float]]:
     """Add one probed batch (D-hat without the penalty, at lambda_max, and the floor F) to each due constraint's window;
-    a window of ``anchor_batches`` finite probes sets the gap from its means (``anchor_gap``) and closes. Non-finite
+    a window of ``anchor_batches`` finite probes sets the gap from them (``anchor_gap``) and closes. Non-finite
     probes are not counted. Metrics: 'dual/anchor_zero/n', 'dual/anchor_max/n' (this batch's probes) and, when a window
     closes, 'dual/anchor_gap/n'."""
     a = copy.deepcopy(state.anchor) if state.anchor is not None else anchor_init(cfg)
@@ -440,8 +449,9 @@ def record_anchor(state: DualState, cfg: DualConfig, step: int, due: Sequence[bo
             continue
         a["probes_C"][i].append([d0, dmax, f])
         if len(a["probes_C"][i]) >= c.anchor_batches:
-            m0, mmax, mf = (float(np.mean(col)) for col in zip(*a["probes_C"][i]))
-            a["gap_C"][i], a["floor_C"][i], a["step_C"][i] = anchor_gap(m0, mmax, mf, c.anchor), mf, step
+            d0s, dmaxs, fs = zip(*a["probes_C"][i])
+            gap = anchor_gap(d0s, dmaxs, fs, c.anchor, c.miss_rate)
+            a["gap_C"][i], a["floor_C"][i], a["step_C"][i] = gap, float(np.mean(fs)), step
             a["probes_C"][i] = []
             metrics[f"dual/anchor_gap/{names[i]}"] = a["gap_C"][i]
     return replace(state, anchor=a), metrics

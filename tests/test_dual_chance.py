@@ -125,12 +125,16 @@ def _anchor_cfg(**kw) -> DualConfig:
 
 
 def test_anchor_gap_by_hand():
-    # c = D_max + xi (D_0 - D_max) = 4e-3 + 0.5 x 2e-3 = 5e-3 above F = 2e-3: g = 3e-3
-    assert anchor_gap(6e-3, 4e-3, 2e-3, 0.5) == pytest.approx(3e-3)
-    assert anchor_gap(6e-3, 4e-3, 2e-3, 0.0) == pytest.approx(2e-3)
-    # lambda_max does not lower D_hat: c at D_0, the dual rests
-    assert anchor_gap(4e-3, 4.5e-3, 2e-3, 0.5) == pytest.approx(2e-3)
-    assert anchor_gap(1e-3, 4e-3, 2e-3, 0.5) == 0.0  # never under the floor
+    z = norm.ppf(0.8)
+    # D_0 = {5, 7}e-3 (mean 6e-3, sd sqrt(2)e-3), D_max = {4, 4}e-3 (sd 0), F = 2e-3, xi = 0.5, alpha = 0.2:
+    # q_0 = 6e-3 + z sqrt(2)e-3, q_max = 4e-3, c = q_max + 0.5 (q_0 - q_max), g = c - F
+    q0 = 6e-3 + z * math.sqrt(2) * 1e-3
+    assert anchor_gap([5e-3, 7e-3], [4e-3, 4e-3], [2e-3, 2e-3], 0.5, 0.2) == pytest.approx(4e-3 + 0.5 * (q0 - 4e-3)
+                                                                                        - 2e-3, rel=1e-12)
+    assert anchor_gap([6e-3], [4e-3], [2e-3], 0.0, 0.2) == pytest.approx(2e-3)  # one batch: sd 0, xi = 0: at D_max
+    # lambda_max does not lower D_hat: c at q_0, the dual rests
+    assert anchor_gap([4e-3], [4.5e-3], [2e-3], 0.5, 0.2) == pytest.approx(2e-3)
+    assert anchor_gap([1e-3], [4e-3], [2e-3], 0.5, 0.2) == 0.0  # never under the floor
 
 
 def test_anchor_window_schedule_and_the_tolerance_it_sets():
@@ -146,16 +150,17 @@ def test_anchor_window_schedule_and_the_tolerance_it_sets():
         assert anchor_due(state, cfg, step) == [True]
         state, m = record_anchor(state, cfg, step, [True], torch.tensor([d0]), torch.tensor([dmax]),
                                  torch.tensor([2e-3]))
-    # means D_0 = 7e-3, D_max = 4e-3, F = 2e-3: g = 4e-3 + 0.5 x 3e-3 - 2e-3 = 3.5e-3, c = F + g
-    assert m["dual/anchor_gap/abs_prob_diff"] == pytest.approx(3.5e-3)
-    assert tolerances(state, cfg).item() == pytest.approx(2e-3 + 3.5e-3)
+    # D_0 = {6, 8}e-3, D_max = {4, 4}e-3, F = 2e-3 (anchor_gap)
+    g = anchor_gap([6e-3, 8e-3], [4e-3, 4e-3], [2e-3, 2e-3], 0.5, 0.2)
+    assert m["dual/anchor_gap/abs_prob_diff"] == pytest.approx(g)
+    assert tolerances(state, cfg).item() == pytest.approx(2e-3 + g)
     assert anchor_due(state, cfg, 4) == [False]
     # lambda moves once anchored
     moved, _ = dual_step(state, torch.tensor([9e-3], dtype=torch.float64), cfg, floor_C=torch.tensor([2e-3]))
     assert moved.lambda_C.item() > lam0
     # c follows the floor additively; a floor 1.5x away re-opens the window, and so does anchor_every
     state.floor_C = torch.tensor([2.9e-3], dtype=torch.float64)
-    assert tolerances(state, cfg).item() == pytest.approx(2.9e-3 + 3.5e-3) and anchor_due(state, cfg, 5) == [False]
+    assert tolerances(state, cfg).item() == pytest.approx(2.9e-3 + g) and anchor_due(state, cfg, 5) == [False]
     state.floor_C = torch.tensor([3.1e-3], dtype=torch.float64)
     assert anchor_due(state, cfg, 5) == [True]
     state.floor_C = torch.tensor([2e-3], dtype=torch.float64)
