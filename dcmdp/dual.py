@@ -389,7 +389,36 @@ def anchor_init(cfg: DualConfig) -> Optional[dict[str, Any]]:
     n = len(cfg.constraints)
     if not any(_anchored(cfg)):
         return None
-    return {"gap_C": [None] * n, "floor_C": [None] * n, "step_C": [None] * n, "probes_C": [[] for _ in range(n)]}
+    return {"gap_C": [None] * n, "floor_C": [None] * n, "step_C": [None] * n, "probes_C": [[] for _ in range(n)],
+            "recent_C": [[] for _ in range(n)], "stuck_C": [0] * n}
+
+
+# Steps of (lambda carried, D_hat) the anchor keeps for the level and spread of D_hat under the run's own penalty, and
+# the least it reads them from (fewer: the probes' own values stand in).
+ANCHOR_RECENT = 50
+_ANCHOR_MIN_RECENT = 8
+# Consecutive steps with lambda at its floor or its cap after which the anchor is probed again: a c that the dual
+# cannot hold (at the cap) or never has to act for (at the floor) was set from a noisy window.
+ANCHOR_STUCK = 25
+
+
+def note_anchor_step(state: DualState, cfg: DualConfig, carried_C: Tensor, measured_C: Tensor) -> DualState:
+    """Keep this step's (lambda carried, D_hat) in each anchored constraint's recent window (``ANCHOR_RECENT``) and
+    count the consecutive steps its new lambda sits at lambda_min or lambda_max (``ANCHOR_STUCK``)."""
+    if state.anchor is None:
+        return state
+    a = copy.deepcopy(state.anchor)
+    a.setdefault("recent_C", [[] for _ in cfg.constraints])
+    a.setdefault("stuck_C", [0] * len(cfg.constraints))
+    for i, c in enumerate(cfg.constraints):
+        d, lam = float(measured_C[i]), float(state.lambda_C[i])
+        if c.anchor is None:
+            continue
+        if math.isfinite(d) and d > 0:
+            a["recent_C"][i] = (a["recent_C"][i] + [[float(carried_C[i]), d]])[-ANCHOR_RECENT:]
+        at_edge = lam <= c.lambda_min + 1e-12 or lam >= c.lambda_max - 1e-12
+        a["stuck_C"][i] = a["stuck_C"][i] + 1 if at_edge else 0
+    return replace(state, anchor=a)
 
 
 def anchor_due(state: DualState, cfg: DualConfig, step: int) -> list[bool]:
@@ -408,25 +437,47 @@ def anchor_due(state: DualState, cfg: DualConfig, step: int) -> list[bool]:
             continue
         gap, last, f_a, f = a["gap_C"][i], a["step_C"][i], a["floor_C"][i], floor[i]
         moved = f is not None and f_a is not None and f_a > 0 and not f_a / c.anchor_ratio <= f <= f_a * c.anchor_ratio
-        due.append(gap is None or bool(a["probes_C"][i]) or moved
+        stuck = a.get("stuck_C", [0] * len(cfg.constraints))[i] >= ANCHOR_STUCK
+        due.append(gap is None or bool(a["probes_C"][i]) or moved or stuck
                    or (c.anchor_every > 0 and last is not None and step - last >= c.anchor_every))
     return due
 
 
-def anchor_gap(at_zero: Sequence[float], at_max: Sequence[float], floor: Sequence[float], position: float,
-               miss_rate: float) -> float:
-    """g = q_max + xi (q_0 - q_max) - mean(F), at least 0, from the probed batches' D-hat without the penalty (D_0), at
-    lambda_max (D_max) and floor F: q = mean + z sd, z = Phi^-1(1 - alpha) (alpha = miss_rate), the level a batch's
-    D-hat exceeds with probability alpha under normal batch-to-batch noise. The tolerance c = F + g then sits at
-    position xi between where the strongest penalty holds D-hat inside on 1 - alpha of the steps (xi = 0) and where no
-    penalty does (xi = 1): the chance rule's lambda has to act, from the interior. Where the strongest penalty does not
-    lower D-hat on average (mean D_max >= mean D_0) there is no band: c = q_0 (the dual rests). One probed batch: sd 0."""
+def anchor_gap(at_zero: Sequence[float], at_max: Sequence[float], floor: Sequence[float], recent: Sequence[Sequence[float]],
+               lambda_max: float, position: float, miss_rate: float) -> float:
+    """g = c - median(F), at least 0, with c between the levels a batch's D-hat exceeds with probability alpha
+    (= miss_rate) without the penalty and at lambda_max, at position xi (0: lambda_max's, 1: no penalty's).
+
+    On the log scale (the batch-to-batch noise of D-hat is multiplicative): the probes' paired difference
+    Delta = median_k(log D_0,k - log D_max,k) is the response of a batch's updates from lambda = 0 to lambda_max, clean of
+    sampling noise; the run's recent D-hat (``recent``: (lambda carried, D-hat) pairs) gives the level m = median log
+    D-hat at their mean lambda-bar and the spread sigma = 1.4826 MAD(log D-hat). With log D-hat linear in lambda over
+    [0, lambda_max], log m_0 = m + Delta lambda-bar / lambda_max, log m_max = log m_0 - Delta, and
+
+        log c = log m_max + xi Delta + z sigma,   z = Phi^-1(1 - alpha).
+
+    Medians and MAD: one odd batch (D-hat several times the rest) must not move c. Fewer than 8 recent pairs: the
+    probes' own D_0 give m (at lambda-bar = 0) and sigma. Where lambda_max does not lower D-hat (Delta <= 0) there is no
+    band: c = exp(log m_0 + z sigma), which the dual rests under."""
     z = statistics.NormalDist().inv_cdf(1.0 - miss_rate)
     d0, dmax = np.asarray(at_zero, dtype=np.float64), np.asarray(at_max, dtype=np.float64)
-    sd = (lambda x: float(x.std(ddof=1)) if x.size > 1 else 0.0)
-    q0, qmax = float(d0.mean()) + z * sd(d0), float(dmax.mean()) + z * sd(dmax)
-    target = qmax + position * (q0 - qmax) if dmax.mean() < d0.mean() else q0
-    return max(target - float(np.mean(floor)), 0.0)
+    ok = (d0 > 0) & (dmax > 0)
+    if not ok.any():
+        return 0.0
+    delta = float(np.median(np.log(d0[ok]) - np.log(dmax[ok])))
+    pairs = np.asarray([p for p in recent if p[1] > 0], dtype=np.float64).reshape(-1, 2)
+    if len(pairs) >= _ANCHOR_MIN_RECENT:
+        logs, lam_bar = np.log(pairs[:, 1]), float(pairs[:, 0].mean())
+    else:
+        logs, lam_bar = np.log(d0[ok]), 0.0
+    m = float(np.median(logs))
+    sigma = 1.4826 * float(np.median(np.abs(logs - m)))
+    if delta > 0:
+        log_m0 = m + delta * lam_bar / lambda_max
+        log_c = log_m0 - delta + position * delta + z * sigma
+    else:
+        log_c = m + z * sigma
+    return max(math.exp(log_c) - float(np.median(floor)), 0.0)
 
 
 def record_anchor(state: DualState, cfg: DualConfig, step: int, due: Sequence[bool], at_zero_C: Tensor,
@@ -450,9 +501,12 @@ def record_anchor(state: DualState, cfg: DualConfig, step: int, due: Sequence[bo
         a["probes_C"][i].append([d0, dmax, f])
         if len(a["probes_C"][i]) >= c.anchor_batches:
             d0s, dmaxs, fs = zip(*a["probes_C"][i])
-            gap = anchor_gap(d0s, dmaxs, fs, c.anchor, c.miss_rate)
-            a["gap_C"][i], a["floor_C"][i], a["step_C"][i] = gap, float(np.mean(fs)), step
+            gap = anchor_gap(d0s, dmaxs, fs, a.get("recent_C", [[]] * len(cfg.constraints))[i], c.lambda_max,
+                             c.anchor, c.miss_rate)
+            a["gap_C"][i], a["floor_C"][i], a["step_C"][i] = gap, float(np.median(fs)), step
             a["probes_C"][i] = []
+            if "stuck_C" in a:
+                a["stuck_C"][i] = 0
             metrics[f"dual/anchor_gap/{names[i]}"] = a["gap_C"][i]
     return replace(state, anchor=a), metrics
 
@@ -812,6 +866,8 @@ def dual_step(state: DualState, measured_C: Tensor, cfg: DualConfig,
     new = replace(state, lambda_C=lambda_C, rule=rule_state, steps=steps, skipped=state.skipped + n_skipped,
                   lambda_avg_C=lambda_avg_C)
     new = update_floor(new, floor_now_C, cfg)
+    if new.anchor is not None:
+        new = note_anchor_step(new, cfg, applied_lambda(state, cfg), measured_C)
 
     metrics: dict[str, float] = {"dual/skipped": float(n_skipped)}
     for name, lam, avg, d, c in zip(constraint_names(cfg.constraints), new.lambda_C.tolist(), new.lambda_avg().tolist(),

@@ -126,15 +126,22 @@ def _anchor_cfg(**kw) -> DualConfig:
 
 def test_anchor_gap_by_hand():
     z = norm.ppf(0.8)
-    # D_0 = {5, 7}e-3 (mean 6e-3, sd sqrt(2)e-3), D_max = {4, 4}e-3 (sd 0), F = 2e-3, xi = 0.5, alpha = 0.2:
-    # q_0 = 6e-3 + z sqrt(2)e-3, q_max = 4e-3, c = q_max + 0.5 (q_0 - q_max), g = c - F
-    q0 = 6e-3 + z * math.sqrt(2) * 1e-3
-    assert anchor_gap([5e-3, 7e-3], [4e-3, 4e-3], [2e-3, 2e-3], 0.5, 0.2) == pytest.approx(4e-3 + 0.5 * (q0 - 4e-3)
-                                                                                        - 2e-3, rel=1e-12)
-    assert anchor_gap([6e-3], [4e-3], [2e-3], 0.0, 0.2) == pytest.approx(2e-3)  # one batch: sd 0, xi = 0: at D_max
-    # lambda_max does not lower D_hat: c at q_0, the dual rests
-    assert anchor_gap([4e-3], [4.5e-3], [2e-3], 0.5, 0.2) == pytest.approx(2e-3)
-    assert anchor_gap([1e-3], [4e-3], [2e-3], 0.5, 0.2) == 0.0  # never under the floor
+    # too few recent steps: the probes give the level. D_0 = 6e-3, D_max = 5e-3 on both batches: Delta = log 1.2,
+    # log c = log 6e-3 - Delta + 0.5 Delta (sigma 0): c = 6e-3 / sqrt(1.2); g = c - F
+    g = anchor_gap([6e-3, 6e-3], [5e-3, 5e-3], [2e-3, 2e-3], [], 0.3, 0.5, 0.2)
+    assert g == pytest.approx(6e-3 / math.sqrt(1.2) - 2e-3, rel=1e-12)
+    # the run's recent D-hat at lambda-bar = 0.15 (midway to lambda_max = 0.3), half at 5e-3 e^0.1 and half at
+    # 5e-3 e^-0.1: median log 5e-3, MAD 0.1; xi = 0.5 puts c at that level, plus z sigma
+    recent = [[0.15, 5e-3 * math.exp(0.1)]] * 5 + [[0.15, 5e-3 * math.exp(-0.1)]] * 5
+    g = anchor_gap([6e-3, 6e-3], [5e-3, 5e-3], [2e-3, 2e-3], recent, 0.3, 0.5, 0.2)
+    assert g == pytest.approx(5e-3 * math.exp(z * 1.4826 * 0.1) - 2e-3, rel=1e-9)
+    # one odd batch of three does not move c (medians)
+    odd = anchor_gap([6e-3, 6e-3, 60e-3], [5e-3, 5e-3, 20e-3], [2e-3, 2e-3, 2e-3], recent, 0.3, 0.5, 0.2)
+    assert odd == pytest.approx(g, rel=1e-9)
+    # lambda_max does not lower D_hat: c at the recent level plus z sigma, which the dual rests under
+    flat = anchor_gap([5e-3], [5.5e-3], [2e-3], recent, 0.3, 0.5, 0.2)
+    assert flat == pytest.approx(5e-3 * math.exp(z * 1.4826 * 0.1) - 2e-3, rel=1e-9)
+    assert anchor_gap([1e-3], [0.9e-3], [2e-3], [], 0.3, 0.5, 0.2) == 0.0  # never under the floor
 
 
 def test_anchor_window_schedule_and_the_tolerance_it_sets():
@@ -151,7 +158,7 @@ def test_anchor_window_schedule_and_the_tolerance_it_sets():
         state, m = record_anchor(state, cfg, step, [True], torch.tensor([d0]), torch.tensor([dmax]),
                                  torch.tensor([2e-3]))
     # D_0 = {6, 8}e-3, D_max = {4, 4}e-3, F = 2e-3 (anchor_gap)
-    g = anchor_gap([6e-3, 8e-3], [4e-3, 4e-3], [2e-3, 2e-3], 0.5, 0.2)
+    g = anchor_gap([6e-3, 8e-3], [4e-3, 4e-3], [2e-3, 2e-3], [], 0.3, 0.5, 0.2)  # 1 recent step: the probes' level
     assert m["dual/anchor_gap/abs_prob_diff"] == pytest.approx(g)
     assert tolerances(state, cfg).item() == pytest.approx(2e-3 + g)
     assert anchor_due(state, cfg, 4) == [False]
@@ -165,6 +172,12 @@ def test_anchor_window_schedule_and_the_tolerance_it_sets():
     assert anchor_due(state, cfg, 5) == [True]
     state.floor_C = torch.tensor([2e-3], dtype=torch.float64)
     assert anchor_due(state, cfg, 12) == [False] and anchor_due(state, cfg, 13) == [True]
+    # lambda held at its floor (or cap) for ANCHOR_STUCK steps: probed again
+    from dcmdp.dual import ANCHOR_STUCK
+    stuck = state
+    for _ in range(ANCHOR_STUCK + 30):  # lambda falls by 0.004 a step from 0.1 to 0, then stays
+        stuck, _ = dual_step(stuck, torch.tensor([1e-4], dtype=torch.float64), cfg, floor_C=torch.tensor([2e-3]))
+    assert stuck.lambda_C.item() == 0.0 and anchor_due(stuck, cfg, 6) == [True]
     # the state round-trips through a checkpoint
     again = DualState.from_state_dict(state.state_dict())
     assert again.anchor == state.anchor and tolerances(again, cfg).item() == pytest.approx(tolerances(state, cfg).item())
