@@ -116,6 +116,7 @@ class ContextConfig:
 @dataclass
 class DualConfig:
     # Dual update rule: projected | pid | signed (projected, but lambda is not raised where raising it raised D-hat) |
+    # chance (P(D-hat > c) <= constraints[i].miss_rate by stochastic dual ascent, dithered, with the sign test) |
     # fixed (lambda held at lambda_init: the fixed-coefficient baseline) | off (lambda = 0, no penalty; the measures
     # are still logged). See dcmdp.dual.DUAL_RULES.
     rule: str = "projected"

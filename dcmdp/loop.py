@@ -105,6 +105,8 @@ class ConstraintSummary:
     # when that floor exceeds c on every one of them (NaN: not measured).
     start_floor: float = math.nan
     start_tolerance: float = math.nan
+    # Share of the measured steps with lambda above ACTING_LAMBDA: the dual acting (a slack dual sits at 0).
+    acting_frac: float = math.nan
 
 
 @dataclass(slots=True)
@@ -158,7 +160,8 @@ class Summary:
         for name, c in self.constraints.items():
             out.append(f"constraint {name}: mean D-hat {c.measured_mean:.4g} (as constrained), c {c.tolerance_start:.4g}"
                        f" -> {c.tolerance_end:.4g}, inside on {c.inside_frac:.0%} of steps, lambda mean "
-                       f"{c.lambda_mean:.4g}, final {c.lambda_final:.4g}")
+                       f"{c.lambda_mean:.4g}, final {c.lambda_final:.4g}, acting on {c.acting_frac:.0%} of steps, at "
+                       f"its cap on {c.cap_frac:.0%}")
         if not self.constraints:
             lam = ", ".join(f"{k}={v:.4g}" for k, v in self.final_lambda.items()) or "-"
             out.append(f"final lambda: {lam}")
@@ -171,9 +174,13 @@ class Summary:
 
 # A constraint is reported as slack when D-hat < c with lambda at its floor on at least this share of its steps.
 SLACK_FRAC = 0.95
-# ... as pinned when lambda sits at lambda_max on more than this share, and as not held when D-hat > c on more.
-CAP_FRAC = 0.5
-OUTSIDE_FRAC = 0.5
+# ... as pinned when lambda sits at lambda_max on more than this share, and as not held when D-hat > c on more: a dual
+# that holds its constraint has D-hat inside c on >= 70% of the steps with lambda below its cap on >= 80%.
+CAP_FRAC = 0.2
+OUTSIDE_FRAC = 0.3
+# ... as mostly idle when lambda is above ACTING_LAMBDA on less than this share (and not slack throughout).
+ACTING_FRAC = 0.5
+ACTING_LAMBDA = 0.01
 # Steps at the start of a run whose floor at the measurement point decides feasibility (``feasibility_warnings``).
 FEASIBILITY_STEPS = 3
 # Rules whose lambda responds to D-hat: only they can be slack, pinned or infeasible in the sense above.
@@ -197,7 +204,8 @@ def constraint_summaries(history: Sequence[dict[str, float]], names: Sequence[st
         start_tol = max(h[f"dual/tolerance/{name}"] for h in start) if start else math.nan
         out[name] = ConstraintSummary(float(d.mean()), float(tol[0]), float(tol[-1]), float((d <= tol).mean()),
                                       float(floor.mean()), float(lam.mean()), float(lam[-1]),
-                                      float((lam >= c.lambda_max - 1e-12).mean()), float(start_floor), float(start_tol))
+                                      float((lam >= c.lambda_max - 1e-12).mean()), float(start_floor), float(start_tol),
+                                      float((lam > ACTING_LAMBDA).mean()))
     return out
 
 
@@ -230,7 +238,8 @@ def feasibility_warnings(history: Sequence[dict[str, float]], names: Sequence[st
 
 def end_of_run_warnings(constraints: dict[str, ConstraintSummary], rule: str, accuracy_after: float,
                         chance: float, eval_prompts: int) -> list[str]:
-    """Under a rule that moves lambda: a constraint slack on (nearly) every step (the dual never acted), lambda at its
+    """Under a rule that moves lambda: a constraint slack on (nearly) every step (the dual never acted), lambda acting
+    on less than ``ACTING_FRAC`` of them (it mostly rested), lambda at its
     cap on more than ``CAP_FRAC`` of the steps (a constant with extra steps), D-hat outside c on more than
     ``OUTSIDE_FRAC`` of them (the constraint was not held), infeasible from the first steps
     (``feasibility_warnings``); and held-out accuracy at chance level (at most one eval prompt above ``chance``)."""
@@ -242,16 +251,21 @@ def end_of_run_warnings(constraints: dict[str, ConstraintSummary], rule: str, ac
             out.append(f"constraint {name} was infeasible from the start: the floor at its measurement point "
                        f"({c.start_floor:.4g}, the least over the first {FEASIBILITY_STEPS} steps) was above c "
                        f"({c.start_tolerance:.4g}); see the warning at step {FEASIBILITY_STEPS}")
-        if c.cap_frac > CAP_FRAC:
+        if c.cap_frac > CAP_FRAC + 1e-9:
             out.append(f"constraint {name}: lambda sat at its cap lambda_max on {c.cap_frac:.0%} of the steps (mean "
                        f"{c.lambda_mean:.4g}): the penalty acted as a constant, not a controller. c "
                        f"({c.tolerance_start:.4g} -> {c.tolerance_end:.4g}) is below what the penalty can reach (mean "
                        f"D-hat {c.measured_mean:.4g}); raise c or floor_slack (dcmdp calibrate proposes one), or "
                        f"constrain the part the update controls (dual.measure_at=drift)")
-        if 1.0 - c.inside_frac > OUTSIDE_FRAC:
+        if 1.0 - c.inside_frac > OUTSIDE_FRAC + 1e-9:  # shares of a whole number of steps
             out.append(f"constraint {name}: D-hat was outside c on {1.0 - c.inside_frac:.0%} of the steps (mean D-hat "
                        f"{c.measured_mean:.4g}, c {c.tolerance_start:.4g} -> {c.tolerance_end:.4g}): the constraint "
                        f"was not held")
+        if c.slack_frac < SLACK_FRAC and c.acting_frac < ACTING_FRAC:
+            out.append(f"constraint {name}: lambda was above {ACTING_LAMBDA:g} on only {c.acting_frac:.0%} of the steps "
+                       f"(mean {c.lambda_mean:.4g}): the dual mostly rested; c ({c.tolerance_start:.4g} -> "
+                       f"{c.tolerance_end:.4g}) lies above most of D-hat (mean {c.measured_mean:.4g}); lower it, or let "
+                       f"the run anchor it (constraints[i].anchor, as configs/default.yaml does)")
         if c.slack_frac >= SLACK_FRAC:
             out.append(f"constraint {name} was slack on {c.slack_frac:.0%} of the steps (D-hat < c with lambda at its "
                        f"floor): the dual never acted. c ({c.tolerance_start:.4g} -> {c.tolerance_end:.4g}) lies above "

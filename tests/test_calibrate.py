@@ -201,8 +201,8 @@ def test_calibrate_after_a_run_in_its_folder_takes_no_lock_and_keeps_its_checkpo
 
 
 def test_at_the_updates_one_optimiser_carries_its_moments_across_the_batches(tmp_path, monkeypatch):
-    """A fresh AdamW's first steps move every weight by about lr (m / sqrt(v) = +-1 after bias correction), which
-    overstated a run's drift ~2x on the default config; calibrate builds the config's optimiser once, so after
+    """dual.measure_at=drift: a fresh AdamW's first steps move every weight by about lr (m / sqrt(v) = +-1 after bias
+    correction), which overstated a run's drift ~2x on the default config; calibrate builds the config's optimiser once, so after
     BATCHES batches of N updates each every trained parameter's AdamW step count is BATCHES x N."""
     import dcmdp.calibrate as calibrate_module
 
@@ -214,7 +214,7 @@ def test_at_the_updates_one_optimiser_carries_its_moments_across_the_batches(tmp
 
     monkeypatch.setattr(calibrate_module, "build_optimizer", keep)
     over = [*_overrides(tmp_path, "int8"), "algo.minibatches=2", "optim.lr=5e-3", "dual.penalty=mean",
-            "dual.measure_at=updates", "dual.constraints=[{measure: abs_prob_diff, floor_slack: 1.0, lambda_init: 10}]"]
+            "dual.measure_at=drift", "dual.constraints=[{measure: abs_prob_diff, lambda_init: 10}]"]
     calibrate(load_config(None, over), batches=BATCHES, slack=SLACK)
     (optimizer,) = built
     steps = {int(st["step"]) for st in optimizer.state.values()}
@@ -240,3 +240,48 @@ def test_the_proposed_c_applied_to_the_same_config_keeps_the_dual_active_and_is_
     assert s.slack_frac < SLACK_FRAC and s.lambda_mean > 0.0
     assert s.cap_frac <= 0.5 and s.inside_frac >= 0.25, s
     assert not [w for w in summary.warnings if "infeasible" in w or "sat at its cap" in w]
+
+
+def _anchored_overrides(tmp_path) -> list[str]:
+    return [*_overrides(tmp_path, "int8"), "algo.minibatches=2", "optim.lr=5e-3", "dual.rule=chance",
+            "dual.measure_at=updates", "steps=8",
+            "dual.constraints=[{measure: abs_prob_diff, floor_slack: 1.0, anchor: 0.5, anchor_start: 2, "
+            "anchor_batches: 3, lambda_init: 0.1, lambda_max: 0.3, lr: 0.02}]"]
+
+
+def test_at_the_updates_calibrate_proposes_the_c_the_anchored_run_sets(tmp_path, monkeypatch):
+    """dual.measure_at=updates: calibrate runs the config's first steps as the run does (same seed, batches, updates,
+    probes) until the anchor's window closes, and proposes the tolerance the run then puts in force, rounded up to 3
+    significant digits, as a fixed c; the training run with the same config holds that c from the next step on."""
+    from dcmdp.loop import train
+    from tests.runs import metric_history
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    over = _anchored_overrides(tmp_path)
+    result = calibrate(load_config(None, over), batches=3, slack=SLACK)
+    (c,) = result.constraints
+    assert c.anchor is None and c.floor_slack is None
+    assert {"constraint/0/abs_prob_diff/lambda_0", "constraint/0/abs_prob_diff/lambda_max"} <= {r.name for r in
+                                                                                                 result.rows}
+    summary = train(load_config(None, [*over, f"output_dir={tmp_path / 'run'}"]))
+    gaps = metric_history(summary, "dual/anchor_gap/abs_prob_diff")
+    assert len(gaps) == 1  # one window: steps 3-5 (0-based 2-4)
+    in_force = metric_history(summary, "dual/tolerance/abs_prob_diff")[5]  # step 6: the first c after the window
+    assert c.tolerance == proposed_tolerance(in_force, 0.0)
+
+
+@pytest.mark.slow
+def test_the_default_trained_with_calibrates_proposal_holds_its_constraint(tmp_path, monkeypatch):
+    """configs/default.yaml (its cold start, 2-digit addition, int8 rollouts): calibrate's proposed c, applied as a
+    fixed tolerance for 80 RL steps, gets a dual that acts and holds: lambda > 0.01 on >= 50% of the steps, at its
+    cap on <= 20%, D-hat inside c on >= 70%."""
+    from dcmdp.loop import train
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    over = [f"output_dir={tmp_path / 'cal'}", "progress=false"]
+    (c,) = calibrate(load_config("configs/default.yaml", over), batches=8, slack=SLACK).constraints
+    summary = train(load_config("configs/default.yaml", [
+        f"output_dir={tmp_path / 'run'}", "progress=false", "steps=80", f"dual.constraints[0].tolerance={c.tolerance}",
+        "dual.constraints[0].floor_slack=null", "dual.constraints[0].anchor=null"]))
+    s = summary.constraints["abs_prob_diff"]
+    assert s.acting_frac >= 0.5 and s.cap_frac <= 0.2 and s.inside_frac >= 0.7, s

@@ -93,7 +93,7 @@ def test_duplicate_measures_get_suffixed_metric_names_and_shapes_are_checked():
     assert {"dual/lambda/kl_k3_1", "dual/lambda/kl_k3_2"} <= set(m)
     with pytest.raises(ValueError, match="2 constraints"):
         dual_step(state, torch.tensor([0.0]), cfg)
-    with pytest.raises(ValueError, match="unknown dual rule 'pi'; known: projected, pid, signed, fixed, off"):
+    with pytest.raises(ValueError, match="unknown dual rule 'pi'; known: projected, pid, signed, chance, fixed, off"):
         dual_step(state, torch.tensor([0.0, 0.0]), _cfg(rule="pi"))
 
 
@@ -645,9 +645,16 @@ def test_end_of_run_warnings_name_a_pinned_lambda_and_a_constraint_not_held():
     assert [w.split(":")[1].split(" on ")[0].strip() for w in warnings] == ["lambda sat at its cap lambda_max",
                                                                             "D-hat was outside c"]
     assert "60% of the steps" in warnings[0] and "70% of the steps" in warnings[1]
-    # half the steps at the cap, or inside c on half of them, is not "most"; a constant lambda is not warned about
-    h = _history([4e-3] * 5 + [2e-3] * 5, [3e-3] * 10, [0.3] * 5 + [0.2] * 5, floor=[1e-3] * 10)
+    # a constraint held: at the cap on 20% of the steps, outside c on 30% (the limits, CAP_FRAC and OUTSIDE_FRAC),
+    # acting on all; a constant lambda is not warned about
+    h = _history([4e-3] * 3 + [2e-3] * 7, [3e-3] * 10, [0.3] * 2 + [0.2] * 8, floor=[1e-3] * 10)
     assert end_of_run_warnings(constraint_summaries(h, ["abs_prob_diff"], con), "projected", 0.5, 0.0, 100) == []
+    # lambda above 0.01 on 4 of 10 steps (not slack throughout): the dual mostly rested
+    h = _history([2e-3] * 10, [3e-3] * 10, [0.05] * 4 + [0.0] * 6, floor=[1e-3] * 10)
+    (s,) = constraint_summaries(h, ["abs_prob_diff"], con).values()
+    assert s.acting_frac == pytest.approx(0.4)
+    (w,) = end_of_run_warnings({"abs_prob_diff": s}, "chance", 0.5, 0.0, 100)
+    assert "on only 40% of the steps" in w and "mostly rested" in w
     h = _history([4e-3] * 10, [3e-3] * 10, [0.3] * 10)
     assert end_of_run_warnings(constraint_summaries(h, ["abs_prob_diff"], con), "fixed", 0.5, 0.0, 100) == []
 
