@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from dcmdp.config import ConfigError
+from dcmdp.errors import ConfigError
 
 DEVICE_SETTINGS = ("auto", "cpu", "cuda")
 _CUDA_INDEX = re.compile(r"^cuda:(\d+)$")

@@ -78,18 +78,16 @@ import functools
 import math
 import statistics
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from constraints.penalties import constraint_names
+from dcmdp.async_config import StalenessAutoConfig
+from dcmdp.dual_config import DualConfig
 from trainers.learner import PenaltySpec
-
-if TYPE_CHECKING:  # the config imports this module's registry to validate names: no import at run time
-    from dcmdp.async_config import StalenessAutoConfig
-    from dcmdp.config import DualConfig
 
 _F64 = torch.float64
 _FEASIBILITY_TOL = 1e-9  # slack on A lambda <= b when deciding whether the box projection is already feasible
