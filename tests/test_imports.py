@@ -20,6 +20,19 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _every_import(path: Path) -> set[str]:
+    """Project modules ``path`` names in any import statement: module level, inside functions and under
+    ``if TYPE_CHECKING:`` alike (a circle through a type-only or deferred import is still a circle to read)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
 def _top_level_imports(path: Path) -> set[str]:
     """Project modules imported when the module is imported: module-level statements only (not inside functions
     or ``if TYPE_CHECKING:``), resolved to module names."""
@@ -42,9 +55,9 @@ def _top_level_imports(path: Path) -> set[str]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(imports=_top_level_imports) -> dict[str, set[str]]:
     files = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
-    return {name: {m for m in _top_level_imports(path) if m in files} for name, path in files.items()}
+    return {name: {m for m in imports(path) if m in files and m != name} for name, path in files.items()}
 
 
 def test_nothing_imports_upward():
@@ -80,6 +93,19 @@ def test_no_import_cycle():
     graph = _graph()
     assert len(graph) > 30  # the walk saw the whole tree
     assert find_cycle(graph) == []
+
+
+def test_no_two_modules_import_each_other_through_any_import():
+    graph = _graph(_every_import)
+    assert len(graph) > 30
+    assert find_cycle(graph) == []
+
+
+def test_every_import_counts_deferred_and_type_only_imports(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("from typing import TYPE_CHECKING\nimport dcmdp.config\nif TYPE_CHECKING:\n    import dcmdp.loop\n"
+                    "def f():\n    from dcmdp import tune\n")
+    assert {"dcmdp.config", "dcmdp.loop", "dcmdp.tune"} <= _every_import(path)
 
 
 def test_the_cycle_finder_finds_cycles():
