@@ -119,3 +119,27 @@ def _machine_busy_s() -> Optional[float]:
 def _own_cpu_s() -> float:
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
+
+
+PNG_COLOURS = 128
+"""Palette size of a saved figure: line plots need few colours, and a palette PNG is a quarter of an RGBA one."""
+
+
+def quantize_png(path: Path) -> None:
+    """Rewrite the PNG at ``path`` as a ``PNG_COLOURS``-colour palette image (median cut, no dithering)."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        small = im.convert("RGB").quantize(colors=PNG_COLOURS, method=Image.Quantize.MEDIANCUT,
+                                           dither=Image.Dither.NONE)
+    small.save(path, optimize=True)
+
+
+def save_figure(fig, path: Path, dpi: int = 120) -> Path:
+    """Save a matplotlib figure as a palette PNG (``quantize_png``) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    quantize_png(path)
+    return path

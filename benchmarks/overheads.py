@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from transformers import Qwen3MoeConfig  # noqa: E402
 
-from benchmarks._page import OtherLoad, command, env_lines  # noqa: E402
+from benchmarks._page import OtherLoad, command, env_lines, save_figure  # noqa: E402
 from dcmdp.config import load_config  # noqa: E402
 from dcmdp.loop import Setup, _train_step, rollout_phase, setup  # noqa: E402
 from trainers import learner  # noqa: E402
@@ -144,8 +144,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_xlabel("share of the median training step (phase medians)")
     ax.legend(ncol=6, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(rows) > 1 else -0.6))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def table(rows: list[dict]) -> list[str]:

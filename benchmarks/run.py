@@ -8,10 +8,10 @@ run is the experiment's base config + its ``overrides`` + the profile's + the le
 a cell whose ``summary.json`` and ``history.json`` exist is skipped and a killed run resumes from its last
 checkpoint, so a folder of finished cells copied in renders without training; a run the page's record holds is not
 trained again (``--retrain`` does). The page
-``benchmarks/results/<experiment>_<profile>.md`` (with .csv, .json and plots) is generated from the run folders
-and the page's record: its .json holds every run (accuracy curve, λ and discrepancy per step, diagnostics, the
-overrides it was trained with), and a run the folder lacks is read from there while the experiment file still
-gives it the same overrides. The folders are scratch; the committed record is the result.
+``benchmarks/results/<experiment>_<profile>.md`` (with .csv, .json.gz and plots) is generated from the run folders
+and the page's record: its .json.gz (gzipped JSON; a plain .json is read too) holds every run (accuracy curve, λ and
+discrepancy per step, diagnostics, the overrides it was trained with), and a run the folder lacks is read from there
+while the experiment file still gives it the same overrides. The folders are scratch; the committed record is the result.
 
 Collapse, any of: a non-finite update; the final held-out accuracy below half of the run's peak (step 0
 included); the mean reward accuracy over the last W = max(5, steps / 20) steps below half of the best W-step
@@ -32,6 +32,7 @@ import argparse
 import csv
 import dataclasses
 import datetime
+import gzip
 import json
 import math
 import os
@@ -51,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from benchmarks._page import command, machine_kind, md_table, rel  # noqa: E402
+from benchmarks._page import command, machine_kind, md_table, rel, save_figure  # noqa: E402
 
 EXPERIMENTS = ROOT / "benchmarks" / "experiments"
 # per-step metrics kept in history.json (the checkpoint's history has every metric)
@@ -711,17 +712,38 @@ def run_from_record(d: dict, late_from: float, seconds: float = math.nan) -> Run
                float(d.get("finished") or math.nan), d.get("schedule", {}), d.get("machine", ""))
 
 
+def record_path(prefix: Path) -> Path:
+    """The page's record: a plain ``prefix.json`` where one exists (a runner that wrote plain JSON wrote it after
+    the compressed one), else ``prefix.json.gz``, the form this runner writes."""
+    plain = prefix.with_name(prefix.name + ".json")
+    return plain if plain.exists() else prefix.with_name(prefix.name + ".json.gz")
+
+
+def read_record(prefix: Path) -> dict:
+    path = record_path(prefix)
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
+
+
+def write_record(prefix: Path, text: str) -> Path:
+    """Write the record gzipped (mtime 0: the same record gives the same bytes) and drop a plain one it replaces."""
+    path = prefix.with_name(prefix.name + ".json.gz")
+    path.write_bytes(gzip.compress(text.encode(), mtime=0))
+    prefix.with_name(prefix.name + ".json").unlink(missing_ok=True)
+    return path
+
+
 def recorded_runs(exp: Experiment, profile_name: str, prefix: Path
                   ) -> tuple[dict[tuple[str, str, int, int], Run], dict[tuple[str, str, int], dict], dict[str, float],
                              bool]:
-    """The runs on the committed page ``prefix``.json that the experiment file would still train the same way
+    """The runs on the committed page's record (``read_record``) that the experiment file would still train the same way
     (its record's config, or for a record without one its page's level, method and profile overrides), by
     (level, method, N, seed); the page's cells by (level, method, N); its wall seconds per run folder, and whether
     some of its runs' wall was not recorded."""
-    path = prefix.with_suffix(".json")
+    path = record_path(prefix)
     if not path.exists():
         return {}, {}, {}, False
-    page = json.loads(path.read_text())
+    page = read_record(prefix)
     seconds = {}
     if prefix.with_suffix(".csv").exists():
         for row in csv.DictReader(open(prefix.with_suffix(".csv"))):
@@ -1058,7 +1080,7 @@ def accuracy_figure(exp: Experiment, cells: list[dict], methods: Sequence[str], 
         ax.grid(axis="y", alpha=0.3), ax.legend(fontsize=7, loc="upper left", title="level (dots: seeds)",
                                                  title_fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120), plt.close(fig)
+    save_figure(fig, path, dpi=120)
     return path
 
 
@@ -1093,7 +1115,7 @@ def plot(exp: Experiment, runs: list[Run], cells: list[dict], prefix: Path) -> l
     ax.set_title(f"{last}, N = {n}: mean ± sd over seeds"), ax.grid(alpha=0.3), ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(prefix.with_name(prefix.name + "_curves.png"))
-    fig.savefig(paths[-1], dpi=120), plt.close(fig)
+    save_figure(fig, paths[-1], dpi=120)
 
     # the dual there: D-hat (5-step mean) against c, and lambda against its cap, per seed, a row per DCMDP config
     dual = [m for m in methods if is_dcmdp(m) and any((r.level, r.method, r.n) == (last, m, n) for r in runs)]
@@ -1120,7 +1142,7 @@ def plot(exp: Experiment, runs: list[Run], cells: list[dict], prefix: Path) -> l
             ax_l.set_xlabel("RL step"), ax_l.set_ylabel("λ"), ax_l.grid(alpha=0.3), ax_l.legend(fontsize=7)
         fig.tight_layout()
         paths.append(prefix.with_name(prefix.name + "_dual.png"))
-        fig.savefig(paths[-1], dpi=110), plt.close(fig)
+        save_figure(fig, paths[-1], dpi=110)
     if any(r.schedule for r in runs):
         paths.append(lambda_figure(runs, levels, methods, color, n, prefix.with_name(prefix.name + "_lambda.png")))
     return paths
@@ -1167,7 +1189,7 @@ def lambda_figure(runs: list[Run], levels: Sequence[str], methods: Sequence[str]
         ax_s.set_xlabel("RL step"), ax_s.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110), plt.close(fig)
+    save_figure(fig, path, dpi=110)
     return path
 
 
@@ -1220,7 +1242,7 @@ def front_figure(exp: Experiment, rows: list[dict], path: Path) -> Path:
         ax.set_ylabel("late held-out accuracy, %"), ax.set_title(f"{key[0]}, N = {key[1]}")
         ax.grid(alpha=0.3), ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120), plt.close(fig)
+    save_figure(fig, path, dpi=120)
     return path
 
 
@@ -1274,7 +1296,7 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
          "runs": []}, indent=1)
     records = [json.dumps(run_record(r, configs[(r.level, r.method, r.n, r.seed)]), separators=(",", ":"))
                for r in runs]
-    prefix.with_suffix(".json").write_text(head[:-len("[]\n}")] + "[\n" + ",\n".join(records) + "\n ]\n}\n")
+    write_record(prefix, head[:-len("[]\n}")] + "[\n" + ",\n".join(records) + "\n ]\n}\n")
     lines = table(cells) + (throughput_lines(exp, speed) if speed else [])
     # walls: wall seconds per run folder that trained runs of the page (walls_partial: some were not recorded)
     trained = (f"{sum(walls.values()) / 60:.0f} min wall over the invocations that trained the runs"
@@ -1527,7 +1549,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict] | None:
     bench = Path(args.bench_dir) if args.bench_dir else ROOT / "outputs" / stem
     results = Path(args.results) if args.results else ROOT / "benchmarks" / "results" / stem
     if args.headline:
-        cells = json.loads(results.with_suffix(".json").read_text())["cells"]
+        cells = read_record(results)["cells"]
         print(accuracy_figure(exp, cells, args.headline.split(","), [max(c["N"] for c in cells)],
                               results.with_name(results.name + "_headline.png")))
         return None
