@@ -206,7 +206,7 @@ def test_experiment_smoke(smoke_run):
         out = exp.cell_dir(bench, *cell)
         assert len(json.loads((out / "history.json").read_text())) == 3  # 3 RL steps, one entry each
         assert not (out / "checkpoints").exists()  # removed once the history is extracted
-    for r in json.loads(prefix.with_suffix(".json").read_text())["runs"]:
+    for r in run.read_record(prefix)["runs"]:
         assert r["eval_steps"] == [0, 2, 3] and all(0.0 <= a <= 1.0 for a in r["eval_acc"])
     md = prefix.with_suffix(".md").read_text()
     level, method, n, _ = cells[0]
@@ -251,7 +251,7 @@ def test_staleness_smoke_throughput_section(smoke_run):
 
     run, exp, prefix, bench = smoke_run
     assert exp.reference == "bound_0"
-    saved = json.loads(prefix.with_suffix(".json").read_text())
+    saved = run.read_record(prefix)
     speed = {r["method"]: r for r in saved["throughput"]}
     tokens = {}
     for (level, method, n, seed), history in _histories(exp, bench).items():
@@ -373,12 +373,12 @@ def test_page_record_renders_the_page_without_run_folders(smoke_run, tmp_path):
     run, exp, prefix, bench = smoke_run
     again = tmp_path / "again" / prefix.name
     again.parent.mkdir()
-    for suffix in (".json", ".csv"):
-        shutil.copyfile(prefix.with_suffix(suffix), again.with_suffix(suffix))
+    for suffix in (".json.gz", ".csv"):
+        shutil.copyfile(prefix.with_name(prefix.name + suffix), again.with_name(again.name + suffix))
     run.main(["stress", "--profile", "smoke", "--no-train", "--bench-dir", str(tmp_path / "none"),
               "--results", str(again)])
     assert not (tmp_path / "none").exists() or not any((tmp_path / "none").iterdir())
-    first, second = (json.loads(p.with_suffix(".json").read_text()) for p in (prefix, again))
+    first, second = (run.read_record(p) for p in (prefix, again))
     for record in first["runs"]:
         assert record["config"] == exp.run_config("smoke", record["level"], record["method"], record["N"],
                                                   record["seed"])
@@ -398,10 +398,10 @@ def test_page_record_renders_the_page_without_run_folders(smoke_run, tmp_path):
     assert all((exp.cell_dir(bench, *c) / run.MACHINE_FILE).read_text().strip() == machine_kind()
                for c in exp.cells("smoke"))
     # a run recorded from another kind: the page lists the kinds with their counts
-    page = json.loads(again.with_suffix(".json").read_text())
+    page = run.read_record(again)
     page["runs"][0]["machine"] = "riscv64 (test kernels, no CPU)"
     del page["runs"][1]["machine"]  # a run recorded before runs carried their machine
-    again.with_suffix(".json").write_text(json.dumps(page))
+    again.with_name(again.name + ".json").write_text(json.dumps(page))  # plain, as an older runner wrote it
     run.main(["stress", "--profile", "smoke", "--no-train", "--bench-dir", str(tmp_path / "none"),
               "--results", str(again)])
     assert (f"the runs were trained on riscv64 (test kernels, no CPU) (1 runs), {machine_kind()} "
@@ -428,8 +428,28 @@ def test_page_record_renders_the_page_without_run_folders(smoke_run, tmp_path):
     path.write_text(yaml.safe_dump(raw))
     run.main([str(path), "--profile", "smoke", "--no-train", "--bench-dir", str(tmp_path / "none"),
               "--results", str(again)])
-    kept = json.loads(again.with_suffix(".json").read_text())["runs"]
+    kept = run.read_record(again)["runs"]
     assert kept and {r["method"] for r in kept} == {m for _, m, _, _ in exp.cells("smoke")} - {edited}
+
+
+def test_a_page_record_reads_gzipped_and_plain_and_is_written_gzipped(tmp_path):
+    """run.py writes a page's record gzipped, reads a plain one too, and a plain one beside a gzipped one (written by
+    a runner that wrote plain JSON, so after it) wins until the next write replaces both."""
+    import gzip
+    import json
+
+    run = _runner()
+    prefix = tmp_path / "exp_profile"
+    assert run.write_record(prefix, json.dumps({"runs": [1]})) == tmp_path / "exp_profile.json.gz"
+    assert json.loads(gzip.decompress((tmp_path / "exp_profile.json.gz").read_bytes())) == {"runs": [1]}
+    assert run.read_record(prefix) == {"runs": [1]}
+    (tmp_path / "exp_profile.json").write_text(json.dumps({"runs": [2]}))
+    assert run.record_path(prefix).name == "exp_profile.json" and run.read_record(prefix) == {"runs": [2]}
+    run.write_record(prefix, json.dumps({"runs": [3]}))
+    assert not (tmp_path / "exp_profile.json").exists() and run.read_record(prefix) == {"runs": [3]}
+    first = (tmp_path / "exp_profile.json.gz").read_bytes()
+    run.write_record(prefix, json.dumps({"runs": [3]}))
+    assert (tmp_path / "exp_profile.json.gz").read_bytes() == first  # no timestamp in the gzip header
 
 
 def test_method_and_profile_from_yaml_only(tmp_path):
@@ -771,7 +791,7 @@ def test_pooled_profile_renders_its_parts_runs_with_shifted_seeds(smoke_run, tmp
     assert "pooled, no run trained here: profile smoke from" in md and "in progress" not in md
 
     # without the folders, from the part's page beside the pooled one
-    shutil.copyfile(smoke_prefix.with_suffix(".json"), prefix.with_name("pooled_smoke.json"))
+    shutil.copyfile(run.record_path(smoke_prefix), prefix.with_name("pooled_smoke.json.gz"))
     raw["profiles"]["both"]["pool"][1]["bench_dir"] = str(tmp_path / "gone")
     path.write_text(yaml.safe_dump(raw))
     run.main([str(path), "--profile", "both", "--results", str(prefix)])
