@@ -29,17 +29,6 @@ def command(script: str, argv: Optional[Sequence[str]] = None, python: str = ".v
     return f"OMP_NUM_THREADS={threads} {python} benchmarks/{script} {args}".rstrip()
 
 
-def env_lines(cmd: str) -> list[str]:
-    """The date, machine, versions and command lines of a results page."""
-    import torch
-    import transformers
-
-    return [f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
-            f"- machine: {machine_kind()}, {os.cpu_count()} logical CPUs, torch threads {torch.get_num_threads()}",
-            f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
-            f"transformers {transformers.__version__}", f"- command: `{cmd}`"]
-
-
 def git_head() -> str:
     """The commit the benchmark runs, with a note when tracked files differ from it."""
     import subprocess
@@ -72,53 +61,15 @@ def machine_kind() -> str:
     return f"{platform.machine()} ({torch.backends.cpu.get_cpu_capability()} kernels, {cpu_model()})"
 
 
+def fmt(v, spec: str = ".3g") -> str:
+    """``v`` formatted, or '-' where it is None or NaN (not measured, or not recorded)."""
+    return "-" if v is None or v != v else format(v, spec)
+
+
 def md_table(head: Sequence[str], rows: Sequence[Sequence]) -> list[str]:
     """A markdown table: the header row, the separator and one row per entry of ``rows``."""
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
             *("| " + " | ".join(map(str, r)) + " |" for r in rows)]
-
-
-def reading_lines(page: Path) -> list[str]:
-    """A blank line and the hand-written reading ``<name>_reading.md`` next to ``page``, or nothing without one."""
-    path = Path(page).with_name(Path(page).stem + "_reading.md")
-    return ["", path.read_text().rstrip()] if path.exists() else []
-
-
-LOADED_CORES = 0.25
-"""Other jobs' mean CPU use (cores) above which a timing is "measured under load" and no headline ratio is drawn."""
-
-
-class OtherLoad:
-    """The CPU the rest of the machine used while the block ran, in cores (``.cores``): machine busy CPU-seconds
-    from /proc/stat minus this process's and its finished children's, over the wall time. None off Linux."""
-
-    def __enter__(self) -> "OtherLoad":
-        self.cores: Optional[float] = None
-        self._start = time.perf_counter(), _machine_busy_s(), _own_cpu_s()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        t0, busy0, own0 = self._start
-        busy = _machine_busy_s()
-        # wall seconds, this process tree's CPU-seconds and the machine's busy CPU-seconds over the block
-        self.wall_s, self.own_s = time.perf_counter() - t0, _own_cpu_s() - own0
-        self.busy_s = None if busy is None or busy0 is None else busy - busy0
-        if self.busy_s is not None:
-            self.cores = max(0.0, (self.busy_s - self.own_s) / max(self.wall_s, 1e-9))
-
-
-def _machine_busy_s() -> Optional[float]:
-    try:
-        fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # user .. steal; guest time is inside user
-
-
-def _own_cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
 
 
 PNG_COLOURS = 128
@@ -143,3 +94,74 @@ def save_figure(fig, path: Path, dpi: int = 120) -> Path:
     plt.close(fig)
     quantize_png(path)
     return path
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+
+def sync(device) -> None:
+    """Wait for the device's queued work (a CUDA timing without it measures the launch, not the kernels)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device) -> float:
+    """Seconds of one call of ``fn``, synchronised on both sides."""
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def interleaved(fns: dict, device, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds of ``repeats`` calls of each function after ``warmup`` each, the functions taking turns and each round
+    starting with another, so that a change of load or clock hits all of them alike."""
+    names = list(fns)
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for rep in range(repeats):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            times[name].append(timed(fns[name], device))
+    return times
+
+
+def median_time(fn, device, repeats: int) -> float:
+    """Median seconds of ``fn`` over ``repeats`` calls after one warm-up call."""
+    import statistics
+
+    return statistics.median(interleaved({"fn": fn}, device, repeats)["fn"])
+
+
+def peak_tflops(device, n: int, repeats: int) -> float:
+    """Best TFLOP/s of an n x n x n bf16 matmul (2 n^3 FLOPs) over ``repeats`` calls: the MFU denominator."""
+    import torch
+
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    return 2 * n**3 / min(interleaved({"mm": lambda: a @ b}, device, repeats, warmup=3)["mm"]) / 1e12
+
+
+def environment() -> dict:
+    """Versions and the device of this process, for the page."""
+    import importlib.util
+
+    import torch
+
+    def version(module: str) -> str:
+        if importlib.util.find_spec(module) is None:
+            return "not installed"
+        try:
+            return getattr(__import__(module), "__version__", "unknown version")
+        except Exception as exc:  # an installed package that fails to import is reported, not fatal
+            return f"fails to import: {type(exc).__name__}: {exc}"
+
+    cuda = torch.cuda.is_available()
+    return {"python": f"{platform.python_version()} ({sys.executable})", "torch": torch.__version__,
+            "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(0) if cuda else "no CUDA device",
+            "transformers": version("transformers"), "vllm": version("vllm"), "pytest": version("pytest"),
+            "machine": platform.node(), "git": git_head(),
+            "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}"}

@@ -12,12 +12,8 @@ gradient errors, peak memory of forward + backward (CPU: VmHWM; CUDA: max_memory
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks._page import md_table  # noqa: E402
+from benchmarks._page import environment, machine_kind, md_table, median_time  # noqa: E402
 
 from trainers import lm_head  # noqa: E402
 from trainers.lm_head import ROW_CHUNK, VOCAB_CHUNK  # noqa: E402
@@ -116,17 +112,6 @@ def peak_memory_mib(fn, device: torch.device) -> tuple[float, object]:
     return _rss_mib("VmHWM") - before, out
 
 
-def time_head(name, ops, device, repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 1):
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        run_head(name, *ops)
-        torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
-
-
 def measure(args, device: torch.device) -> list[dict]:
     N, H, V = args.tokens, args.hidden, args.vocab
     batch = make_batch(N, H, V, args.logit_std, args.seed, device)
@@ -145,7 +130,7 @@ def measure(args, device: torch.device) -> list[dict]:
                    "peak_mib": mib, "nv_fp32_mib": N * V * 4 / 2**20}
             del logp, ent, gh, gw
             if device.type == "cuda":
-                row["fwd_bwd_ms"] = 1e3 * time_head(name, ops, device, args.repeats)
+                row["fwd_bwd_ms"] = 1e3 * median_time(lambda: run_head(name, *ops), device, args.repeats)
             rows.append(row)
             print(json.dumps(row), flush=True)
         del ref
@@ -223,13 +208,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     lines = table(rows) + memory_table(memory)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    card = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    env = environment()
+    card = env["device"] if device.type == "cuda" else machine_kind()
     cmd = "benchmarks/lm_head.py " + " ".join(argv if argv is not None else sys.argv[1:])
     N, V = args.tokens, args.vocab
     header = [
         "# LM head log-probs: accuracy against float64, peak memory", "",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
-        f"- machine: {platform.node()}, {card}; python {platform.python_version()}, torch {torch.__version__}"
+        f"- date: {env['date']}",
+        f"- machine: {env['machine']}, {card}; python {env['python']}, torch {env['torch']}"
         + ("" if device.type == "cpu" else f", TF32 matmul {torch.backends.cuda.matmul.allow_tf32}"),
         f"- command: `{cmd}`",
         f"- batch: N {N} tokens, hidden {args.hidden}, vocabulary {V}; unit-RMS hidden states, logits of std "

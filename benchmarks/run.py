@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from benchmarks._page import command, machine_kind, md_table, rel, save_figure  # noqa: E402
+from benchmarks._page import fmt as _fmt  # noqa: E402
 
 EXPERIMENTS = ROOT / "benchmarks" / "experiments"
 # per-step metrics kept in history.json (the checkpoint's history has every metric)
@@ -1037,11 +1038,6 @@ def table(cells: list[dict]) -> list[str]:
           f"{c['collapses']}/{c['seeds']}", _fmt(c["abs_prob_diff"], ".2e"), _fmt(c["inside_share"], ".0%"),
           f"{c['mean_lambda']:.3g}", f"{c['final_lambda']:.3g}", _fmt(c["extreme_share"], ".0%"),
           _fmt(c.get("acting_share", math.nan), ".0%"), _fmt(c.get("cap_share", math.nan), ".0%")) for c in cells])
-
-
-def _fmt(x: float, spec: str) -> str:
-    """``x`` formatted, or '-' where it is NaN (not measured, or not recorded for the runs of a cell)."""
-    return "-" if math.isnan(x) else format(x, spec)
 
 
 def welch_table(rows: list[dict]) -> list[str]:
