@@ -143,7 +143,8 @@ def test_the_mfu_part_on_the_cpu_matches_the_flop_formula_and_the_counter(tmp_pa
 def test_the_speed_parts_run_on_the_cpu_at_tiny_shapes(tmp_path):
     speed = _load("speed")
     result = speed.main(["--device", "cpu", "--tiny", "--parts", "optimizer,training,decode", "--repeats", "2",
-                         "--opt-params", "2e6", "--out", str(tmp_path), "--budget-s", "1000"])
+                         "--batch", "2", "--seq", "64", "--decode-prompts", "4", "--decode-tokens", "8", "--out",
+                         str(tmp_path), "--budget-s", "1000"])
     assert result["errors"] == {}
     rel = result["optimizer"]["over_torch_fused"]
     assert rel["torch_fused"] == 1.0 and rel["dcmdp_stochastic"] > 0
