@@ -152,11 +152,11 @@ def environment() -> dict:
     import torch
 
     def version(module: str) -> str:
-        if importlib.util.find_spec(module) is None:
-            return "not installed"
         try:
+            if importlib.util.find_spec(module) is None:
+                return "not installed"
             return getattr(__import__(module), "__version__", "unknown version")
-        except Exception as exc:  # an installed package that fails to import is reported, not fatal
+        except Exception as exc:  # a package that fails to import is reported, not fatal
             return f"fails to import: {type(exc).__name__}: {exc}"
 
     cuda = torch.cuda.is_available()

@@ -12,7 +12,8 @@ with ``--dry-run``) each step only checks that it is wired ("skipped: no CUDA (.
 The stress runs start from a cold start trained here on the CPU (``--prepare``) and carried to the device.
 
     python benchmarks/gpu_check.py --prepare                                    # here: .dcmdp_cache/gpu_check
-    bash benchmarks/gpu_check.sh --wheels .whl --part 1 --out $OUT              # there (carry .whl, the cache)
+    bash benchmarks/gpu_check.sh --wheels .whl --part 1 --out $OUT              # there; carry .whl and
+                                                          # .dcmdp_cache/gpu_check/stress_cold_start
     python benchmarks/gpu_check.py --dry-run --out /tmp/gpu_check              # every part's wiring, in CI
     python benchmarks/gpu_check.py --cpu-smoke --only qwen3_30b_a3b --out DIR  # train steps at tiny sizes, CPU
 """

