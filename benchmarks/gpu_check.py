@@ -163,9 +163,13 @@ def prepare(spec: dict, steps: list[Step], smoke: bool) -> Path:
 
 
 def planned_peak_gib(cfg) -> Optional[float]:
-    """The memory plan's GiB per GPU for this run's config, printed beside the measured peak so that the first GPU
-    run validates the plan. None: dcmdp has no memory plan yet."""
-    return None
+    """The memory plan's GiB per GPU for this run's config (``dcmdp.memplan.plan_memory``, one GPU), printed beside
+    the measured peak so that the first GPU run validates the plan; None in a tree without the plan."""
+    try:
+        from dcmdp.memplan import plan_memory
+    except ImportError:
+        return None
+    return plan_memory(cfg).total_gib
 
 
 def summarise(steps_: list[dict], cfg, peak_tflops_: Optional[float]) -> dict:

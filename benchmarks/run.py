@@ -737,8 +737,8 @@ def write_record(prefix: Path, text: str) -> Path:
 def recorded_runs(exp: Experiment, profile_name: str, prefix: Path
                   ) -> tuple[dict[tuple[str, str, int, int], Run], dict[tuple[str, str, int], dict], dict[str, float],
                              bool]:
-    """The runs on the committed page's record (``read_record``) that the experiment file would still train the same way
-    (its record's config, or for a record without one its page's level, method and profile overrides), by
+    """The runs on the committed page's record (``read_record``) that the experiment file would still train the same
+    way (its record's config, or for a record without one its page's level, method and profile overrides), by
     (level, method, N, seed); the page's cells by (level, method, N); its wall seconds per run folder, and whether
     some of its runs' wall was not recorded."""
     path = record_path(prefix)
