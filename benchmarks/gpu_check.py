@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._page import environment, fmt, md_table, peak_tflops  # noqa: E402
+from benchmarks.speed import HEADS  # noqa: E402
 
 STEPS_FILE = ROOT / "benchmarks" / "gpu_check.yaml"
 # git-ignored; the device call carries it
@@ -390,6 +391,12 @@ def write_page(out: Path, steps: list[Step]) -> None:
             if headline:
                 lines += ["", f"{name}: {about.get(name, '')}", "",
                           *md_table(("measure", "value"), [(k, fmt(v, ".4g")) for k, v in headline.items()])]
+            mfu = [(r["shape"], f"{r['batch']} x {r['seq']}", h, fmt(r[h]["step_s"], ".4f"), fmt(r[h]["mfu"], ".1%"),
+                    fmt(r[h]["max_memory_gib"], ".1f"), fmt(r["counted_flops"] / r["flops_per_step"], ".4f"))
+                   for r in result.get("mfu", []) for h in HEADS if h in r]
+            if mfu:
+                lines += ["", *md_table(("shape", "B x S", "LM head", "step s", "MFU", "max GiB",
+                                         "counted / formula FLOPs"), mfu)]
         lines.append("")
     (out / "summary.md").write_text("\n".join(lines))
 

@@ -204,3 +204,26 @@ def test_the_train_steps_run_on_the_cpu_at_tiny_size_and_fill_the_page(tmp_path)
                           text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert (tmp_path / "c" / "stress_cold_start" / "config.json").is_file()
+
+
+def test_the_page_holds_each_parts_steps_runs_comparisons_and_results(tmp_path):
+    check = _load("gpu_check")
+    steps, _ = check.load_steps()
+    env = {"date": "2026-12-04 00:00 UTC", "git": "abc", "device": "H200", "python": "3.11", "torch": "2.x",
+           "cuda": "12", "transformers": "5", "vllm": "0.3"}
+    train = {"steps": 3, "peak_gib": 63.3, "plan_gib": 60.0, "tokens_per_s": 1234.0, "mfu_step": 0.25,
+             "mfu_update": 0.4, "phases_s": {"generate": 1.0, "step": 7.29}}
+    mfu = {"shape": "qwen3-1.7b", "batch": 4, "seq": 2048, "flops_per_step": 2e15, "counted_flops": 2e15,
+           "bf16x3": {"step_s": 0.5, "mfu": 0.359, "max_memory_gib": 30.0}}
+    doc = {"part": 2, "about": "recipes", "env": env, "peak_bf16_tflops": 800.0, "wall_s": 200.0, "command": "c",
+           "steps": [{"name": "qwen3_8b", "status": "ok", "wall_s": 100.0, "log": "qwen3_8b.log", "train": train}],
+           "compare": {"stress_cuda_vs_cpu": [{"metric": "reward/mean", "a": 0.5, "b": 0.6, "welch_p": 0.07,
+                                               "band": "abs 0.15", "ok": True}]},
+           "results": {"speed": {"dense8b_step_mfu": 0.31, "mfu": [mfu]}}}
+    (tmp_path / "part2.json").write_text(json.dumps(doc))
+    check.write_page(tmp_path, steps)
+    page = (tmp_path / "summary.md").read_text()
+    assert "## Part 2: recipes" in page and "bf16 matmul peak 800 TFLOP/s" in page
+    assert "| qwen3_8b | 3 | 1 | - | - | - | - | - | 7.29 | 1234 | 25.0% | 40.0% | 63.3 | 60.0 |" in page
+    assert "| means | reward/mean | 0.5 | 0.6 | 0.07 | abs 0.15 | True |" in page
+    assert "| dense8b_step_mfu | 0.31 |" in page and "| qwen3-1.7b | 4 x 2048 | bf16x3 | 0.5000 | 35.9% | 30.0 |" in page
