@@ -339,6 +339,27 @@ def _run_folder(cfg: RunConfig, problems: list[Problem]) -> None:
         problems.append(_problem(exc, "tracking"))
 
 
+def memory_plan(path: Optional[str], overrides: Sequence[str], gpus: int = 1, gpu_memory: Optional[float] = None
+                ) -> tuple[list[str], Optional[Problem]]:
+    """The memory plan's lines for ``gpus`` GPUs of ``gpu_memory`` GiB (the detected GPU's size when None), and the
+    problem when it does not fit (``dcmdp.memplan``: the largest term and the key that shrinks it). Without a size
+    (no ``--gpu-memory`` and no GPU here) the plan is printed for 80 GiB and refuses nothing."""
+    from dcmdp.memplan import detected_gpu_gib, plan_memory
+
+    cfg = load_config(path, overrides, check=False)
+    detected = detected_gpu_gib() if gpu_memory is None else None
+    if gpu_memory is not None:
+        size, source = gpu_memory, "--gpu-memory"
+    elif detected is not None:
+        size, source = detected
+    else:
+        size, source = 80.0, "no GPU here and no --gpu-memory: an 80 GiB GPU assumed"
+    plan = plan_memory(cfg, gpus, size, gpu_source=source)
+    known = gpu_memory is not None or detected is not None
+    problem = None if plan.fits or not known else Problem(plan.largest.key, plan.refusal())
+    return plan.lines(), problem
+
+
 def report(problems: Sequence[Problem], what: str, *, listed: bool = False) -> list[str]:
     """The lines that list ``problems`` found in ``what``: under a header line, each with its key; one problem alone
     (``listed=False``, as ``train`` reports) is the one line the run would print."""

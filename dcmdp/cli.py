@@ -102,6 +102,13 @@ def _cmd_check(ns: argparse.Namespace) -> int:
     if problems:
         print("\n".join(report(problems, what, listed=True)), file=sys.stderr)
         return 2
+    from dcmdp.check import memory_plan
+
+    lines, unfit = memory_plan(path, overrides, ns.gpus, ns.gpu_memory)
+    print("\n".join(lines))
+    if unfit is not None:
+        print(unfit.line(), file=sys.stderr)
+        return 2
     print(f"{what}: no problem found (config and tolerances, task files and split, reward, tokenizer and model, "
           f"device, output folder, tracking) in {time.perf_counter() - t0:.1f} s")
     return 0
@@ -193,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "tokenizer, model directory, device, output folder), each with its key and fix; exit code 2 "
                        "if any: dcmdp check [CONFIG.yaml] [key=value ...]")
     k.add_argument("args", nargs="*", help="a YAML config file and/or dotlist overrides, as for train")
+    k.add_argument("--gpus", type=_at_least(1, int), default=1, help="GPUs of the memory plan (> 1: torchrun, one "
+                   "rank per GPU; default 1)")
+    k.add_argument("--gpu-memory", type=_at_least(1), default=None, metavar="GiB", help="memory of each GPU in GiB "
+                   "(default: the detected GPU's; without one the plan is shown for 80 GiB and refuses nothing)")
     k.set_defaults(func=_cmd_check)
 
     c = sub.add_parser("calibrate", help="measure the discrepancy floor with identical weights and propose c: "

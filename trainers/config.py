@@ -106,8 +106,13 @@ class TorchEngineConfig:
     # kv_cache=static on CUDA, dense models: decode steps compiled with torch.compile(mode="reduce-overhead") and
     # replayed as CUDA graphs (finished rows are then fed padding instead of leaving the batch). Ignored elsewhere.
     decode_graphs: bool = False
+    # KV-token budget of one decode: the rows of a rollout are decoded in sub-batches whose cache (rows x (P +
+    # max_new_tokens) positions) stays within this many tokens, with the same tokens as one batch. 0: one batch on the
+    # CPU, on CUDA the budget that fits in KV_FREE_FRACTION of the free device memory (trainers.engines.torch_engine).
+    kv_tokens: int = 0
 
     def check(self, prefix: str = "rollout.torch") -> None:
+        _require(self.kv_tokens >= 0, f"{prefix}.kv_tokens", f"must be >= 0 (0: from free memory), got {self.kv_tokens}")
         _require(self.int4_group_size >= 1, f"{prefix}.int4_group_size", f"must be >= 1, got {self.int4_group_size}")
         _require(self.kv_cache in ("dynamic", "static"), f"{prefix}.kv_cache",
                  f"must be dynamic or static, got {self.kv_cache!r}")

@@ -195,37 +195,86 @@ def _trim(rollout: Rollout, prompt_len: int, response_len: int) -> Rollout:
                    rollout_experts_BSLK=None if experts is None else experts[:, P - prompt_len:P + response_len])
 
 
+@dataclass(frozen=True)
+class MicroBatch:
+    """One token-budget micro-batch of a rollout: its rows, the rollout cut to the prompt and response columns they
+    use, and the routes to replay over those columns."""
+
+    # (b,) row indices into the rollout the micro-batch was cut from.
+    rows: Tensor
+    rollout: Rollout
+    replay_experts_BSLK: Optional[Tensor]
+    # Prompt and response columns kept (the last ``prompt_len`` prompt, the first ``response_len`` response columns).
+    prompt_len: int
+    response_len: int
+
+
+def _equal_count(groups: list[Tensor], count: int) -> list[Tensor]:
+    """``groups`` split (the largest first, in halves) until there are ``count`` of them: FSDP2 ranks must run the
+    same number of forwards and backwards, and every rank has as many rows as any other, so ``count`` (the most any
+    rank needs) never exceeds a rank's rows."""
+    groups = list(groups)
+    while len(groups) < count:
+        i = max(range(len(groups)), key=lambda j: len(groups[j]))
+        if len(groups[i]) < 2:
+            raise ValueError(f"cannot split {sum(len(g) for g in groups)} rows into {count} micro-batches")
+        half = (len(groups[i]) + 1) // 2
+        groups[i:i + 1] = [groups[i][:half], groups[i][half:]]
+    return groups
+
+
+def micro_batches(rollout: Rollout, replay_experts_BSLK: Optional[Tensor], spec: ScoringSpec) -> list[MicroBatch]:
+    """The rollout's rows in ``length_buckets`` micro-batches of ``spec.micro_batch_tokens`` padded positions, each
+    cut to the columns its rows use; one micro-batch of the whole rollout (uncut) without a budget. Under data
+    parallelism every rank gets the same number of micro-batches (``_equal_count``; one all-reduce)."""
+    budget = spec.micro_batch_tokens
+    B = len(rollout)
+    if budget <= 0:
+        return [MicroBatch(torch.arange(B), rollout, replay_experts_BSLK, rollout.num_prompt_positions,
+                           rollout.response_ids_BT.shape[1])]
+    P = rollout.num_prompt_positions
+    prompt_len_B = rollout.prompt_mask_BP.sum(-1)
+    response_len_B = rollout.response_mask_BT.sum(-1)
+    groups = length_buckets(prompt_len_B + response_len_B, budget)
+    if spec.shard.world > 1:
+        count = torch.tensor([len(groups)], device=rollout.input_ids_BS.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        groups = _equal_count(groups, int(count))
+    out = []
+    for rows in groups:
+        p, t = int(prompt_len_B[rows].max()), max(int(response_len_B[rows].max()), 1)
+        replay = None if replay_experts_BSLK is None else replay_experts_BSLK[rows][:, P - p:P + t]
+        out.append(MicroBatch(rows, _trim(rollout.select(rows), p, t), replay, p, t))
+    return out
+
+
 def _forward_logp(model, rollout: Rollout, spec: ScoringSpec, *, with_entropy: bool,
                   replay_experts_BSLK: Optional[Tensor], capture: bool):
     """The forward of ``rollout``: (logp_BT, entropy_BT, captured_experts_BSLK) in the rollout's (B, T) / (B, S)
     layout, values 0 (routes -1) at padding.
 
-    With ``spec.micro_batch_tokens`` (one process only: FSDP ranks must run the same number of forwards) the rows
-    go through ``length_buckets`` micro-batches, each cut to the prompt and response columns its rows use; the
-    log-probs are the same function of each row (position ids and masks follow the real tokens), so the loss
-    and its gradient equal the padded forward's to float rounding (tests/test_micro_batches.py)."""
-    budget = spec.micro_batch_tokens
-    if budget <= 0 or spec.shard.world > 1:
-        return _forward_logp_amp(model, rollout, spec, with_entropy=with_entropy,
-                                 replay_experts_BSLK=replay_experts_BSLK, capture=capture)
+    With ``spec.micro_batch_tokens`` the rows go through ``micro_batches``, each cut to the prompt and response
+    columns its rows use; the log-probs are the same function of each row (position ids and masks follow the real
+    tokens), so they equal the padded forward's to float rounding (tests/test_micro_batches.py). A forward that keeps
+    its graph keeps every micro-batch's: the updates go through ``_accumulate`` instead, one backward each."""
     B, T = rollout.response_ids_BT.shape
     P = rollout.num_prompt_positions
-    prompt_len_B = rollout.prompt_mask_BP.sum(-1)
-    response_len_B = rollout.response_mask_BT.sum(-1)
-    logp_parts, ent_parts, rows_parts, experts_BSLK = [], [], [], None
-    for rows in length_buckets(prompt_len_B + response_len_B, budget):
-        p, t = int(prompt_len_B[rows].max()), max(int(response_len_B[rows].max()), 1)
-        replay = None if replay_experts_BSLK is None else replay_experts_BSLK[rows][:, P - p:P + t]
-        logp, ent, experts = _forward_logp_amp(model, _trim(rollout.select(rows), p, t), spec,
-                                               with_entropy=with_entropy, replay_experts_BSLK=replay, capture=capture)
+    parts = micro_batches(rollout, replay_experts_BSLK, spec)
+    if len(parts) == 1 and parts[0].prompt_len == P and parts[0].response_len == T:
+        return _forward_logp_amp(model, rollout, spec, with_entropy=with_entropy,
+                                 replay_experts_BSLK=replay_experts_BSLK, capture=capture)
+    logp_parts, ent_parts, experts_BSLK = [], [], None
+    for mb in parts:
+        p, t = mb.prompt_len, mb.response_len
+        logp, ent, experts = _forward_logp_amp(model, mb.rollout, spec, with_entropy=with_entropy,
+                                               replay_experts_BSLK=mb.replay_experts_BSLK, capture=capture)
         logp_parts.append(torch.nn.functional.pad(logp, (0, T - t)))
         ent_parts.append(None if ent is None else torch.nn.functional.pad(ent, (0, T - t)))
-        rows_parts.append(rows)
         if experts is not None:
             if experts_BSLK is None:
                 experts_BSLK = experts.new_full((B, P + T, *experts.shape[2:]), -1)
-            experts_BSLK[rows, P - p:P + t] = experts
-    inverse_B = torch.argsort(torch.cat(rows_parts))
+            experts_BSLK[mb.rows, P - p:P + t] = experts
+    inverse_B = torch.argsort(torch.cat([mb.rows for mb in parts]))
     logp_BT = torch.cat(logp_parts)[inverse_B]
     ent_BT = None if ent_parts[0] is None else torch.cat(ent_parts)[inverse_B]
     return logp_BT, ent_BT, experts_BSLK
@@ -424,23 +473,32 @@ class OldPass:
     metrics: dict[str, float]
 
 
+def _one_micro_batch(rollout: Rollout, spec: ScoringSpec) -> bool:
+    """This rank's rows of ``rollout`` make up a single micro-batch (no budget, or all within it) on every rank."""
+    local = rollout.select(spec.shard.rows(len(rollout))) if spec.shard.world > 1 else rollout
+    return len(micro_batches(local, None, spec)) == 1
+
+
 def old_pass(model, rollout: Rollout, advantages_B: Tensor, keep_B: Tensor, cfg: AlgoConfig, spec: ScoringSpec
              ) -> OldPass:
     """log pi_old for the updates: recomputed by the training engine (``algo.old_logp: recompute``), or log mu
     itself (``rollout``, the bypass: no forward before the updates unless N = 1 fuses it with the update's).
 
-    With one mini-batch (``fuses_old_pass``) the pi_old forward keeps its graph and is the update's forward. Samples
-    with non-finite pi_old log-probs are dropped (``screen_old``)."""
+    With one mini-batch (``fuses_old_pass``) that is one micro-batch too (``_one_micro_batch``) the pi_old forward
+    keeps its graph and is the update's forward; a larger batch is scored without a graph and the update then runs
+    one forward and backward per micro-batch, so the memory of a step does not grow with the batch. Samples with
+    non-finite pi_old log-probs are dropped (``screen_old``)."""
     bypass = cfg.old_logp == "rollout"
     forward = None
-    if fuses_old_pass(cfg):
+    fuse = fuses_old_pass(cfg) and _one_micro_batch(rollout, spec)
+    if fuse:
         batch, forward = score_on_policy(model, rollout, advantages_B, cfg, spec)
     elif bypass:
         batch = score_bypass(rollout, advantages_B, cfg)
     else:
         batch = score_old(model, rollout, advantages_B, cfg, spec)
     batch, keep_B, forward, metrics = screen_old(batch, keep_B, forward)
-    train_logp_BT = batch.old_logp_BT if not bypass or fuses_old_pass(cfg) else None
+    train_logp_BT = batch.old_logp_BT if not bypass or fuse else None
     if bypass:
         batch = old_from_rollout(batch)
     return OldPass(batch, keep_B, forward, train_logp_BT, metrics)
@@ -506,6 +564,34 @@ def _global_norm(grad_norm: Tensor) -> Tensor:
     return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
 
 
+def _entropy_term(ent_BT: Tensor, cfg: AlgoConfig) -> Tensor:
+    """The entropy as the loss reads it: without its graph when ``algo.entropy_coef`` is 0 (with the ``logits`` head
+    the graph would keep a (tokens, vocab) float32 ``exp`` alive until the backward)."""
+    return ent_BT if cfg.entropy_coef else ent_BT.detach()
+
+
+def _accumulate(model, rollout: Rollout, replay_experts_BSLK: Optional[Tensor], rows_B: Tensor, spec: ScoringSpec,
+                scaler: Optional[torch.amp.GradScaler], terms: dict) -> tuple[Tensor, Tensor]:
+    """Forward and backward of ``rollout`` (the batch's rows ``rows_B``) one ``micro_batches`` micro-batch at a time,
+    the gradients accumulating: only one micro-batch's activations are alive at once. Each micro-batch's loss is its
+    token sum over the mini-batch's global ``normalizer``, so the accumulated gradient is the mini-batch's.
+
+    Returns the detached (B, T) log-probs and entropies of ``rollout``'s rows (0 at padding)."""
+    B, T = rollout.response_ids_BT.shape
+    logp_BT = torch.zeros(B, T, dtype=torch.float32, device=rollout.response_ids_BT.device)
+    ent_BT = torch.zeros_like(logp_BT)
+    for mb in micro_batches(rollout, replay_experts_BSLK, spec):
+        logp, ent, _ = _forward_logp_amp(model, mb.rollout, spec, with_entropy=True,
+                                         replay_experts_BSLK=mb.replay_experts_BSLK, capture=False)
+        pad = (0, T - mb.response_len)
+        logp, ent = torch.nn.functional.pad(logp, pad), torch.nn.functional.pad(_entropy_term(ent, terms["cfg"]), pad)
+        loss, _ = _minibatch_terms(logp, ent, rows_B[mb.rows], **terms)
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        logp_BT[mb.rows] = logp.detach().float()
+        ent_BT[mb.rows] = ent.detach().float()
+    return logp_BT, ent_BT
+
+
 def update(model, optim: OptimStep, batch: ScoredBatch, *, scoring: ScoringSpec, penalty: PenaltySpec,
            cfg: AlgoConfig, generator: torch.Generator, forward: Optional[OnPolicyForward] = None) -> UpdateResult:
     """N mini-batch optimiser steps on one scored rollout batch.
@@ -543,21 +629,19 @@ def update(model, optim: OptimStep, batch: ScoredBatch, *, scoring: ScoringSpec,
                                                                                         generator)
     for idx in parts:
         local = idx[shard.rows(len(idx))] if shard.world > 1 else idx
+        normalizer = max(int(mask_BT[idx].sum()), 1)
+        terms = dict(normalizer=normalizer, batch=batch, weights=weights, penalty=penalty, cfg=cfg)
+        optimizer.zero_grad(set_to_none=True)
         if forward is not None:
-            logp_BT, ent_BT = forward.logp_BT, forward.ent_BT
+            loss, _ = _minibatch_terms(forward.logp_BT, _entropy_term(forward.ent_BT, cfg), local, **terms)
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            logp_BT, ent_BT = forward.logp_BT.detach(), forward.ent_BT.detach()
         else:
             replay = batch.replay_experts_BSLK[local] if batch.replay_experts_BSLK is not None else None
-            logp_BT, ent_BT, _ = _forward_logp(model, rollout.select(local), scoring, with_entropy=True,
-                                               replay_experts_BSLK=replay, capture=False)
-        normalizer = max(int(mask_BT[idx].sum()), 1)
-        loss, metrics = _minibatch_terms(logp_BT, ent_BT, local, normalizer, batch, weights, penalty, cfg)
-        if shard.world > 1:
-            full_logp_BT = shard.gather_rows(logp_BT.detach())
-            with torch.no_grad():
-                full_loss, metrics = _minibatch_terms(full_logp_BT, shard.gather_rows(ent_BT.detach()), idx,
-                                                      normalizer, batch, weights, penalty, cfg)
-        else:
-            full_logp_BT, full_loss = logp_BT.detach(), loss.detach()
+            logp_BT, ent_BT = _accumulate(model, rollout.select(local), replay, local, scoring, scaler, terms)
+        full_logp_BT = shard.gather_rows(logp_BT)
+        with torch.no_grad():  # the whole mini-batch's loss and metrics, from the detached per-token values
+            full_loss, metrics = _minibatch_terms(full_logp_BT, shard.gather_rows(ent_BT), idx, **terms)
         trained_logp_BT[idx] = full_logp_BT.to(trained_logp_BT.dtype)
         base_lrs = [group["lr"] for group in optimizer.param_groups]
         if cfg.ess_lr_scale:
@@ -567,8 +651,6 @@ def update(model, optim: OptimStep, batch: ScoredBatch, *, scoring: ScoringSpec,
             metrics.update(ess_metrics)
             for group in optimizer.param_groups:
                 group["lr"] *= lr_scale
-        optimizer.zero_grad(set_to_none=True)
-        (loss if scaler is None else scaler.scale(loss)).backward()
         if scaler is not None:
             scaler.unscale_(optimizer)
         grad_norm = _global_norm(torch.nn.utils.clip_grad_norm_(model.parameters(),
@@ -595,6 +677,8 @@ def update(model, optim: OptimStep, batch: ScoredBatch, *, scoring: ScoringSpec,
             log.warning("non-finite %s in a mini-batch update (loss %s, grad norm %s): optimizer step skipped",
                         "loss" if not bool(torch.isfinite(full_loss)) else "gradient norm",
                         float(full_loss), float(grad_norm))
+        # the gradients are not needed past the step: freed here, not at the next mini-batch or rollout
+        optimizer.zero_grad(set_to_none=True)
         for group, lr in zip(optimizer.param_groups, base_lrs):
             group["lr"] = lr
         if scheduler is not None:
