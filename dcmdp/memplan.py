@@ -28,12 +28,14 @@ torch engine's KV cache) and the training phase (gradients + activations + logit
 micro-batch makes up the mini-batch, the larger of its activations and of the gradients with the optimiser step's
 temporaries: the backward frees the first while it fills the second).
 
-Per-layer activation bytes per token (bf16 compute, mask-free sdpa, nothing growing with S^2) follow
-2 x (10 H + 6 q + 4 kv + 4 I) for a dense layer and 2 x (10 H + 6 q + 4 kv + k (4 I_e + 2 H) + 2 E) for an MoE
-layer (q = heads x head dim, kv = KV heads x head dim, I the MLP width, I_e the expert width, E experts, k top-k):
-within 2% of what ``benchmarks/real_shapes.py --activations`` measured at the real widths (Qwen3-8B 240,436 B,
-Qwen3-30B-A3B 207,448 B; docs/scale.md). Validated against peaks measured on the CPU
-(tests/test_memory_plan.py) and on one H200 (docs/gpu.md).
+Per-layer activation bytes per token (mask-free sdpa, nothing growing with S^2): the distinct storages autograd
+saves, counted on the CPU by varying one width at a time (q = heads x head dim, kv = KV heads x head dim, I the MLP
+width): 4 x (6 H + 4 q + 4 kv + 4 I) in float32, 2 x (8 H + 5 q + 5 kv + 4 I) in bfloat16 (the RMSNorms and the
+rotary embedding keep float32 copies), each within 0.5% of the count at five shapes. An MoE layer's MLP adds
+k (4 I_e + 2 H) + 2 E elements (I_e the expert width, E experts, k top-k), fitted to the saved tensors that
+``benchmarks/real_shapes.py --activations`` counted at the real width (docs/scale.md; that count includes aliases,
+so it bounds from above). Validated against peaks measured on the CPU (tests/test_memory_learner.py) and on one
+H200 (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ class Shapes:
     def layer_activation_bytes(self, dtype_bytes: int = 2) -> float:
         """Bytes one decoder layer saves for backward per token (the fit in the module docstring)."""
         q, kv, H = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden
-        base = 10 * H + 6 * q + 4 * kv
+        # bf16 keeps float32 copies inside the RMSNorms and the rotary embedding: more elements per width
+        base = 6 * H + 4 * q + 4 * kv if dtype_bytes == 4 else 8 * H + 5 * q + 5 * kv
         if self.experts:
             mlp = self.top_k * (4 * self.expert_intermediate + 2 * H) + 2 * self.experts
         else:
@@ -172,6 +175,10 @@ class MemoryPlan:
     response_tokens: int
     prompt_tokens: int
     micro_batches: int
+    # The phases the total is made of (bytes): held for the whole run, the training phase, the rollout phase.
+    persistent_bytes: float = 0.0
+    train_bytes: float = 0.0
+    rollout_bytes: float = 0.0
 
     @property
     def total_gib(self) -> float:
@@ -206,12 +213,14 @@ class MemoryPlan:
 
 
 def plan_memory(cfg, gpus: int = 1, gpu_mem_gib: float = 80.0, *, gpu_source: str = "--gpu-memory",
-                prompt_tokens: int = PROMPT_TOKENS, shapes: Optional[Shapes] = None) -> MemoryPlan:
+                prompt_tokens: int = PROMPT_TOKENS, shapes: Optional[Shapes] = None,
+                overhead_gib: float = OVERHEAD_GIB) -> MemoryPlan:
     """The per-GPU memory plan of the run config ``cfg`` on ``gpus`` GPUs of ``gpu_mem_gib`` GiB (module docstring).
 
     ``gpus > 1`` is the ``torchrun`` layout: FSDP2 shards weights, gradients and optimiser state over the ranks, each
     rank trains on 1/gpus of every mini-batch, one vLLM engine spans the GPUs at tensor parallel = gpus, and the torch
-    engine decodes on rank 0 (the plan is rank 0's, the largest). ``shapes`` replaces the preset's (tests)."""
+    engine decodes on rank 0 (the plan is rank 0's, the largest). ``shapes`` replaces the preset's; ``overhead_gib`` the
+    assumed CUDA overhead (0 for a plan of the CPU)."""
     s = shapes or model_shapes(cfg)
     world = max(int(gpus), 1)
     sharded = world > 1
@@ -258,9 +267,9 @@ def plan_memory(cfg, gpus: int = 1, gpu_mem_gib: float = 80.0, *, gpu_source: st
 
     resp_tokens = rows_micro * T
     if cfg.model.lm_head_kernel == "logits" or not cfg.model.fp32_lm_head:
-        per = (3 if algo.entropy_coef > 0 else 2) * 4 * s.vocab
-        head = per * resp_tokens
-        head_formula = f"{resp_tokens:,} response tokens x {per // s.vocab} x 4 B x {s.vocab:,} vocab (saved)"
+        saved = 3 if algo.entropy_coef > 0 else 2  # logits and log-softmax, and exp for the entropy's graph
+        head = saved * 4 * s.vocab * resp_tokens
+        head_formula = f"{resp_tokens:,} response tokens x {saved} x 4 B x {s.vocab:,} vocab (saved)"
         head_key = "model.lm_head_kernel"
     else:
         tile = HEAD_TILES * 4 * min(HEAD_ROW_CHUNK, resp_tokens) * min(HEAD_VOCAB_CHUNK, s.vocab)
@@ -306,15 +315,17 @@ def plan_memory(cfg, gpus: int = 1, gpu_mem_gib: float = 80.0, *, gpu_source: st
         trans += engine_b * largest_b
         trans_formula += "; weight sync: one tensor in the engine's dtype"
     transients = add("transients", trans, trans_formula, "optim.precision")
-    overhead = add("overhead", OVERHEAD_GIB * GIB, "CUDA context, NCCL buffers, allocator slack (assumed)", "--gpu-memory")
+    overhead = add("overhead", overhead_gib * GIB, "CUDA context, NCCL buffers, allocator slack (assumed)", "--gpu-memory")
 
     persistent = weights + optim + engine + routes + overhead
+    forward = activations + logits + transients - opt_tmp  # the optimiser's temporaries come after the backward
     if micro > 1:  # the gradients accumulate while each micro-batch's activations are alive
-        train = grads + activations + logits + transients
+        train = grads + max(forward, transients)
     else:  # the one backward frees the activations while it fills the gradients
-        train = max(activations + logits + transients - opt_tmp, grads + transients)
+        train = max(forward, grads + transients)
     total = persistent + max(train, kv)
-    return MemoryPlan(world, float(gpu_mem_gib), gpu_source, tuple(terms), total, T, prompt_tokens, micro)
+    return MemoryPlan(world, float(gpu_mem_gib), gpu_source, tuple(terms), total, T, prompt_tokens, micro,
+                      persistent, train, kv)
 
 
 def detected_gpu_gib() -> Optional[tuple[float, str]]:
