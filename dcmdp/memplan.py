@@ -143,7 +143,8 @@ def model_shapes(cfg) -> Shapes:
 
 def route_dtype_bytes(experts: int) -> int:
     """Bytes of the smallest signed integer type that holds expert ids 0..experts-1 and the -1 of padding."""
-    return 1 if experts <= 127 else 2 if experts <= 32767 else 4
+    top = experts - 1
+    return 1 if top <= 127 else 2 if top <= 32767 else 4
 
 
 @dataclass(frozen=True)
