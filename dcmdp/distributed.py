@@ -37,6 +37,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from dcmdp.device import activate, check_backend, default_backend, local_rank, resolve_device
 from dcmdp.checkpoint import (CheckpointError, capture_rng, prepare_checkpoint_dir, publish_checkpoint,
@@ -275,11 +276,13 @@ class SpmdEngine:
 
     def generate(self, prompts: list[list[int]], seed: int):
         rollout = self.inner.generate(prompts, seed)
-        digests = [None] * self.d.world
-        dist.all_gather_object(digests, _rollout_digest(rollout))
-        if len(set(digests)) != 1:
+        mine = _rollout_digest(rollout, self.d.device)
+        digests = [torch.empty_like(mine) for _ in range(self.d.world)]
+        dist.all_gather(digests, mine)
+        if not all(torch.equal(d, digests[0]) for d in digests):
             raise RuntimeError(f"vLLM under torchrun: the ranks' engines returned different rollouts for the same "
-                               f"prompts and seed (rank digests {digests}): their weight shards disagree (a failed "
+                               f"prompts and seed (ranks {[r for r, d in enumerate(digests) if not torch.equal(d, mine)]} "
+                               f"differ from rank {self.d.rank}): their weight shards disagree (a failed "
                                f"weight sync) or a kernel is not deterministic; the data-parallel batch must be one")
         return rollout
 
@@ -293,16 +296,22 @@ class SpmdEngine:
         self.inner.close()
 
 
-def _rollout_digest(rollout) -> str:
-    """A hash of everything a Rollout holds (tokens, masks, log-probs, routes), to compare ranks cheaply."""
-    import hashlib
-
-    h = hashlib.sha256()
+def _rollout_digest(rollout, device: torch.device) -> Tensor:
+    """(fields, 2) int64 checksums of everything a Rollout holds (tokens, masks, log-probs, routes), computed on
+    ``device`` to compare ranks cheaply: per field its element count and sum_i bits_i * w_i, with bits_i the value's
+    bit pattern (floats viewed as integers) and w_i a fixed pseudo-random weight in [1, 65521), so a changed, moved
+    or reordered element changes it. Wrapping int64 arithmetic is the same on every rank."""
+    sums = []
     for name, value in sorted(vars(rollout).items()):
-        if isinstance(value, torch.Tensor):
-            h.update(name.encode())
-            h.update(value.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
+        if not isinstance(value, Tensor):
+            continue
+        x = value.detach().to(device).reshape(-1)
+        if x.is_floating_point():
+            x = x.float().view(torch.int32)
+        i = torch.arange(x.numel(), device=device, dtype=torch.int64)
+        w = (i * 2654435761 + 97) % 65521 + 1
+        sums.append(torch.stack([torch.tensor(x.numel(), device=device), (x.to(torch.int64) * w).sum()]))
+    return torch.stack(sums)
 
 
 def rollout_engine(cfg, model: torch.nn.Module, model_dir: str, *, eos_id: int, pad_id: int, d: Dist):

@@ -394,7 +394,7 @@ def _train_step(s: Setup, step: int, bar) -> None:
     reward_metrics["time/reward"] = time.perf_counter() - t1
     rollout, advantages_B, keep_B, guard_metrics = screen_phase(cfg.algo, rollout, rewards_B, fresh_B)
     # rewards and screens ran on the host; the learner and the measures run where the model lives
-    rollout, advantages_B, keep_B = rollout.to(s.dist.device), advantages_B.to(s.dist.device), keep_B.to(s.dist.device)
+    rollout, advantages_B, keep_B = learner.place(s.policy.model, rollout, advantages_B, keep_B)
     old = learner.old_pass(s.policy.model, rollout, advantages_B, keep_B, cfg.algo, s.scoring)
     # train_logp_BT: pi_old vs mu before the updates; None (a bypass with N > 1) measures each token's update instead
     batch, keep_B, train_logp_BT, old_metrics = old.batch, old.keep_B, old.train_logp_BT, old.metrics
@@ -544,9 +544,10 @@ def screen_phase(algo: AlgoConfig, rollout: Rollout, rewards_B: torch.Tensor, fr
     Advantages come from the kept samples of each group only; returns the masked rollout, advantages_B
     (0 at dropped samples), keep_B and the guard/ and advantage metrics.
     """
+    rewards_B = rewards_B.to(rollout.rollout_logp_BT.device)  # rewards come from the host, a rollout may not
     keep_B, metrics = guards.screen_rows(rollout.rollout_logp_BT, rollout.response_mask_BT, rewards_B)
     if fresh_B is not None:
-        keep_B = keep_B & fresh_B
+        keep_B = keep_B & fresh_B.to(keep_B.device)
     advantages_B, adv_metrics = guards.screened_advantages(ADVANTAGES[algo.advantage], rewards_B, keep_B,
                                                            algo.samples_per_prompt, algo)
     keep_B, adv_guard = guards.screen_advantages(advantages_B, keep_B)

@@ -142,9 +142,10 @@ def model_shapes(cfg) -> Shapes:
 
 
 def route_dtype_bytes(experts: int) -> int:
-    """Bytes of the smallest signed integer type that holds expert ids 0..experts-1 and the -1 of padding."""
-    top = experts - 1
-    return 1 if top <= 127 else 2 if top <= 32767 else 4
+    """Bytes of a route as the engines store it (``trainers.routing.route_dtype``)."""
+    from trainers.routing import route_dtype
+
+    return route_dtype(experts).itemsize
 
 
 @dataclass(frozen=True)

@@ -351,6 +351,13 @@ def fuses_old_pass(cfg: AlgoConfig) -> bool:
     return cfg.minibatches == 1
 
 
+def place(model, rollout: Rollout, *tensors: Tensor) -> tuple:
+    """``rollout`` and ``tensors`` on the device of ``model``'s parameters (the same objects when already there): the
+    one way train, calibrate and eval put a batch where the model scores it (engines and rewards work on the host)."""
+    device = next(model.parameters()).device
+    return (rollout.to(device), *(t.to(device) for t in tensors))
+
+
 @torch.no_grad()
 def score_old(model, rollout: Rollout, advantages_B: Tensor, cfg: AlgoConfig, spec: ScoringSpec) -> ScoredBatch:
     """Recompute log pi_old with the training engine (replaying the rollout's routes under R3).
@@ -381,6 +388,7 @@ def _score(model, rollout: Rollout, advantages_B: Tensor, cfg: AlgoConfig, spec:
     r3 = cfg.routing_replay == "r3"
     if r3 and rollout.rollout_experts_BSLK is None:
         raise ValueError("routing_replay=r3 needs the rollout engine's routes, and this engine reported none")
+    rollout, advantages_B = place(model, rollout, advantages_B)
     local = rollout.select(shard.rows(len(rollout))) if shard.world > 1 else rollout
     logp_BT, ent_BT, train_experts = _forward_logp(
         model, local, spec, with_entropy=with_grad, replay_experts_BSLK=local.rollout_experts_BSLK if r3 else None,

@@ -99,7 +99,7 @@ def _patched_forward(self, hidden_states: Tensor):
     _, own_idx_NK = torch.topk(router_probs, self.top_k, dim=-1)
     idx_NK = own_idx_NK
     if ctx is not None and ctx.replay is not None and layer in ctx.replay:
-        replay_NK = ctx.replay[layer].to(own_idx_NK.device)
+        replay_NK = ctx.replay[layer].to(own_idx_NK.device, torch.long)  # routes are stored narrow
         if replay_NK.shape != own_idx_NK.shape:
             raise RuntimeError(f"routing replay: layer {layer} got routes of shape {tuple(replay_NK.shape)} "
                                f"for {tuple(own_idx_NK.shape)} router outputs (positions misaligned)")
@@ -112,11 +112,24 @@ def _patched_forward(self, hidden_states: Tensor):
     if ctx is not None:
         ctx.router_calls += 1
         if ctx.capture:
-            ctx.captured.setdefault(layer, []).append(idx_NK.detach())
+            ctx.captured.setdefault(layer, []).append(idx_NK.detach().to(route_dtype(self.num_experts)))
     return router_logits, top_value_NK.to(router_logits.dtype), idx_NK
 
 
 _ROUTER_CLS.forward = _patched_forward
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The smallest signed integer dtype that holds expert ids 0..num_experts-1 and the -1 of "no route": int8 up to
+    128 experts (Qwen3-30B-A3B: [B, S, L, K] routes at 1 byte each instead of int64's 8)."""
+    top = int(num_experts) - 1
+    return torch.int8 if top <= 127 else torch.int16 if top <= 32767 else torch.int32
+
+
+def model_route_dtype(model: torch.nn.Module) -> torch.dtype:
+    """``route_dtype`` of ``model``'s routers (int8 for a model without any)."""
+    routers = moe_routers(model)
+    return route_dtype(routers[0].num_experts if routers else 1)
 
 
 def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -53,6 +53,7 @@ the importance ratios pi_old / mu are then biased (tokens in the nucleus look un
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -76,6 +77,10 @@ GQA_DECODE_ATTENTION = "dcmdp_sdpa_gqa_decode"
 # rollout.torch.kv_cache=static: the cache length P + max_new_tokens rounded up to a multiple of this, so that batches
 # of similar prompt lengths share one cache shape (one captured decode graph per shape).
 STATIC_CACHE_ROUND = 64
+
+# rollout.torch.kv_tokens=0 on CUDA: the share of the free device memory a rollout's KV cache may take (the rest
+# holds the decode step's activations and logits).
+KV_FREE_FRACTION = 0.8
 
 
 def sdpa_gqa_decode(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
@@ -180,8 +185,55 @@ class TorchEngine:
         dev = self.device
         prompt_ids_BP, prompt_mask_BP = left_pad_prompts(prompts, self.pad_id)
         prompt_ids_BP, prompt_mask_BP = prompt_ids_BP.to(dev), prompt_mask_BP.to(dev)
-        gen = torch.Generator(device=dev).manual_seed(int(seed))
+        rows = self.kv_rows(P + T)
+        parts = [self._decode(prompt_ids_BP[r0:r0 + rows], prompt_mask_BP[r0:r0 + rows], r0, B, seed)
+                 for r0 in range(0, B, rows)]
+        steps = max(part[0].shape[1] for part in parts)
 
+        def cat(i: int, fill, width: int) -> Tensor:
+            """Field ``i`` of every sub-batch, stacked over rows and padded with ``fill`` to ``width`` columns."""
+            first = parts[0][i]
+            out = first.new_full((B, width, *first.shape[2:]), fill)
+            r0 = 0
+            for part in parts:
+                out[r0:r0 + len(part[i]), :part[i].shape[1]] = part[i]
+                r0 += len(part[i])
+            return out
+
+        response_ids_BT = cat(0, self.pad_id, steps)
+        response_mask_BT = cat(1, False, steps)
+        rollout_logp_BT = cat(2, 0.0, steps)
+        experts_BSLK = cat(3, -1, P + steps) if self.is_moe else None
+        return Rollout(prompt_ids_BP=prompt_ids_BP.cpu(), prompt_mask_BP=prompt_mask_BP.cpu(),
+                       response_ids_BT=response_ids_BT.cpu(), response_mask_BT=response_mask_BT.cpu(),
+                       rollout_logp_BT=rollout_logp_BT.cpu(),
+                       rollout_experts_BSLK=None if experts_BSLK is None else experts_BSLK.cpu(),
+                       version_B=torch.full((B,), self.version, dtype=torch.long))
+
+    def kv_rows(self, positions: int) -> int:
+        """Rows decoded at once: those whose KV cache of ``positions`` positions fits ``rollout.torch.kv_tokens``, or
+        when it is 0, ``KV_FREE_FRACTION`` of the free device memory on CUDA (every row at once on the CPU); at
+        least one."""
+        budget = self.cfg.torch.kv_tokens
+        if budget <= 0 and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            c = self.model.config
+            head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+            per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * self.dtype.itemsize
+            budget = int(KV_FREE_FRACTION * free // per_token)
+        if budget <= 0:
+            return 1 << 62
+        return max(budget // positions, 1)
+
+    def _decode(self, prompt_ids_BP: Tensor, prompt_mask_BP: Tensor, first: int, total: int, seed: int
+                ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+        """Decode rows ``first .. first + B - 1`` of a rollout of ``total`` rows: (response_ids_BT, response_mask_BT,
+        rollout_logp_BT, experts_BSLK or None), T the steps this sub-batch took. The generator restarts from
+        ``seed`` and every step draws for all ``total`` rows (``_sample``), so each row gets the tokens it gets in
+        one batch of all the rows."""
+        B, P, T = prompt_ids_BP.shape[0], prompt_ids_BP.shape[1], self.cfg.max_new_tokens
+        dev = self.device
+        gen = torch.Generator(device=dev).manual_seed(int(seed))
         response_ids_BT = torch.full((B, T), self.pad_id, dtype=torch.long, device=dev)
         response_mask_BT = torch.zeros((B, T), dtype=torch.bool, device=dev)
         rollout_logp_BT = torch.zeros((B, T), dtype=torch.float32, device=dev)
@@ -211,7 +263,7 @@ class TorchEngine:
             hidden_AH = out.last_hidden_state[:, -1]
             steps = 0
             for t in range(T):
-                token_A, logp_A = self._sample(hidden_AH, gen, rows_A, B)
+                token_A, logp_A = self._sample(hidden_AH, gen, rows_A + first, total)
                 fed_A = live_A  # token t is a real position of these rows (EOS included)
                 response_ids_BT[rows_A, t] = torch.where(fed_A, token_A, self.pad_id)
                 response_mask_BT[rows_A, t] = fed_A
@@ -249,11 +301,7 @@ class TorchEngine:
         experts_BSLK = None
         if self.is_moe:
             experts_BSLK = self._assemble_routes(capture, prompt_mask_BP, response_mask_BT, fed_rows)
-        return Rollout(prompt_ids_BP=prompt_ids_BP.cpu(), prompt_mask_BP=prompt_mask_BP.cpu(),
-                       response_ids_BT=response_ids_BT.cpu(), response_mask_BT=response_mask_BT.cpu(),
-                       rollout_logp_BT=rollout_logp_BT.cpu(),
-                       rollout_experts_BSLK=None if experts_BSLK is None else experts_BSLK.cpu(),
-                       version_B=torch.full((B,), self.version, dtype=torch.long))
+        return response_ids_BT, response_mask_BT, rollout_logp_BT, experts_BSLK
 
     def _sample(self, hidden_AH: Tensor, gen: torch.Generator, rows_A: Tensor, B: int) -> tuple[Tensor, Tensor]:
         """Sample one token per decode-batch row from the tempered (top-p) distribution; returns (token_A, logp_A).
@@ -308,7 +356,8 @@ class TorchEngine:
         B, P = prompt_mask_BP.shape
         T = response_mask_BT.shape[1]
         L, K = capture.num_layers, capture.top_k
-        experts_BSLK = torch.full((B, P + T, L, K), -1, dtype=torch.long, device=prompt_mask_BP.device)
+        experts_BSLK = torch.full((B, P + T, L, K), -1, dtype=routing.model_route_dtype(self.model),
+                                  device=prompt_mask_BP.device)
         for layer in range(L):
             calls = capture.calls(layer)
             experts_BSLK[:, :P, layer] = calls[0].reshape(B, P, K)

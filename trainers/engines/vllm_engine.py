@@ -91,6 +91,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.platforms import current_platform
 
+from trainers import routing
 from trainers.batch import Rollout, left_pad_prompts
 from trainers.config import RolloutConfig
 from trainers.engines import VLLM_FP8_UNAVAILABLE, VLLM_LOGIT_NOISE_UNSUPPORTED, VLLM_UNSUPPORTED_PRECISIONS
@@ -209,6 +210,8 @@ class VllmEngine:
         hf_config = model.config
         self.num_moe_layers = _num_moe_layers(hf_config)
         self.top_k = int(getattr(hf_config, "num_experts_per_tok", 0) or 0)
+        # routes in the smallest integer type that holds the expert ids (trainers.routing.route_dtype)
+        self.route_dtype = routing.route_dtype(int(getattr(hf_config, "num_experts", 0) or 1))
         self._check_head_dim(hf_config)
 
         self._tmp_dir = None
@@ -352,7 +355,7 @@ class VllmEngine:
         if self.native_routes:
             rollout.rollout_experts_BSLK = place_routed_experts(
                 [out.outputs[0].routed_experts for out in outputs], [len(p) for p in prompts],
-                [len(r) for r in responses], L=self.num_moe_layers, K=self.top_k)
+                [len(r) for r in responses], L=self.num_moe_layers, K=self.top_k, dtype=self.route_dtype)
         elif recording:
             order = {out.request_id: b for b, out in enumerate(outputs)}
             rollout.rollout_experts_BSLK = self._assemble_routes(
@@ -371,7 +374,7 @@ class VllmEngine:
         B, S = input_ids_BS.shape
         P = S - max(response_len_B)
         L, K = self.num_moe_layers, self.top_k
-        experts_BSLK = torch.full((B, S, L, K), -1, dtype=torch.long)
+        experts_BSLK = torch.full((B, S, L, K), -1, dtype=self.route_dtype)
         for step in steps:
             if sorted(step.experts_NK) != sorted(self._moe_index):
                 raise RuntimeError(f"route capture: a forward reported MoE layers {sorted(step.experts_NK)}, "
@@ -460,7 +463,7 @@ def _cpu_shm_segments() -> set[Path]:
 
 
 def place_routed_experts(rows_B: list, prompt_len_B: list[int], response_len_B: list[int], *, L: int,
-                         K: int) -> Tensor:
+                         K: int, dtype: torch.dtype = torch.long) -> Tensor:
     """(B, S, L, K) experts per fed position from vLLM's per-request routes; -1 where nothing was fed.
 
     ``rows_B[b]`` is request b's ``CompletionOutput.routed_experts``: shape ``(n_b, L, K)`` with
@@ -471,7 +474,7 @@ def place_routed_experts(rows_B: list, prompt_len_B: list[int], response_len_B: 
     """
     B = len(rows_B)
     P, T = max(prompt_len_B), max(response_len_B)
-    experts_BSLK = torch.full((B, P + T, L, K), -1, dtype=torch.long)
+    experts_BSLK = torch.full((B, P + T, L, K), -1, dtype=dtype)
     for b, (rows, n_p, n_r) in enumerate(zip(rows_B, prompt_len_B, response_len_B)):
         if rows is None:
             raise RuntimeError(f"vLLM returned no routed experts for request {b} (enable_return_routed_experts off?)")
