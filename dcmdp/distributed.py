@@ -33,6 +33,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Iterator, Optional
 
 import torch
@@ -234,14 +235,47 @@ def shard_model(model: torch.nn.Module, cfg, d: Dist) -> torch.nn.Module:
     return model
 
 
+class GatheredStateDict(Mapping):
+    """The full weights of an FSDP2-sharded state dict, gathered one tensor at a time as a reader asks for it and cast
+    to ``dtype`` (None: as trained): a weight sync then holds one full tensor beside the shards, not the whole float32
+    model (Qwen3-30B-A3B: 122 GB). Reading a tensor is a collective: every rank must read the same names in the same
+    order, which an engine loading every tensor once, in the state dict's order, does on every rank."""
+
+    def __init__(self, state_dict: dict[str, Tensor], dtype: Optional[torch.dtype] = None):
+        self._sharded, self._dtype = state_dict, dtype
+
+    def __getitem__(self, name: str) -> Tensor:
+        tensor = self._sharded[name]
+        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        if self._dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(self._dtype)
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sharded)
+
+    def __len__(self) -> int:
+        return len(self._sharded)
+
+
+def sync_dtype(rollout_cfg) -> Optional[torch.dtype]:
+    """The dtype weights travel in to the rollout engine: its own for a plain cast (fp32, bf16, fp16); None (as
+    trained) for a quantised precision, which re-quantises from the full-precision values."""
+    from trainers.quant import PRECISION_DTYPES, QUANTIZED_PRECISIONS
+
+    if rollout_cfg.precision_schedule or rollout_cfg.precision in QUANTIZED_PRECISIONS:
+        return None
+    return PRECISION_DTYPES[rollout_cfg.precision]
+
+
 class RankZeroEngine:
     """The rollout engine as every rank sees it: rank 0 drives the real engine (``inner``) and broadcasts each
     Rollout, so every rank computes rewards and advantages over the same full batch; ``load_weights`` takes
-    the FSDP2-sharded state dict, gathers each tensor (a collective, every rank calls it) and hands the full
-    weights to rank 0's engine."""
+    the FSDP2-sharded state dict, gathers each tensor (a collective, every rank calls it), casts it to the engine's
+    dtype and hands it to rank 0's engine through host memory: the device holds one full tensor at a time."""
 
-    def __init__(self, inner, d: Dist):
-        self.inner, self.d = inner, d
+    def __init__(self, inner, d: Dist, dtype: Optional[torch.dtype] = None):
+        self.inner, self.d, self.dtype = inner, d, dtype
         self.version = inner.version if inner is not None else 0
 
     def generate(self, prompts: list[list[int]], seed: int):
@@ -249,10 +283,11 @@ class RankZeroEngine:
 
     def load_weights(self, state_dict: dict[str, Any], version: int) -> None:
         full = {}
-        for name, tensor in state_dict.items():
-            tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        gathered = GatheredStateDict(state_dict, self.dtype)
+        for name in gathered:
+            tensor = gathered[name]
             if self.d.main:  # the other ranks drop each gathered tensor at once
-                full[name] = tensor
+                full[name] = tensor.to("cpu")
         if self.d.main:
             self.inner.load_weights(full, version=version)
         self.version = int(version)
@@ -267,11 +302,11 @@ class SpmdEngine:
     tensor-parallel part r of one engine, and all ranks call ``generate`` with the same prompts and seed, as
     vLLM's external launcher requires (its scheduling is deterministic, the logits are all-gathered and each
     rank samples with the same per-request seeds, so every rank returns the same Rollout; ``generate`` checks
-    that). ``load_weights`` gathers the FSDP2-sharded state dict into full tensors on every rank, and each
-    rank's vLLM worker keeps its own shard of them."""
+    that). ``load_weights`` streams the FSDP2-sharded state dict into every rank's vLLM worker one gathered tensor
+    at a time, in the engine's dtype (``GatheredStateDict``); each worker keeps its own shard of it."""
 
-    def __init__(self, inner, d: Dist):
-        self.inner, self.d = inner, d
+    def __init__(self, inner, d: Dist, dtype: Optional[torch.dtype] = None):
+        self.inner, self.d, self.dtype = inner, d, dtype
         self.version = inner.version
 
     def generate(self, prompts: list[list[int]], seed: int):
@@ -287,9 +322,7 @@ class SpmdEngine:
         return rollout
 
     def load_weights(self, state_dict: dict[str, Any], version: int) -> None:
-        full = {name: tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-                for name, tensor in state_dict.items()}
-        self.inner.load_weights(full, version=version)
+        self.inner.load_weights(GatheredStateDict(state_dict, self.dtype), version=version)
         self.version = int(version)
 
     def close(self) -> None:
@@ -323,9 +356,9 @@ def rollout_engine(cfg, model: torch.nn.Module, model_dir: str, *, eos_id: int, 
     if capabilities(cfg.rollout.engine).weight_sync == "every_rank":
         d.barrier()  # rank 0 may have just written model_dir
         return SpmdEngine(build_engine(cfg.rollout, model, model_dir, eos_id=eos_id, pad_id=pad_id, every_rank=True),
-                          d)
+                          d, sync_dtype(cfg.rollout))
     return RankZeroEngine(build_engine(cfg.rollout, model, model_dir, eos_id=eos_id, pad_id=pad_id)
-                          if d.main else None, d)
+                          if d.main else None, d, sync_dtype(cfg.rollout))
 
 
 def agree_stop(stop, d: Dist) -> None:

@@ -211,7 +211,22 @@ class MemoryPlan:
         t = self.largest
         return (f"config error at '{t.key}': the memory plan needs {self.total_gib:.1f} GiB per GPU, above the "
                 f"{self.gpu_mem_gib:g} GiB of {self.gpu_source}; the largest term is {t.name} ({t.gib:.1f} GiB: "
-                f"{t.formula}): lower {t.key}, or plan for more GPUs (--gpus) or a larger one (--gpu-memory)")
+                f"{t.formula}): {FIXES.get(t.name, 'lower ' + t.key)}, or plan for more GPUs (--gpus, FSDP2 shards "
+                f"weights, gradients and optimiser state) or a larger one (--gpu-memory)")
+
+
+# What shrinks each term, for a refusal.
+FIXES = {
+    "weights": "optim.precision=bf16_stochastic keeps bfloat16 parameters (2 B each instead of 4)",
+    "gradients": "optim.precision=bf16_stochastic keeps bfloat16 gradients (2 B each instead of 4)",
+    "optimiser": "optim.precision=bf16_stochastic keeps bfloat16 AdamW moments (4 B per parameter instead of 8)",
+    "activations": "lower algo.micro_batch_tokens (or set model.gradient_checkpointing=true)",
+    "logits": "set model.lm_head_kernel=bf16x3 (or chunked): no (tokens, vocab) float32 tensors",
+    "rollout_engine": "lower rollout.vllm.gpu_memory_utilization, or rollout.engine=torch with "
+                      "rollout.torch.share_weights=true",
+    "kv_cache": "set rollout.torch.kv_tokens (decode in sub-batches)",
+    "routes": "lower rollout.max_new_tokens or algo.prompts_per_step",
+}
 
 
 def plan_memory(cfg, gpus: int = 1, gpu_mem_gib: float = 80.0, *, gpu_source: str = "--gpu-memory",
