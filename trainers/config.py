@@ -451,7 +451,8 @@ class AlgoConfig:
     minibatches: int = 1
     # Token budget of one training forward: rows sorted by length into micro-batches of at most this many padded
     # positions, each cut to its longest row (verl's dynamic batch size); 0: one forward per mini-batch. The loss
-    # and its normalisation are unchanged. One process only (ignored under torchrun).
+    # and its normalisation are unchanged; each micro-batch has its own backward, the gradients accumulate (memory
+    # bounded by one micro-batch). Under torchrun every rank runs as many micro-batches as the rank that needs most.
     micro_batch_tokens: int = 4096
     # MoE routing replay: none | r2 (training engine's routes) | r3 (rollout engine's routes).
     routing_replay: str = "none"
