@@ -291,6 +291,23 @@ def _forward_logp_amp(model, rollout: Rollout, spec: ScoringSpec, *, with_entrop
                                 replay_experts_BSLK=replay_experts_BSLK, capture=capture)
 
 
+_LOGGED_LAYOUTS: set[bool] = set()
+
+
+def _log_layout(justified: bool, why: str) -> None:
+    """Say once per process which attention path the training forward takes: on CUDA, sdpa's flash and efficient
+    kernels refuse a mask with grouped KV heads, so the padded layout's masked attention runs the math kernel
+    (S x S scores per head) at full length."""
+    if justified in _LOGGED_LAYOUTS:
+        return
+    _LOGGED_LAYOUTS.add(justified)
+    if justified:
+        log.info("training forward: left-justified rows, causal attention without a padding mask")
+    else:
+        log.warning("training forward: padded rows with an attention mask (%s): on CUDA, masked grouped-query "
+                    "attention takes sdpa's math kernel, whose memory grows with the square of the length", why)
+
+
 def _forward_logp_in(model, rollout: Rollout, spec: ScoringSpec, *, with_entropy: bool,
                      replay_experts_BSLK: Optional[Tensor], capture: bool):
     ids_BS, mask_BS = rollout.input_ids_BS, rollout.attention_mask_BS
@@ -302,6 +319,12 @@ def _forward_logp_in(model, rollout: Rollout, spec: ScoringSpec, *, with_entropy
     layout = (packing.justify(rollout.prompt_mask_BP, rollout.response_mask_BT)
               if spec.justify and getattr(model, FSDP_FORWARD_METHOD, None) is None else None)
     S_model = S if layout is None else layout.width
+    if layout is None:
+        _log_layout(False, "scoring.justify is off" if not spec.justify else
+                    "an FSDP2-sharded model scores through its forward method"
+                    if getattr(model, FSDP_FORWARD_METHOD, None) is not None else "a row is not one run of tokens")
+    else:
+        _log_layout(True, "")
 
     def score() -> tuple[Tensor, Optional[Tensor]]:
         if layout is None:
