@@ -19,6 +19,9 @@ from trainers.optim import build_optimizer
 torch.set_num_threads(1)
 V = 101
 PROMPT, RESPONSE = 8, 56
+# The micro-batch test's rows: long enough that a micro-batch's activations outweigh the gradients several times
+# (the gradients are alive beside every micro-batch after the first)
+LONG = 120
 
 
 def peak_bytes(fn) -> int:
@@ -33,14 +36,14 @@ def peak_bytes(fn) -> int:
     return peak
 
 
-def _rollout(rows: int, seed: int = 0) -> Rollout:
-    """``rows`` rows of PROMPT + RESPONSE real tokens (no padding: every micro-batch has the same shape)."""
+def _rollout(rows: int, response: int = RESPONSE, seed: int = 0) -> Rollout:
+    """``rows`` rows of PROMPT + ``response`` real tokens (no padding: every micro-batch has the same shape)."""
     g = torch.Generator().manual_seed(seed)
     return Rollout(prompt_ids_BP=torch.randint(5, V, (rows, PROMPT), generator=g),
                    prompt_mask_BP=torch.ones(rows, PROMPT, dtype=torch.bool),
-                   response_ids_BT=torch.randint(5, V, (rows, RESPONSE), generator=g),
-                   response_mask_BT=torch.ones(rows, RESPONSE, dtype=torch.bool),
-                   rollout_logp_BT=torch.full((rows, RESPONSE), -2.0))
+                   response_ids_BT=torch.randint(5, V, (rows, response), generator=g),
+                   response_mask_BT=torch.ones(rows, response, dtype=torch.bool),
+                   rollout_logp_BT=torch.full((rows, response), -2.0))
 
 
 def _step_peak(rows: int, budget: int, minibatches: int = 1) -> int:
@@ -49,7 +52,7 @@ def _step_peak(rows: int, budget: int, minibatches: int = 1) -> int:
     cfg = AlgoConfig(prompts_per_step=rows // 2, samples_per_prompt=2, minibatches=minibatches,
                      micro_batch_tokens=budget)
     spec = learner.ScoringSpec(micro_batch_tokens=budget)
-    rollout = _rollout(rows)
+    rollout = _rollout(rows, LONG)
     adv_B = torch.linspace(-1.0, 1.0, rows)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
@@ -66,7 +69,7 @@ def _step_peak(rows: int, budget: int, minibatches: int = 1) -> int:
 def test_memory_update_peak_independent_of_micro_batches_per_mini_batch(minibatches):
     # a micro-batch is 4 rows; the mini-batch holds 1 of them, then 4: the peak must stay within 1.2x (one backward
     # per mini-batch would keep 4 micro-batches' activations: ~3x here, where activations outweigh the gradients)
-    budget = 4 * (PROMPT + RESPONSE)
+    budget = 4 * (PROMPT + LONG)
     one = _step_peak(4 * minibatches, budget, minibatches)
     four = _step_peak(16 * minibatches, budget, minibatches)
     assert four <= 1.2 * one, (one, four)
