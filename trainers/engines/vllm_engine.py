@@ -394,7 +394,7 @@ class VllmEngine:
                     raise RuntimeError("route capture: the tokens vLLM fed do not match the returned sequence "
                                        f"(request {rid}): the step layout changed in this vLLM version")
                 for layer_id, moe_layer in self._moe_index.items():
-                    experts_BSLK[b, cols_N, moe_layer] = step.experts_NK[layer_id][lo:hi][keep_N]
+                    experts_BSLK[b, cols_N, moe_layer] = step.experts_NK[layer_id][lo:hi][keep_N].to(self.route_dtype)
         fed_BS = torch.zeros((B, S), dtype=torch.bool)
         for b, (n_p, n_r) in enumerate(zip(prompt_len_B, response_len_B)):
             fed_BS[b, P - n_p:P + n_r - 1] = True
