@@ -294,7 +294,7 @@ def _forward_logp_amp(model, rollout: Rollout, spec: ScoringSpec, *, with_entrop
 _LOGGED_LAYOUTS: set[bool] = set()
 
 
-def _log_layout(justified: bool, why: str) -> None:
+def _log_layout(justified: bool, why: str, *, cuda: bool) -> None:
     """Say once per process which attention path the training forward takes: on CUDA, sdpa's flash and efficient
     kernels refuse a mask with grouped KV heads, so the padded layout's masked attention runs the math kernel
     (S x S scores per head) at full length."""
@@ -304,8 +304,9 @@ def _log_layout(justified: bool, why: str) -> None:
     if justified:
         log.info("training forward: left-justified rows, causal attention without a padding mask")
     else:
-        log.warning("training forward: padded rows with an attention mask (%s): on CUDA, masked grouped-query "
-                    "attention takes sdpa's math kernel, whose memory grows with the square of the length", why)
+        (log.warning if cuda else log.info)(
+            "training forward: padded rows with an attention mask (%s): on CUDA, masked grouped-query attention "
+            "takes sdpa's math kernel, whose memory grows with the square of the length", why)
 
 
 def _forward_logp_in(model, rollout: Rollout, spec: ScoringSpec, *, with_entropy: bool,
@@ -322,9 +323,10 @@ def _forward_logp_in(model, rollout: Rollout, spec: ScoringSpec, *, with_entropy
     if layout is None:
         _log_layout(False, "scoring.justify is off" if not spec.justify else
                     "an FSDP2-sharded model scores through its forward method"
-                    if getattr(model, FSDP_FORWARD_METHOD, None) is not None else "a row is not one run of tokens")
+                    if getattr(model, FSDP_FORWARD_METHOD, None) is not None else "a row is not one run of tokens",
+                    cuda=ids_BS.device.type == "cuda")
     else:
-        _log_layout(True, "")
+        _log_layout(True, "", cuda=ids_BS.device.type == "cuda")
 
     def score() -> tuple[Tensor, Optional[Tensor]]:
         if layout is None:
@@ -416,7 +418,7 @@ def _score(model, rollout: Rollout, advantages_B: Tensor, cfg: AlgoConfig, spec:
     logp_BT, ent_BT, train_experts = _forward_logp(
         model, local, spec, with_entropy=with_grad, replay_experts_BSLK=local.rollout_experts_BSLK if r3 else None,
         capture=moe and not r3)
-    forward = OnPolicyForward(logp_BT, ent_BT) if with_grad else None
+    forward = OnPolicyForward(logp_BT, _entropy_term(ent_BT, cfg)) if with_grad else None
     old_logp_BT = shard.gather_rows(logp_BT.detach())
     if train_experts is not None:
         train_experts = shard.gather_rows(train_experts)
