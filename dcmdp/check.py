@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from dcmdp.config import ConfigError, RunConfig, check_finite, load_config, validate
+from dcmdp.config import ConfigError, RunConfig, check_finite, compose_with_problems, validate
 
 # Malformed lines of a task file named one by one; the rest are counted.
 NAMED_LINES = 3
@@ -91,29 +91,11 @@ def find_problems(path: Optional[str], overrides: Sequence[str], *, run_folder: 
 
 
 def _compose(path: Optional[str], overrides: Sequence[str], problems: list[Problem]) -> Optional[RunConfig]:
-    """The config composed without validation; an override that cannot be applied is a problem of its own and left
-    out, so that the checks go on with the rest."""
-    try:
-        return load_config(path, overrides, check=False)
-    except ConfigError as exc:
-        first = exc
-    try:
-        load_config(path, [], check=False)
-    except ConfigError as exc:  # the file itself: nothing else can be read from it
-        problems.append(_problem(exc, "config"))
-        return None
-    good = []
-    for override in overrides:
-        try:
-            load_config(path, [override], check=False)
-            good.append(override)
-        except ConfigError as exc:
-            problems.append(_problem(exc, override.split("=", 1)[0]))
-    try:
-        return load_config(path, good, check=False)
-    except ConfigError:  # overrides that fail only together
-        problems.append(_problem(first))
-        return None
+    """The config composed without validation; each unknown key of the file and each override that cannot be applied
+    is a problem of its own and left out, so that the checks go on with the rest."""
+    cfg, found = compose_with_problems(path, overrides)
+    problems += [_problem(exc, key) for key, exc in found]
+    return cfg
 
 
 def _validate(cfg: RunConfig, problems: list[Problem]) -> None:
