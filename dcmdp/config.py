@@ -82,6 +82,12 @@ class GuardConfig:
     # Stop the run (after writing a checkpoint) after this many consecutive bad steps: every sample dropped
     # as non-finite, or a mini-batch update skipped for a non-finite loss or gradient norm.
     max_bad_steps: int = 5
+    # Stop the run (exit 2, after writing a checkpoint; MLflow run FAILED) when the reward fails (raises, exits, times
+    # out, passes its memory limit or returns no finite number) on more than this share of a step's samples for
+    # reward_fail_steps consecutive steps: a run whose every reward is 0 trains on nothing.
+    reward_fail_share: float = 0.5
+    # Consecutive steps of reward failures above reward_fail_share that stop the run.
+    reward_fail_steps: int = 3
 
 
 @dataclass
@@ -626,6 +632,11 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"config error at '{key}': must be >= 0, got {value}")
     if cfg.guard.max_bad_steps < 1:
         raise ConfigError(f"config error at 'guard.max_bad_steps': must be >= 1, got {cfg.guard.max_bad_steps}")
+    if not 0 <= cfg.guard.reward_fail_share <= 1:
+        raise ConfigError(f"config error at 'guard.reward_fail_share': must be in [0, 1] (1: never stop), got "
+                          f"{cfg.guard.reward_fail_share}")
+    if cfg.guard.reward_fail_steps < 1:
+        raise ConfigError(f"config error at 'guard.reward_fail_steps': must be >= 1, got {cfg.guard.reward_fail_steps}")
     if cfg.dual.relative:
         for i, c in enumerate(cfg.dual.constraints):
             if not c.tolerance > 0:
