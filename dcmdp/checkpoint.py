@@ -416,8 +416,9 @@ def _write_and_publish(tmp: Path, ckpt_dir: str | Path, step: int, payload: dict
     return final
 
 
-def verify_checkpoint(path: str | Path) -> tuple[bool, str]:
-    """(ok, reason): the manifest exists and parses, its format and step match, every file has its size and sha256."""
+def verify_checkpoint(path: str | Path, *, by_name: bool = True) -> tuple[bool, str]:
+    """(ok, reason): the manifest exists and parses, its format and step match (``by_name``: the step of the
+    directory's name too), every file has its size and sha256."""
     path = Path(path)
     if not path.is_dir():
         return False, "not a directory" if path.exists() else "does not exist"
@@ -432,7 +433,7 @@ def verify_checkpoint(path: str | Path) -> tuple[bool, str]:
     if version != FORMAT_VERSION:
         return False, f"format version {version} (this code reads {FORMAT_VERSION})"
     m = _STEP_RE.match(path.name)
-    if m and int(m.group(1)) != step:
+    if by_name and m and int(m.group(1)) != step:
         return False, f"manifest step {step} does not match the directory name"
     if not isinstance(files, dict) or STATE_FILE not in files:
         return False, f"{MANIFEST_FILE} lists no {STATE_FILE}"
@@ -473,7 +474,7 @@ def find_resume_checkpoint(ckpt_dir: str | Path, resume: Optional[str], *, purpo
         return None
     if resume == "auto":
         for path in _complete_or_not(Path(ckpt_dir)):
-            ok, why = verify_checkpoint(path)
+            ok, why = _verify_own(path)
             if ok:
                 log.info("%s %s (%s)", purpose, path, why)
                 return path
@@ -494,6 +495,23 @@ def find_resume_checkpoint(ckpt_dir: str | Path, resume: Optional[str], *, purpo
     return path
 
 
+def _verify_own(path: Path) -> tuple[bool, str]:
+    """``verify_checkpoint`` for ``checkpoint.resume=auto``, which continues a folder's own checkpoints: a damaged one
+    is skipped (the caller warns and tries the next older one), but one whose files all verify under a directory
+    name of another step was renamed or copied in by hand (a run writes each under its own step's name, atomically),
+    and is refused: ``RunFolderError`` naming it, nothing changed. Resuming past it would silently continue from an
+    older step, or from another run's weights."""
+    ok, why = verify_checkpoint(path)
+    if ok or not why.endswith("does not match the directory name") or not verify_checkpoint(path, by_name=False)[0]:
+        return ok, why
+    step = json.loads((path / MANIFEST_FILE).read_text())["step"]
+    raise RunFolderError(f"checkpoint {path} holds step {step} (its manifest; every file verifies) under the name "
+                         f"{path.name}: it was renamed or copied into {path.parent} by hand, and checkpoint.resume=auto "
+                         f"continues a folder's own checkpoints only. To start from it, move it out of "
+                         f"{path.parent} and name it: checkpoint.resume=<its path> (its config is compared with this "
+                         f"one); else delete it. Nothing was changed")
+
+
 def load_resume_checkpoint(ckpt_dir: str | Path, resume: Optional[str]) -> Optional[tuple[Path, dict[str, Any]]]:
     """(path, payload) of the checkpoint to resume from, or None for a fresh run (see ``find_resume_checkpoint``).
 
@@ -504,7 +522,7 @@ def load_resume_checkpoint(ckpt_dir: str | Path, resume: Optional[str]) -> Optio
         path = find_resume_checkpoint(ckpt_dir, resume)
         return None if path is None else (path, load_checkpoint(path))
     for path in _complete_or_not(Path(ckpt_dir)):
-        ok, why = verify_checkpoint(path)
+        ok, why = _verify_own(path)
         if not ok:
             log.warning("skipping checkpoint %s: %s", path, why)
             continue
