@@ -206,6 +206,8 @@ def _task(cfg: RunConfig, problems: list[Problem]) -> None:
 def _read_examples(key: str, path: str, parse, task: str, problems: list[Problem]) -> Optional[list]:
     """Every example of a task file, or None after adding its problems: missing, not a file, compressed, or lines
     that do not parse (all counted, the first ``NAMED_LINES`` named)."""
+    from trainers import tasks
+
     where = os.path.abspath(path)
     if any(p.key == key for p in problems):  # the config's own check named the file already
         return None
@@ -227,7 +229,7 @@ def _read_examples(key: str, path: str, parse, task: str, problems: list[Problem
         try:  # as trainers.tasks._load_jsonl reads them: a byte-order mark may open the file
             text = line.decode("utf-8-sig" if lineno == 1 else "utf-8")
             if text.strip():
-                examples.append(parse(json.loads(text), f"{path}:{lineno}"))
+                examples.append(parse(tasks.json_line(text), f"{path}:{lineno}"))
         except UnicodeDecodeError as exc:
             bad.append(f"line {lineno}: not UTF-8 ({exc.reason} at column {exc.start + 1})")
         except ValueError as exc:  # json.JSONDecodeError too

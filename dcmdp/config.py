@@ -343,7 +343,7 @@ def _as_config_error(exc: OmegaConfBaseException, key: Optional[str] = None) -> 
         return ConfigError(f"unknown config key: {exc}")
     key = getattr(exc, "full_key", None) or key
     # OmegaConf appends full_key / reference_type lines: keep the first, and say "list" in plain words
-    msg = str(exc.msg if hasattr(exc, "msg") else exc).splitlines()[0]
+    msg = str(getattr(exc, "msg", None) or exc).splitlines()[0]
     if "is not a ListConfig" in msg:
         msg = "expected a list"
     return ConfigError(f"bad value for '{key}': {msg}")
@@ -511,9 +511,12 @@ def _override_problem(probe: DictConfig, schema: DictConfig, override: str) -> O
             return ConfigError(f"config error at '{key}': expected true or false, got {value!r}")
         if isinstance(node, ValueNode) and not isinstance(value, (dict, list)) and \
                 not (isinstance(value, str) and "${" in value):
-            node.validate_and_convert(value)  # raises for a value of the wrong type; changes nothing
-        else:
-            OmegaConf.update(probe, key, value, merge=True)
+            try:
+                node.validate_and_convert(value)  # changes nothing
+                return None
+            except OmegaConfBaseException:
+                pass  # applied below, for OmegaConf's message with the key and the value
+        OmegaConf.update(probe, key, value, merge=True)
     except ConfigError as exc:
         return exc
     except OmegaConfBaseException as exc:

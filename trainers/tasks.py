@@ -330,6 +330,16 @@ def load_math_jsonl(path: str | os.PathLike, *, on_error: str = "raise") -> list
     return _load_jsonl(path, lambda record, where: parse_math_record(record), "math", on_error=on_error)
 
 
+def json_line(text: str) -> Any:
+    """``json.loads`` of one line, with a ValueError (not a RecursionError) for JSON nested deeper than Python's
+    decoder recurses (about 1,000 levels)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deep to read (over about 1,000 levels of [ or {); a record is a flat object "
+                         "with a 'prompt'") from None
+
+
 def _load_jsonl(path: str | os.PathLike, parse: Callable[[Any, str], Example], task: str, *,
                 on_error: str = "raise") -> list[Example]:
     """``parse(json.loads(line), "path:line")`` of every non-blank line (UTF-8, a leading byte-order mark
@@ -352,7 +362,7 @@ def _load_jsonl(path: str | os.PathLike, parse: Callable[[Any, str], Example], t
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
                 if not line.strip():
                     continue
-                examples.append(parse(json.loads(line), f"{path}:{lineno}"))
+                examples.append(parse(json_line(line), f"{path}:{lineno}"))
             except ValueError as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
                 if isinstance(exc, UnicodeDecodeError):
                     exc = ValueError(f"not UTF-8 ({exc.reason}: byte {raw[exc.start:exc.start + 1]!r} at column "
