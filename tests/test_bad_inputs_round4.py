@@ -241,3 +241,20 @@ def test_a_checkpoint_whose_manifest_step_was_damaged_is_still_skipped(tmp_path)
         f.write(bytes([byte[0] ^ 0xFF]))
     path, state = load_resume_checkpoint(ckpt_dir, "auto")
     assert path.name == "step_00000001" and state["step"] == 1
+
+
+def test_an_output_dir_from_the_environment_is_as_written_in_summary_json_but_its_store_uri(tmp_path, monkeypatch):
+    """``output_dir=${oc.env:OUT}``: summary.json holds the interpolation as written, and the local store's URI
+    resolved, by design (docs/bad_inputs.md, Round 4): it is the address ``dcmdp report`` and ``mlflow ui`` open."""
+    from dcmdp.loop import train
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("OUT", str(tmp_path / "run-folder"))
+    cfg = load_config(None, ["model.preset=tiny-dense", "cold_start.steps=0", "algo.prompts_per_step=2",
+                             "algo.samples_per_prompt=2", "rollout.max_new_tokens=3", "task.eval_size=4", "steps=1",
+                             "threads=1", "progress=false", "output_dir=${oc.env:OUT}"])
+    train(cfg)
+    summary = json.loads((tmp_path / "run-folder" / "summary.json").read_text())
+    assert summary["output_dir"] == "${oc.env:OUT}"
+    assert summary["tracking_uri"] == f"sqlite:///{tmp_path / 'run-folder' / 'mlflow.db'}"
+    assert [k for k, v in summary.items() if isinstance(v, str) and str(tmp_path) in v] == ["tracking_uri"]
