@@ -167,9 +167,10 @@ def _task(cfg: RunConfig, problems: list[Problem]) -> None:
         parse = lambda record, where: tasks.parse_math_record(record)  # noqa: E731
     else:
         parse = tasks.parse_jsonl_record
-        if t.reward and not any(p.key == "task.reward" for p in problems):  # validate tried it already
+        if t.reward:
             try:  # in a worker process, within task.reward_load_timeout: an import that exits or hangs is a problem
-                tasks.check_reward(t)
+                if not any(p.key == "task.reward" for p in problems):  # else validate tried it already
+                    tasks.check_reward(t)
             except ValueError as exc:
                 problems.append(_problem(exc, "task.reward"))
         else:
