@@ -287,7 +287,7 @@ def yaml_shape(text: str) -> tuple[Optional[str], int]:
 
 def _read_config_file(path: str | Path) -> DictConfig:
     """The mapping of a config file, read in time and memory linear in its size: ConfigError naming the file when it
-    is missing, larger than ``MAX_CONFIG_BYTES``, not UTF-8, too deep or too large (``yaml_shape_problem``), empty
+    is missing, larger than ``MAX_CONFIG_BYTES``, not UTF-8, too deep or too large (``yaml_shape``), empty
     (a config with no setting is a mistake, not a request for the default run), not YAML, or not a mapping."""
     p = Path(path)
     if not p.is_file():
@@ -322,7 +322,7 @@ def _read_config_file(path: str | Path) -> DictConfig:
 
 
 def _override_shape_problem(override: str) -> Optional[ConfigError]:
-    """An override without ``=``, or whose key or value nests deeper than a config can (``yaml_shape_problem``)."""
+    """An override without ``=``, or whose key or value nests deeper than a config can (``yaml_shape``)."""
     if "=" not in override:
         return ConfigError(f"override {override!r} is not of the form key=value")
     key, value = override.split("=", 1)
