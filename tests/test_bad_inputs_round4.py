@@ -258,3 +258,22 @@ def test_an_output_dir_from_the_environment_is_as_written_in_summary_json_but_it
     assert summary["output_dir"] == "${oc.env:OUT}"
     assert summary["tracking_uri"] == f"sqlite:///{tmp_path / 'run-folder' / 'mlflow.db'}"
     assert [k for k, v in summary.items() if isinstance(v, str) and str(tmp_path) in v] == ["tracking_uri"]
+
+
+@pytest.mark.parametrize("body, why", [
+    ("[" * 100_000 + "]" * 100_000, "manifest.json is nested too deep to be read"),
+    ('{"pad": "' + "x" * (2 << 20) + '"}', "manifest.json is larger than 1 MiB"),
+])
+def test_a_manifest_nested_too_deep_or_too_large_is_an_invalid_checkpoint_not_a_traceback(tmp_path, body, why):
+    """Read in bounded time and memory: resume=auto skips it (the older one resumed), a named resume refuses it, the
+    folder's run.json of the same shape reads as no owner."""
+    from dcmdp.checkpoint import CheckpointError, read_run_file
+
+    ckpt_dir = _checkpoints(tmp_path)
+    (ckpt_dir / "step_00000002" / "manifest.json").write_text(body)
+    path, state = load_resume_checkpoint(ckpt_dir, "auto")
+    assert path.name == "step_00000001" and state["step"] == 1
+    with pytest.raises(CheckpointError, match=f"is not valid: unreadable manifest.json: {why}"):
+        find_resume_checkpoint(ckpt_dir, str(ckpt_dir / "step_00000002"))
+    (tmp_path / "out" / "run.json").write_text(body)
+    assert read_run_file(tmp_path / "out") == {}
