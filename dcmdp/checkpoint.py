@@ -527,10 +527,10 @@ def _verify_own(path: Path) -> tuple[bool, str]:
         return ok, why
     step = _small_json(path / MANIFEST_FILE)["step"]
     raise RunFolderError(f"checkpoint {path} holds step {step} (its manifest; every file verifies) under the name "
-                         f"{path.name}: it was renamed or copied into {path.parent} by hand, and checkpoint.resume=auto "
-                         f"continues a folder's own checkpoints only. To start from it, move it out of "
-                         f"{path.parent} and name it: checkpoint.resume=<its path> (its config is compared with this "
-                         f"one); else delete it. Nothing was changed")
+                         f"{path.name}: it was renamed or copied into {path.parent} by hand, and "
+                         f"checkpoint.resume=auto continues a folder's own checkpoints only. To start from it, move it "
+                         f"out of {path.parent} and name it: checkpoint.resume=<its path> (its config is compared with "
+                         f"this one); else delete it. Nothing was changed")
 
 
 def load_resume_checkpoint(ckpt_dir: str | Path, resume: Optional[str]) -> Optional[tuple[Path, dict[str, Any]]]:

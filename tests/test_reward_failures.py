@@ -16,7 +16,7 @@ from dcmdp import cli
 from dcmdp.config import GuardConfig
 from dcmdp.reward_stop import failing_steps
 from trainers.config import TaskConfig
-from trainers.reward_worker import RewardWorker, memory_mib
+from trainers.reward_worker import RewardWorker, resident_mib
 from trainers.tasks import JsonlTask, check_reward, last_failure, reward_alone_command, score_completions
 
 REWARDS = '''
@@ -186,7 +186,7 @@ def test_a_reward_past_its_memory_limit_is_killed_counted_and_replaced(tmp_path,
         task.close()
 
 
-def test_memory_mib_counts_the_processes_below_the_worker(tmp_path):
+def test_resident_mib_counts_the_processes_below_the_worker(tmp_path):
     """A child holding 100 MiB under a small parent: the tree's resident memory includes it."""
     code = ("import subprocess, sys, time\n"
             "child = subprocess.Popen([sys.executable, '-c', 'b = bytearray(100 << 20)\\n"
@@ -196,7 +196,7 @@ def test_memory_mib_counts_the_processes_below_the_worker(tmp_path):
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert parent.stdout.readline().strip() == "ready"
-        assert memory_mib(parent.pid) > 100
+        assert resident_mib(parent.pid) > 100
     finally:
         subprocess.run(["pkill", "-P", str(parent.pid)])
         parent.kill()
@@ -205,7 +205,8 @@ def test_memory_mib_counts_the_processes_below_the_worker(tmp_path):
 
 def test_the_command_that_runs_a_reward_alone_reproduces_a_module_rewards_failure(tmp_path, monkeypatch):
     """``module:function`` rewards and examples without a file line (held-out records built in code) too."""
-    (tmp_path / "modreward.py").write_text("def score(p, c, e):\n    return float('inf') if e['answer'] == '3' else 1\n")
+    (tmp_path / "modreward.py").write_text("def score(p, c, e):\n"
+                                           "    return float('inf') if e['answer'] == '3' else 1\n")
     _files(tmp_path)
     monkeypatch.chdir(tmp_path)
     task = JsonlTask(TaskConfig(name="jsonl", path="sums.jsonl", eval_size=4, reward="modreward:score"), 0)

@@ -97,7 +97,7 @@ class RewardMemoryExceeded(Exception):
         self.limit_mib, self.used_mib = limit_mib, used_mib
 
 
-def memory_mib(pid: int) -> float:
+def resident_mib(pid: int) -> float:
     """Resident memory of process ``pid`` and of every process below it, in MiB (Linux ``/proc``; 0.0 where it is
     not readable)."""
     pages, todo, seen = 0, [pid], set()
@@ -120,11 +120,12 @@ def memory_mib(pid: int) -> float:
 class RewardWorker:
     """The worker process of one reward function (``spec``: ``module:function`` or ``file.py:function``): each call
     may take ``timeout`` seconds, the start (the reward's import) ``load_timeout``; the worker may hold
-    ``memory_mib`` MiB (None: no limit)."""
+    ``memory_limit_mib`` MiB (None: no limit)."""
 
     def __init__(self, spec: str, timeout: float, *, load_timeout: float = START_TIMEOUT,
-                 memory_mib: Optional[float] = None):
-        self.spec, self.timeout, self.load_timeout, self.memory_mib = spec, timeout, load_timeout, memory_mib
+                 memory_limit_mib: Optional[float] = None):
+        self.spec, self.timeout, self.load_timeout = spec, timeout, load_timeout
+        self.memory_limit_mib = memory_limit_mib
         self._proc: Optional[subprocess.Popen] = None
         self._send: Optional[Connection] = None
         self._recv: Optional[Connection] = None
@@ -166,16 +167,16 @@ class RewardWorker:
                 raise
 
     def _check_memory(self) -> None:
-        if self.memory_mib is not None and (used := memory_mib(self._proc.pid)) > self.memory_mib:
+        if self.memory_limit_mib is not None and (used := resident_mib(self._proc.pid)) > self.memory_limit_mib:
             self.close()
-            raise RewardMemoryExceeded(self.memory_mib, used)
+            raise RewardMemoryExceeded(self.memory_limit_mib, used)
 
     def _reply(self, seconds: float, setting: str = "task.reward_timeout") -> tuple:
         """The worker's next message within ``seconds``; RewardTimeout (the worker killed) past it, RewardExited
         when it died, RewardMemoryExceeded when it held more than its limit meanwhile."""
         deadline = time.monotonic() + seconds
         # short slices: a worker that died while a helper it forked keeps the pipe open never sends EOF
-        poll = MEMORY_POLL if self.memory_mib is not None else 0.5
+        poll = MEMORY_POLL if self.memory_limit_mib is not None else 0.5
         while True:
             left = deadline - time.monotonic()
             if left <= 0:

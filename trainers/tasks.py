@@ -47,9 +47,10 @@ docs/custom_tasks.md.
 Every caller scores completions through ``score_completions``: a reward that raises, exits, runs past
 ``task.reward_timeout``, holds more than ``task.reward_memory_mib`` or returns anything but a finite number gives 0.0
 for that sample, counted (``reward/errors``) and logged; scoring never raises for it (a run whose reward fails on most
-samples step after step is stopped by the loop: ``dcmdp.reward_stop``, which names ``last_failure``). A ``jsonl`` reward outside [0, 1] is an error naming the
-function and the example (``RewardRangeError``): ``eval/accuracy`` is the mean reward and ``reward/accuracy``
-counts rewards > 0.5, so a value outside [0, 1] is a mistake the run cannot report truthfully.
+samples step after step is stopped by the loop: ``dcmdp.reward_stop``, which names ``last_failure``). A ``jsonl``
+reward outside [0, 1] is an error naming the function and the example (``RewardRangeError``): ``eval/accuracy`` is the
+mean reward and ``reward/accuracy`` counts rewards > 0.5, so a value outside [0, 1] is a mistake the run cannot report
+truthfully.
 JSONL files are read as UTF-8 with an optional byte-order mark.
 """
 
@@ -611,7 +612,7 @@ def check_task_config(cfg: TaskConfig) -> None:
 def reward_worker(cfg: TaskConfig) -> RewardWorker:
     """The worker process of ``cfg.reward`` with the task's limits (not started)."""
     return RewardWorker(cfg.reward, cfg.reward_timeout, load_timeout=cfg.reward_load_timeout,
-                        memory_mib=cfg.reward_memory_mib or None)
+                        memory_limit_mib=cfg.reward_memory_mib or None)
 
 
 def start_reward(worker: RewardWorker) -> None:
