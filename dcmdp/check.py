@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from dcmdp.config import ConfigError, RunConfig, check_finite, load_config, validate
+from dcmdp.config import ConfigError, RunConfig, check_finite, compose_with_problems, validate
 
 # Malformed lines of a task file named one by one; the rest are counted.
 NAMED_LINES = 3
@@ -91,29 +91,11 @@ def find_problems(path: Optional[str], overrides: Sequence[str], *, run_folder: 
 
 
 def _compose(path: Optional[str], overrides: Sequence[str], problems: list[Problem]) -> Optional[RunConfig]:
-    """The config composed without validation; an override that cannot be applied is a problem of its own and left
-    out, so that the checks go on with the rest."""
-    try:
-        return load_config(path, overrides, check=False)
-    except ConfigError as exc:
-        first = exc
-    try:
-        load_config(path, [], check=False)
-    except ConfigError as exc:  # the file itself: nothing else can be read from it
-        problems.append(_problem(exc, "config"))
-        return None
-    good = []
-    for override in overrides:
-        try:
-            load_config(path, [override], check=False)
-            good.append(override)
-        except ConfigError as exc:
-            problems.append(_problem(exc, override.split("=", 1)[0]))
-    try:
-        return load_config(path, good, check=False)
-    except ConfigError:  # overrides that fail only together
-        problems.append(_problem(first))
-        return None
+    """The config composed without validation; each unknown key of the file and each override that cannot be applied
+    is a problem of its own and left out, so that the checks go on with the rest."""
+    cfg, found = compose_with_problems(path, overrides)
+    problems += [_problem(exc, key) for key, exc in found]
+    return cfg
 
 
 def _validate(cfg: RunConfig, problems: list[Problem]) -> None:
@@ -186,8 +168,9 @@ def _task(cfg: RunConfig, problems: list[Problem]) -> None:
     else:
         parse = tasks.parse_jsonl_record
         if t.reward:
-            try:
-                tasks.load_reward(t.reward)
+            try:  # in a worker process, within task.reward_load_timeout: an import that exits or hangs is a problem
+                if not any(p.key == "task.reward" for p in problems):  # else validate tried it already
+                    tasks.check_reward(t)
             except ValueError as exc:
                 problems.append(_problem(exc, "task.reward"))
         else:
@@ -224,6 +207,8 @@ def _task(cfg: RunConfig, problems: list[Problem]) -> None:
 def _read_examples(key: str, path: str, parse, task: str, problems: list[Problem]) -> Optional[list]:
     """Every example of a task file, or None after adding its problems: missing, not a file, compressed, or lines
     that do not parse (all counted, the first ``NAMED_LINES`` named)."""
+    from trainers import tasks
+
     where = os.path.abspath(path)
     if any(p.key == key for p in problems):  # the config's own check named the file already
         return None
@@ -245,7 +230,7 @@ def _read_examples(key: str, path: str, parse, task: str, problems: list[Problem
         try:  # as trainers.tasks._load_jsonl reads them: a byte-order mark may open the file
             text = line.decode("utf-8-sig" if lineno == 1 else "utf-8")
             if text.strip():
-                examples.append(parse(json.loads(text), f"{path}:{lineno}"))
+                examples.append(parse(tasks.json_line(text), f"{path}:{lineno}"))
         except UnicodeDecodeError as exc:
             bad.append(f"line {lineno}: not UTF-8 ({exc.reason} at column {exc.start + 1})")
         except ValueError as exc:  # json.JSONDecodeError too

@@ -230,10 +230,28 @@ def new_run_uid() -> str:
     return uuid.uuid4().hex
 
 
+# A run's metadata files (run.json, manifest.json) are a few KiB; one larger, or nested deeper than Python's JSON
+# decoder recurses, is not one a run wrote, and is read no further (``_small_json``).
+MAX_METADATA_BYTES = 1 << 20
+
+
+def _small_json(path: Path) -> Any:
+    """The JSON of a metadata file, read in time and memory bounded by ``MAX_METADATA_BYTES``: ValueError for a
+    larger file, a file nested too deep or one that is not JSON; OSError when it cannot be read."""
+    with open(path, "rb") as f:
+        raw = f.read(MAX_METADATA_BYTES + 1)
+    if len(raw) > MAX_METADATA_BYTES:
+        raise ValueError(f"{path.name} is larger than {MAX_METADATA_BYTES >> 20} MiB (a run writes a few KiB)")
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError(f"{path.name} is nested too deep to be read") from None
+
+
 def read_run_file(folder: str | Path) -> dict[str, Any]:
     """``<folder>/run.json`` (``uid``, ``run_id`` of the run that owns the folder); {} when absent or unreadable."""
     try:
-        data = json.loads((Path(folder) / RUN_FILE).read_text())
+        data = _small_json(Path(folder) / RUN_FILE)
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -271,16 +289,19 @@ def write_config_yaml(folder: str | Path, text: str, schema_keys: Iterable[str])
 
 def _written_by_a_run(path: Path, schema_keys: set[str]) -> bool:
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            text = f.read(MAX_METADATA_BYTES + 1).decode("utf-8")
     except (OSError, UnicodeDecodeError):
         return False
     if text.startswith(CONFIG_HEADER):
         return True
+    if len(text) > MAX_METADATA_BYTES:
+        return False  # a resolved config is a few KiB
     import yaml  # a config.yaml of an earlier dcmdp: the whole resolved config, without the header
 
     try:
         data = yaml.safe_load(text)
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):
         return False
     return isinstance(data, dict) and schema_keys <= set(data)
 
@@ -294,7 +315,7 @@ def checkpoint_run_uid(payload: dict[str, Any]) -> Optional[str]:
 def manifest_run_uid(path: str | Path) -> Optional[str]:
     """The run identity in a checkpoint's manifest, read without loading ``state.pt`` (None when absent)."""
     try:
-        return json.loads((Path(path) / MANIFEST_FILE).read_text()).get("run_uid")
+        return _small_json(Path(path) / MANIFEST_FILE).get("run_uid")
     except (OSError, ValueError, AttributeError):
         return None
 
@@ -416,8 +437,9 @@ def _write_and_publish(tmp: Path, ckpt_dir: str | Path, step: int, payload: dict
     return final
 
 
-def verify_checkpoint(path: str | Path) -> tuple[bool, str]:
-    """(ok, reason): the manifest exists and parses, its format and step match, every file has its size and sha256."""
+def verify_checkpoint(path: str | Path, *, by_name: bool = True) -> tuple[bool, str]:
+    """(ok, reason): the manifest exists and parses, its format and step match (``by_name``: the step of the
+    directory's name too), every file has its size and sha256."""
     path = Path(path)
     if not path.is_dir():
         return False, "not a directory" if path.exists() else "does not exist"
@@ -425,14 +447,14 @@ def verify_checkpoint(path: str | Path) -> tuple[bool, str]:
     if not manifest_path.is_file():
         return False, f"no {MANIFEST_FILE} (incomplete checkpoint)"
     try:
-        manifest = json.loads(manifest_path.read_text())
+        manifest = _small_json(manifest_path)
         version, step, files = manifest["format_version"], int(manifest["step"]), manifest["files"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return False, f"unreadable {MANIFEST_FILE}: {exc}"
     if version != FORMAT_VERSION:
         return False, f"format version {version} (this code reads {FORMAT_VERSION})"
     m = _STEP_RE.match(path.name)
-    if m and int(m.group(1)) != step:
+    if by_name and m and int(m.group(1)) != step:
         return False, f"manifest step {step} does not match the directory name"
     if not isinstance(files, dict) or STATE_FILE not in files:
         return False, f"{MANIFEST_FILE} lists no {STATE_FILE}"
@@ -473,7 +495,7 @@ def find_resume_checkpoint(ckpt_dir: str | Path, resume: Optional[str], *, purpo
         return None
     if resume == "auto":
         for path in _complete_or_not(Path(ckpt_dir)):
-            ok, why = verify_checkpoint(path)
+            ok, why = _verify_own(path)
             if ok:
                 log.info("%s %s (%s)", purpose, path, why)
                 return path
@@ -494,6 +516,23 @@ def find_resume_checkpoint(ckpt_dir: str | Path, resume: Optional[str], *, purpo
     return path
 
 
+def _verify_own(path: Path) -> tuple[bool, str]:
+    """``verify_checkpoint`` for ``checkpoint.resume=auto``, which continues a folder's own checkpoints: a damaged one
+    is skipped (the caller warns and tries the next older one), but one whose files all verify under a directory
+    name of another step was renamed or copied in by hand (a run writes each under its own step's name, atomically),
+    and is refused: ``RunFolderError`` naming it, nothing changed. Resuming past it would silently continue from an
+    older step, or from another run's weights."""
+    ok, why = verify_checkpoint(path)
+    if ok or not why.endswith("does not match the directory name") or not verify_checkpoint(path, by_name=False)[0]:
+        return ok, why
+    step = _small_json(path / MANIFEST_FILE)["step"]
+    raise RunFolderError(f"checkpoint {path} holds step {step} (its manifest; every file verifies) under the name "
+                         f"{path.name}: it was renamed or copied into {path.parent} by hand, and "
+                         f"checkpoint.resume=auto continues a folder's own checkpoints only. To start from it, move it "
+                         f"out of {path.parent} and name it: checkpoint.resume=<its path> (its config is compared with "
+                         f"this one); else delete it. Nothing was changed")
+
+
 def load_resume_checkpoint(ckpt_dir: str | Path, resume: Optional[str]) -> Optional[tuple[Path, dict[str, Any]]]:
     """(path, payload) of the checkpoint to resume from, or None for a fresh run (see ``find_resume_checkpoint``).
 
@@ -504,7 +543,7 @@ def load_resume_checkpoint(ckpt_dir: str | Path, resume: Optional[str]) -> Optio
         path = find_resume_checkpoint(ckpt_dir, resume)
         return None if path is None else (path, load_checkpoint(path))
     for path in _complete_or_not(Path(ckpt_dir)):
-        ok, why = verify_checkpoint(path)
+        ok, why = _verify_own(path)
         if not ok:
             log.warning("skipping checkpoint %s: %s", path, why)
             continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import io
 import math
 import os
 import re
@@ -81,6 +82,12 @@ class GuardConfig:
     # Stop the run (after writing a checkpoint) after this many consecutive bad steps: every sample dropped
     # as non-finite, or a mini-batch update skipped for a non-finite loss or gradient norm.
     max_bad_steps: int = 5
+    # Stop the run (exit 2, after writing a checkpoint; MLflow run FAILED) when the reward fails (raises, exits, times
+    # out, passes its memory limit or returns no finite number) on more than this share of a step's samples for
+    # reward_fail_steps consecutive steps: a run whose every reward is 0 trains on nothing.
+    reward_fail_share: float = 0.5
+    # Consecutive steps of reward failures above reward_fail_share that stop the run.
+    reward_fail_steps: int = 3
 
 
 @dataclass
@@ -150,26 +157,35 @@ def _nearest(key: str, valid: Sequence[str]) -> str:
     return f"; did you mean '{match[0]}'?" if match else f"; valid keys: {', '.join(sorted(valid))}"
 
 
-def _check_keys(user: Any, schema: Any, prefix: str = "") -> None:
-    """Raise ConfigError for the first key of ``user`` that the structured ``schema`` does not have."""
+def _key_problems(user: Any, schema: Any, prefix: str = "", *, prune: bool = False) -> list[ConfigError]:
+    """One ConfigError per key of ``user`` that the structured ``schema`` does not have, at any depth (list elements
+    of dataclasses included), in the order they appear; ``prune``: those keys are also removed from ``user``, so the
+    rest of it can be composed."""
     if not isinstance(user, DictConfig) or not isinstance(schema, DictConfig):
-        return
+        return []
     valid = _valid_keys(schema)
+    found, unknown = [], []
     for key in user.keys():
         path = f"{prefix}{key}"
         if key not in valid:
-            if path in RENAMED_KEYS:
-                raise ConfigError(f"config key '{path}' was replaced: use {RENAMED_KEYS[path]}")
-            raise ConfigError(f"unknown config key '{path}'{_nearest(str(key), valid)}")
+            unknown.append(key)
+            found.append(ConfigError(f"config key '{path}' was replaced: use {RENAMED_KEYS[path]}"
+                                     if path in RENAMED_KEYS else
+                                     f"unknown config key '{path}'{_nearest(str(key), valid)}"))
+            continue
         sub_schema = schema._get_node(key)
         sub_user = user._get_node(key)
         if isinstance(sub_schema, ListConfig) and isinstance(sub_user, ListConfig):
             elem = _list_element_schema(schema, key)
             if elem is not None:
                 for i, item in enumerate(sub_user):
-                    _check_keys(item, elem, f"{path}[{i}].")
+                    found += _key_problems(item, elem, f"{path}[{i}].", prune=prune)
         else:
-            _check_keys(sub_user, sub_schema, f"{path}.")
+            found += _key_problems(sub_user, sub_schema, f"{path}.", prune=prune)
+    if prune:
+        for key in unknown:
+            del user[key]
+    return found
 
 
 def _list_element_schema(schema: DictConfig, key: str) -> Optional[DictConfig]:
@@ -202,8 +218,7 @@ def _set_list_element(cfg: DictConfig, key: str, value: str) -> None:
     if leaf not in valid:
         raise ConfigError(f"unknown config key '{key}'{_nearest(leaf, valid)}")
     # unresolved: an interpolation is set as written (resolved with the rest; recorded as written)
-    parsed = OmegaConf.to_container(OmegaConf.from_dotlist([f"value={value}"]), resolve=False)["value"]
-    OmegaConf.update(cfg, key, parsed, merge=False)
+    OmegaConf.update(cfg, key, _override_value(f"{key}={value}")[1], merge=False)
 
 
 # String fields with a value "off", which YAML 1.1 (OmegaConf's parser, for files and overrides alike) reads as the
@@ -224,37 +239,195 @@ def _undo_yaml_false(layer: DictConfig) -> None:
             OmegaConf.update(layer, key, yaml_value(key, value), merge=False)
 
 
+# Limits of what a config file or an override may hold, checked as it is read, in time linear in its size, before
+# anything builds from it (OmegaConf and PyYAML's composer recurse once per level: 1,000 levels end in a
+# RecursionError). The deepest key of RunConfig is 5 levels down (``dual.coupling.A[i][j]``); the shipped configs
+# are a few KiB.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_DEPTH = 32
+# values of a config file once YAML aliases are expanded (ten nested aliases of ten items each are 10^10)
+MAX_CONFIG_NODES = 100_000
+
+
+def yaml_shape(text: str) -> tuple[Optional[str], int]:
+    """(why the YAML ``text`` cannot be a config, its number of values): nested deeper than ``MAX_CONFIG_DEPTH``
+    levels, or more than ``MAX_CONFIG_NODES`` values once its aliases are expanded; (None, -1) when it does not parse
+    (the loader names that with its line). Reads PyYAML's parser events, which nest no Python calls, in one pass."""
+    import yaml
+
+    depth, nodes = 0, 0
+    size: dict[str, int] = {}  # values under each anchor, aliases inside it expanded
+    opened: list[tuple[Optional[str], int]] = []
+    try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.AliasEvent):
+                nodes += size.get(event.anchor, 1)
+            elif isinstance(event, yaml.ScalarEvent):
+                nodes += 1
+                if event.anchor:
+                    size[event.anchor] = 1
+            elif isinstance(event, yaml.CollectionStartEvent):
+                nodes, depth = nodes + 1, depth + 1
+                opened.append((event.anchor, nodes))
+                if depth > MAX_CONFIG_DEPTH:
+                    return (f"nested more than {MAX_CONFIG_DEPTH} levels deep (line {event.start_mark.line + 1}); a "
+                            f"config's keys are at most 5 levels deep"), nodes
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+                anchor, start = opened.pop()
+                if anchor:
+                    size[anchor] = nodes - start + 1
+            if nodes > MAX_CONFIG_NODES:
+                return (f"more than {MAX_CONFIG_NODES:,} values once its aliases (*name) are expanded (line "
+                        f"{event.start_mark.line + 1}); a config holds a few hundred"), nodes
+    except yaml.YAMLError:
+        return None, -1
+    return None, nodes
+
+
+def _read_config_file(path: str | Path) -> DictConfig:
+    """The mapping of a config file, read in time and memory linear in its size: ConfigError naming the file when it
+    is missing, larger than ``MAX_CONFIG_BYTES``, not UTF-8, too deep or too large (``yaml_shape``), empty
+    (a config with no setting is a mistake, not a request for the default run), not YAML, or not a mapping."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {p}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {p} is larger than {MAX_CONFIG_BYTES >> 20} MiB; a config holds settings (a "
+                          f"few KiB): name the right file")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"cannot parse config file {p}: line {line} is not UTF-8 ({exc.reason} at byte "
+                          f"{exc.start}); save the file as UTF-8") from None
+    why, values = yaml_shape(text)
+    if why is not None:
+        raise ConfigError(f"cannot read config file {p}: {why}")
+    if values == 0:
+        raise ConfigError(f"config file {p} holds no setting (it is empty or only comments); give a config with "
+                          f"at least one key, or leave the file out to run the defaults")
+    try:
+        layer = OmegaConf.load(io.StringIO(text))
+    except Exception as exc:  # yaml errors carry line numbers
+        raise ConfigError(f"cannot parse config file {p}: {exc}") from exc
+    if not isinstance(layer, DictConfig):
+        raise ConfigError(f"config file {p} must hold a mapping of keys at top level")
+    return layer
+
+
+def _override_shape_problem(override: str) -> Optional[ConfigError]:
+    """An override without ``=``, or whose key or value nests deeper than a config can (``yaml_shape``)."""
+    if "=" not in override:
+        return ConfigError(f"override {override!r} is not of the form key=value")
+    key, value = override.split("=", 1)
+    if key.count(".") + key.count("[") >= MAX_CONFIG_DEPTH:
+        return ConfigError(f"unknown config key '{key[:80]}...': nested more than {MAX_CONFIG_DEPTH} levels deep; a "
+                           f"config's keys are at most 5 levels deep")
+    # only brackets, braces, lines or aliases can nest or repeat a value: a plain scalar skips the YAML pass
+    if (value.count("[") + value.count("{") >= MAX_CONFIG_DEPTH or "\n" in value or "*" in value) and \
+            (why := yaml_shape(value)[0]) is not None:
+        return ConfigError(f"bad value for '{key}': {why}")
+    return None
+
+
+def _as_config_error(exc: OmegaConfBaseException, key: Optional[str] = None) -> ConfigError:
+    """OmegaConf's error of a composed or typed value as a one-line ConfigError naming the key (its own, else
+    ``key``)."""
+    if isinstance(exc, (ConfigKeyError, ConfigAttributeError)):
+        return ConfigError(f"unknown config key: {exc}")
+    key = getattr(exc, "full_key", None) or key
+    # OmegaConf appends full_key / reference_type lines: keep the first, and say "list" in plain words
+    msg = str(getattr(exc, "msg", None) or exc).splitlines()[0]
+    if "is not a ListConfig" in msg:
+        msg = "expected a list"
+    return ConfigError(f"bad value for '{key}': {msg}")
+
+
+@functools.cache
+def _yaml_loader() -> Any:
+    from omegaconf.omegaconf import get_yaml_loader  # the loader of OmegaConf.from_dotlist (2.3 and 2.4)
+
+    return get_yaml_loader()
+
+
+def _override_value(override: str) -> tuple[str, Any]:
+    """(key, value) of ``key=value``, the value read as ``OmegaConf.from_dotlist`` reads it (YAML; empty: None)."""
+    import yaml
+
+    key, text = override.split("=", 1)
+    try:
+        return key, yaml.load(text, Loader=_yaml_loader()) if text else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"cannot parse override {override!r}: {exc}") from None
+
+
+def _override_layer(plain: Sequence[str]) -> DictConfig:
+    """The layer of dotted overrides, as ``OmegaConf.from_dotlist`` composes it (a later value replaces an earlier
+    one; a block given whole merges into what is there), built as one nested dict: linear in the overrides."""
+    tree: dict = {}
+    for override in plain:
+        key, value = _override_value(override)
+        *parents, leaf = key.split(".")
+        node = tree
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[leaf] = _merged(node.get(leaf), value)
+    try:
+        return OmegaConf.create(tree)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"cannot parse the overrides: {exc}") from exc
+
+
+def _merged(old: Any, new: Any) -> Any:
+    if isinstance(old, dict) and isinstance(new, dict):
+        return {**old, **{k: _merged(old.get(k), v) for k, v in new.items()}}
+    return new
+
+
+def _screened_layer(layer: DictConfig, schema: DictConfig, *, prune: bool = False) -> list[ConfigError]:
+    """The unknown keys and non-boolean numbers of a file or override layer (each a ConfigError; ``prune``: also
+    removed from it), after YAML's false is read back as "off" where that is a name."""
+    found = _key_problems(layer, schema, prune=prune)
+    if found and not prune:
+        return found  # the boolean check walks the schema along the layer's keys
+    _undo_yaml_false(layer)
+    return found + _bool_problems(layer, schema, prune=prune)
+
+
 def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = (), *, check: bool = True) -> RunConfig:
     """Compose defaults <- YAML file <- dotlist overrides into a checked RunConfig (``check=False``: composed and
-    typed, not validated, for ``dcmdp check`` to collect every problem of it)."""
-    schema = OmegaConf.structured(RunConfig)
-    layers = []
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        _check_not_empty(p)
-        try:
-            layers.append(OmegaConf.load(p))
-        except Exception as exc:  # yaml errors carry line numbers
-            raise ConfigError(f"cannot parse config file {p}: {exc}") from exc
-        if layers[-1] is None or not isinstance(layers[-1], DictConfig):
-            raise ConfigError(f"config file {p} must hold a mapping of keys at top level")
-    bad = [o for o in overrides if "=" not in o]
-    if bad:
-        raise ConfigError(f"override {bad[0]!r} is not of the form key=value")
+    typed, not validated). Raises the first ConfigError; ``compose_with_problems`` finds them all."""
+    layer = _read_config_file(path) if path is not None else None
+    for override in overrides:
+        if (problem := _override_shape_problem(override)) is not None:
+            raise problem
+    cfg = _compose(OmegaConf.structured(RunConfig), layer, overrides)
+    if check:
+        validate(cfg)
+    return cfg
+
+
+def _compose(schema: DictConfig, layer: Optional[DictConfig], overrides: Sequence[str]) -> RunConfig:
+    """The RunConfig of ``schema`` <- ``layer`` (a file's) <- ``overrides`` (each of the form key=value); raises the
+    first ConfigError."""
     # list elements (dual.constraints[0].tolerance=...) are set on the composed config; the rest merge as a layer
     indexed = [o for o in overrides if "[" in o.split("=", 1)[0]]
-    plain = [o for o in overrides if o not in indexed]
+    plain = [o for o in overrides if "[" not in o.split("=", 1)[0]]
+    layers = [layer] if layer is not None else []
     if plain:
-        try:
-            layers.append(OmegaConf.from_dotlist(plain))
-        except OmegaConfBaseException as exc:
-            raise ConfigError(f"cannot parse overrides {plain}: {exc}") from exc
-    for layer in layers:
-        _check_keys(layer, schema)
-        _undo_yaml_false(layer)
-        _check_bools(layer, schema)
+        layers.append(_override_layer(plain))
+    for one in layers:
+        found = _screened_layer(one, schema)
+        if found:
+            raise found[0]
     try:
         merged = OmegaConf.merge(schema, *layers)
         for override in indexed:
@@ -264,34 +437,115 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
         cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
         redact.attach_written(cfg, as_written)
         _accept_round_off(cfg)
-    except (ConfigKeyError, ConfigAttributeError) as exc:
-        raise ConfigError(f"unknown config key: {exc}") from exc
     except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None)
-        # OmegaConf appends full_key / reference_type lines: keep the first, and say "list" in plain words
-        msg = str(exc.msg if hasattr(exc, "msg") else exc).splitlines()[0]
-        if "is not a ListConfig" in msg:
-            msg = "expected a list"
-        raise ConfigError(f"bad value for '{key}': {msg}") from exc
-    if check:
-        validate(cfg)
+        raise _as_config_error(exc) from exc
     return cfg
 
 
-def _check_bools(layer: Any, schema: Any, prefix: str = "") -> None:
-    """A boolean key given a number other than 0 or 1 is an error (OmegaConf would read ``2`` as true)."""
+def compose_with_problems(path: Optional[str | Path], overrides: Sequence[str]
+                          ) -> tuple[Optional[RunConfig], list[tuple[str, ConfigError]]]:
+    """The config of ``path`` + ``overrides`` without the parts that cannot be applied, and every problem found on
+    the way as (the key or override it is about, the error): each unknown key of the file at any depth, each
+    override that cannot be applied alone on the file (``dcmdp check`` lists them all). The config is None when the
+    file itself cannot be read or typed, or when the applicable overrides fail together.
+
+    Linear in the size of the file and the number of overrides: each distinct override is tried once, on one typed
+    copy of the file's config, then the ones that apply are composed once."""
+    schema = OmegaConf.structured(RunConfig)
+    problems: list[tuple[str, ConfigError]] = []
+    layer = None
+    if path is not None:
+        try:
+            layer = _read_config_file(path)
+        except ConfigError as exc:
+            return None, [("config", exc)]
+        problems += [("config", exc) for exc in _screened_layer(layer, schema, prune=True)]
+    try:
+        probe = OmegaConf.merge(schema, layer) if layer is not None else OmegaConf.merge(schema)
+    except OmegaConfBaseException as exc:  # a value of the file of the wrong type
+        return None, [*problems, ("config", _as_config_error(exc))]
+    good: list[str] = []
+    applies: dict[str, bool] = {}
+    for override in overrides:
+        if override not in applies:
+            problem = _override_problem(probe, schema, override)
+            applies[override] = problem is None
+            if problem is not None:
+                problems.append((override.split("=", 1)[0], problem))
+        if applies[override]:
+            good.append(override)
+    try:
+        return _compose(schema, layer, good), problems
+    except ConfigError as exc:  # overrides that fail only together
+        return None, [*problems, ("config", exc)]
+
+
+def _override_problem(probe: DictConfig, schema: DictConfig, override: str) -> Optional[ConfigError]:
+    """Why ``override`` cannot be applied, or None: the messages of ``load_config``, at the cost of one YAML value
+    and one key path (no whole-config copy or merge per override). A value for one field is checked by that field's
+    node; a block, a list or an interpolation is applied to ``probe`` (the typed config so far, changed in place)."""
+    from omegaconf.nodes import BooleanNode, ValueNode
+
+    if (problem := _override_shape_problem(override)) is not None:
+        return problem
+    try:
+        if "[" in override.split("=", 1)[0]:
+            _set_list_element(probe, *override.split("=", 1))
+            return None
+        key, value = _override_value(override)
+        node, where = schema, ""
+        for part in key.split("."):
+            valid = _valid_keys(node)
+            if part not in valid:
+                path = f"{where}{part}"
+                return ConfigError(f"config key '{path}' was replaced: use {RENAMED_KEYS[path]}"
+                                   if path in RENAMED_KEYS else f"unknown config key '{path}'{_nearest(part, valid)}")
+            node, where = node._get_node(part), f"{where}{part}."
+        if isinstance(value, dict):  # a block given whole (dual.pid={kp: 1}): its keys too
+            found = _key_problems(OmegaConf.create(value), node, where)
+            if found:
+                return found[0]
+        value = yaml_value(key, value)
+        if isinstance(node, BooleanNode) and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and value not in (0, 1):
+            return ConfigError(f"config error at '{key}': expected true or false, got {value!r}")
+        if isinstance(node, ValueNode) and not isinstance(value, (dict, list)) and \
+                not (isinstance(value, str) and "${" in value):
+            try:
+                node.validate_and_convert(value)  # changes nothing
+                return None
+            except OmegaConfBaseException:
+                pass  # applied below, for OmegaConf's message with the key and the value
+        OmegaConf.update(probe, key, value, merge=True)
+    except ConfigError as exc:
+        return exc
+    except OmegaConfBaseException as exc:
+        return _as_config_error(exc, override.split("=", 1)[0])
+    return None
+
+
+def _bool_problems(layer: Any, schema: Any, prefix: str = "", *, prune: bool = False) -> list[ConfigError]:
+    """A boolean key given a number other than 0 or 1 is an error (OmegaConf would read ``2`` as true); one per such
+    key (``prune``: also removed from ``layer``)."""
     from omegaconf.nodes import BooleanNode
 
     if not isinstance(layer, DictConfig) or not isinstance(schema, DictConfig):
-        return
-    raw = OmegaConf.to_container(layer, resolve=False)
-    for key, value in raw.items():
+        return []
+    found, bad = [], []
+    for key in layer.keys():
         node = schema._get_node(key)
-        if isinstance(node, BooleanNode) and isinstance(value, (int, float)) and not isinstance(value, bool) \
-                and value not in (0, 1):
-            raise ConfigError(f"config error at '{prefix}{key}': expected true or false, got {value!r}")
+        value = layer._get_node(key)
+        if isinstance(node, BooleanNode) and not isinstance(value, (DictConfig, ListConfig)):
+            value = value._value()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value not in (0, 1):
+                found.append(ConfigError(f"config error at '{prefix}{key}': expected true or false, got {value!r}"))
+                bad.append(key)
         if isinstance(node, DictConfig):
-            _check_bools(layer._get_node(key), node, f"{prefix}{key}.")
+            found += _bool_problems(layer._get_node(key), node, f"{prefix}{key}.", prune=prune)
+    if prune:
+        for key in bad:
+            del layer[key]
+    return found
 
 
 # Float fields whose valid range ends at 1 inclusive: a value a few ulps above 1 (1.0000000000000002, the round-off
@@ -381,6 +635,11 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"config error at '{key}': must be >= 0, got {value}")
     if cfg.guard.max_bad_steps < 1:
         raise ConfigError(f"config error at 'guard.max_bad_steps': must be >= 1, got {cfg.guard.max_bad_steps}")
+    if not 0 <= cfg.guard.reward_fail_share <= 1:
+        raise ConfigError(f"config error at 'guard.reward_fail_share': must be in [0, 1] (1: never stop), got "
+                          f"{cfg.guard.reward_fail_share}")
+    if cfg.guard.reward_fail_steps < 1:
+        raise ConfigError(f"config error at 'guard.reward_fail_steps': must be >= 1, got {cfg.guard.reward_fail_steps}")
     if cfg.dual.relative:
         for i, c in enumerate(cfg.dual.constraints):
             if not c.tolerance > 0:
@@ -879,25 +1138,6 @@ def _not_on_resume(generic: str) -> Optional[str]:
             return why
     return None
 
-
-
-def _check_not_empty(path: Path) -> None:
-    """A config file with no setting (empty, or comments only) is a mistake, not a request for the default run."""
-    import yaml
-
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = path.read_bytes()[:exc.start].count(b"\n") + 1
-        raise ConfigError(f"cannot parse config file {path}: line {line} is not UTF-8 ({exc.reason} at byte "
-                          f"{exc.start}); save the file as UTF-8") from None
-    try:
-        empty = yaml.safe_load(text) is None
-    except yaml.YAMLError:
-        return  # the loader reports it with its line
-    if empty:
-        raise ConfigError(f"config file {path} holds no setting (it is empty or only comments); give a config with "
-                          f"at least one key, or leave the file out to run the defaults")
 
 
 # numpy's legacy seeding takes 32-bit seeds

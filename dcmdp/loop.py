@@ -39,6 +39,7 @@ from dcmdp.dual import anchor_due, batch_tolerances, bound_in_force, record_anch
 from dcmdp.probe import constraint_values, probe_updates
 from dcmdp.plots import plot_dual
 from dcmdp.redact import public_uri, written_field
+from dcmdp.reward_stop import stop_on_failing_reward
 from dcmdp.tracking import NoTracker, Tracker, check_tracking_config, provenance_tags
 from dcmdp.policy import (Policy, build_policy, decode_responses, encode_prompts, held_out_accuracy, held_out_examples,
                           screen_task_prompts, seed_everything, step_seed)
@@ -358,6 +359,7 @@ def _train(s: Setup, t_start: float) -> Summary:
             distributed.agree_stop(stop, s.dist)
             if s.state.bad_steps >= cfg.guard.max_bad_steps:
                 _stop_bad_run(s, step + 1)
+            stop_on_failing_reward(s, step + 1)
             if stop.requested or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):
                 with stop.hold():
                     checkpoint(s, step + 1)

@@ -19,6 +19,7 @@ import pytest
 
 from trainers import tasks
 from trainers.config import TaskConfig
+from trainers.reward_fn import load_reward
 from trainers.reward_worker import RewardWorker
 from trainers.tasks import JsonlTask, RewardRangeError, score_completions
 
@@ -196,14 +197,14 @@ def test_an_async_or_generator_reward_is_a_config_error(tmp_path, monkeypatch, f
     (tmp_path / "more.py").write_text(MORE_REWARDS)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=f"config error at 'task.reward': 'more.py:{fn}': '{fn}' {why}"):
-        tasks.load_reward(f"more.py:{fn}")
+        load_reward(f"more.py:{fn}")
 
 
 def _more(tmp_path, monkeypatch, fn):
     task = _task(tmp_path, monkeypatch, "np_float")
     (tmp_path / "more.py").write_text(MORE_REWARDS)
     task.close()
-    task._reward, task.reward_name = tasks.load_reward(f"more.py:{fn}"), f"more.py:{fn}"
+    task.reward_name = f"more.py:{fn}"
     task._worker = RewardWorker(f"more.py:{fn}", task.cfg.reward_timeout)
     return task
 

@@ -233,10 +233,21 @@ class TaskConfig:
     # Seconds one call of the `jsonl` reward function may take; a call that runs longer counts as a reward error
     # (reward/errors) and the sample gets 0.
     reward_timeout: float = 30.0
+    # Seconds the `jsonl` reward's worker process may take to start and import the reward module (when the config is
+    # checked, and at each start of a worker); past it the import counts as failed.
+    reward_load_timeout: float = 60.0
+    # MiB of resident memory the `jsonl` reward's worker process, with the processes it starts, may hold; past it the
+    # worker is killed (a new one serves the next call) and the sample counts as a reward error. 0: no limit.
+    reward_memory_mib: int = 1024
 
     def check(self, prefix: str = "task") -> None:
         _require(0 < self.reward_timeout < float("inf"), f"{prefix}.reward_timeout",
                  f"must be a finite number of seconds > 0, got {self.reward_timeout}")
+        _require(0 < self.reward_load_timeout <= 3600, f"{prefix}.reward_load_timeout",
+                 f"must be a number of seconds in (0, 3600], got {self.reward_load_timeout}")
+        _require(self.reward_memory_mib == 0 or 64 <= self.reward_memory_mib <= 1 << 20, f"{prefix}.reward_memory_mib",
+                 f"must be 0 (no limit) or in [64, 1048576] MiB (a Python process alone holds about 10), got "
+                 f"{self.reward_memory_mib}")
         _require(self.digits >= 1, f"{prefix}.digits", f"must be >= 1, got {self.digits}")
         _require(1 <= self.min_digits <= self.digits, f"{prefix}.min_digits",
                  f"must be in [1, digits={self.digits}], got {self.min_digits}")

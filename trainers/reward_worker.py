@@ -6,9 +6,15 @@ nothing can stop such code but ``kill -9``, which loses the run's last checkpoin
 So each ``JsonlTask`` calls its reward in one persistent worker process (``RewardWorker``), started with the
 trainer's interpreter and working directory, in a session of its own:
 
-- the trainer waits at most ``task.reward_timeout`` seconds per call (``multiprocessing.connection.wait``); past
-  it, the worker's whole process group gets SIGKILL (a reward's forked helpers with it) and the call counts as a
-  timeout (``RewardTimeout``); the next call starts a fresh worker;
+- the trainer waits at most ``task.reward_timeout`` seconds per call (``multiprocessing.connection.wait``) and
+  ``task.reward_load_timeout`` for the worker to start and import the reward; past it, the worker's whole process
+  group gets SIGKILL (a reward's forked helpers with it) and the call counts as a timeout (``RewardTimeout``); the
+  next call starts a fresh worker;
+- the worker's resident memory, with every process below it, is read from ``/proc`` every ``MEMORY_POLL`` seconds
+  while the trainer waits and after each call; past ``task.reward_memory_mib`` the worker is killed the same way and
+  the call fails with ``RewardMemoryExceeded`` (a leaking reward would otherwise grow until the machine runs out,
+  taking other users' processes with it). Linux only; a reward that allocates faster than the poll overshoots by
+  what it allocates in ``MEMORY_POLL`` seconds;
 - the trainer's signal handlers run while it waits, so a second SIGINT (or a SIGQUIT) stops the run at once: the
   worker is killed on the way out, the run checkpoints and ends its MLflow run;
 - a terminal's Ctrl-C reaches only the trainer (the worker is in another session), and the worker ends with the
@@ -36,12 +42,16 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Optional
 
-# how long a worker may take to start and import the reward module before the call fails (it counts as a timeout)
+# how long a worker may take to start and import the reward module when no load timeout is given
 START_TIMEOUT = 60.0
+# seconds between two reads of the worker's memory while the trainer waits for it
+MEMORY_POLL = 0.05
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class RewardTimeout(BaseException):
-    """A reward call ran past ``task.reward_timeout`` (its worker was killed); the limit is ``args[0]``."""
+    """A reward call (or the worker's start and the reward's import) ran past its limit and the worker was killed:
+    ``args`` = (the limit in seconds, the setting that holds it)."""
 
 
 class RewardRaised(Exception):
@@ -78,11 +88,44 @@ class RewardNotNumber(Exception):
     """The reward returned something that is not a finite real number (``why`` says what)."""
 
 
-class RewardWorker:
-    """The worker process of one reward function (``spec``: ``module:function`` or ``file.py:function``)."""
+class RewardMemoryExceeded(Exception):
+    """The worker (with the processes below it) held more than its limit: ``limit_mib``, ``used_mib``. It was
+    killed; the next call starts a new one."""
 
-    def __init__(self, spec: str, timeout: float):
-        self.spec, self.timeout = spec, timeout
+    def __init__(self, limit_mib: float, used_mib: float):
+        super().__init__(f"{used_mib:.0f} MiB > {limit_mib:g} MiB")
+        self.limit_mib, self.used_mib = limit_mib, used_mib
+
+
+def resident_mib(pid: int) -> float:
+    """Resident memory of process ``pid`` and of every process below it, in MiB (Linux ``/proc``; 0.0 where it is
+    not readable)."""
+    pages, todo, seen = 0, [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                pages += int(f.read().split()[1])
+            for thread in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{thread}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError, IndexError):
+            continue  # it ended while being read
+    return pages * _PAGE / 2**20
+
+
+class RewardWorker:
+    """The worker process of one reward function (``spec``: ``module:function`` or ``file.py:function``): each call
+    may take ``timeout`` seconds, the start (the reward's import) ``load_timeout``; the worker may hold
+    ``memory_limit_mib`` MiB (None: no limit)."""
+
+    def __init__(self, spec: str, timeout: float, *, load_timeout: float = START_TIMEOUT,
+                 memory_limit_mib: Optional[float] = None):
+        self.spec, self.timeout, self.load_timeout = spec, timeout, load_timeout
+        self.memory_limit_mib = memory_limit_mib
         self._proc: Optional[subprocess.Popen] = None
         self._send: Optional[Connection] = None
         self._recv: Optional[Connection] = None
@@ -91,13 +134,15 @@ class RewardWorker:
 
     def call(self, prompt: str, completion: str, record: dict) -> float:
         """The reward of one completion, or an exception: ``RewardTimeout``, ``RewardRaised``, ``RewardExited``,
-        ``RewardNotNumber``. Whatever interrupts the wait (a signal's exception) kills the worker first."""
+        ``RewardNotNumber``, ``RewardMemoryExceeded`` (also when the worker is past its limit after the call).
+        Whatever interrupts the wait (a signal's exception) kills the worker first."""
         with self._lock:
             try:
                 if self._proc is None or self._proc.poll() is not None:
                     self._start()
                 self._send.send((prompt, completion, record))
                 reply = self._reply(self.timeout)
+                self._check_memory()  # a call that returns within one poll is still measured
             except BaseException:
                 self.close()
                 raise
@@ -110,23 +155,41 @@ class RewardWorker:
             raise _raised(reply)
         raise RewardExited(reply[1])
 
-    def _reply(self, seconds: float) -> tuple:
+    def start(self) -> None:
+        """Start the worker and import the reward now (a later call would): RewardTimeout past ``load_timeout``,
+        RewardRaised when the import or the function fails (a ``RewardSpecError`` names what), RewardExited when the
+        import ends the process, RewardMemoryExceeded."""
+        with self._lock:
+            try:
+                self._start()
+            except BaseException:
+                self.close()
+                raise
+
+    def _check_memory(self) -> None:
+        if self.memory_limit_mib is not None and (used := resident_mib(self._proc.pid)) > self.memory_limit_mib:
+            self.close()
+            raise RewardMemoryExceeded(self.memory_limit_mib, used)
+
+    def _reply(self, seconds: float, setting: str = "task.reward_timeout") -> tuple:
         """The worker's next message within ``seconds``; RewardTimeout (the worker killed) past it, RewardExited
-        when it died."""
+        when it died, RewardMemoryExceeded when it held more than its limit meanwhile."""
         deadline = time.monotonic() + seconds
+        # short slices: a worker that died while a helper it forked keeps the pipe open never sends EOF
+        poll = MEMORY_POLL if self.memory_limit_mib is not None else 0.5
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.close()
-                raise RewardTimeout(seconds)
-            # short slices: a worker that died while a helper it forked keeps the pipe open never sends EOF
-            if wait([self._recv], min(left, 0.5)):
+                raise RewardTimeout(seconds, setting)
+            if wait([self._recv], min(left, poll)):
                 try:
                     return self._recv.recv()
                 except (EOFError, OSError):
                     break
             if self._proc.poll() is not None:
                 break
+            self._check_memory()
         code = self._proc.wait()
         self.close()
         died = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
@@ -152,7 +215,7 @@ class RewardWorker:
         self._send = Connection(to_worker_w, readable=False)
         self._recv = Connection(from_worker_r, writable=False)
         self.starts += 1
-        reply = self._reply(max(START_TIMEOUT, self.timeout))
+        reply = self._reply(self.load_timeout, "task.reward_load_timeout")
         if reply[0] != "ready":
             self.close()
             raise _raised(reply) if reply[0] == "raised" else RewardExited(reply[1])
@@ -189,7 +252,7 @@ def _die_with_parent() -> None:
 
 
 def _serve(recv: Connection, send: Connection, spec: str) -> None:
-    from trainers.tasks import _as_number, load_reward
+    from trainers.reward_fn import as_number, load_reward
 
     try:
         fn = load_reward(spec)
@@ -204,7 +267,7 @@ def _serve(recv: Connection, send: Connection, spec: str) -> None:
         except (EOFError, OSError):
             return  # the trainer is gone
         try:
-            value, why = _as_number(fn(prompt, completion, record))
+            value, why = as_number(fn(prompt, completion, record))
             reply = ("value", value) if why is None else ("bad", why)
         except SystemExit as exc:
             reply = ("exited", exc.code if isinstance(exc.code, (int, str, type(None))) else repr(exc.code))

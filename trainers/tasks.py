@@ -45,33 +45,30 @@ reward function the config names (``task.reward``), imported by the CLI on every
 docs/custom_tasks.md.
 
 Every caller scores completions through ``score_completions``: a reward that raises, exits, runs past
-``task.reward_timeout`` or returns anything but a finite number gives 0.0 for that sample, counted
-(``reward/errors``) and logged, and never stops a run. A ``jsonl`` reward outside [0, 1] is an error naming the
-function and the example (``RewardRangeError``): ``eval/accuracy`` is the mean reward and ``reward/accuracy``
-counts rewards > 0.5, so a value outside [0, 1] is a mistake the run cannot report truthfully.
+``task.reward_timeout``, holds more than ``task.reward_memory_mib`` or returns anything but a finite number gives 0.0
+for that sample, counted (``reward/errors``) and logged; scoring never raises for it (a run whose reward fails on most
+samples step after step is stopped by the loop: ``dcmdp.reward_stop``, which names ``last_failure``). A ``jsonl``
+reward outside [0, 1] is an error naming the function and the example (``RewardRangeError``): ``eval/accuracy`` is the
+mean reward and ``reward/accuracy`` counts rewards > 0.5, so a value outside [0, 1] is a mistake the run cannot report
+truthfully.
 JSONL files are read as UTF-8 with an optional byte-order mark.
 """
 
 from __future__ import annotations
 
-import decimal
 import hashlib
-import importlib
-import importlib.util
-import inspect
 import json
 import logging
-import math
-import numbers
 import os
 import random
-import sys
 import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol
 
 from trainers.config import TaskConfig
-from trainers.reward_worker import RewardExited, RewardNotNumber, RewardRaised, RewardTimeout, RewardWorker
+from trainers.reward_fn import as_number
+from trainers.reward_worker import (RewardExited, RewardMemoryExceeded, RewardNotNumber, RewardRaised, RewardTimeout,
+                                    RewardWorker)
 
 log = logging.getLogger(__name__)
 
@@ -335,6 +332,16 @@ def load_math_jsonl(path: str | os.PathLike, *, on_error: str = "raise") -> list
     return _load_jsonl(path, lambda record, where: parse_math_record(record), "math", on_error=on_error)
 
 
+def json_line(text: str) -> Any:
+    """``json.loads`` of one line, with a ValueError (not a RecursionError) for JSON nested deeper than Python's
+    decoder recurses (about 1,000 levels)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deep to read (over about 1,000 levels of [ or {); a record is a flat object "
+                         "with a 'prompt'") from None
+
+
 def _load_jsonl(path: str | os.PathLike, parse: Callable[[Any, str], Example], task: str, *,
                 on_error: str = "raise") -> list[Example]:
     """``parse(json.loads(line), "path:line")`` of every non-blank line (UTF-8, a leading byte-order mark
@@ -357,7 +364,7 @@ def _load_jsonl(path: str | os.PathLike, parse: Callable[[Any, str], Example], t
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
                 if not line.strip():
                     continue
-                examples.append(parse(json.loads(line), f"{path}:{lineno}"))
+                examples.append(parse(json_line(line), f"{path}:{lineno}"))
             except ValueError as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
                 if isinstance(exc, UnicodeDecodeError):
                     exc = ValueError(f"not UTF-8 ({exc.reason}: byte {raw[exc.start:exc.start + 1]!r} at column "
@@ -501,88 +508,6 @@ def parse_jsonl_record(record: Any, where: str = "") -> RecordExample:
     return RecordExample(prompt, answer, record=record, completion=completion, source=where)
 
 
-RewardFunction = Callable[[str, str, dict], Any]
-
-
-class _RewardSpecError(ValueError):
-    """``task.reward`` names nothing usable (not an error raised by the user's module)."""
-
-
-def _reward_error(spec: str, why: str) -> ValueError:
-    return _RewardSpecError(f"config error at 'task.reward': {spec!r}: {why}")
-
-
-def load_reward(spec: str) -> RewardFunction:
-    """The function ``spec`` names: ``module:function`` (imported with the working directory on the search path,
-    as ``python -m`` has it) or ``path/to/file.py:function`` (a relative path from the working directory).
-
-    The function is called as ``function(prompt, completion, example)`` (see ``JsonlTask``). Raises ValueError
-    naming ``task.reward`` when the module cannot be imported (with the import's own error), has no such
-    attribute, or the attribute does not take three positional arguments.
-    """
-    target, sep, name = spec.rpartition(":")
-    if not sep or not target or not name.isidentifier():
-        raise _reward_error(spec, "expected 'module:function' or 'path/to/file.py:function'")
-    try:
-        module = _import_reward_module(target, spec)
-    except _RewardSpecError:
-        raise
-    except BaseException as exc:  # the user's module runs arbitrary code at import, SystemExit included
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        raise _reward_error(spec, f"importing {target!r} failed: {type(exc).__name__}: {exc}") from exc
-    fn = getattr(module, name, None)
-    if fn is None:
-        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise _reward_error(spec, f"{target!r} has no {name!r} (its functions: {', '.join(found) or 'none'})")
-    if not callable(fn):
-        raise _reward_error(spec, f"{name!r} in {target!r} is a {type(fn).__name__}, not a function")
-    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
-        raise _reward_error(spec, f"{name!r} is an async function: its calls return awaitables, not numbers; make it "
-                                  f"a plain def (run any awaits inside it with asyncio.run)")
-    if inspect.isgeneratorfunction(fn):
-        raise _reward_error(spec, f"{name!r} is a generator function (it yields): a reward must return one number")
-    try:
-        inspect.signature(fn).bind("prompt", "completion", {})
-    except TypeError as exc:
-        raise _reward_error(spec, f"the function must take (prompt, completion, example): {exc}") from exc
-    except ValueError:  # no signature to read (some builtins): the first call will tell
-        pass
-    return fn
-
-
-def _import_reward_module(target: str, spec: str):
-    if target.endswith(".py") or "/" in target or os.sep in target:
-        path = os.path.abspath(target)
-        if not path.endswith(".py"):
-            raise _reward_error(spec, "a reward file must be a Python file ending in .py")
-        if not os.path.isfile(path):
-            raise _reward_error(spec, f"file not found: {path}")
-        # one module per file, shared by every load in the process
-        module_name = "dcmdp_reward_" + hashlib.sha256(path.encode()).hexdigest()[:16]
-        if module_name in sys.modules:
-            return sys.modules[module_name]
-        found = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(found)
-        sys.modules[module_name] = module
-        try:
-            found.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[module_name]
-            raise
-        return module
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.append(cwd)  # after the installed packages: a local file never shadows one
-    try:
-        return importlib.import_module(target)
-    except ModuleNotFoundError as exc:
-        if exc.name and target.split(".")[0] == exc.name.split(".")[0]:
-            raise _reward_error(spec, f"no module {exc.name!r} in the working directory {cwd} or on the Python "
-                                        f"path; give a file instead: path/to/file.py:function") from exc
-        raise
-
-
 def _file_digest(paths: list[str]) -> str:
     h = hashlib.sha256()
     for path in paths:
@@ -615,20 +540,26 @@ class JsonlTask(_FileSplits):
 
     def __init__(self, cfg: TaskConfig, seed: int):
         cfg.check()
-        self.check_config(cfg)
+        self._check_files(cfg)
         self.cfg = cfg
         self.reward_name = cfg.reward
-        self._reward = load_reward(cfg.reward)  # checked here; called in the worker (trainers.reward_worker)
-        self._worker = RewardWorker(cfg.reward, cfg.reward_timeout)
         self._train, self._eval = _split(cfg, _load_jsonl(cfg.path, parse_jsonl_record, "jsonl"),
                                          _load_jsonl(cfg.eval_path, parse_jsonl_record, "jsonl") if cfg.eval_path
                                          else None)
         self.data_digest = _file_digest([p for p in (cfg.path, cfg.eval_path) if p])
+        # imported now, in the worker that will call it (never in this process: its import runs arbitrary code)
+        self._worker = reward_worker(cfg)
+        start_reward(self._worker)
 
     @staticmethod
     def check_config(cfg: TaskConfig) -> None:
-        """What the config alone shows: both files exist and the reward function imports (ValueError naming the
-        key)."""
+        """What the config alone shows: both files exist and the reward function imports in its worker process
+        (``check_reward``; ValueError naming the key)."""
+        JsonlTask._check_files(cfg)
+        check_reward(cfg)
+
+    @staticmethod
+    def _check_files(cfg: TaskConfig) -> None:
         if not cfg.path:
             raise ValueError("config error at 'task.path': task 'jsonl' needs a JSON-lines file of prompts "
                              "(one {\"prompt\": ...} object per line)")
@@ -641,7 +572,6 @@ class JsonlTask(_FileSplits):
         if not cfg.reward:
             raise ValueError("config error at 'task.reward': task 'jsonl' needs a reward function: "
                              "task.reward=module:function or task.reward=path/to/file.py:function")
-        load_reward(cfg.reward)
 
     def reward(self, completion: str, example: Example) -> Any:
         """The reward, called in the task's worker process (``trainers.reward_worker``: a hard deadline, a copy of
@@ -679,23 +609,47 @@ def check_task_config(cfg: TaskConfig) -> None:
         check(cfg)
 
 
+def reward_worker(cfg: TaskConfig) -> RewardWorker:
+    """The worker process of ``cfg.reward`` with the task's limits (not started)."""
+    return RewardWorker(cfg.reward, cfg.reward_timeout, load_timeout=cfg.reward_load_timeout,
+                        memory_limit_mib=cfg.reward_memory_mib or None)
+
+
+def start_reward(worker: RewardWorker) -> None:
+    """Start ``worker`` and import its reward: ValueError naming ``task.reward`` when the import fails, names no usable
+    function, ends the process (``os._exit``, ``sys.exit``, a signal), runs past ``task.reward_load_timeout`` or holds
+    more than ``task.reward_memory_mib``."""
+    spec = f"config error at 'task.reward': {worker.spec!r}"
+    try:
+        worker.start()
+    except RewardTimeout as e:
+        raise ValueError(f"{spec}: importing it did not finish within {e.args[0]:g} s ({e.args[1]}; the worker was "
+                         f"killed); make the import quick (load what the reward needs on its first call), or raise "
+                         f"{e.args[1]}") from None
+    except RewardRaised as e:  # load_reward's own errors already name the key and the fix
+        raise ValueError(e.message if e.type_name == "RewardSpecError" else
+                         f"{spec}: importing it failed: {e.type_name}: {e.message}") from None
+    except RewardExited as e:
+        raise ValueError(f"{spec}: importing it ended the worker process ({e.died or f'sys.exit({e.code!r})'}); a "
+                         f"reward module must define its function when imported, not end the process (os._exit, "
+                         f"sys.exit, a signal)") from None
+    except RewardMemoryExceeded as e:
+        raise ValueError(f"{spec}: importing it took {e.used_mib:.0f} MiB, above task.reward_memory_mib="
+                         f"{e.limit_mib:g}; load less at import, or raise task.reward_memory_mib") from None
+
+
+def check_reward(cfg: TaskConfig) -> None:
+    """Import ``cfg.reward`` in a worker process as a run does (``start_reward``, within its limits), then end it:
+    a reward whose import hangs, exits or fails is refused before anything is built, and runs nothing here."""
+    worker = reward_worker(cfg)
+    try:
+        start_reward(worker)
+    finally:
+        worker.close()
+
+
 class RewardRangeError(ValueError):
     """A reward returned a number outside the range its task documents ([0, 1] for task ``jsonl``)."""
-
-
-def _as_number(value: Any) -> tuple[Optional[float], Optional[str]]:
-    """(the reward as a float, None) or (None, why it is not usable): a finite real number; bool counts as 0 or 1,
-    and numpy scalars (``np.bool_``, ``np.float32``, ...) as the Python values they hold."""
-    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
-        value = value.item()
-    if isinstance(value, decimal.Decimal):
-        value = float(value)
-    if not isinstance(value, numbers.Real):
-        return None, f"returned {type(value).__name__} {repr(value)[:40]}, not a number"
-    number = float(value)
-    if not math.isfinite(number):
-        return None, f"returned {number}"
-    return number, None
 
 
 # a reward that times out this many times in a row in one batch is not called again for the batch's other samples:
@@ -705,6 +659,58 @@ MAX_TIMEOUTS_IN_A_ROW = 3
 
 # reward names whose first failure has been logged with its traceback (once per process)
 _TRACEBACK_SHOWN: set[str] = set()
+
+
+@dataclass(frozen=True)
+class RewardFailure:
+    """The first failing sample of the latest batch a reward failed on (``last_failure``)."""
+
+    # How the reward is named in messages (``task.reward``'s spec, or "of task 'name'").
+    reward: str
+    # Why it failed ("raised KeyError: ...", "returned nan", ...).
+    why: str
+    prompt: str
+    completion: str
+    example: Example
+    # The batch's failures and samples.
+    errors: int
+    samples: int
+
+
+# the latest batch with a failure, per reward name (what the run's reward-failure stop names)
+_LAST_FAILURE: dict[str, RewardFailure] = {}
+
+
+def _reward_name(task: Task) -> str:
+    return getattr(task, "reward_name", None) or f"of task {getattr(task, 'name', type(task).__name__)!r}"
+
+
+def last_failure(task: Task) -> Optional[RewardFailure]:
+    """The first failing sample of the latest batch whose scoring (``score_completions``) had a failure, or None."""
+    return _LAST_FAILURE.get(_reward_name(task))
+
+
+def reward_alone_command(failure: RewardFailure, spec: Optional[str]) -> str:
+    """A shell command that calls the reward ``spec`` (``module:function`` or ``file.py:function``; None for a task's
+    own reward) on the failing sample, outside the trainer: the example read from its file and line when it has one."""
+    import shlex
+
+    if not spec:
+        return (f"python -c 'from trainers.tasks import TASKS; ...' (score the completion {failure.completion[:60]!r} "
+                f"with the task's reward)")
+    target, _, name = spec.rpartition(":")
+    q = json.dumps  # a JSON string is a Python string literal in double quotes: the shell quoting stays readable
+    source = getattr(failure.example, "source", "")
+    path, _, line = source.rpartition(":")
+    if path and line.isdigit():
+        example = f"json.loads(open({q(path)}, encoding={q('utf-8-sig')}).read().splitlines()[{int(line) - 1}])"
+    else:
+        example = f"json.loads({q(json.dumps(getattr(failure.example, 'record', {'prompt': failure.prompt})))})"
+    load = (f"runpy.run_path({q(target)})[{q(name)}]" if target.endswith(".py") or "/" in target else
+            f"importlib.import_module({q(target)}).{name}")
+    code = (f"import importlib, json, runpy, sys; sys.path.append({q('.')}); f = {load}; ex = {example}; "
+            f"print(f(ex[{q('prompt')}], {q(failure.completion)}, ex))")
+    return f"python -c {shlex.quote(code)}"
 
 
 def score_completions(task: Task, completions: list[str], examples: list[Example]) -> tuple[list[float], int]:
@@ -717,19 +723,22 @@ def score_completions(task: Task, completions: list[str], examples: list[Example
     reward returns a number outside [0, 1] (a mistake in the function, not a bad sample)."""
     if len(completions) != len(examples):
         raise ValueError(f"{len(completions)} completions for {len(examples)} examples")
-    name = getattr(task, "reward_name", None) or f"of task {getattr(task, 'name', type(task).__name__)!r}"
+    name = _reward_name(task)
     checks_range = getattr(task, "reward_name", None) is not None
     rewards: list[float] = []
-    errors, first, first_exc, timeouts = 0, "", None, 0
+    errors, first, first_exc, timeouts, failed = 0, "", None, 0, None
     for completion, example in zip(completions, examples):
         exc, value = None, None
         if timeouts >= MAX_TIMEOUTS_IN_A_ROW:
             why = f"not called: it timed out on {timeouts} samples in a row"
         else:
             try:
-                value, why = _as_number(task.reward(completion, example))
+                value, why = as_number(task.reward(completion, example))
             except RewardTimeout as e:
-                why = f"timed out after {e.args[0]:g} s (task.reward_timeout; its worker process was killed)"
+                why = f"timed out after {e.args[0]:g} s ({e.args[1]}; its worker process was killed)"
+            except RewardMemoryExceeded as e:
+                why = (f"held {e.used_mib:.0f} MiB, above task.reward_memory_mib={e.limit_mib:g}: its worker process "
+                       f"was killed and a new one serves the next call")
             except (SystemExit, RewardExited) as e:
                 why = (f"ended its worker process ({e.died})" if getattr(e, "died", None) else
                        f"exited (sys.exit({e.code!r})): a reward must return a number, not end the process")
@@ -752,7 +761,10 @@ def score_completions(task: Task, completions: list[str], examples: list[Example
         errors += 1
         if errors == 1:
             first, first_exc = f"{why} on prompt {example.prompt[:60]!r}", exc
-    if errors:
+            failed = (why, completion, example)
+    if failed is not None:
+        _LAST_FAILURE[name] = RewardFailure(name, failed[0], failed[2].prompt, failed[1], failed[2], errors,
+                                            len(examples))
         show = first_exc is not None and name not in _TRACEBACK_SHOWN
         if show:
             _TRACEBACK_SHOWN.add(name)

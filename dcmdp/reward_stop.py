@@ -1,0 +1,57 @@
+"""Stop a run whose reward keeps failing: it trains on nothing.
+
+A reward that fails on a sample (raises, exits, times out, passes its memory limit, returns NaN or no number) gives
+that sample 0 and the run goes on (``trainers.tasks.score_completions``): one bad sample must not end a run. A reward
+that fails on most samples step after step is another matter: every advantage is 0, the policy does not move, and a
+run that ends with exit 0 and a held-out accuracy reads as finished. So after ``guard.reward_fail_steps`` consecutive
+steps with more than ``guard.reward_fail_share`` of the samples failing, the run writes a checkpoint of its last step,
+ends its MLflow run FAILED, and stops with a ``ConfigError`` (exit 2: the reward is the user's to fix) that names the
+reward, the share, the first failure of the last step and a command that runs the reward alone on that sample.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from dcmdp.config import ConfigError, GuardConfig
+from trainers.tasks import RewardFailure, last_failure, reward_alone_command
+
+if TYPE_CHECKING:
+    from dcmdp.loop import Setup
+
+
+def failing_steps(errors_by_step: Sequence[float], samples: int, guard: GuardConfig) -> bool:
+    """True when each of the last ``guard.reward_fail_steps`` steps (``errors_by_step``: the failed samples of each
+    step so far, of ``samples`` per step) failed on more than ``guard.reward_fail_share`` of its samples."""
+    recent = errors_by_step[-guard.reward_fail_steps:]
+    return len(recent) == guard.reward_fail_steps and all(e > guard.reward_fail_share * samples for e in recent)
+
+
+def stop_message(failure: Optional[RewardFailure], spec: Optional[str], samples: int, guard: GuardConfig,
+                 step: int) -> str:
+    """What the stop says: the reward, the share, the first failure of the last step, and how to run it alone."""
+    share = f"more than {guard.reward_fail_share:.0%} of the {samples} samples of each of {guard.reward_fail_steps} " \
+            f"consecutive steps up to step {step} (guard.reward_fail_share={guard.reward_fail_share:g}, " \
+            f"guard.reward_fail_steps={guard.reward_fail_steps})"
+    if failure is None:
+        return f"the reward failed on {share}, so the run trained on nothing"
+    return (f"reward {failure.reward} failed on {share}, so the run trained on nothing; at step {step} it failed on "
+            f"{failure.errors} of {failure.samples}, first: {failure.why} on prompt {failure.prompt[:60]!r}. Run it "
+            f"alone on that sample: {reward_alone_command(failure, spec)}")
+
+
+def stop_on_failing_reward(s: Setup, step: int) -> None:
+    """After step ``step``: when the reward failed too often for too long (``failing_steps``), checkpoint the step,
+    end the MLflow run FAILED and raise ConfigError; nothing otherwise. Rank 0 decides for every rank."""
+    cfg = s.cfg
+    samples = cfg.algo.prompts_per_step * cfg.algo.samples_per_prompt
+    errors = [h.get("reward/errors", 0.0) for h in s.state.history[-cfg.guard.reward_fail_steps:]]
+    if not s.dist.from_main(failing_steps(errors, samples, cfg.guard)):
+        return
+    from dcmdp.loop import checkpoint  # the loop imports this module
+
+    message = stop_message(last_failure(s.policy.task), cfg.task.reward, samples, cfg.guard, step)
+    path = checkpoint(s, step)
+    s.tracker.finish("FAILED")
+    raise ConfigError(f"training stopped: {message}; checkpoint of step {step} written to {path} (resume with "
+                      f"checkpoint.resume=auto once the reward is fixed), MLflow run ended FAILED")
