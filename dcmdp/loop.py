@@ -39,7 +39,7 @@ from dcmdp.dual import anchor_due, batch_tolerances, bound_in_force, record_anch
 from dcmdp.probe import constraint_values, probe_updates
 from dcmdp.plots import plot_dual
 from dcmdp.redact import public_uri, written_field
-from dcmdp.reward_stop import stop_on_failing_reward
+from dcmdp.reward_stop import failing_steps, stop_message
 from dcmdp.tracking import NoTracker, Tracker, check_tracking_config, provenance_tags
 from dcmdp.policy import (Policy, build_policy, decode_responses, encode_prompts, held_out_accuracy, held_out_examples,
                           screen_task_prompts, seed_everything, step_seed)
@@ -49,7 +49,7 @@ from trainers.batch import Rollout
 from trainers.config import PRECISION_BITS, AlgoConfig
 from trainers.models import cast_model, compute_dtype
 from trainers.optim import build_optimizer, precision_param_dtype
-from trainers.tasks import Example, score_completions
+from trainers.tasks import Example, last_failure, score_completions
 
 log = logging.getLogger("dcmdp")
 
@@ -575,6 +575,21 @@ def _guard_step(s: Setup, step: int, metrics: dict[str, float], kept: bool, stal
     return {"guard/dropped_samples": float(sum(dropped.values())), "guard/skipped_updates": float(skipped),
             "guard/skipped_step": float(not kept),
             "guard/bad_step": float(bad), "guard/consecutive_bad_steps": float(s.state.bad_steps)}
+
+
+def stop_on_failing_reward(s: Setup, step: int) -> None:
+    """After step ``step``: when the reward failed too often for too long (``failing_steps``), checkpoint the step,
+    end the MLflow run FAILED and raise ConfigError; nothing otherwise. Rank 0 decides for every rank."""
+    cfg = s.cfg
+    samples = cfg.algo.prompts_per_step * cfg.algo.samples_per_prompt
+    errors = [h.get("reward/errors", 0.0) for h in s.state.history[-cfg.guard.reward_fail_steps:]]
+    if not s.dist.from_main(failing_steps(errors, samples, cfg.guard)):
+        return
+    message = stop_message(last_failure(s.policy.task), cfg.task.reward, samples, cfg.guard, step)
+    path = checkpoint(s, step)
+    s.tracker.finish("FAILED")
+    raise ConfigError(f"training stopped: {message}; checkpoint of step {step} written to {path} (resume with "
+                      f"checkpoint.resume=auto once the reward is fixed), MLflow run ended FAILED")
 
 
 def _stop_bad_run(s: Setup, step: int) -> None:

@@ -5,19 +5,16 @@ that sample 0 and the run goes on (``trainers.tasks.score_completions``): one ba
 that fails on most samples step after step is another matter: every advantage is 0, the policy does not move, and a
 run that ends with exit 0 and a held-out accuracy reads as finished. So after ``guard.reward_fail_steps`` consecutive
 steps with more than ``guard.reward_fail_share`` of the samples failing, the run writes a checkpoint of its last step,
-ends its MLflow run FAILED, and stops with a ``ConfigError`` (exit 2: the reward is the user's to fix) that names the
+ends its MLflow run FAILED, and stops with a ``ConfigError`` (``dcmdp.loop.stop_on_failing_reward``) (exit 2: the reward is the user's to fix) that names the
 reward, the share, the first failure of the last step and a command that runs the reward alone on that sample.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
-from dcmdp.config import ConfigError, GuardConfig
-from trainers.tasks import RewardFailure, last_failure, reward_alone_command
-
-if TYPE_CHECKING:
-    from dcmdp.loop import Setup
+from dcmdp.config import GuardConfig
+from trainers.tasks import RewardFailure, reward_alone_command
 
 
 def failing_steps(errors_by_step: Sequence[float], samples: int, guard: GuardConfig) -> bool:
@@ -38,20 +35,3 @@ def stop_message(failure: Optional[RewardFailure], spec: Optional[str], samples:
     return (f"reward {failure.reward} failed on {share}, so the run trained on nothing; at step {step} it failed on "
             f"{failure.errors} of {failure.samples}, first: {failure.why} on prompt {failure.prompt[:60]!r}. Run it "
             f"alone on that sample: {reward_alone_command(failure, spec)}")
-
-
-def stop_on_failing_reward(s: Setup, step: int) -> None:
-    """After step ``step``: when the reward failed too often for too long (``failing_steps``), checkpoint the step,
-    end the MLflow run FAILED and raise ConfigError; nothing otherwise. Rank 0 decides for every rank."""
-    cfg = s.cfg
-    samples = cfg.algo.prompts_per_step * cfg.algo.samples_per_prompt
-    errors = [h.get("reward/errors", 0.0) for h in s.state.history[-cfg.guard.reward_fail_steps:]]
-    if not s.dist.from_main(failing_steps(errors, samples, cfg.guard)):
-        return
-    from dcmdp.loop import checkpoint  # the loop imports this module
-
-    message = stop_message(last_failure(s.policy.task), cfg.task.reward, samples, cfg.guard, step)
-    path = checkpoint(s, step)
-    s.tracker.finish("FAILED")
-    raise ConfigError(f"training stopped: {message}; checkpoint of step {step} written to {path} (resume with "
-                      f"checkpoint.resume=auto once the reward is fixed), MLflow run ended FAILED")
