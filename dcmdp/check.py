@@ -13,9 +13,11 @@ looks at all of them and returns each with its config key and the fix:
 - tokenizer and model: ``model.path`` (a directory with a tokenizer that loads, a config.json of the preset's
   architecture with as many embedding rows as the tokenizer has tokens, weight files), or its absence for a preset
   that needs it;
+- engine: a package the rollout engine imports that cannot be imported here (vLLM), with the command that installs it;
 - device: ``dcmdp.device.resolve_device`` (``device=cuda`` without CUDA, a local rank beyond the GPUs);
-- output: a folder that holds another run (``dcmdp check`` only: ``train`` decides that under its folder lock) and a
-  tracking URI or experiment MLflow cannot use.
+- output: a folder that holds another config's run (``dcmdp check`` only: ``train`` decides that under its folder
+  lock; a folder that holds this config's own run, finished or resumable, is no problem: ``folder_line`` says what it
+  holds) and a tracking URI or experiment MLflow cannot use.
 
 ``dcmdp train`` runs the same checks before it imports the trainer; the exit code is 2 when a problem is a config
 error, 1 when all are input errors (a file, a directory), as the run itself would report them.
@@ -23,6 +25,7 @@ error, 1 when all are input errors (a file, a directory), as the run itself woul
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -81,6 +84,7 @@ def find_problems(path: Optional[str], overrides: Sequence[str], *, run_folder: 
     _tolerances(cfg, problems)
     _task(cfg, problems)
     _model(cfg, problems)
+    _engine(cfg, problems)
     _device(cfg, problems)
     if run_folder:
         _run_folder(cfg, problems)
@@ -294,6 +298,26 @@ def _model(cfg: RunConfig, problems: list[Problem]) -> None:
                                               f"run without them", 1))
 
 
+def _engine(cfg: RunConfig, problems: list[Problem]) -> None:
+    """The packages the rollout engine needs (``EngineCapabilities.requires``), looked up without importing them:
+    importing vLLM takes longer than the whole check."""
+    from trainers.engines import ENGINES
+
+    entry = ENGINES.get(cfg.rollout.engine)
+    if entry is None:
+        return  # named by validate
+    for module, install in entry.capabilities.requires.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a broken install: its parent fails, or a module without a spec
+            found = False
+        if not found:
+            problems.append(Problem("rollout.engine", (
+                f"config error at 'rollout.engine': rollout.engine={cfg.rollout.engine} needs {module}, which cannot "
+                f"be imported by this Python ({os.path.dirname(os.path.dirname(os.__file__))}); install it with "
+                f"{install}, or train with rollout.engine=torch")))
+
+
 def _device(cfg: RunConfig, problems: list[Problem]) -> None:
     from dcmdp.device import local_rank, resolve_device
 
@@ -314,10 +338,12 @@ def _run_folder(cfg: RunConfig, problems: list[Problem]) -> None:
         problems.append(Problem("checkpoint.resume", f"checkpoint.resume={resume!r}: no checkpoint there; name a "
                                                      f"checkpoint folder (<output_dir>/checkpoints/step_N), or auto",
                                 1))
-    if out.is_dir() and not resume and not cfg.overwrite and (earlier := run_in_folder(out)):
-        problems.append(Problem("output_dir", f"output_dir {out} already holds a run ({earlier}): continue it with "
-                                              f"checkpoint.resume=auto, start afresh there with overwrite=true, or "
-                                              f"choose another output_dir", 1))
+    if (out.is_dir() and not resume and not cfg.overwrite and (earlier := run_in_folder(out))
+            and (conflicts := own_run_conflicts(cfg)) != []):
+        why = f" with another config ({'; '.join(conflicts[:3])})" if conflicts else ""
+        problems.append(Problem("output_dir", f"output_dir {out} already holds a run{why} ({earlier}): continue it "
+                                              f"with checkpoint.resume=auto, start afresh there with overwrite=true, "
+                                              f"or choose another output_dir", 1))
     try:
         check_tracking_config(cfg.tracking, out)
     except ConfigError as exc:
@@ -343,6 +369,44 @@ def memory_plan(path: Optional[str], overrides: Sequence[str], gpus: int = 1, gp
     known = gpu_memory is not None or detected is not None
     problem = None if plan.fits or not known else Problem(plan.largest.key, plan.refusal())
     return plan.lines(), problem
+
+
+def own_run_conflicts(cfg: RunConfig) -> Optional[list[str]]:
+    """How ``cfg`` differs from the config of the run in ``cfg.output_dir`` (its ``config.yaml``) where a resume
+    would refuse or ignore it (``dcmdp.config.resume_conflicts``): [] when the folder holds this config's own run,
+    None when the folder's config cannot be read."""
+    from dcmdp.config import flatten, resume_conflicts
+
+    try:
+        saved = flatten(load_config(Path(cfg.output_dir) / "config.yaml", check=False))
+    except (OSError, ValueError):  # no config.yaml, or one that no longer loads
+        return None
+    return resume_conflicts(saved, cfg)
+
+
+def folder_line(path: Optional[str], overrides: Sequence[str]) -> Optional[str]:
+    """What the output folder of a config without problems holds, when that is this config's own run: how a run
+    continues it; None for an empty or new folder. Read from the folder only (checkpoints, summary.json)."""
+    from dcmdp.checkpoint import run_in_folder
+
+    cfg = load_config(path, overrides, check=False)
+    out = Path(cfg.output_dir)
+    if not out.is_dir() or not (earlier := run_in_folder(out)):
+        return None
+    try:
+        finished = json.loads((out / "summary.json").read_text()).get("steps") == cfg.steps
+    except (OSError, ValueError, AttributeError):
+        finished = False
+    what = f"finished at step {cfg.steps}" if finished else "resumable"
+    if cfg.checkpoint.resume:
+        how = "checkpoint.resume is set: train continues it" + (", and finds nothing to train" if finished else "")
+    elif cfg.overwrite:
+        how = "overwrite=true: train deletes it and starts afresh"
+    else:
+        how = ("train with checkpoint.resume=auto " + ("says so and trains nothing (steps=N trains further)"
+                                                        if finished else "continues it")
+               + ", with overwrite=true starts afresh")
+    return f"{out} holds this config's own run, {what} ({earlier}): {how}"
 
 
 def report(problems: Sequence[Problem], what: str, *, listed: bool = False) -> list[str]:

@@ -93,7 +93,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
 def _cmd_check(ns: argparse.Namespace) -> int:
     """Exit code 2 when any problem is found (each printed with its key and fix), 0 otherwise."""
-    from dcmdp.check import find_problems, report
+    from dcmdp.check import find_problems, folder_line, report
 
     t0 = time.perf_counter()
     path, overrides = _split_config_args(ns.args)
@@ -109,8 +109,10 @@ def _cmd_check(ns: argparse.Namespace) -> int:
     if unfit is not None:
         print(unfit.line(), file=sys.stderr)
         return 2
+    folder = folder_line(path, overrides)
     print(f"{what}: no problem found (config and tolerances, task files and split, reward, tokenizer and model, "
-          f"device, output folder, tracking) in {time.perf_counter() - t0:.1f} s")
+          f"engine, device, output folder, tracking) in {time.perf_counter() - t0:.1f} s"
+          + (f"; {folder}" if folder else ""))
     return 0
 
 
@@ -273,9 +275,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # it logs every failed query with its traceback (a full disk: one per call) before raising the error the
         # tracker reports in one line, naming the store and where the metrics are buffered
         logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
-    waiting = passive_wait_policy(machine()[1])  # before a command imports torch and its OpenMP runtime
+    # before a command imports torch and its OpenMP runtime. It changes only how idle threads wait, nothing the user
+    # decides on, so it is no line before every command (-v shows it)
+    waiting = passive_wait_policy(machine()[1])
     if waiting:
-        logging.getLogger("dcmdp").info("%s", waiting)
+        logging.getLogger("dcmdp").debug("%s", waiting)
     try:
         return ns.func(ns)
     except ConfigError as exc:

@@ -141,3 +141,64 @@ def test_a_jsonl_task_without_its_file_or_reward_is_named(override, tmp_path):
                  f"output_dir={tmp_path / 'out'}", override]
     keys = _keys(find_problems(None, overrides))
     assert override.rstrip("=") in keys
+
+
+def _folder_of_a_run(out: Path, overrides: list[str], steps_done: int) -> None:
+    """The files a run leaves in its folder that check reads: config.yaml as a run writes it, and summary.json."""
+    from dcmdp.config import load_config, to_yaml
+
+    out.mkdir(parents=True)
+    (out / "config.yaml").write_text(to_yaml(load_config(None, overrides), public=True))
+    (out / "summary.json").write_text(json.dumps({"steps": steps_done}))
+
+
+def test_a_folder_holding_this_configs_own_run_passes_with_one_line(tmp_path, capsys):
+    out = tmp_path / "out"
+    mine = [*TINY, f"output_dir={out}", "threads=1"]
+    _folder_of_a_run(out, mine, steps_done=1)
+    assert cli.main(["check", *mine]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]  # the summary line, after the memory plan's
+    assert line.startswith("the config: no problem found") and \
+        f"; {out} holds this config's own run, finished at step 1 (summary.json): train with " \
+        f"checkpoint.resume=auto says so and trains nothing" in line
+    # more steps than the run made: the run is continued, not finished
+    assert cli.main(["check", *TINY[:1], "steps=3", f"output_dir={out}", "threads=1"]) == 0
+    assert f"{out} holds this config's own run, resumable (summary.json): train with checkpoint.resume=auto " \
+           f"continues it" in capsys.readouterr().out
+    # another config's run in the folder stays a problem, and the difference is named
+    assert cli.main(["check", *mine, "seed=7"]) == 2
+    err = capsys.readouterr().err
+    assert f"output_dir {out} already holds a run with another config (seed: '0' in the checkpoint, '7' now" in err
+
+
+def test_a_vllm_config_without_vllm_is_a_config_error_naming_the_install(tmp_path, monkeypatch, capsys):
+    """vLLM made unimportable (a None entry in sys.modules stops every import of it, as if it were absent):
+    check and train both exit 2 before any work, naming vllm and the command that installs it."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    vllm = ["configs/default.yaml", "rollout.engine=vllm", "rollout.precision=bf16", f"output_dir={tmp_path / 'o'}"]
+    for command in ("check", "train"):
+        assert cli.main([command, *vllm]) == 2, command
+        err = capsys.readouterr().err
+        assert "config error at 'rollout.engine': rollout.engine=vllm needs vllm, which cannot be imported" in err
+        assert "install it with make vllm (runs scripts/setup_vllm.sh .venv" in err
+    assert not (tmp_path / "o").exists()  # train built nothing
+    monkeypatch.delitem(sys.modules, "vllm")
+    if __import__("importlib").util.find_spec("vllm") is not None:  # where vLLM is installed, the same config passes
+        assert cli.main(["check", *vllm]) == 0
+
+
+def test_no_load_average_line_before_a_command(tmp_path, monkeypatch, caplog):
+    """On a busy machine the command sets OpenMP's passive wait policy, and says so only with -v: a mistyped key
+    gets its error and nothing before it."""
+    import logging
+    import os
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (5.0, 5.0, 5.0))
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(cli, "machine", lambda: (2, 5.0))
+    caplog.set_level(logging.DEBUG)
+    assert cli.main(["check", *TINY, "algo.minibatchs=2", f"output_dir={tmp_path}"]) == 2
+    shown = [r for r in caplog.records if "load average" in r.getMessage()]
+    assert shown and all(r.levelno == logging.DEBUG for r in shown)

