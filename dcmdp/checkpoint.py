@@ -257,9 +257,12 @@ def read_run_file(folder: str | Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def write_run_file(folder: str | Path, uid: str, run_id: Optional[str], parent: Optional[dict] = None) -> None:
-    """Record which run owns ``folder`` (atomically: a crash leaves the old file or the new one)."""
-    body = {"uid": uid, "run_id": run_id, **({"resumed_from": parent} if parent else {})}
+def write_run_file(folder: str | Path, uid: str, run_id: Optional[str], parent: Optional[dict] = None,
+                   tracking_uri: str = "") -> None:
+    """Record which run owns ``folder`` and where its metrics are (its MLflow run id and the tracking URI, without
+    credentials), atomically: a crash leaves the old file or the new one."""
+    body = {"uid": uid, "run_id": run_id, **({"tracking_uri": tracking_uri} if tracking_uri else {}),
+            **({"resumed_from": parent} if parent else {})}
     tmp = Path(folder) / f".{RUN_FILE}.tmp"
     tmp.write_text(json.dumps(body, indent=2) + "\n")
     os.replace(tmp, Path(folder) / RUN_FILE)

@@ -1,4 +1,4 @@
-"""The ``dcmdp`` command: train, check, calibrate, tune, eval, report, sync."""
+"""The ``dcmdp`` command: train, check, calibrate, tune, eval, report, ui, sync."""
 
 from __future__ import annotations
 
@@ -161,9 +161,37 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
 def _cmd_report(ns: argparse.Namespace) -> int:
     from dcmdp.report import write_report
 
-    out = write_report(ns.runs, ns.out, tracking_uri=ns.tracking_uri)
+    from dcmdp.report import KINDS
+
+    out = write_report(ns.runs, ns.out, tracking_uri=ns.tracking_uri, kinds=KINDS if ns.kind == "all" else (ns.kind,))
     print(f"report written to {out}")
     return 0
+
+
+def _cmd_ui(ns: argparse.Namespace) -> int:
+    """Print the link to the experiment's runs as charts, training layout, and become ``mlflow ui`` on the config's
+    local store (a tracking server serves its own UI: the link alone)."""
+    from dcmdp.report import existing_store
+    from dcmdp.tracking import UI_DEFAULT, experiment_link, resolve_tracking_uri, sqlite_store_file, ui_base
+
+    path, overrides = _split_config_args(ns.args)
+    cfg = load_config(path, overrides)
+    uri = ns.tracking_uri or resolve_tracking_uri(cfg.tracking, cfg.output_dir)
+    existing_store(uri, "--tracking-uri" if ns.tracking_uri else f"the store of output_dir {cfg.output_dir}")
+    from mlflow.tracking import MlflowClient
+
+    exp = MlflowClient(tracking_uri=uri).get_experiment_by_name(cfg.tracking.experiment)
+    if exp is None:
+        raise FileNotFoundError(f"the store {uri} holds no experiment {cfg.tracking.experiment!r} yet: train first, "
+                                f"or name the experiment with tracking.experiment=NAME")
+    local = sqlite_store_file(uri) is not None
+    base = ui_base(uri, f"http://{ns.host}:{ns.port}" if local else UI_DEFAULT)
+    print(f"MLflow: lambda, its cap, D-hat and c of every run of experiment {exp.name!r} side by side (section 0_dual "
+          f"first) at {experiment_link(base, exp.experiment_id)}", flush=True)
+    if not local:
+        return 0
+    mlflow = str(Path(sys.executable).parent / "mlflow")
+    os.execv(mlflow, [mlflow, "ui", "--backend-store-uri", uri, "--host", ns.host, "--port", str(ns.port)])
 
 
 def _cmd_sync(ns: argparse.Namespace) -> int:
@@ -238,7 +266,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("runs", nargs="+", help="run ids or an experiment name")
     r.add_argument("--out", type=_non_empty, default="report", help="output folder (default: ./report)")
     r.add_argument("--tracking-uri", type=_non_empty, default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")
+    r.add_argument("--kind", choices=("train", "calibrate", "tune", "all"), default="train",
+                   help="which runs of an experiment to report: training runs (default), dcmdp calibrate's, dcmdp "
+                        "tune's (study and trials), or all; a run named by its id is always reported")
     r.set_defaults(func=_cmd_report)
+
+    w = sub.add_parser("ui", help="MLflow's UI on the store a config's runs log to, opening on every run of its "
+                       "experiment as charts, lambda first: dcmdp ui [CONFIG.yaml] [key=value ...]")
+    w.add_argument("args", nargs="*", help="a YAML config file and/or dotlist overrides: its output_dir and tracking "
+                   "settings name the store (default: outputs/mlflow.db)")
+    w.add_argument("--tracking-uri", type=_non_empty, default=None, help="the store instead (default: the config's)")
+    w.add_argument("--host", default="127.0.0.1", help="address to serve on (default: 127.0.0.1)")
+    w.add_argument("--port", type=_at_least(1, int), default=5000, help="port to serve on (default: 5000)")
+    w.set_defaults(func=_cmd_ui)
 
     y = sub.add_parser("sync", help="send metrics buffered while the tracking server was unreachable")
     y.add_argument("buffer_dir", help="the run's buffer folder (printed in the warning when buffering started)")
@@ -248,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # The positional list of each command that key=value overrides join wherever they stand on the command line.
-_OVERRIDE_DEST = {"train": "args", "check": "args", "calibrate": "args", "eval": "args", "tune": "overrides"}
+_OVERRIDE_DEST = {"train": "args", "check": "args", "calibrate": "args", "eval": "args", "tune": "overrides",
+                  "ui": "args"}
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

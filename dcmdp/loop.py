@@ -769,7 +769,7 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
                         **({"dcmdp.resumed_from_run": str(parent["run_id"]), "dcmdp.resumed_from": str(resume)}
                            if parent else {})})
     if d.main and owns_folder:
-        write_run_file(out, start.uid, tracker.run_id, parent)
+        write_run_file(out, start.uid, tracker.run_id, parent, tracking_uri=public_uri(tracker.tracking_uri))
         if start.replaced_run_id and start.replaced_run_id != tracker.run_id:
             tracker.end_stale_run(start.replaced_run_id)
     if resume is not None and d.main and not start.foreign:

@@ -4,6 +4,13 @@ Per run and constraint ``<n>`` (found from the keys ``dual/lambda/<n>`` and ``du
 final and mean multiplier λ, mean and final measured discrepancy D, the tolerance c (last logged
 ``dual/tolerance/<n>``) and the share of steps with D ≤ c; per run the final ``eval/accuracy`` (if
 logged), the number of distinct steps with a training metric logged and the MLflow status. Means skip NaN values.
+Runs that logged the mismatch by source (``mismatch/<n>/...``, ``dcmdp.mismatch``) also get ``mismatch.png``: per run
+and constraint, the parts stacked over the steps with D̂ drawn over them.
+
+An experiment holds the runs of every command: its training runs are reported, and the runs of ``dcmdp calibrate``
+(tag ``dcmdp.kind=calibrate``) and ``dcmdp tune`` (its parent run, tag ``dcmdp.tune``, and the trials nested under it)
+only when ``kinds`` asks for them (``run_kind``); report.md counts what it left out. A run named by its id is always
+reported.
 """
 
 from __future__ import annotations
@@ -54,9 +61,52 @@ def _final(points: list[tuple[int, float]]) -> Optional[float]:
     return points[-1][1] if points else None
 
 
-def _expand(client: Any, items: list[str]) -> list[Any]:
-    """Experiment names become their runs (oldest first); anything else must be a run id."""
-    runs, seen = [], set()
+# What each command's runs are called in ``run_kind``, ``--kind`` and report.md.
+KINDS = ("train", "calibrate", "tune")
+TUNE_TAG = "dcmdp.tune"
+
+
+def run_kind(run: Any, parent_of: Any = None) -> str:
+    """``train``, ``calibrate`` or ``tune`` for an MLflow run, from its tags: ``dcmdp.kind=calibrate`` (dcmdp
+    calibrate), ``dcmdp.tune`` (a tune study's parent run) or a parent run (``mlflow.parentRunId``) that is a tune
+    study's, looked up with ``parent_of(run_id) -> run`` (None: a parent is taken to be one); else ``train``."""
+    from dcmdp.tracking import PARENT_RUN_TAG
+
+    tags = run.data.tags
+    if tags.get("dcmdp.kind") == "calibrate":
+        return "calibrate"
+    if TUNE_TAG in tags:
+        return "tune"
+    parent = tags.get(PARENT_RUN_TAG)
+    if parent:
+        if parent_of is None:
+            return "tune"
+        try:
+            return "tune" if TUNE_TAG in parent_of(parent).data.tags else "train"
+        except Exception:  # a parent no longer in the store: nested under something that is not a training run
+            return "tune"
+    return "train"
+
+
+@dataclass
+class Selection:
+    """The runs to report, and how many of each other kind an experiment held (left out)."""
+
+    runs: list[Any]
+    left_out: dict[str, int] = field(default_factory=dict)
+
+
+def _expand(client: Any, items: list[str], kinds: tuple[str, ...] = ("train",)) -> Selection:
+    """Experiment names become their runs of ``kinds`` (oldest first); anything else must be a run id, reported
+    whatever its kind."""
+    runs, seen, left_out = [], set(), {}
+    parents: dict[str, Any] = {}
+
+    def parent_of(run_id: str) -> Any:
+        if run_id not in parents:
+            parents[run_id] = client.get_run(run_id)
+        return parents[run_id]
+
     for item in items:
         exp = client.get_experiment_by_name(item)
         if exp is not None:
@@ -68,37 +118,48 @@ def _expand(client: Any, items: list[str]) -> list[Any]:
                 token = page.token
                 if not token:
                     break
+            parents.update((r.info.run_id, r) for r in found)
+            kept = []
+            for run in found:
+                kind = run_kind(run, parent_of)
+                if kind in kinds:
+                    kept.append(run)
+                elif run.info.run_id not in seen:
+                    left_out[kind] = left_out.get(kind, 0) + 1
+            found = kept
         else:
             try:
                 found = [client.get_run(item)]
             except Exception as exc:
                 raise ValueError(f"{item!r} is neither an experiment name nor a run id in the store "
-                                 f"{public_uri(client.tracking_uri)} (pass the store of the run's output_dir with --tracking-uri "
-                                 f"sqlite:///<output_dir>/mlflow.db)") from exc
+                                 f"{public_uri(client.tracking_uri)} (pass the store the run logged to with "
+                                 f"--tracking-uri: its run.json and summary.json name it)") from exc
         for run in found:
             if run.info.run_id not in seen:
                 seen.add(run.info.run_id)
                 runs.append(run)
-    return runs
+    return Selection(runs, left_out)
 
 
-def _existing_store(tracking_uri: Optional[str]) -> str:
+def existing_store(tracking_uri: Optional[str], source: str = "--tracking-uri") -> str:
     """``tracking_uri`` (default: MLflow's own resolution), checked to name a store that exists: reading from a
-    sqlite file or a store folder that is not there would create an empty one and report that nothing is found."""
+    sqlite file or a store folder that is not there would create an empty one and report that nothing is found.
+    ``source`` names where the URI came from, for the error."""
     import mlflow
 
     from dcmdp.tracking import check_tracking_uri, sqlite_store_file
 
     uri = tracking_uri or mlflow.get_tracking_uri()
-    check_tracking_uri(uri, "--tracking-uri" if tracking_uri else "MLFLOW_TRACKING_URI")
+    check_tracking_uri(uri, source if tracking_uri else "MLFLOW_TRACKING_URI")
     parsed = urlparse(uri)
     path = sqlite_store_file(uri)
     if path is None and parsed.scheme in ("", "file"):
         path = Path(unquote(parsed.path) if parsed.scheme else uri)
     if path is not None and not path.exists():
-        how = "--tracking-uri" if tracking_uri else "the default store (pass --tracking-uri)"
-        raise FileNotFoundError(f"no MLflow store at {path} ({how}: {uri}); a run's local store is "
-                                f"sqlite:///<output_dir>/mlflow.db")
+        how = source if tracking_uri else "the default store (pass --tracking-uri)"
+        raise FileNotFoundError(f"no MLflow store at {path} ({how}: {uri}); a run's local store is mlflow.db in the "
+                                f"folder that holds its output_dir (outputs/default: sqlite:///outputs/mlflow.db), as "
+                                f"its run.json names it")
     return uri
 
 
@@ -137,9 +198,12 @@ def _fmt(x: Optional[float], pct: bool = False) -> str:
     return f"{x:.4g}"
 
 
-def _markdown(summaries: list[RunSummary], tracking_uri: str) -> str:
-    lines = ["# dcmdp report", "", f"Tracking URI: `{tracking_uri}`", "",
-             f"| run | run id | status | steps | final {ACCURACY_KEY} |", "|---|---|---|---:|---:|"]
+def _markdown(summaries: list[RunSummary], tracking_uri: str, left_out: Optional[dict[str, int]] = None) -> str:
+    lines = ["# dcmdp report", "", f"Tracking URI: `{tracking_uri}`", ""]
+    if left_out:
+        counted = ", ".join(f"{n} {kind} run{'s' if n > 1 else ''}" for kind, n in sorted(left_out.items()))
+        lines += [f"Left out: {counted} of the experiment (`dcmdp report ... --kind all` reports them too).", ""]
+    lines += [f"| run | run id | status | steps | final {ACCURACY_KEY} |", "|---|---|---|---:|---:|"]
     for r in summaries:
         lines.append(f"| {r.run_name} | `{r.run_id}` | {r.status} | {r.steps} | {_fmt(r.eval_accuracy_final)} |")
     lines += ["", "![λ, discrepancy and accuracy over steps](report.png)", ""]
@@ -177,11 +241,13 @@ def _csv_rows(summaries: list[RunSummary]) -> list[dict[str, Any]]:
     return rows
 
 
-def write_report(run_ids_or_experiment: list[str], out_dir: str | Path, tracking_uri: Optional[str] = None) -> Path:
-    """Write report.md, report.csv and report.png for the given runs into out_dir; return report.md.
+def write_report(run_ids_or_experiment: list[str], out_dir: str | Path, tracking_uri: Optional[str] = None,
+                 kinds: tuple[str, ...] = ("train",)) -> Path:
+    """Write report.md, report.csv and report.png (and mismatch.png) for the given runs into out_dir; return
+    report.md.
 
-    Each entry is an MLflow experiment name (expanded to all its runs) or a run id. tracking_uri
-    defaults to MLflow's own resolution ($MLFLOW_TRACKING_URI, else its default store).
+    Each entry is an MLflow experiment name (expanded to its runs of ``kinds``, see ``run_kind``) or a run id.
+    tracking_uri defaults to MLflow's own resolution ($MLFLOW_TRACKING_URI, else its default store).
     """
     from mlflow.tracking import MlflowClient
 
@@ -189,15 +255,17 @@ def write_report(run_ids_or_experiment: list[str], out_dir: str | Path, tracking
     if out_dir.exists() and not out_dir.is_dir():
         raise NotADirectoryError(f"--out {out_dir} is a file: the report is a folder (report.md, report.csv, "
                                  f"report.png); give a folder path")
-    client = MlflowClient(tracking_uri=_existing_store(tracking_uri))
-    runs = _expand(client, list(run_ids_or_experiment))
-    if not runs:
-        raise ValueError(f"no runs found for {list(run_ids_or_experiment)}")
-    summaries = [_summarise(client, run) for run in runs]
+    client = MlflowClient(tracking_uri=existing_store(tracking_uri))
+    selection = _expand(client, list(run_ids_or_experiment), kinds)
+    if not selection.runs:
+        others = f" (only {', '.join(f'{n} {k}' for k, n in sorted(selection.left_out.items()))} runs: --kind all " \
+                 f"reports them)" if selection.left_out else ""
+        raise ValueError(f"no {'/'.join(kinds)} runs found for {list(run_ids_or_experiment)}{others}")
+    summaries = [_summarise(client, run) for run in selection.runs]
     out_dir.mkdir(parents=True, exist_ok=True)
 
     md_path = out_dir / "report.md"
-    md_path.write_text(_markdown(summaries, public_uri(client.tracking_uri)) + "\n")
+    md_path.write_text(_markdown(summaries, public_uri(client.tracking_uri), selection.left_out) + "\n")
     with open(out_dir / "report.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         writer.writeheader()

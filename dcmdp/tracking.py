@@ -111,21 +111,35 @@ def dual_overview(metrics: dict[str, Any], caps: dict[str, float]) -> dict[str, 
     return out
 
 
-def ui_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    """The run's charts in MLflow's UI, in its training layout: the server of an http(s) URI (without credentials),
-    else ``mlflow ui`` on its default port (``UI_DEFAULT``)."""
+def ui_base(tracking_uri: str, local: str = UI_DEFAULT) -> str:
+    """Where MLflow's UI of a store is served: the server of an http(s) URI (without credentials), else ``local``
+    (``mlflow ui`` on its default port)."""
     parsed = urlparse(tracking_uri)
-    base = (parsed._replace(netloc=parsed.hostname + (f":{parsed.port}" if parsed.port else ""), params="", query="",
+    return (parsed._replace(netloc=parsed.hostname + (f":{parsed.port}" if parsed.port else ""), params="", query="",
                             fragment="").geturl().rstrip("/")
-            if parsed.scheme in ("http", "https") and parsed.hostname else UI_DEFAULT)
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}/model-metrics?{UI_LAYOUT}"
+            if parsed.scheme in ("http", "https") and parsed.hostname else local)
+
+
+def ui_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """The run's charts in MLflow's UI, in its training layout (``ui_base``)."""
+    return f"{ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}/model-metrics?{UI_LAYOUT}"
+
+
+# The experiment page's switch from the runs table to their charts (MLflow 3.17's UI reads it from the link).
+UI_CHARTS = "compareRunsMode=CHART"
+
+
+def experiment_link(base: str, experiment_id: str) -> str:
+    """Every run of the experiment side by side as charts, in the training layout: the dual's section first, as on a
+    run's own page (``OVERVIEW``)."""
+    return f"{base}/#/experiments/{experiment_id}/runs?{UI_CHARTS}&{UI_LAYOUT}"
 
 
 def resolve_tracking_uri(cfg: TrackingConfig, output_dir: str | Path) -> str:
-    """cfg.uri, else $MLFLOW_TRACKING_URI, else ``sqlite:///<abs output_dir>/mlflow.db``.
+    """cfg.uri, else $MLFLOW_TRACKING_URI, else the local store of ``output_dir`` (``local_store_uri``).
 
     MLflow 3 makes sqlite its default store (the file store is deprecated); it needs no server.
-    Artifacts of the local store go to ``<output_dir>/mlartifacts`` (see ``Tracker``).
+    Artifacts of the local store go to ``mlartifacts`` beside its database (see ``Tracker``).
     """
     if cfg.uri:
         return cfg.uri
@@ -135,10 +149,25 @@ def resolve_tracking_uri(cfg: TrackingConfig, output_dir: str | Path) -> str:
     return local_store_uri(output_dir)
 
 
+STORE_FILE = "mlflow.db"
+
+
+def local_store_folder(output_dir: str | Path) -> Path:
+    """Where the local store of a run in ``output_dir`` lives: the folder that holds the run folders
+    (``outputs/default`` and ``outputs/pid`` share ``outputs/mlflow.db``), so that every run started beside another
+    is in one store, and ``dcmdp report`` and ``mlflow ui`` show them side by side, experiments grouping them, as
+    MLflow's own default store does for the runs of one working folder. A run folder that holds a store of its own
+    keeps logging there (a folder given one on purpose, as ``benchmarks/run.py`` does per cell), so a resumed run
+    always continues its MLflow run in the store that holds it. Depends on ``output_dir`` alone, not on the working
+    directory: a run resumed from elsewhere finds its store."""
+    out = Path(output_dir).resolve()
+    return out if (out / STORE_FILE).is_file() else out.parent
+
+
 def local_store_uri(output_dir: str | Path) -> str:
-    """``sqlite:///<abs path>/mlflow.db`` with the path percent-encoded: SQLAlchemy decodes it, so a folder whose name
-    holds ``?``, ``#``, ``%`` or spaces is the folder the database goes to."""
-    return f"sqlite:///{quote(str(Path(output_dir).resolve() / 'mlflow.db'))}"
+    """``sqlite:///<abs path>/mlflow.db`` in ``local_store_folder(output_dir)``, the path percent-encoded: SQLAlchemy
+    decodes it, so a folder whose name holds ``?``, ``#``, ``%`` or spaces is the folder the database goes to."""
+    return f"sqlite:///{quote(str(local_store_folder(output_dir) / STORE_FILE))}"
 
 
 def sqlite_store_file(uri: str) -> Optional[Path]:
@@ -776,7 +805,7 @@ class Tracker:
         self.tracking_uri = resolve_tracking_uri(cfg, output_dir)
         self.buffer_dir = resolve_buffer_dir(cfg, output_dir)
         # The default local store keeps its artifacts next to its database.
-        self._artifact_location = ((self.output_dir.resolve() / "mlartifacts").as_uri()
+        self._artifact_location = ((local_store_folder(output_dir) / "mlartifacts").as_uri()
                                    if self.tracking_uri == local_store_uri(output_dir) else None)
         self._sender = _Sender(self.tracking_uri, self.buffer_dir)
         # MLflow makes the parent folder of the sqlite path before decoding it: with a ``%`` in the URI that is a
