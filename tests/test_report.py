@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -12,10 +13,11 @@ from dcmdp.report import write_report
 from dcmdp.tracking import Tracker
 
 
-def log_run(out: Path, name: str, steps: int, constraints: dict[str, float], accuracy: dict[int, float]) -> str:
+def log_run(out: Path, name: str, steps: int, constraints: dict[str, float], accuracy: dict[int, float],
+            tags: Optional[dict[str, str]] = None, parent: Optional[str] = None) -> str:
     """λ_t = 0.125 t and D_t = 0.25 + 0.0625 t (dyadic, exact in binary) for every constraint."""
-    tracker = Tracker(TrackingConfig(experiment="report-test", run_name=name), out)
-    run_id = tracker.start({"steps": str(steps)})
+    tracker = Tracker(TrackingConfig(experiment="report-test", run_name=name, parent_run_id=parent), out)
+    run_id = tracker.start({"steps": str(steps)}, tags=tags)
     for t in range(steps):
         metrics = {}
         for c, tol in constraints.items():
@@ -30,10 +32,10 @@ def log_run(out: Path, name: str, steps: int, constraints: dict[str, float], acc
 
 def test_report_numbers_from_two_runs(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    out = tmp_path / "out"
-    id_a = log_run(out, "a", 10, {"abs_prob_diff": 0.5}, {0: 0.25, 9: 0.5})
-    id_b = log_run(out, "b", 6, {"abs_prob_diff": 0.375, "kl_k3": 1.0}, {})
-    uri = f"sqlite:///{out.resolve() / 'mlflow.db'}"
+    # two run folders side by side: one store, beside them
+    id_a = log_run(tmp_path / "a", "a", 10, {"abs_prob_diff": 0.5}, {0: 0.25, 9: 0.5})
+    id_b = log_run(tmp_path / "b", "b", 6, {"abs_prob_diff": 0.375, "kl_k3": 1.0}, {})
+    uri = f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
 
     md = write_report(["report-test"], tmp_path / "rep", tracking_uri=uri)
     rows = list(csv.DictReader(open(tmp_path / "rep" / "report.csv")))
@@ -72,6 +74,31 @@ def test_report_numbers_from_two_runs(tmp_path, monkeypatch):
     assert {r["run_id"] for r in csv.DictReader(open(tmp_path / "one" / "report.csv"))} == {id_b}
     with pytest.raises(ValueError, match="neither an experiment name nor a run id"):
         write_report(["no-such-experiment"], tmp_path / "bad", tracking_uri=uri)
+
+
+def test_calibrate_and_tune_runs_are_kept_apart_from_training_runs(tmp_path, monkeypatch):
+    """One experiment, the runs of three commands: report lists the training runs, counts the others, and reports
+    them when asked; a user's own nesting (a parent that is not a tune study) stays a training run."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    train = log_run(tmp_path / "default", "default", 3, {"abs_prob_diff": 0.5}, {})
+    calib = log_run(tmp_path / "default", "default/calibrate", 2, {}, {}, tags={"dcmdp.kind": "calibrate"})
+    study = log_run(tmp_path / "tune", "tune-s", 1, {}, {}, tags={"dcmdp.tune": "parent"})
+    trial = log_run(tmp_path / "t000", "s-t000", 3, {"abs_prob_diff": 0.5}, {}, parent=study)
+    mine = log_run(tmp_path / "nested", "nested", 3, {"abs_prob_diff": 0.5}, {}, parent=train)
+
+    def reported(out: str, **kwargs) -> set[str]:
+        write_report(["report-test"], tmp_path / out, tracking_uri=uri, **kwargs)
+        return {r["run_id"] for r in csv.DictReader(open(tmp_path / out / "report.csv"))}
+
+    assert reported("train") == {train, mine}
+    assert "Left out: 1 calibrate run, 2 tune runs of the experiment" in (tmp_path / "train" / "report.md").read_text()
+    assert reported("calibrate", kinds=("calibrate",)) == {calib}
+    assert reported("tune", kinds=("tune",)) == {study, trial}
+    assert reported("all", kinds=("train", "calibrate", "tune")) == {train, calib, study, trial, mine}
+    assert "Left out" not in (tmp_path / "all" / "report.md").read_text()
+    write_report([calib], tmp_path / "by-id", tracking_uri=uri)  # named by its id: reported whatever its kind
+    assert {r["run_id"] for r in csv.DictReader(open(tmp_path / "by-id" / "report.csv"))} == {calib}
 
 
 def test_plot_dual_one_row_per_constraint(tmp_path):

@@ -82,7 +82,7 @@ def test_default_local_store_needs_no_server(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg = TrackingConfig()
     out = tmp_path / "out"
-    assert resolve_tracking_uri(cfg, out) == f"sqlite:///{out.resolve() / 'mlflow.db'}"
+    assert resolve_tracking_uri(cfg, out) == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
     tracker = Tracker(cfg, out)
     run_id = tracker.start({"seed": "5"})
     assert not run_id.startswith("local-")
@@ -95,8 +95,30 @@ def test_default_local_store_needs_no_server(tmp_path, monkeypatch):
     client = MlflowClient(tracker.tracking_uri)
     assert_every_step_once(client, run_id, range(4))
     assert client.get_metric_history(run_id, "eval/note") == []
-    assert (out / "mlflow.db").is_file()
-    assert list((out / "mlartifacts").rglob("config.yaml"))
+    assert (tmp_path / "mlflow.db").is_file() and not (out / "mlflow.db").exists()
+    assert list((tmp_path / "mlartifacts").rglob("config.yaml"))
+
+
+def test_runs_in_two_folders_share_one_store_and_a_folder_with_its_own_keeps_it(tmp_path, monkeypatch):
+    """outputs/a and outputs/b log to outputs/mlflow.db, one experiment holding both runs; a run folder that holds
+    a store of its own (made for it, or by an earlier layout) keeps logging there, so its run is continued there."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)  # relative output folders, as the README's commands give them
+    uris, ids = [], []
+    for name in ("a", "b"):
+        tracker = Tracker(TrackingConfig(run_name=name), f"outputs/{name}")
+        ids.append(tracker.start({"seed": "0"}))
+        tracker.log_metrics({"dual/lambda/abs_prob_diff": 0.1}, 1)
+        tracker.finish()
+        uris.append(tracker.tracking_uri)
+    assert uris[0] == uris[1] == f"sqlite:///{tmp_path.resolve() / 'outputs' / 'mlflow.db'}"
+    client = MlflowClient(uris[0])
+    exp = client.get_experiment_by_name("dcmdp")
+    assert {r.info.run_id for r in client.search_runs([exp.experiment_id])} == set(ids)
+    own = tmp_path / "outputs" / "own"
+    own.mkdir()
+    MlflowClient(f"sqlite:///{own / 'mlflow.db'}").search_experiments()  # a store made for this folder
+    assert resolve_tracking_uri(TrackingConfig(), own) == f"sqlite:///{own / 'mlflow.db'}"
 
 
 def test_metrics_and_batched_params_read_back_exactly(mlflow_server, tmp_path):
