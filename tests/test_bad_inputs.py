@@ -24,6 +24,7 @@ from dcmdp import cli
 from dcmdp.checkpoint import CheckpointError
 from dcmdp.config import ConfigError, load_config
 from dcmdp.loop import train
+from dcmdp.tracking import local_store_uri
 from trainers import guards, learner
 from trainers.batch import Rollout
 from trainers.config import AlgoConfig, ModelConfig, RolloutConfig, TaskConfig
@@ -225,7 +226,7 @@ def finished_run(tmp_path_factory) -> Path:
 
 
 def _runs(out: Path) -> list[tuple[str, str]]:
-    client = MlflowClient(f"sqlite:///{out.resolve() / 'mlflow.db'}")
+    client = MlflowClient(local_store_uri(out))
     exp = client.get_experiment_by_name("dcmdp")
     return sorted((r.info.run_id, r.info.status) for r in client.search_runs(exp.experiment_id))
 

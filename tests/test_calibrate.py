@@ -18,6 +18,7 @@ import torch
 from dcmdp.calibrate import calibrate, floor_stats, proposed_tolerance
 from dcmdp.cli import main
 from dcmdp.config import load_config
+from dcmdp.tracking import local_store_uri
 
 BATCHES = 3
 SLACK = 0.25
@@ -55,7 +56,7 @@ def test_fp32_floor_is_zero_and_values_match_a_direct_computation(tmp_path):
         for key, ref in _direct(*kept).items():
             assert result.row(key).values[n] == pytest.approx(ref, rel=1e-6, abs=1e-12), key
     # the MLflow run is tagged as a calibration, one metric value per batch
-    db = sqlite3.connect(tmp_path / "fp32" / "mlflow.db")
+    db = sqlite3.connect(tmp_path / "mlflow.db")  # the store beside the run folders
     tags = dict(db.execute("select key, value from tags where run_uuid = ?", (result.run_id,)).fetchall())
     steps = db.execute("select step from metrics where run_uuid = ? and key = 'discrepancy/abs_prob_diff' "
                        "order by step", (result.run_id,)).fetchall()
@@ -191,7 +192,7 @@ def test_calibrate_after_a_run_in_its_folder_takes_no_lock_and_keeps_its_checkpo
     assert (out / "config.yaml").read_text() == config_yaml
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    client = MlflowClient(local_store_uri(out))
     names = {r.info.run_name for r in client.search_runs([client.get_experiment_by_name("dcmdp").experiment_id])}
     folder = str(out).strip("/").replace("/", "-")
     assert names == {f"defaults/{folder}", f"defaults/{folder}/calibrate"}

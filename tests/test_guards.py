@@ -15,6 +15,7 @@ from dcmdp.checkpoint import find_resume_checkpoint, load_checkpoint
 from dcmdp.config import ConfigError, load_config
 from dcmdp.loop import train
 from dcmdp.policy import step_seed
+from dcmdp.tracking import local_store_uri
 from trainers import guards, learner
 from trainers.advantages import ADVANTAGES, STD_EPS
 from trainers.batch import Rollout
@@ -240,7 +241,7 @@ def test_consecutive_bad_steps_stop_the_cli_after_a_checkpoint(tmp_path, monkeyp
     state = load_checkpoint(ckpt)
     assert state["step"] == 3 and state["guard"] == {"consecutive_bad_steps": 2}
     assert [h["guard/skipped_step"] for h in state["history"]] == [0.0, 1.0, 1.0]
-    client = MlflowClient(f"sqlite:///{out.resolve() / 'mlflow.db'}")
+    client = MlflowClient(local_store_uri(out))
     run = client.search_runs(client.get_experiment_by_name("dcmdp").experiment_id)[0]
     assert run.info.status == "FAILED"
     assert _metric(client, run.info.run_id, "guard/consecutive_bad_steps") == {1: 0.0, 2: 1.0, 3: 2.0}

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dcmdp.tracking import local_store_uri
 from trainers import tasks
 from trainers.config import TaskConfig
 from trainers.reward_fn import load_reward
@@ -336,7 +337,7 @@ def test_a_second_sigint_stops_a_run_whose_reward_swallows_every_exception(tmp_p
     steps = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert steps and steps[-1] >= "step_00000001", steps
     run_id = json.loads((out / "run.json").read_text())["run_id"]
-    assert MlflowClient(f"sqlite:///{out / 'mlflow.db'}").get_run(run_id).info.status == "KILLED"
+    assert MlflowClient(local_store_uri(out)).get_run(run_id).info.status == "KILLED"
     assert _reward_workers(str(tmp_path / "swallow.py")) == []  # the worker did not outlive the run
 
 

@@ -22,6 +22,7 @@ from mlflow.tracking import MlflowClient
 from dcmdp import cli
 from dcmdp.checkpoint import (LOCK_FILE, MANIFEST_FILE, STATE_FILE, find_resume_checkpoint, load_checkpoint,
                               load_resume_checkpoint, save_checkpoint)
+from dcmdp.tracking import local_store_uri
 
 torch.set_num_threads(1)
 
@@ -50,7 +51,7 @@ def _snapshot(root: Path) -> dict[str, str]:
 
 
 def _runs(out: Path) -> list[tuple[str, str]]:
-    client = MlflowClient(f"sqlite:///{out.resolve() / 'mlflow.db'}")
+    client = MlflowClient(local_store_uri(out))
     exp = client.get_experiment_by_name("dcmdp")
     return sorted((r.info.run_id, r.info.status) for r in client.search_runs(exp.experiment_id))
 
@@ -140,7 +141,7 @@ def test_kill9_then_resume_logs_each_metric_step_once(tmp_path):
     """Killed after logging steps beyond its last checkpoint, the resumed run repeats those steps: each (metric,
     step) is stored once, and the values from before the kill are the ones kept (CPU, bitwise the same)."""
     out = tmp_path / "out"
-    db = out / "mlflow.db"
+    db = tmp_path / "mlflow.db"  # the store beside the run folder
     proc = subprocess.Popen(_cmd(out, "steps=100000", "checkpoint.every=4"), env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

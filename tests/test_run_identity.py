@@ -18,6 +18,7 @@ from dcmdp import cli
 from dcmdp.checkpoint import CONFIG_HEADER, RunFolderError, read_run_file, save_checkpoint
 from dcmdp.config import ConfigError, load_config
 from dcmdp.loop import train
+from dcmdp.tracking import local_store_uri
 
 torch.set_num_threads(1)
 
@@ -29,7 +30,7 @@ def _overrides(out, *extra: str) -> list[str]:
 
 
 def _client(out: Path) -> MlflowClient:
-    return MlflowClient(f"sqlite:///{out.resolve() / 'mlflow.db'}")
+    return MlflowClient(local_store_uri(out))
 
 
 def _runs(out: Path) -> dict[str, object]:

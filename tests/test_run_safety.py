@@ -21,6 +21,7 @@ from mlflow.tracking import MlflowClient
 from dcmdp.config import load_config
 from dcmdp.loop import train
 from dcmdp.policy import screen_task_prompts
+from dcmdp.tracking import local_store_uri
 from trainers.config import ModelConfig, TaskConfig
 from trainers.models import build_model
 from trainers.tasks import JsonlTask, RewardRangeError
@@ -37,7 +38,7 @@ def _overrides(out, *extra: str) -> list[str]:
 
 
 def _runs(out: Path) -> list[str]:
-    client = MlflowClient(f"sqlite:///{out.resolve() / 'mlflow.db'}")
+    client = MlflowClient(local_store_uri(out))
     exp = client.get_experiment_by_name("dcmdp")
     return [r.info.status for r in client.search_runs(exp.experiment_id)]
 

@@ -115,11 +115,11 @@ def test_sync_exits_non_zero_and_says_what_remains(tmp_path, capsys, mlflow_serv
 
 
 def test_local_store_in_a_folder_named_with_query_fragment_and_spaces(tmp_path, capsys):
-    out = tmp_path / "a b?c#d %41"
+    out = tmp_path / "a b?c#d %41" / "run"  # the store goes beside the run folder, into the oddly named one
     assert cli.main(["train", *BASE, f"output_dir={out}", "steps=1"]) == 0
     capsys.readouterr()
-    assert (out / "mlflow.db").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]  # nothing written beside it
+    assert (out.parent / "mlflow.db").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.parent.name]  # nothing written beside it
     client = MlflowClient(local_store_uri(out))
     run = client.search_runs([client.get_experiment_by_name("dcmdp").experiment_id])[0]
     assert run.info.status == "FINISHED" and "reward/mean" in run.data.metrics
@@ -138,7 +138,7 @@ def test_local_store_in_a_folder_named_with_query_fragment_and_spaces(tmp_path, 
 
 def test_store_deleted_mid_run_gives_one_warning_and_the_run_goes_on(tmp_path):
     out = tmp_path / "out"
-    db = out / "mlflow.db"
+    db = tmp_path / "mlflow.db"  # the store beside the run folder
     env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "dcmdp.cli", "train", *BASE, f"output_dir={out}", "steps=15"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
