@@ -37,6 +37,7 @@ from dcmdp.cpu import apply_threads
 from dcmdp.dual import DualState, dual_step, enter_context, enter_floor, init_state, needs_floor, penalty_spec
 from dcmdp.dual import anchor_due, batch_tolerances, bound_in_force, record_anchor, staleness_step, with_staleness
 from dcmdp.probe import constraint_values, probe_updates
+from dcmdp.mismatch import mismatch_metrics
 from dcmdp.plots import plot_dual
 from dcmdp.redact import public_uri, written_field
 from dcmdp.reward_stop import failing_steps, stop_message
@@ -451,6 +452,7 @@ def _train_step(s: Setup, step: int, bar) -> None:
                **(result.metrics() if result is not None else {})}
     metrics.update(guard_metrics)
     metrics.update(old_metrics)
+    metrics.update(mismatch_metrics(cfg.dual, cfg.algo, batch, result, step, s.state.dual.floor_C))
     metrics.update(_guard_step(s, step, metrics, kept, stale_drop=async_metrics.get("async/dropped_batches", 0) > 0))
     metrics.update(_timings(rollout, t0, t1, t2, t3, t4, t5, t6))
     metrics.update(async_metrics)

@@ -241,6 +241,56 @@ def _csv_rows(summaries: list[RunSummary]) -> list[dict[str, Any]]:
     return rows
 
 
+MISMATCH_NOTE = ("\n![the mismatch by source: engine floor, staleness and drift stacked, D̂ at the updates over them, "
+                 "and MoE routing flips](mismatch.png)\n\nmismatch.png: per run and constraint, the engines' floor "
+                 "(π_old vs μ on the rows the current weights sampled), the part stale rows add and the drift of the "
+                 "updates (π_θ vs π_old) stacked, and D̂ at the updates (π_θ vs μ) drawn over them; a part not "
+                 "measured at a step (NaN) is drawn as 0 there. docs/metrics.md says how each is measured.\n")
+
+
+def plot_mismatch(series: dict[str, dict[str, list[tuple[int, float]]]], path: Path) -> Optional[Path]:
+    """One stacked figure of the ``mismatch/`` metrics (``dcmdp.mismatch``): a panel per run and constraint with
+    engine, staleness and drift stacked over the steps and the total (D̂ at the updates) as a line, and a panel per
+    run of its MoE routing flips (router's own vs replayed); None, and no file, when no run logged them."""
+    from matplotlib.figure import Figure
+
+    from constraints.sources import PARTS
+    from dcmdp.mismatch import SECTION
+    from dcmdp.plots import path_ready
+
+    panels: list[tuple[str, str, Optional[str]]] = []  # (run label, history key prefix, constraint or None)
+    for label, history in series.items():
+        names = sorted({k.split("/")[1] for k in history if k.startswith(f"{SECTION}/") and k.endswith("/total")})
+        panels += [(label, f"{SECTION}/{n}", n) for n in names]
+        if any(k.startswith(f"{SECTION}/routing/") for k in history):
+            panels.append((label, f"{SECTION}/routing", None))
+    if not panels:
+        return None
+    fig = Figure(figsize=(7.5, 2.8 * len(panels) + 0.6), layout="constrained")
+    axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
+    for ax, (label, prefix, name) in zip(axes, panels):
+        history = series[label]
+        if name is None:
+            for part, style in (("router", "-"), ("replayed", "--")):
+                points = sorted(history.get(f"{prefix}/{part}", []))
+                if points:
+                    ax.plot(*zip(*points), ls=style, label=f"{part} vs engine")
+            ax.set_title(f"{label}: MoE routing flips (share of token x layer pairs)", fontsize=9)
+        else:
+            steps = sorted({s for part in (*PARTS, "total") for s, _ in history.get(f"{prefix}/{part}", [])})
+            by_part = {part: dict(history.get(f"{prefix}/{part}", [])) for part in PARTS}
+            stacked = [[v if math.isfinite(v := by_part[part].get(s, math.nan)) else 0.0 for s in steps]
+                       for part in PARTS]
+            ax.stackplot(steps, stacked, labels=PARTS, alpha=0.75)
+            total = sorted(history.get(f"{prefix}/total", []))
+            ax.plot(*zip(*total), color="k", lw=1.2, label="D̂ at the updates (total)")
+            ax.set_title(f"{label}: {name} by source", fontsize=9)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7, loc="upper right")
+    fig.savefig(path_ready(path), dpi=110)
+    return path
+
+
 def write_report(run_ids_or_experiment: list[str], out_dir: str | Path, tracking_uri: Optional[str] = None,
                  kinds: tuple[str, ...] = ("train",)) -> Path:
     """Write report.md, report.csv and report.png (and mismatch.png) for the given runs into out_dir; return
@@ -271,6 +321,9 @@ def write_report(run_ids_or_experiment: list[str], out_dir: str | Path, tracking
         writer.writeheader()
         writer.writerows(_csv_rows(summaries))
 
+    mismatch = plot_mismatch({f"{r.run_name} ({r.run_id[:8]})": r.history for r in summaries}, out_dir / "mismatch.png")
+    if mismatch is not None:
+        md_path.write_text(md_path.read_text() + MISMATCH_NOTE)
     names = sorted({c.name for r in summaries for c in r.constraints})
     keys = [f"dual/lambda/{n}" for n in names] + [f"dual/measured/{n}" for n in names] + [ACCURACY_KEY]
     labels = {r.run_id: f"{r.run_name} ({r.run_id[:8]})" for r in summaries}

@@ -58,6 +58,12 @@ def run_a(tmp_path_factory) -> Path:
     return out
 
 
+def _copy_run(run: Path, out: Path) -> None:
+    """A copy of the run folder with a copy of its store inside it: a folder with a store of its own logs there."""
+    shutil.copytree(run, out)
+    shutil.copy(run.parent / "mlflow.db", out / "mlflow.db")
+
+
 @pytest.fixture(autouse=True)
 def _local_store(monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -126,7 +132,7 @@ def test_steps_below_the_checkpoint_is_a_config_error_that_changes_nothing(run_a
 
 def test_overwrite_after_a_kill_marks_the_old_mlflow_run_killed_and_keeps_the_users_config(run_a, tmp_path):
     out = tmp_path / "d"
-    shutil.copytree(run_a, out)
+    _copy_run(run_a, out)
     [old_id] = _runs(out)
     _client(out).update_run(old_id, status="RUNNING")  # what kill -9 leaves behind
     mine = "# my settings\nsteps: 2  # keep this comment\n"
@@ -143,7 +149,7 @@ def test_another_runs_checkpoint_named_for_a_folder_with_its_own_run_needs_overw
     state["run"] = {"uid": "f" * 32, "output_dir": "/elsewhere/out"}
     other = save_checkpoint(tmp_path / "other", 2, state, keep=1)
     out = tmp_path / "e"
-    shutil.copytree(run_a, out)
+    _copy_run(run_a, out)
     before = _digest(out)
     with pytest.raises(RunFolderError, match=rf"output_dir {out} already holds a run \(checkpoints up to step 2 and "
                                              rf"summary.json\), and checkpoint {other} belongs to another run "
@@ -155,7 +161,7 @@ def test_another_runs_checkpoint_named_for_a_folder_with_its_own_run_needs_overw
 def test_a_run_killed_before_its_first_checkpoint_is_marked_killed_by_the_next_run(run_a, tmp_path):
     """No checkpoint and no summary: the next run needs no overwrite, and the dead run's MLflow run is ended."""
     out = tmp_path / "f"
-    shutil.copytree(run_a, out)
+    _copy_run(run_a, out)
     shutil.rmtree(out / "checkpoints")
     (out / "summary.json").unlink()
     [old_id] = _runs(out)
