@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 VSTAMP := $(VENV)/.installed-vllm
 
-.PHONY: setup demo test test-all clean
+.PHONY: setup vllm demo test test-all clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ $(VSTAMP): $(STAMP) scripts/setup_vllm.sh
 	touch $(VSTAMP)
 
 setup: $(STAMP)
+
+# the vLLM rollout engine (rollout.engine=vllm, as the Qwen3 recipes use): `dcmdp check` names this target when vLLM
+# cannot be imported
+vllm: $(VSTAMP)
 
 # resume=auto: a second `make demo` continues an interrupted run, or says the run has finished (exit 0)
 demo: $(STAMP)

@@ -1,10 +1,11 @@
 """The README is executable: every command of every ```bash block of README.md and docs/custom_tasks.md runs, in
-order, as written, in a fresh folder, with shortened settings appended (``SHORT``), so that a command that fails
-after the one before it fails here.
+order, as written, with shortened settings appended (``SHORT``), so that a command that fails after the one before it
+fails here. The README's commands run where a user types them: in a fresh clone's folder after ``make demo`` (its run,
+shortened, in the demo's folder), so the first command meets the demo's finished run.
 
-What does not run here is listed in ``NOT_RUN`` with the reason, and only that; a command that serves forever (``mlflow
-ui``) is started, asked for a page on 127.0.0.1 and stopped. The default test run runs README section 1 (check, the
-default run, a second run after it, the default run again); the whole of both files is ``slow`` (minutes).
+What does not run here is listed in ``NOT_RUN`` with the reason, and only that; a command that serves forever (``dcmdp
+ui``) is started, asked for a page on 127.0.0.1 and stopped. The default test run runs the demo and README section 1
+(check, the default run again, a second run beside it); the whole of both files is ``slow`` (minutes).
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ SHORT = {"train": RUN, "check": RUN, "eval": RUN, "calibrate": ["--batches", "1"
 
 # Commands that do not run here, each with the reason (matched as a prefix of the command as written).
 NOT_RUN = {
-    "make demo": "creates .venv and trains the 650-step default; the README's next block runs the same command "
-                 "(test_make_demo_is_the_readme_default_run)",
+    "make demo": "creates .venv and trains the 650-step default: its command, shortened, runs first instead "
+                 "(demo_command; test_make_demo_is_the_readme_default_run)",
     "make test": "the test suite itself",
-    "torchrun --standalone --nproc_per_node 8": "needs eight CUDA GPUs and the Qwen3-8B weights",
+    "make vllm": "installs vLLM (minutes); the environment the tests run in has it (`make test` installs it first)",
+    ".venv/bin/torchrun --standalone --nproc_per_node 8": "needs eight CUDA GPUs and the Qwen3-8B weights",
 }
 # Commands that end otherwise here, and how: the recipe's check names the absent weights, and only them; the tune
 # study's 2-step trials end inside its 5-step warm-up, so none can be selected (exit code 3, its table written).
@@ -80,19 +82,22 @@ def _subcommand(command: str) -> str:
     return ""
 
 
-def _serve_and_ask(command: str, folder: Path) -> None:
-    """Start a command that serves forever on its port (given here, free), ask it for its page, stop it."""
+def _serve_and_ask(command: str, folder: Path) -> str:
+    """Start a command that serves forever on its port (given here, free), ask it for its page, stop it; the first
+    line it printed (``dcmdp ui``: the link to open)."""
     port = _free_port()
-    proc = subprocess.Popen(["bash", "-c", f"exec {command} --host 127.0.0.1 --port {port}"], cwd=folder, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    out = folder / f"serve-{port}.log"
+    with open(out, "wb") as log:
+        proc = subprocess.Popen(["bash", "-c", f"exec {command} --host 127.0.0.1 --port {port}"], cwd=folder,
+                                env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 180
         while True:
-            assert proc.poll() is None, f"{command} exited with {proc.returncode}: {proc.stdout.read()[-3000:]!r}"
+            assert proc.poll() is None, f"{command} exited with {proc.returncode}: {out.read_text()[-3000:]!r}"
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2) as page:
                     assert page.status == 200 and b"<html" in page.read().lower()
-                    return
+                    return out.read_text().splitlines()[0]
             except OSError:
                 assert time.monotonic() < deadline, f"{command}: no answer on 127.0.0.1:{port} within 180 s"
                 time.sleep(0.5)
@@ -109,8 +114,11 @@ def run_command(command: str, folder: Path) -> subprocess.CompletedProcess | Non
     """Run one documented command in ``folder`` with its shortened settings; None when it is in ``NOT_RUN``."""
     if any(command.startswith(prefix) for prefix in NOT_RUN):
         return None
-    if shlex.split(command)[0].endswith("mlflow") and " ui " in f" {command} ":
-        _serve_and_ask(command, folder)
+    if _subcommand(command) == "ui":
+        line = _serve_and_ask(command, folder)
+        # the link opens every run of the experiment as charts, in the training layout
+        assert re.search(r"at http://127\.0\.0\.1:\d+/#/experiments/\d+/runs\?compareRunsMode=CHART&"
+                         r"workflowType=machine_learning$", line), line
         return None
     extra = " ".join(shlex.quote(a) for a in SHORT.get(_subcommand(command), []))
     done = subprocess.run(["bash", "-c", f"{command} {extra}"], cwd=folder, env=_env(), capture_output=True,
@@ -139,6 +147,20 @@ def _readme_folder(tmp_path: Path) -> Path:
     return folder
 
 
+def demo_command() -> str:
+    """``make demo``'s command, as the README writes the commands (``.venv/bin/...``)."""
+    recipe = re.search(r"^demo:.*\n\t(.+)$", (ROOT / "Makefile").read_text(), flags=re.M).group(1)
+    return recipe.replace("$(VENV)", ".venv")
+
+
+def _after_the_demo(tmp_path: Path) -> Path:
+    """A fresh clone's folder after ``make demo``: its run, shortened, finished in the demo's folder."""
+    folder = _readme_folder(tmp_path)
+    run_command(demo_command(), folder)
+    assert (folder / "outputs" / "default" / "summary.json").is_file()
+    return folder
+
+
 def _section(commands: list[str], first: str, last: str) -> list[str]:
     i = next(n for n, c in enumerate(commands) if c.startswith(first))
     j = next(n for n, c in enumerate(commands) if c.startswith(last))
@@ -156,39 +178,47 @@ def test_every_command_is_run_or_listed_with_a_reason():
     # every dcmdp subcommand the docs show gets shortened settings (none would run its full length here)
     for command in readme + custom:
         sub = _subcommand(command)
-        assert not sub or sub in SHORT or sub == "report", command
+        assert not sub or sub in SHORT or sub in ("report", "ui"), command
 
 
 def test_make_demo_is_the_readme_default_run():
-    recipe = re.search(r"^demo:.*\n\t(.+)$", (ROOT / "Makefile").read_text(), flags=re.M).group(1)
-    assert recipe.replace("$(VENV)", ".venv") in bash_commands(ROOT / "README.md")
+    assert demo_command() in bash_commands(ROOT / "README.md")
 
 
-def test_readme_section_1_runs_in_order(tmp_path):
+def test_readme_section_1_runs_in_order_after_the_demo(tmp_path):
     commands = _section(bash_commands(ROOT / "README.md"), ".venv/bin/dcmdp check configs/default.yaml",
                         ".venv/bin/dcmdp train configs/default.yaml output_dir=outputs/pid")
     assert len(commands) == 3
-    folder = _readme_folder(tmp_path)
-    for command in commands:
-        run_command(command, folder)
-    assert (folder / "outputs" / "default" / "summary.json").is_file()
-    assert (folder / "outputs" / "pid" / "summary.json").is_file()
+    folder = _after_the_demo(tmp_path)
+    check, again, _ = (run_command(command, folder) for command in commands)
+    # the first command meets the demo's finished run: no problem, one line that says what train will do
+    (line,) = check.stdout.splitlines()
+    assert "configs/default.yaml: no problem found" in line and \
+        "; outputs/default holds this config's own run, finished at step 2 (checkpoints up to step 2 and " \
+        "summary.json): train with checkpoint.resume=auto says so and trains nothing" in line
+    assert "holds this run, finished at step 2 (summary.json): nothing to train" in again.stdout
     pid = yaml.safe_load((folder / "outputs" / "pid" / "config.yaml").read_text())["dual"]
     assert pid["rule"] == "pid" and pid["pid"]["kp"] == 0.1 and pid["pid"]["kd"] == 0.1  # a PID, not the I term alone
+    # one store beside the two run folders, each folder naming its MLflow run in it
+    runs = {name: json.loads((folder / "outputs" / name / "run.json").read_text()) for name in ("default", "pid")}
+    assert runs["default"]["tracking_uri"] == runs["pid"]["tracking_uri"] == \
+        f"sqlite:///{(folder / 'outputs' / 'mlflow.db').resolve()}"
+    assert not any((folder / "outputs" / name / "mlflow.db").exists() for name in runs)
 
 
 @pytest.mark.slow
 def test_every_readme_command_runs_in_order(tmp_path):
-    folder = _readme_folder(tmp_path)
+    folder = _after_the_demo(tmp_path)
     commands = bash_commands(ROOT / "README.md")
     for command in commands:
         run_command(command, folder)
-    assert (folder / "report" / "report.md").is_file() and (folder / "data" / "math_train.jsonl").is_file()
+    report = (folder / "report" / "report.md").read_text()
+    assert (folder / "data" / "math_train.jsonl").is_file() and (folder / "report" / "mismatch.png").is_file()
+    # the default and the PID run side by side; calibrate's and tune's runs counted, not listed
+    assert "| default/outputs-default |" in report and "| default/outputs-pid |" in report
+    assert re.search(r"Left out: 1 calibrate run, \d+ tune runs", report), report[:600]
     assert re.search(r"6 trials in study 'tiny-dense' \(6 run now, \d+ pruned, 0 failed\)",
                      (folder / "outputs" / "tune-tiny-dense" / "table.txt").read_text())
-    default = next(c for c in commands if c.startswith(".venv/bin/dcmdp train configs/default.yaml"))
-    again = run_command(default, folder)  # "run again: it resumes" (here: finished, nothing to train)
-    assert "holds this run, finished at step 2 (summary.json): nothing to train" in again.stdout
 
 
 @pytest.mark.slow
