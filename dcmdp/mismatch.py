@@ -50,8 +50,10 @@ def mismatch_metrics(dual: DualConfig, algo: AlgoConfig, batch: ScoredBatch, res
         out.update({f"{SECTION}/{name}/{part}": value for part, value in parts.items()})
     out[f"{SECTION}/stale_token_frac"] = stale_token_share(mask_BT, fresh_B)
     if r.rollout_experts_BSLK is not None and batch.train_experts_BSLK is not None:
-        # under R3 the pi_old pass replays the engine's routes: the router's own choice is not recorded
-        router = None if algo.routing_replay == "r3" else batch.train_experts_BSLK
-        flips = routing_flips(r.rollout_experts_BSLK, router, batch.replay_experts_BSLK, r.attention_mask_BS.bool())
+        # under R3 the pi_old pass replays the engine's routes: the router's own choice is not recorded. Without
+        # replay and under R2 the updates route as the pi_old pass did: the one comparison serves both
+        r3 = algo.routing_replay == "r3"
+        flips = routing_flips(r.rollout_experts_BSLK, None if r3 else batch.train_experts_BSLK,
+                              batch.replay_experts_BSLK if r3 else None, r.attention_mask_BS.bool())
         out.update({f"{SECTION}/routing/{k}": v for k, v in flips.items()})
     return out

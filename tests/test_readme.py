@@ -235,3 +235,19 @@ def test_the_custom_task_example_runs_in_an_empty_folder(tmp_path):
     for command in bash_commands(ROOT / "docs" / "custom_tasks.md"):
         run_command(command, folder)
     assert (folder / "outputs" / "sums" / "summary.json").is_file()
+
+
+# Markdown files the docs name that a command writes, not files of the repository.
+WRITTEN_PAGES = {"report.md"}
+
+
+def test_the_docs_name_no_page_outside_the_repository():
+    """Every NAME.md the README and docs/ mention, linked or not, is a page of the repository (or one a command
+    writes): a design note the docs lean on must be in them, not in a file a clone does not have."""
+    pages = {p.name for p in ROOT.rglob("*.md") if ".venv" not in p.parts}
+    missing = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for name in set(re.findall(r"(?<![\w/.-])([\w.-]+\.md)\b", page.read_text())):
+            if name not in pages | WRITTEN_PAGES:
+                missing.append(f"{page.relative_to(ROOT)}: {name}")
+    assert not missing, missing
