@@ -159,9 +159,7 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
 
 
 def _cmd_report(ns: argparse.Namespace) -> int:
-    from dcmdp.report import write_report
-
-    from dcmdp.report import KINDS
+    from dcmdp.report import KINDS, write_report
 
     out = write_report(ns.runs, ns.out, tracking_uri=ns.tracking_uri, kinds=KINDS if ns.kind == "all" else (ns.kind,))
     print(f"report written to {out}")

@@ -88,3 +88,60 @@ def test_the_link_of_a_local_store_points_at_mlflow_ui_and_drops_credentials():
 def test_the_overview_of_a_step_without_dual_metrics_is_empty():
     assert dual_overview({"reward/mean": 1.0, "dual/skipped": 0.0}, {"a": 0.3}) == {}
     assert dual_overview({"dual/measured/a": 0.1}, {"a": 0.3}) == {f"{OVERVIEW}/a/measured": 0.1}
+
+
+def test_dcmdp_ui_serves_the_store_of_a_configs_runs_and_prints_the_charts_link(tmp_path):
+    """``dcmdp ui`` on the store beside the config's output folder: the link it prints opens every run of the
+    experiment as charts in the training layout, and the server it becomes answers on the given port."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from dcmdp.tracking import UI_CHARTS
+
+    out = tmp_path / "outputs" / "default"
+    tracker = Tracker(TrackingConfig(experiment="ui-test", run_name="a"), out)
+    run_id = tracker.start({"p": "1"})
+    tracker.finish()
+    experiment_id = MlflowClient(tracker.tracking_uri).get_run(run_id).info.experiment_id
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    log = tmp_path / "ui.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "dcmdp.cli", "ui", f"output_dir={out}", "tracking.experiment=ui-test",
+                                 "--port", str(port)], stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2) as page:
+                    assert page.status == 200 and b"<html" in page.read().lower()
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.5)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    first = log.read_text().splitlines()[0]
+    assert first.endswith(f"at http://127.0.0.1:{port}/#/experiments/{experiment_id}/runs?{UI_CHARTS}&{UI_LAYOUT}")
+    assert "of experiment 'ui-test' side by side (section 0_dual first)" in first
+
+
+def test_the_installed_ui_reads_the_charts_parameter_of_the_experiment_link():
+    # the experiment page's table/charts switch comes from this query parameter in MLflow 3.17's UI
+    import mlflow
+
+    from dcmdp.tracking import UI_CHARTS
+
+    key, value = UI_CHARTS.split("=")
+    bundle = Path(mlflow.__file__).parent / "server" / "js" / "build" / "static" / "js"
+    texts = [p.read_text(errors="replace") for p in bundle.glob("*.js")]
+    assert any(f'"{key}"' in t and f'"{value}"' in t for t in texts)
