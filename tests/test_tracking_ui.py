@@ -144,4 +144,6 @@ def test_the_installed_ui_reads_the_charts_parameter_of_the_experiment_link():
     key, value = UI_CHARTS.split("=")
     bundle = Path(mlflow.__file__).parent / "server" / "js" / "build" / "static" / "js"
     texts = [p.read_text(errors="replace") for p in bundle.glob("*.js")]
-    assert any(f'"{key}"' in t and f'"{value}"' in t for t in texts)
+    # the parameter's name where the page reads it, and the charts view among the switch's values
+    assert any(f'"{key}"' in t and '.get(' in t for t in texts)
+    assert any(f'value:"{value}"' in t for t in texts)
