@@ -191,8 +191,8 @@ def test_readme_section_1_runs_in_order_after_the_demo(tmp_path):
     assert len(commands) == 3
     folder = _after_the_demo(tmp_path)
     check, again, _ = (run_command(command, folder) for command in commands)
-    # the first command meets the demo's finished run: no problem, one line that says what train will do
-    (line,) = check.stdout.splitlines()
+    # the first command meets the demo's finished run: no problem, and its summary line says what train will do
+    line = check.stdout.splitlines()[-1]
     assert "configs/default.yaml: no problem found" in line and \
         "; outputs/default holds this config's own run, finished at step 2 (checkpoints up to step 2 and " \
         "summary.json): train with checkpoint.resume=auto says so and trains nothing" in line
