@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from dcmdp.config import ConfigError, RunConfig, check_finite, compose_with_problems, validate
+from dcmdp.config import ConfigError, RunConfig, check_finite, compose_with_problems, load_config, validate
 
 # Malformed lines of a task file named one by one; the rest are counted.
 NAMED_LINES = 3
