@@ -191,10 +191,15 @@ _MOVING_RULES = ("projected", "pid", "signed", "chance")
 
 def constraint_summaries(history: Sequence[dict[str, float]], names: Sequence[str],
                          constraints: Sequence[ConstraintConfig]) -> dict[str, ConstraintSummary]:
-    """Per constraint, from the steps whose dual/measured/<name> is finite (a skipped step measured nothing)."""
+    """Per constraint, from the steps whose dual/measured/<name> is finite (a skipped step measured nothing); for an
+    anchored tolerance (``anchor``), from the step after its first window closed (before it there is no tolerance in
+    force and lambda holds), or every step when it never closed."""
     out = {}
     for name, c in zip(names, constraints):
         rows = [h for h in history if np.isfinite(h.get(f"dual/measured/{name}", float("nan")))]
+        anchored = [k for k, h in enumerate(rows) if f"dual/anchor_gap/{name}" in h][:1]
+        if getattr(c, "anchor", None) is not None and anchored and anchored[0] + 1 < len(rows):
+            rows = rows[anchored[0] + 1:]
         if not rows:
             continue
         d = np.array([h[f"dual/measured/{name}"] for h in rows])

@@ -238,3 +238,24 @@ def test_probes_run_from_the_same_weights_and_put_everything_back(tmp_path):
         assert torch.equal(constraint_values(cfg.dual.constraints, batch, result.trained_logp_BT), dmax)
     finally:
         s.policy.engine.close()
+
+
+def test_the_summary_of_an_anchored_constraint_starts_after_its_first_window():
+    """Before the anchor's first window closes there is no tolerance in force (lambda holds): the run's summary counts
+    inside, cap and acting shares from the step after it; a constraint never anchored is counted over every step."""
+    from dcmdp.loop import constraint_summaries
+
+    anchored = [ConstraintConfig(measure="abs_prob_diff", floor_slack=1.0, anchor=0.5, lambda_max=0.3)]
+    # 3 steps outside c before the window closes (at the 3rd), then 4 steps inside with lambda acting
+    rows = [{"dual/measured/abs_prob_diff": 5e-3, "dual/tolerance/abs_prob_diff": 3e-3,
+             "dual/lambda/abs_prob_diff": 0.1} for _ in range(3)]
+    rows[2]["dual/anchor_gap/abs_prob_diff"] = 2e-3
+    rows += [{"dual/measured/abs_prob_diff": 4e-3, "dual/tolerance/abs_prob_diff": 5e-3,
+              "dual/lambda/abs_prob_diff": 0.2} for _ in range(4)]
+    (s,) = constraint_summaries(rows, ["abs_prob_diff"], anchored).values()
+    assert s.inside_frac == 1.0 and s.acting_frac == 1.0 and s.measured_mean == pytest.approx(4e-3)
+    plain = [ConstraintConfig(measure="abs_prob_diff", lambda_max=0.3)]
+    (s,) = constraint_summaries(rows, ["abs_prob_diff"], plain).values()
+    assert s.inside_frac == pytest.approx(4 / 7)
+    (s,) = constraint_summaries(rows[:2], ["abs_prob_diff"], anchored).values()  # never anchored: every step
+    assert s.inside_frac == 0.0

@@ -43,9 +43,11 @@ NOT_RUN = {
     ".venv/bin/torchrun --standalone --nproc_per_node 8": "needs eight CUDA GPUs and the Qwen3-8B weights",
 }
 # Commands that end otherwise here, and how: the recipe's check names the absent weights, and only them; the tune
-# study's 2-step trials end inside its 5-step warm-up, so none can be selected (exit code 3, its table written).
-EXPECTED = {".venv/bin/dcmdp check configs/qwen3-8b.yaml model.path=/models/Qwen3-8B": (2, {"model.path"}),
-            ".venv/bin/dcmdp tune configs/tune/tiny-dense.yaml steps=40 --workers 2": (3, None)}
+# study's 2-step trials end inside its 18-step warm-up (the anchor's first window), so none can be selected (exit code
+# 3, its table written).
+EXPECTED = {".venv/bin/dcmdp check configs/qwen3-8b.yaml model.path=/models/Qwen3-8B --gpus 8 --gpu-memory 79":
+            (2, {"model.path"}),
+            ".venv/bin/dcmdp tune configs/tune/default.yaml --workers 2": (3, None)}
 
 
 def bash_commands(path: Path) -> list[str]:
@@ -217,8 +219,8 @@ def test_every_readme_command_runs_in_order(tmp_path):
     # the default and the PID run side by side; calibrate's and tune's runs counted, not listed
     assert "| default/outputs-default |" in report and "| default/outputs-pid |" in report
     assert re.search(r"Left out: 1 calibrate run, \d+ tune runs", report), report[:600]
-    assert re.search(r"6 trials in study 'tiny-dense' \(6 run now, \d+ pruned, 0 failed\)",
-                     (folder / "outputs" / "tune-tiny-dense" / "table.txt").read_text())
+    assert re.search(r"6 trials in study 'default' \(6 run now, \d+ pruned, 0 failed\)",
+                     (folder / "outputs" / "tune-default" / "table.txt").read_text())
 
 
 @pytest.mark.slow
