@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import math
+import os
 import random
 import sys
 import time
@@ -629,6 +631,16 @@ def setup(cfg: RunConfig, *, owns_folder: bool = True) -> Setup:
     if d.main:
         log.info("%s", why_threads)
     out = Path(cfg.output_dir)
+    try:  # a folder the user cannot write (or reach) is named as such before the tracking store beside it is tried
+        os.stat(out)
+        blocked = not os.access(out, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids)
+    except FileNotFoundError:
+        blocked = False
+    except PermissionError:
+        blocked = True
+    if blocked:
+        raise OSError(errno.EACCES, f"output_dir={cfg.output_dir!r} is not a writable directory: Permission denied "
+                                    f"({out})")
     # an unusable URI would keep nothing but buffered metrics: refuse it before anything is written
     if cfg.tracking.enabled:
         check_tracking_config(cfg.tracking, out)

@@ -47,7 +47,9 @@ def mismatch_metrics(dual: DualConfig, algo: AlgoConfig, batch: ScoredBatch, res
             continue
         # mu in float32, as D-hat reads it (dcmdp.loop.constraint_values)
         parts = mismatch_sources(c, r.rollout_logp_BT.float(), old_BT, mask_BT, fresh_B, trained_BT, floor)
-        out.update({f"{SECTION}/{name}/{part}": value for part, value in parts.items()})
+        # a part that cannot be measured on this batch (no fresh rows and no floor yet, no stale rows) is left out,
+        # not logged as NaN: MLflow and the run's history then hold only measured values
+        out.update({f"{SECTION}/{name}/{part}": value for part, value in parts.items() if math.isfinite(value)})
     out[f"{SECTION}/stale_token_frac"] = stale_token_share(mask_BT, fresh_B)
     if r.rollout_experts_BSLK is not None and batch.train_experts_BSLK is not None:
         # under R3 the pi_old pass replays the engine's routes: the router's own choice is not recorded. Without
@@ -55,5 +57,6 @@ def mismatch_metrics(dual: DualConfig, algo: AlgoConfig, batch: ScoredBatch, res
         r3 = algo.routing_replay == "r3"
         flips = routing_flips(r.rollout_experts_BSLK, None if r3 else batch.train_experts_BSLK,
                               batch.replay_experts_BSLK if r3 else None, r.attention_mask_BS.bool())
-        out.update({f"{SECTION}/routing/{k}": v for k, v in flips.items()})
+        # a share that was not recorded (the router's own choice under R3) is left out, not logged as NaN
+        out.update({f"{SECTION}/routing/{k}": v for k, v in flips.items() if math.isfinite(v)})
     return out

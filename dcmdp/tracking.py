@@ -161,7 +161,11 @@ def local_store_folder(output_dir: str | Path) -> Path:
     always continues its MLflow run in the store that holds it. Depends on ``output_dir`` alone, not on the working
     directory: a run resumed from elsewhere finds its store."""
     out = Path(output_dir).resolve()
-    return out if (out / STORE_FILE).is_file() else out.parent
+    try:
+        own = (out / STORE_FILE).is_file()
+    except OSError:  # a folder the user cannot read holds no store of its own to keep
+        own = False
+    return out if own else out.parent
 
 
 def local_store_uri(output_dir: str | Path) -> str:

@@ -256,7 +256,8 @@ def test_an_output_dir_from_the_environment_is_as_written_in_summary_json_but_it
     train(cfg)
     summary = json.loads((tmp_path / "run-folder" / "summary.json").read_text())
     assert summary["output_dir"] == "${oc.env:OUT}"
-    assert summary["tracking_uri"] == f"sqlite:///{tmp_path / 'run-folder' / 'mlflow.db'}"
+    # the local store is shared by the runs of the folder that holds the run folder (dcmdp.tracking.local_store_folder)
+    assert summary["tracking_uri"] == f"sqlite:///{tmp_path / 'mlflow.db'}"
     assert [k for k, v in summary.items() if isinstance(v, str) and str(tmp_path) in v] == ["tracking_uri"]
 
 

@@ -334,13 +334,13 @@ def test_a_bf16_optimizer_state_saved_on_another_device_loads_and_reseeds(caplog
 @pytest.mark.parametrize("doc, recipe", [("docs/gpu.md", "qwen3-8b"), ("docs/gpu.md", "qwen3-30b-a3b"),
                                          ("README.md", "qwen3-8b")])
 def test_the_documented_eight_gpu_launch_of_each_recipe_passes_the_world_check(doc, recipe):
-    """The torchrun lines of the docs: their overrides make the recipe valid at 8 ranks (FSDP2 over nccl, one
+    """The torchrun lines of the docs (``torchrun`` or ``.venv/bin/torchrun``): their overrides make the recipe valid at 8 ranks (FSDP2 over nccl, one
     colocated vLLM engine at tensor-parallel size 8)."""
     from dcmdp.distributed import check_world
 
     text = (ROOT / doc).read_text()
-    line = next(ln for ln in text.splitlines() if ln.strip().startswith("torchrun") and f"configs/{recipe}.yaml" in ln
-                and "--nproc_per_node 8" in ln)
+    line = next(ln for ln in text.splitlines() if ln.strip().split(" ")[0].endswith("torchrun")
+                and f"configs/{recipe}.yaml" in ln and "--nproc_per_node 8" in ln)
     args = line.split(f"configs/{recipe}.yaml", 1)[1].split("#")[0].split()
     cfg = load_config(ROOT / "configs" / f"{recipe}.yaml", args)
     check_world(cfg, 8)

@@ -101,7 +101,7 @@ def test_a_reward_that_returns_nan_on_every_sample_stops_the_run_with_exit_2_and
     assert "Traceback" not in err
     state = load_checkpoint(ckpt)
     assert state["step"] == 2 and [h["reward/errors"] for h in state["history"]] == [16.0, 16.0]
-    client = MlflowClient(f"sqlite:///{out.resolve() / 'mlflow.db'}")
+    client = MlflowClient(json.loads((out / "run.json").read_text())["tracking_uri"])  # the store run.json names
     run = client.search_runs(client.get_experiment_by_name("dcmdp").experiment_id)[0]
     assert run.info.status == "FAILED"
     # the command it names runs the reward alone on the failing sample and shows the failure
