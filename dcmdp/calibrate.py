@@ -284,12 +284,7 @@ def calibrate(cfg: RunConfig, batches: int = 8, slack: float = 0.25, measures: S
             proposed.append(replace(c, tolerance=tol, **({"floor_slack": _round_up(tol / floor - 1.0)} if auto else {})))
         result = Calibration(rows, proposed, slack, batches, s.tracker.run_id, kept, inside_frac, cfg.dual.measure_at,
                              cfg.algo.minibatches, notes)
-        out = Path(cfg.output_dir)
-        (out / "calibration.txt").write_text(result.table() + "\n")
-        (out / "calibration.yaml").write_text(result.snippet())
-        s.tracker.log_artifact(out / "calibration.txt")
-        s.tracker.log_artifact(out / "calibration.yaml")
-        s.tracker.finish()
+        _write(s, result)
     except BaseException:
         s.tracker.finish("FAILED")
         raise
@@ -362,19 +357,25 @@ def calibrate_anchored(cfg: RunConfig, targets: Sequence[ConstraintConfig], batc
                                     anchor=None))
         result = Calibration(rows, proposed, slack, len(probed), s.tracker.run_id, [], inside_frac, "updates",
                              cfg.algo.minibatches, notes)
-        out = Path(cfg.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "calibration.txt").write_text(result.table() + "\n")
-        (out / "calibration.yaml").write_text(result.snippet())
-        s.tracker.log_artifact(out / "calibration.txt")
-        s.tracker.log_artifact(out / "calibration.yaml")
-        s.tracker.finish()
+        _write(s, result)
     except BaseException:
         s.tracker.finish("FAILED")
         raise
     finally:
         s.policy.engine.close()
     return result
+
+
+def _write(s: Setup, result: Calibration) -> None:
+    """calibration.txt (the table) and calibration.yaml (the snippet) in output_dir, both logged to the MLflow run,
+    which then ends FINISHED."""
+    out = Path(s.cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "calibration.txt").write_text(result.table() + "\n")
+    (out / "calibration.yaml").write_text(result.snippet())
+    s.tracker.log_artifact(out / "calibration.txt")
+    s.tracker.log_artifact(out / "calibration.yaml")
+    s.tracker.finish()
 
 
 def _all_anchored(s: Setup) -> bool:
