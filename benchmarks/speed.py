@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         result["wall_s"] = time.perf_counter() - start
-        # written after every part: a run stopped by the check's time limit keeps what it measured
+        # written after every part: a run stopped by the check's time limit keeps the parts it finished
         (out / "speed.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, (dict, list))}, indent=1))
     return result
