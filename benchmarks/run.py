@@ -527,8 +527,10 @@ def prepare(out: Path, base: Path, overrides: list[str], template: Path) -> bool
     return True
 
 
-def warm_cold_starts(base: Path, configs: list) -> None:
-    """Train (or find cached) each distinct cold start once, before parallel workers could race on it."""
+def _cold_start_one(seed: int, cfg) -> str:
+    """Train (or find cached) one run's cold start, in a worker process; its cache directory."""
+    import logging
+
     import torch
 
     from trainers.coldstart import cold_start
@@ -536,17 +538,52 @@ def warm_cold_starts(base: Path, configs: list) -> None:
     from trainers.tasks import TASKS
     from trainers.tokenizer import build_char_tokenizer
 
+    logging.basicConfig(level=logging.INFO, format="%(processName)s %(name)s: %(message)s")
     torch.set_num_threads(1)  # the runs' threads=1: the cold start (and its cache key) depend on the thread count
-    seen = set()
-    for seed, cfg in configs:
-        cs_seed = seed if cfg.cold_start.seed is None else cfg.cold_start.seed  # as dcmdp.loop.setup does
-        if cfg.cold_start.steps == 0 or cs_seed in seen:
-            continue
-        seen.add(cs_seed)
-        tok = build_char_tokenizer()
-        model = build_model(cfg.model, len(tok), seed=cs_seed)
-        cold_start(model, tok, TASKS[cfg.task.name](cfg.task, seed), cfg.cold_start, cfg.model, seed=cs_seed,
-                   eos_id=tok.eos_token_id, progress=False)
+    cs_seed = seed if cfg.cold_start.seed is None else cfg.cold_start.seed  # as dcmdp.loop.setup does
+    tok = build_char_tokenizer()
+    model = build_model(cfg.model, len(tok), seed=cs_seed)
+    _, info = cold_start(model, tok, TASKS[cfg.task.name](cfg.task, seed), cfg.cold_start, cfg.model, seed=cs_seed,
+                         eos_id=tok.eos_token_id, progress=False)
+    return str(info["model_dir"])
+
+
+def warm_cold_starts(base: Path, configs: list, workers: int = 1) -> None:
+    """Train (or find cached) each distinct cold start once, before the runs' workers could race on it: the
+    distinct ones (by their cache key: model, task, seed, hyper-parameters) on up to ``workers`` processes."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    import torch
+
+    from trainers.coldstart import cache_key, verify_cache_entry
+    from trainers.models import build_model
+    from trainers.tasks import TASKS
+    from trainers.tokenizer import build_char_tokenizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the key holds the thread count: computed as the worker (and the run) will train
+    todo: dict[str, tuple[int, object]] = {}
+    try:
+        for seed, cfg in configs:
+            if cfg.cold_start.steps == 0:
+                continue
+            cs_seed = seed if cfg.cold_start.seed is None else cfg.cold_start.seed
+            tok = build_char_tokenizer()
+            model = build_model(cfg.model, len(tok), seed=cs_seed)
+            key = cache_key(model, tok, TASKS[cfg.task.name](cfg.task, seed), cfg.cold_start, cfg.model,
+                            seed=cs_seed)
+            if key not in todo and not verify_cache_entry(os.path.join(cfg.cold_start.cache_dir, key))[0]:
+                todo[key] = (seed, cfg)
+    finally:
+        torch.set_num_threads(threads)
+    if not todo:
+        return
+    print(f"{len(todo)} cold start(s) to train first, on {min(workers, len(todo))} process(es)", flush=True)
+    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(todo))),
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        for path in pool.map(_cold_start_one, *zip(*todo.values())):
+            print(f"cold start ready: {rel(Path(path))}", flush=True)
 
 
 # a wall count's key when it is a folder's total over every profile trained there (counted before walls were kept
@@ -1410,7 +1447,7 @@ def run(exp: Experiment, profile_name: str, bench_dir: Path, results_prefix: Pat
     # one wall count per profile: profiles that share a folder do not add up each other's wall
     wall_file = bench_dir / f"wall_seconds.{profile_name}.txt"
     if todo:
-        warm_cold_starts(exp.base, configs)
+        warm_cold_starts(exp.base, configs, workers)
         template = mlflow_template(bench_dir)
         for _, out, ov in jobs:
             if out in todo:
