@@ -412,6 +412,8 @@ def run_cell(out: Path) -> None:
     from dcmdp.config import load_config
     from dcmdp.loop import train
 
+    if finished(out):  # finished meanwhile by another invocation on the same folder
+        return
     spec = json.loads((out / "cell.json").read_text())
     if not (out / "summary.json").exists():
         train(load_config(spec["base"], spec["overrides"]))
