@@ -529,27 +529,6 @@ def prepare(out: Path, base: Path, overrides: list[str], template: Path) -> bool
     return True
 
 
-def _cold_start_one(seed: int, cfg) -> str:
-    """Train (or find cached) one run's cold start, in a worker process; its cache directory."""
-    import logging
-
-    import torch
-
-    from trainers.coldstart import cold_start
-    from trainers.models import build_model
-    from trainers.tasks import TASKS
-    from trainers.tokenizer import build_char_tokenizer
-
-    logging.basicConfig(level=logging.INFO, format="%(processName)s %(name)s: %(message)s")
-    torch.set_num_threads(1)  # the runs' threads=1: the cold start (and its cache key) depend on the thread count
-    cs_seed = seed if cfg.cold_start.seed is None else cfg.cold_start.seed  # as dcmdp.loop.setup does
-    tok = build_char_tokenizer()
-    model = build_model(cfg.model, len(tok), seed=cs_seed)
-    _, info = cold_start(model, tok, TASKS[cfg.task.name](cfg.task, seed), cfg.cold_start, cfg.model, seed=cs_seed,
-                         eos_id=tok.eos_token_id, progress=False)
-    return str(info["model_dir"])
-
-
 def warm_cold_starts(base: Path, configs: list, workers: int = 1) -> None:
     """Train (or find cached) each distinct cold start once, before the runs' workers could race on it: the
     distinct ones (by their cache key: model, task, seed, hyper-parameters) on up to ``workers`` processes."""
@@ -558,7 +537,7 @@ def warm_cold_starts(base: Path, configs: list, workers: int = 1) -> None:
 
     import torch
 
-    from trainers.coldstart import cache_key, verify_cache_entry
+    from trainers.coldstart import cache_key, cold_start_for_run, verify_cache_entry
     from trainers.models import build_model
     from trainers.tasks import TASKS
     from trainers.tokenizer import build_char_tokenizer
@@ -584,7 +563,7 @@ def warm_cold_starts(base: Path, configs: list, workers: int = 1) -> None:
     print(f"{len(todo)} cold start(s) to train first, on {min(workers, len(todo))} process(es)", flush=True)
     with ProcessPoolExecutor(max_workers=max(1, min(workers, len(todo))),
                              mp_context=multiprocessing.get_context("spawn")) as pool:
-        for path in pool.map(_cold_start_one, *zip(*todo.values())):
+        for path in pool.map(cold_start_for_run, *zip(*todo.values())):
             print(f"cold start ready: {rel(Path(path))}", flush=True)
 
 

@@ -428,3 +428,24 @@ def cold_start(model: PreTrainedModel, tokenizer, task: _Task, cfg: ColdStartCon
         "model_dir": model_dir,
     }
     return model, info
+
+
+def cold_start_for_run(seed: int, cfg) -> str:
+    """Train (or find cached) the cold start of a run config (``dcmdp.config.RunConfig``) at RL seed ``seed`` on one
+    torch thread, as the run's own setup would; its cache directory. A module-level function so that a process pool
+    (the benchmark runner's, which trains the distinct cold starts of an experiment side by side) can call it."""
+    import logging
+
+    from trainers.models import build_model
+    from trainers.tasks import TASKS
+    from trainers.tokenizer import build_char_tokenizer
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(processName)s %(name)s: %(message)s")
+    torch.set_num_threads(1)  # the runs' threads=1: the cold start (and its cache key) depend on the thread count
+    cs_seed = seed if cfg.cold_start.seed is None else cfg.cold_start.seed  # as dcmdp.loop.setup does
+    tok = build_char_tokenizer()
+    model = build_model(cfg.model, len(tok), seed=cs_seed)
+    _, info = cold_start(model, tok, TASKS[cfg.task.name](cfg.task, seed), cfg.cold_start, cfg.model, seed=cs_seed,
+                         eos_id=tok.eos_token_id, progress=False)
+    return str(info["model_dir"])
