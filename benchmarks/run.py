@@ -357,7 +357,7 @@ def _read_experiment_file(path: Path, where: str) -> object:
         text = data.decode("utf-8-sig")
         why = yaml_shape(text)[0]
         if why is not None:  # the config's hint after ";" is about configs
-            raise ExperimentError(f"{where}: {why.split(';')[0]}; an experiment file nests a few levels")
+            raise ExperimentError(f"{where}: {why.split(';')[0]}; an experiment file holds a few KiB of settings")
         return yaml.safe_load(text)
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ExperimentError(f"{where}: not a readable YAML file: {' '.join(str(exc).split())}") from None
