@@ -375,13 +375,14 @@ def load_experiment(spec: str | Path) -> Experiment:
     text = _read_experiment_file(path, where)
     try:
         return _experiment(path, where, text)
+    except ExperimentError:
+        raise
     except (TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
-        if isinstance(exc, ExperimentError):
-            raise
         raise ExperimentError(f"{where}: a value of the wrong shape ({type(exc).__name__}: {exc})") from None
 
 
 def _experiment(path: Path, where: str, text: object) -> Experiment:
+    """The experiment of an experiment file's YAML ``text``, its entries checked as they are read."""
     raw = _entry(text, where,
                  {"about", "base", "overrides", "levels", "methods", "profiles", "cell_name", "late_from",
                   "reference", "compare"})

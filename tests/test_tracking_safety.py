@@ -1,5 +1,6 @@
 """Tracking inputs MLflow would reject late (a file store, an empty experiment name), secrets read from the
-environment or written into a URI, and a buffer line of bytes that are not UTF-8."""
+environment or written into a URI, and buffer lines that are not UTF-8, too deep or too long (a buffer is read in time
+linear in its size and bounded memory)."""
 
 from __future__ import annotations
 
