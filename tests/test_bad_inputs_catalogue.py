@@ -166,6 +166,11 @@ CLI: dict[str, Case] = {
         ": a value of the wrong shape (TypeError: 'int' object is not iterable)",
         _file("bad.yaml", EXPERIMENT.replace("levels: [a]", "levels: 3"))),
     "experiment-a-folder": _experiment(": is not a file", _folder("bad.yaml")),
+    "tune-file-nested-1000-levels": Case(
+        ("dcmdp", "tune", "tune.yaml"), "cannot read tune file tune.yaml: nested more than 32 levels deep (line 33)",
+        setup=_file("tune.yaml", "".join(f"{'  ' * i}k{i}:\n" for i in range(1000)) + "  " * 1000 + "v: 1\n")),
+    "tune-file-over-1-mib": Case(("dcmdp", "tune", "tune.yaml"), "tune file tune.yaml is larger than 1 MiB",
+                                 setup=_file("tune.yaml", "base: x\n" + "# padding\n" * 200_000)),
     "sync-buffer-line-nested-1000-levels": Case(
         ("dcmdp", "sync", "buffer"), "a segment with unreadable lines, kept for inspection", code=1,
         setup=_deep_buffer_line),
