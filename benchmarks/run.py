@@ -338,19 +338,51 @@ def _pool(p: dict, where: str, profiles: dict) -> tuple[Pooled, ...]:
     return tuple(out)
 
 
-def load_experiment(spec: str | Path) -> Experiment:
-    """An experiment by name (``benchmarks/experiments/<name>.yaml``) or path; ExperimentError names what is wrong."""
+def _read_experiment_file(path: Path, where: str) -> object:
+    """The YAML of an experiment file, read in time and memory linear in its size with the config files' bounds
+    (``dcmdp.config``: at most 1 MiB, 32 levels, 100,000 values once aliases are expanded), checked on the parser's
+    events before anything recursive builds from it."""
     import yaml
 
-    path = Path(spec) if str(spec).endswith((".yaml", ".yml")) else EXPERIMENTS / f"{spec}.yaml"
-    if not path.exists():
-        known = sorted(p.stem for p in EXPERIMENTS.glob("*.yaml"))
-        raise ExperimentError(f"{spec}: no such experiment file (known: {known})")
-    where = rel(path)
+    from dcmdp.config import MAX_CONFIG_BYTES, yaml_shape
+
     try:
-        text = yaml.safe_load(path.read_text(encoding="utf-8"))
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ExperimentError(f"{where}: cannot read it: {exc.strerror or exc}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ExperimentError(f"{where}: larger than {MAX_CONFIG_BYTES >> 20} MiB; an experiment file is a few KiB")
+    try:
+        text = data.decode("utf-8-sig")
+        why = yaml_shape(text)[0]
+        if why is not None:  # the config's hint after ";" is about configs
+            raise ExperimentError(f"{where}: {why.split(';')[0]}; an experiment file holds a few KiB of settings")
+        return yaml.safe_load(text)
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ExperimentError(f"{where}: not a readable YAML file: {' '.join(str(exc).split())}") from None
+
+
+def load_experiment(spec: str | Path) -> Experiment:
+    """An experiment by name (``benchmarks/experiments/<name>.yaml``) or path; ExperimentError names what is wrong,
+    for a value of the wrong shape where no check names it too (the file and the Python error, not a traceback)."""
+    path = Path(spec) if str(spec).endswith((".yaml", ".yml")) else EXPERIMENTS / f"{spec}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in EXPERIMENTS.glob("*.yaml"))
+        state = "is not a file" if path.exists() else "no such experiment file"
+        raise ExperimentError(f"{spec}: {state} (known: {known})")
+    where = rel(path)
+    text = _read_experiment_file(path, where)
+    try:
+        return _experiment(path, where, text)
+    except ExperimentError:
+        raise
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
+        raise ExperimentError(f"{where}: a value of the wrong shape ({type(exc).__name__}: {exc})") from None
+
+
+def _experiment(path: Path, where: str, text: object) -> Experiment:
+    """The experiment of an experiment file's YAML ``text``, its entries checked as they are read."""
     raw = _entry(text, where,
                  {"about", "base", "overrides", "levels", "methods", "profiles", "cell_name", "late_from",
                   "reference", "compare"})

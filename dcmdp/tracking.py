@@ -305,6 +305,60 @@ def _clip(kind: str, values: dict[str, Any], limit: int) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------------
 # Segments: append-only JSONL files with a durable sent-offset.
 
+# Bounds of one buffer line, so that reading a buffer takes time and memory linear in its size whatever its bytes.
+# The longest record a tracker writes is a chunk of 100 params of at most 6,000 characters each (under 4 MiB even
+# with every character escaped), nested 2 levels deep. A longer or deeper line was not written by a tracker: it is
+# skipped like a line that is not JSON (``pending``), read in chunks, never whole, and never parsed recursively.
+MAX_RECORD_BYTES = 16 << 20
+MAX_RECORD_DEPTH = 32
+# a JSON string (to its closing quote, or to the end of the line if it has none) or a bracket: one linear pass
+_JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.?)*(?:"|$)|[\[\]{}]', re.S)
+
+
+def _nesting_problem(line: bytes) -> Optional[str]:
+    """Why ``line`` is nested too deep to be a record (brackets inside strings do not count), else None. Linear in
+    its length and stops at the first bracket past ``MAX_RECORD_DEPTH``; most lines have too few brackets to look."""
+    if line.count(b"[") + line.count(b"{") <= MAX_RECORD_DEPTH:
+        return None
+    depth = 0
+    for token in _JSON_TOKEN.finditer(line):
+        if token[0] in (b"[", b"{"):
+            depth += 1
+            if depth > MAX_RECORD_DEPTH:
+                return f"nested more than {MAX_RECORD_DEPTH} levels deep (a record is 2)"
+        elif token[0] in (b"]", b"}"):
+            depth -= 1
+    return None
+
+
+def _parse_record(line: bytes) -> tuple[Optional[dict], str]:
+    """(the record of one complete buffer line, or None and why it is none): JSON nested at most
+    ``MAX_RECORD_DEPTH`` levels, a mapping with a string ``t``. Never raises."""
+    why = _nesting_problem(line)
+    if why is not None:
+        return None, why
+    try:
+        record = json.loads(line)  # bytes: a line that is not UTF-8 raises UnicodeDecodeError
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError
+        return None, f"not JSON ({type(exc).__name__})"
+    if not isinstance(record, dict) or not isinstance(record.get("t"), str):
+        return None, "not a record (a JSON object with a string 't')"
+    return record, ""
+
+
+def _read_line(f: IO[bytes]) -> tuple[Optional[bytes], int, bool]:
+    """(the next line of ``f``, or None for one longer than ``MAX_RECORD_BYTES``; the bytes it spans; whether it
+    ends with a newline). An over-long line is read on to its end in 1 MiB chunks, so memory stays bounded."""
+    line = f.readline(MAX_RECORD_BYTES + 1)
+    if len(line) <= MAX_RECORD_BYTES or line.endswith(b"\n"):
+        return line, len(line), line.endswith(b"\n")
+    size = len(line)
+    while True:
+        chunk = f.readline(1 << 20)
+        size += len(chunk)
+        if not chunk or chunk.endswith(b"\n"):
+            return None, size, bool(chunk)
+
 
 class _Segment:
     """One buffer file, locked by its owner; ``offset`` is the number of bytes already sent."""
@@ -357,7 +411,7 @@ class _Segment:
             return None
         seg = cls(path, fh, 0)
         try:
-            seg.offset = int(json.loads(seg.sent_path.read_text())["offset"])
+            seg.offset = int(_small_json(seg.sent_path, 1 << 10)["offset"])
         except FileNotFoundError:
             seg.offset = 0
         except (ValueError, KeyError, TypeError) as exc:  # damaged: where sending stopped is unknown
@@ -386,30 +440,34 @@ class _Segment:
         return dst
 
     def header(self) -> dict:
+        """The first line's record; {} when it is damaged (the segment then names no URI, and sync says so)."""
         with open(self.path, "rb") as f:
-            line = f.readline()
-        try:
-            header = json.loads(line) if line.endswith(b"\n") else {}
-        except ValueError:  # damaged bytes in the header: the segment then names no URI (sync says so)
-            return {}
-        return header if isinstance(header, dict) else {}
+            line, _, complete = _read_line(f)
+        header = _parse_record(line)[0] if line is not None and complete else None
+        return header or {}
 
     def pending(self) -> Iterator[tuple[int, dict]]:
-        """(end offset, record) of every complete unsent line; a torn last line is not a record."""
+        """(end offset, record) of every complete unsent line, read one bounded line at a time; a torn last line is
+        not a record. A line that is not a record (not JSON, longer than ``MAX_RECORD_BYTES``, nested deeper than
+        ``MAX_RECORD_DEPTH``) is skipped with a warning naming its line and counted: one never blocks the rest."""
         with open(self.path, "rb") as f:
             f.seek(self.offset)
             pos = self.offset
-            for line in f:
-                pos += len(line)
-                if not line.endswith(b"\n"):
+            line_no: Optional[int] = None  # counted only once a bad line needs naming
+            while True:
+                line, size, complete = _read_line(f)
+                if not complete:
                     break
+                start, pos = pos, pos + size
+                if line_no is not None:
+                    line_no += 1
                 self.scanned = pos
-                try:
-                    record = json.loads(line)  # bytes: a line that is not UTF-8 raises UnicodeDecodeError
-                except ValueError:  # JSONDecodeError and UnicodeDecodeError: one bad line never blocks the rest
-                    record = None
-                if not isinstance(record, dict) or not isinstance(record.get("t"), str):
-                    logger.warning("skipping an unreadable line in %s at byte %d", self.path, pos - len(line))
+                record, why = _parse_record(line) if line is not None else \
+                    (None, f"longer than {MAX_RECORD_BYTES >> 20} MiB ({size} bytes)")
+                if record is None:
+                    if line_no is None:
+                        line_no = _line_number(self.path, start)
+                    logger.warning("skipping line %d of %s (byte %d): %s", line_no, self.path, start, why)
                     self.unreadable += 1
                     continue
                 yield pos, record
@@ -436,6 +494,34 @@ class _Segment:
     def close(self) -> None:
         if not self.fh.closed:
             self.fh.close()  # releases the lock
+
+
+def _small_json(path: Path, limit: int) -> Any:
+    """The JSON of a small bookkeeping file (``.sent``, ``runs.json``), read in bounded time and memory: ValueError
+    when it is larger than ``limit`` bytes, nested deeper than ``MAX_RECORD_DEPTH`` or not JSON."""
+    with open(path, "rb") as f:
+        raw = f.read(limit + 1)
+    if len(raw) > limit:
+        raise ValueError(f"larger than {limit} bytes")
+    if (why := _nesting_problem(raw)) is not None:
+        raise ValueError(why)
+    try:
+        return json.loads(raw.decode())
+    except RecursionError:
+        raise ValueError("nested too deep to be read") from None
+
+
+def _line_number(path: Path, offset: int) -> int:
+    """The 1-based number of the line that starts at byte ``offset`` of ``path``, counted in 1 MiB chunks."""
+    count, left = 1, offset
+    with open(path, "rb") as f:
+        while left > 0:
+            chunk = f.read(min(left, 1 << 20))
+            if not chunk:
+                break
+            count += chunk.count(b"\n")
+            left -= len(chunk)
+    return count
 
 
 def _segments(buffer_dir: Path) -> list[Path]:
@@ -659,7 +745,7 @@ class _Sender:
 
 def _read_run_map(buffer_dir: Path) -> dict[str, str]:
     try:
-        found = json.loads((buffer_dir / "runs.json").read_bytes())
+        found = _small_json(buffer_dir / "runs.json", MAX_RECORD_BYTES)
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:  # unreadable (a failing disk, damaged bytes): the tracker must still start

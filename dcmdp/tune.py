@@ -72,6 +72,7 @@ import contextlib
 import csv
 import fcntl
 import importlib.util
+import io
 import itertools
 import json
 import logging
@@ -96,8 +97,8 @@ from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
 from dcmdp import redact
-from dcmdp.config import (ConfigError, RunConfig, TrackingConfig, file_in_the_way, load_config, to_yaml, validate,
-                          yaml_value)
+from dcmdp.config import (MAX_CONFIG_BYTES, ConfigError, RunConfig, TrackingConfig, file_in_the_way, load_config,
+                          to_yaml, validate, yaml_shape, yaml_value)
 from dcmdp.redact import public_uri
 from dcmdp.tracking import LOCAL_ID_PREFIX, Tracker, resolve_tracking_uri
 
@@ -226,10 +227,7 @@ def load_tune_config(path: str | Path, overrides: Sequence[str] = ()) -> TuneCon
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"tune file not found: {path}")
-    try:
-        raw = OmegaConf.load(path)
-    except Exception as exc:
-        raise ConfigError(f"cannot parse tune file {path}: {exc}") from exc
+    raw = _read_tune_file(path)
     try:
         cfg: TuneConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TuneConfig), raw))  # type: ignore
     except OmegaConfBaseException as exc:
@@ -240,6 +238,29 @@ def load_tune_config(path: str | Path, overrides: Sequence[str] = ()) -> TuneCon
     cfg.study = cfg.study or path.stem
     _check(cfg)
     return cfg
+
+
+def _read_tune_file(path: Path) -> Any:
+    """The YAML of a tune file, read in time and memory linear in its size with a config file's bounds
+    (``MAX_CONFIG_BYTES``, ``yaml_shape``), checked before OmegaConf, which recurses once per level, builds it."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read tune file {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"tune file {path} is larger than {MAX_CONFIG_BYTES >> 20} MiB; a tune file holds a few KiB "
+                          f"of settings")
+    try:
+        text = data.decode("utf-8-sig")
+        why = yaml_shape(text)[0]
+        if why is not None:  # the hint after ";" is about run configs
+            raise ConfigError(f"cannot read tune file {path}: {why.split(';')[0]}")
+        return OmegaConf.load(io.StringIO(text))
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"cannot parse tune file {path}: {exc}") from exc
 
 
 def _check(cfg: TuneConfig) -> None:

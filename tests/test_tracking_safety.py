@@ -1,5 +1,6 @@
 """Tracking inputs MLflow would reject late (a file store, an empty experiment name), secrets read from the
-environment or written into a URI, and a buffer line of bytes that are not UTF-8."""
+environment or written into a URI, and buffer lines that are not UTF-8, too deep or too long (a buffer is read in time
+linear in its size and bounded memory)."""
 
 from __future__ import annotations
 
@@ -173,3 +174,135 @@ def test_a_damaged_segment_header_is_reported_not_a_crash(tmp_path):
     segment.write_bytes(b"\xff\xfe" + data[2:])
     report = sync_report(buffer_dir)
     assert report.remaining == [f"{segment}: names no tracking URI; pass one with --tracking-uri"]
+
+
+def _segment_of(buffer_dir: Path, lines: list[bytes]) -> Path:
+    """A leftover segment as a tracker leaves it: a header naming an unreachable server, then ``lines``."""
+    buffer_dir.mkdir(parents=True, exist_ok=True)
+    segment = buffer_dir / "00000000000000000001-abcdef01.jsonl"
+    header = json.dumps({"t": "header", "uri": f"http://{_closed_port()}", "created": 0}).encode() + b"\n"
+    with open(segment, "wb") as f:
+        f.write(header)
+        f.writelines(lines)
+    (buffer_dir / "00000000000000000001-abcdef01.sent").write_text(json.dumps({"offset": len(header)}))
+    return segment
+
+
+def _metric_lines(n: int, start: int = 0) -> list[bytes]:
+    return [json.dumps({"t": "metric", "run": "r", "key": "m", "value": float(i), "ts": i, "step": i}).encode()
+            + b"\n" for i in range(start, start + n)]
+
+
+class _Store:
+    """An MlflowClient stand-in that keeps what it is sent: times the reading of a buffer, not a store."""
+
+    def __init__(self):
+        self.values: list[float] = []
+
+    def log_batch(self, run_id, metrics=(), params=(), tags=()):
+        self.values += [m.value for m in metrics]
+
+
+def _sync_to(store: _Store, buffer_dir: Path, monkeypatch):
+    import dcmdp.tracking as tracking
+
+    monkeypatch.setattr(tracking._Sender, "_client", lambda self: store)
+    return sync_report(buffer_dir)
+
+
+def test_a_buffer_replays_in_time_linear_in_its_records(tmp_path, monkeypatch):
+    """20,000 and 80,000 buffered metrics: the sync reads each line once, so 4x the records take about 4x the time.
+    The bound is 8x (twice the linear ratio, for timing noise on a loaded machine; a quadratic read would be 16x),
+    and every value arrives once, in order."""
+    import time
+
+    def timed(n: int, name: str) -> float:
+        buffer_dir = tmp_path / name
+        _segment_of(buffer_dir, _metric_lines(n))
+        store = _Store()
+        t0 = time.perf_counter()
+        report = _sync_to(store, buffer_dir, monkeypatch)
+        elapsed = time.perf_counter() - t0
+        assert report.sent == n and report.remaining == [] and store.values == [float(i) for i in range(n)]
+        return elapsed
+
+    timed(1_000, "warm")
+    small, large = timed(20_000, "small"), timed(80_000, "large")
+    assert large < 8 * small + 0.5, (small, large)
+
+
+def test_deep_and_over_long_buffer_lines_are_skipped_naming_their_line_and_the_segment_is_kept(tmp_path, monkeypatch,
+                                                                                              caplog):
+    """A record nested 1,000 and 100,000 levels deep and a 20 MiB line (over ``MAX_RECORD_BYTES``) between good
+    ones: no RecursionError, each skipped with a warning naming its line, the good records sent, and the segment
+    kept as ``.unreadable`` for inspection, as for a line that is not JSON."""
+    import logging
+
+    from dcmdp.tracking import MAX_RECORD_BYTES, MAX_RECORD_DEPTH
+
+    deep = [b'{"t": "metric", "x": ' + b"[" * n + b"]" * n + b"}\n" for n in (1_000, 100_000)]
+    long = b'{"t": "tags", "pad": "' + b"x" * (MAX_RECORD_BYTES + (4 << 20)) + b'"}\n'
+    # brackets inside a string do not count as nesting
+    brackets = json.dumps({"t": "metric", "run": "r", "key": "[{" * 100, "value": 7.0, "ts": 7, "step": 7})
+    lines = [*_metric_lines(2), *deep, long, *_metric_lines(2, start=2), brackets.encode() + b"\n"]
+    segment = _segment_of(tmp_path / "buffer", lines)
+    store = _Store()
+    with caplog.at_level(logging.WARNING):
+        report = _sync_to(store, tmp_path / "buffer", monkeypatch)
+    assert store.values == [0.0, 1.0, 2.0, 3.0, 7.0] and report.sent == 5
+    assert report.remaining == [f"{segment}.unreadable: a segment with unreadable lines, kept for inspection (its "
+                                f"readable records were sent); remove it once inspected"]
+    header = Path(f"{segment}.unreadable").read_bytes().index(b"\n") + 1
+    byte = [header + sum(map(len, lines[:i])) for i in range(len(lines))]  # where each of ``lines`` starts
+    too_deep = f"nested more than {MAX_RECORD_DEPTH} levels deep (a record is 2)"
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping line")] == [
+        f"skipping line 4 of {segment} (byte {byte[2]}): {too_deep}",
+        f"skipping line 5 of {segment} (byte {byte[3]}): {too_deep}",
+        f"skipping line 6 of {segment} (byte {byte[4]}): longer than {MAX_RECORD_BYTES >> 20} MiB ({len(long)} bytes)"]
+    assert "RecursionError" not in caplog.text and not any(r.exc_info for r in caplog.records)
+
+
+def test_an_over_long_buffer_line_is_read_in_bounded_memory(tmp_path):
+    """A 64 MiB line is read in chunks: the reader's peak allocation is about twice ``MAX_RECORD_BYTES`` (16 MiB;
+    the buffered reader copies the line once), whatever the line's size."""
+    import tracemalloc
+
+    from dcmdp.tracking import MAX_RECORD_BYTES, _Segment
+
+    segment = _segment_of(tmp_path / "buffer", [b"x" * (64 << 20) + b"\n", *_metric_lines(1)])
+    seg = _Segment.open_existing(segment)
+    try:
+        tracemalloc.start()
+        records = [record for _, record in seg.pending()]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        seg.close()
+    assert [r["value"] for r in records] == [0.0] and seg.unreadable == 1
+    assert peak < 3 * MAX_RECORD_BYTES < 64 << 20, peak
+
+
+@pytest.mark.parametrize("which", ["header", "sent", "runs"])
+def test_a_deep_or_huge_bookkeeping_file_of_a_buffer_is_reported_not_a_traceback(tmp_path, monkeypatch, which):
+    """The header line and ``runs.json`` nested 100,000 levels deep, the ``.sent`` progress file 500: the header names
+    no URI, the progress file is unreadable (the segment is kept), an unreadable run map is a warning; never a
+    RecursionError."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    segment = _segment_of(tmp_path / "buffer", _metric_lines(1))
+    if which == "header":
+        data = segment.read_bytes()
+        segment.write_bytes(deep + b"\n" + data[data.index(b"\n") + 1:])
+    elif which == "sent":
+        segment.with_suffix(".sent").write_bytes(b"[" * 500 + b"]" * 500)  # within its 1 KiB
+    else:
+        (tmp_path / "buffer" / "runs.json").write_bytes(deep)
+    store = _Store()
+    report = _sync_to(store, tmp_path / "buffer", monkeypatch)
+    if which == "header":
+        assert report.remaining == [f"{segment}: names no tracking URI; pass one with --tracking-uri"]
+    elif which == "sent":
+        assert len(report.remaining) == 1
+        assert f"its progress file {segment.with_suffix('.sent')} (ValueError: nested more than 32 levels deep" \
+               in report.remaining[0]
+    else:
+        assert report.remaining == [] and store.values == [0.0]

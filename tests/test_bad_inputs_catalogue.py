@@ -1,0 +1,303 @@
+"""docs/bad_inputs.md walked row by row: every row of every table names tests that exist, and every command-line
+case with bad input runs as a user would give it, exiting with its documented code (2 for a bad config, option or
+file) and no traceback.
+
+``CLI`` holds the command-line cases; a row names each of its cases as ``test_cli[<id>]`` (the Round 4 table's
+``test_catalogue[<id>]`` cases run through ``dcmdp check`` in ``test_bad_inputs_round4.py``). A row that documents
+exit code 2 names such a case, or is in ``NOT_A_COMMAND`` with the reason its case needs more than a command line
+(a checkpoint, a trained run); its named tests cover it. ``test_cli`` runs each case in this process (fast);
+``test_cli_in_a_new_process`` runs each as a new process, reading stdout and stderr for a traceback (slow, but for
+``FAST``)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from dcmdp import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "bad_inputs.md"
+
+EXPERIMENT = """about: x
+base: configs/default.yaml
+levels: {a: {about: a}}
+methods: {m: {about: m}}
+profiles: {quick: {about: q, cells: [{levels: [a], methods: [m], N: [1], seeds: [0]}]}}
+"""
+
+
+def _file(name: str, text: str | bytes) -> Callable[[Path], None]:
+    def write(d: Path) -> None:
+        (d / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+    return write
+
+
+def _folder(name: str) -> Callable[[Path], None]:
+    return lambda d: (d / name).mkdir()
+
+
+def _deep_buffer_line(d: Path) -> None:
+    """A leftover tracking buffer segment whose one record is nested 1,000 levels deep."""
+    (d / "buffer").mkdir()
+    header = json.dumps({"t": "header", "uri": "http://127.0.0.1:9", "created": 0}).encode() + b"\n"
+    (d / "buffer" / "00000000000000000001-abcdef01.jsonl").write_bytes(
+        header + b'{"t": "metric", "x": ' + b"[" * 1000 + b"]" * 1000 + b"}\n")
+
+
+@dataclass(frozen=True)
+class Case:
+    """``argv`` (``dcmdp ...`` or ``benchmarks/run.py ...``) run in a folder that ``setup`` fills; the error holds
+    ``needle``; the command exits with ``code``."""
+
+    argv: tuple[str, ...]
+    needle: str
+    code: int = 2
+    setup: Callable[[Path], None] = lambda d: None
+
+
+def _experiment(needle: str, setup: Callable[[Path], None]) -> Case:
+    """``benchmarks/run.py bad.yaml --profile quick`` (training nothing); the error line starts ``needle``."""
+    return Case(("benchmarks/run.py", "bad.yaml", "--profile", "quick", "--no-train", "--bench-dir", "b", "--results",
+                 "r"), f"error: bad.yaml{needle}", setup=setup)
+
+
+CLI: dict[str, Case] = {
+    "unknown-key": Case(("dcmdp", "check", "algo.minibatchs=4"),
+                        "unknown config key 'algo.minibatchs'; did you mean 'minibatches'?"),
+    "wrong-type": Case(("dcmdp", "check", "algo.std_normalize=maybe"),
+                       "bad value for 'algo.std_normalize': Value 'maybe' is not a valid bool"),
+    "negative-tolerance": Case(("dcmdp", "check", "dual.constraints[0].tolerance=-1"),
+                               "config error at 'dual.constraints[0].tolerance': must be >= 0"),
+    "lambda-min-above-max": Case(("dcmdp", "check", "dual.constraints[0].lambda_min=2",
+                                  "dual.constraints[0].lambda_max=1"), "need 0 <= lambda_min <= lambda_max"),
+    "minibatches-do-not-divide": Case(("dcmdp", "check", "algo.minibatches=3"),
+                                      "3 mini-batches do not divide the rollout batch of 16 x 8 = 128 samples"),
+    "top-p-out-of-range": Case(("dcmdp", "check", "rollout.top_p=1.5"),
+                               "config error at 'rollout.top_p': must be in (0, 1], got 1.5"),
+    "misspelled-task": Case(("dcmdp", "check", "task.name=additon"), "unknown 'additon'; did you mean 'addition'?"),
+    "r2-on-dense": Case(("dcmdp", "check", "model.preset=tiny-dense", "algo.routing_replay=r2"),
+                        "r2 replays MoE routes, but model.preset='tiny-dense' is a dense model"),
+    "config-file-missing": Case(("dcmdp", "check", "nosuch.yaml"), "config file not found: nosuch.yaml"),
+    "config-file-malformed": Case(("dcmdp", "check", "run.yaml"), "cannot parse config file run.yaml",
+                                  setup=_file("run.yaml", "steps: [3\n")),
+    "math-without-path": Case(("dcmdp", "check", "task.name=math"), "config error at 'task.path': task 'math' needs"),
+    "non-finite-lr": Case(("dcmdp", "check", "optim.lr=inf"),
+                          "config error at 'optim.lr': must be a finite number, got inf"),
+    "routing-mismatch-under-r3": Case(("dcmdp", "check", "algo.routing_replay=r3",
+                                       "dual.constraints=[{measure: routing_mismatch, tolerance: 0.1}]"),
+                                      "routing_mismatch compares the two engines' expert choices"),
+    "tracking-uri-scheme": Case(("dcmdp", "check", "tracking.uri=foo://x"),
+                                "MLflow cannot use the tracking URI 'foo://x' (scheme 'foo')"),
+    "sync-missing-folder": Case(("dcmdp", "sync", "nosuch"), "tracking buffer folder nosuch does not exist"),
+    "sync-of-a-file": Case(("dcmdp", "sync", "afile"), "tracking buffer folder afile is a file, not a folder",
+                           setup=_file("afile", "")),
+    "reward-module-missing": Case(("dcmdp", "check", "task.name=jsonl", "task.path=x.jsonl", "task.reward=nomod:score"),
+                                  "'nomod:score': no module 'nomod' in the working directory"),
+    "jsonl-without-path": Case(("dcmdp", "check", "task.name=jsonl"),
+                               "config error at 'task.path': task 'jsonl' needs a JSON-lines file"),
+    "several-at-once": Case(("dcmdp", "check", "algo.minibatchs=4", "optim.lr=inf"),
+                            "2 problems in the config"),
+    "reward-timeout-zero": Case(("dcmdp", "check", "task.reward_timeout=0"),
+                                "config error at 'task.reward_timeout': must be a finite number of seconds > 0"),
+    "file-store-uri": Case(("dcmdp", "check", "tracking.uri=file:///tmp/mlruns"),
+                           "'file:///tmp/mlruns' is a file store"),
+    "empty-experiment-name": Case(("dcmdp", "check", "tracking.experiment="), "'tracking.experiment'"),
+    "empty-config-file": Case(("dcmdp", "check", "run.yaml"), "config file run.yaml holds no setting",
+                              setup=_file("run.yaml", "# nothing\n")),
+    "seed-too-large": Case(("dcmdp", "check", "seed=4294967296"), "config error at 'seed': must be <= 4294967295"),
+    "empty-output-dir": Case(("dcmdp", "check", "output_dir="), "'output_dir'"),
+    "max-new-tokens-beyond-context": Case(("dcmdp", "check", "rollout.max_new_tokens=100000"),
+                                          "config error at 'rollout.max_new_tokens': 100000 new tokens leave no room"),
+    "infeasible-coupling": Case(("dcmdp", "check", "dual.coupling.A=[[1.0]]", "dual.coupling.b=[-1.0]"),
+                                "config error at 'dual.coupling.b[0]'"),
+    "calibrate-zero-batches": Case(("dcmdp", "calibrate", "--batches", "0"), "argument --batches: must be >= 1"),
+    "output-dir-a-file": Case(("dcmdp", "check", "output_dir=afile"), "'afile' is a file, not a folder",
+                              setup=_file("afile", "")),
+    "eval-checkpoint-missing": Case(("dcmdp", "eval", "--checkpoint", "nosuch"), "--checkpoint nosuch does not exist"),
+    "calibrate-measure-typo": Case(("dcmdp", "calibrate", "--measures", "kl_k33"),
+                                   "config error at '--measures': unknown 'kl_k33'; did you mean 'kl_k3'?"),
+    "calibrate-out-a-folder": Case(("dcmdp", "calibrate", "--out", "adir"),
+                                   "config error at '--out': adir is a folder", setup=_folder("adir")),
+    "report-empty-out": Case(("dcmdp", "report", "--out", ""), "argument --out: empty; give a value"),
+    "eval-empty-checkpoint": Case(("dcmdp", "eval", "--checkpoint", ""), "argument --checkpoint: empty"),
+    "calibrate-empty-out": Case(("dcmdp", "calibrate", "--out", ""), "argument --out: empty"),
+    "sync-empty-uri": Case(("dcmdp", "sync", "--tracking-uri", "", "buffer"), "argument --tracking-uri: empty"),
+    "password-with-slash": Case(("dcmdp", "check", "tracking.uri=http://alice:QWxh/ZGRp+bg==@host"),
+                                "its userinfo holds an unencoded '/', '?' or '#'"),
+    "reward-timeout-huge": Case(("dcmdp", "check", "task.reward_timeout=1e308"),
+                                "1e+308 s per reward call is above 3600 s"),
+    "samples-per-step-huge": Case(("dcmdp", "check", "algo.samples_per_prompt=100000000"),
+                                  "1600000000 samples per step, above 1048576"),
+    "digits-beyond-context": Case(("dcmdp", "check", "task.digits=1000000000"),
+                                  "config error at 'task.digits': 1000000000 digits do not fit the context"),
+    "ess-lr-scale-2": Case(("dcmdp", "check", "algo.ess_lr_scale=2"),
+                           "config error at 'algo.ess_lr_scale': expected true or false, got 2"),
+    "temperature-underflows": Case(("dcmdp", "check", "rollout.temperature=1e-30"),
+                                   "config error at 'rollout.temperature': 1e-30 is below 0.01"),
+    "experiment-malformed": _experiment(": not a readable YAML file: ", _file("bad.yaml", "about: [x\n")),
+    "experiment-missing-base": _experiment(
+        ".base: no config file 'configs/missing.yaml'",
+        _file("bad.yaml", EXPERIMENT.replace("configs/default.yaml", "configs/missing.yaml"))),
+    "experiment-nested-1000-levels": _experiment(
+        ": nested more than 32 levels deep (line 33)",
+        _file("bad.yaml", "".join(f"{'  ' * i}k{i}:\n" for i in range(1000)) + "  " * 1000 + "v: 1\n")),
+    "experiment-nested-flow": _experiment(": nested more than 32 levels deep (line 2)",
+                                          _file("bad.yaml", "about: x\nbase: " + "[" * 5000 + "]" * 5000 + "\n")),
+    "experiment-over-1-mib": _experiment(": larger than 1 MiB; an experiment file is a few KiB",
+                                         _file("bad.yaml", "about: x\n" + "# padding\n" * 200_000)),
+    "experiment-alias-bomb": _experiment(
+        ": more than 100,000 values once its aliases (*name) are expanded",
+        _file("bad.yaml", "about: x\nl0: &l0 [x, x, x, x, x, x, x, x, x, x]\n"
+              + "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in range(1, 10)))),
+    "experiment-wrong-key": _experiment(": unknown key(s) ['profilez']",
+                                        _file("bad.yaml", EXPERIMENT + "profilez: {}\n")),
+    "experiment-wrong-shape": _experiment(
+        ": a value of the wrong shape (TypeError: 'int' object is not iterable)",
+        _file("bad.yaml", EXPERIMENT.replace("levels: [a]", "levels: 3"))),
+    "experiment-a-folder": _experiment(": is not a file", _folder("bad.yaml")),
+    "tune-file-nested-1000-levels": Case(
+        ("dcmdp", "tune", "tune.yaml"), "cannot read tune file tune.yaml: nested more than 32 levels deep (line 33)",
+        setup=_file("tune.yaml", "".join(f"{'  ' * i}k{i}:\n" for i in range(1000)) + "  " * 1000 + "v: 1\n")),
+    "tune-file-over-1-mib": Case(("dcmdp", "tune", "tune.yaml"), "tune file tune.yaml is larger than 1 MiB",
+                                 setup=_file("tune.yaml", "base: x\n" + "# padding\n" * 200_000)),
+    "sync-buffer-line-nested-1000-levels": Case(
+        ("dcmdp", "sync", "buffer"), "a segment with unreadable lines, kept for inspection", code=1,
+        setup=_deep_buffer_line),
+}
+
+# rows that document exit code 2 for a case a command line alone cannot make: the tests they name cover them
+NOT_A_COMMAND = {
+    "resume onto an incompatible config": "needs a checkpoint of an earlier run",
+    "resuming with `steps` below the checkpoint's step": "needs a checkpoint of an earlier run",
+    "`dcmdp eval` of a MoE checkpoint with a dense preset": "needs a checkpoint of a trained model",
+    "`dcmdp tune` with a damaged study database": "needs a tune file and its database",
+    "a tune file's `output_dir` that is a file": "needs a tune file",
+    "`model.preset=${oc.env:P}`, P changed between run and resume": "needs a checkpoint of an earlier run",
+    "`optim.lr` changed on resume": "needs a checkpoint of an earlier run",
+    "a reward that returns NaN on every sample": "stops a training run after its steps",
+}
+# the cases run as a new process in the default test run (the rest with -m slow)
+FAST = ("experiment-nested-1000-levels", "sync-buffer-line-nested-1000-levels")
+
+
+def _tables() -> list[tuple[str, str, list[str]]]:
+    """(section title, the row's line, its cells) of every row of every table in docs/bad_inputs.md."""
+    rows, section = [], ""
+    lines = DOC.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("#"):
+            section = line.lstrip("# ")
+        is_header = i + 1 < len(lines) and lines[i + 1].startswith("|---")
+        if line.startswith("| ") and not is_header:
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+            rows.append((section, line, cells))
+    return rows
+
+
+def _named_tests(rows: list[tuple[str, str, list[str]]]) -> list[tuple[str, str, list[tuple[str, str, str]]]]:
+    """Per row, (its case, its line, [(test file, function, parameter id)]) from its last cell; ``::name`` is in the
+    file named before it, "same test" repeats the row above; a whole file named alone is (file, "", "")."""
+    out, previous = [], []
+    for _, line, cells in rows:
+        named, file = [], ""
+        for span in re.findall(r"`([^`]*)`", cells[-1]):
+            m = re.fullmatch(r"(test_\w+\.py)?(?:::(test_\w+)(?:\[([\w-]+)\])?)?", span)
+            if not m or not (m[1] or m[2]):
+                continue
+            file = m[1] or file
+            named.append((file, m[2] or "", m[3] or ""))
+        if "same test" in cells[-1] or (not named and cells[-1].startswith("same")):
+            named = named + previous
+        out.append((cells[1] if cells[0].isdigit() else cells[0], line, named))
+        previous = named
+    return out
+
+
+def test_every_row_names_tests_that_exist():
+    """Each row of each table names at least one test (or says it was checked by hand), and each named test file,
+    function and ``test_cli`` case exists."""
+    rows = _tables()
+    assert len(rows) > 140 and {s for s, _, _ in rows} >= {"Bad inputs: what happens",
+                                                           "Cases found and fixed: before and after"}
+    wrong = []
+    for case, row, named in _named_tests(rows):
+        if not named and not row.rstrip(" |").split("|")[-1].strip().startswith("by hand"):
+            wrong.append(f"row names no test: {case[:80]}")
+        for file, function, param in named:
+            path = ROOT / "tests" / file
+            if not path.is_file() or (function and f"def {function}(" not in path.read_text()):
+                wrong.append(f"{file}::{function} (row: {case[:60]}) does not exist")
+            elif function == "test_cli" and param not in CLI:
+                wrong.append(f"test_cli[{param}] (row: {case[:60]}) is not a case of CLI")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_cli_case_has_a_row_and_every_exit_2_row_a_case():
+    """Each ``CLI`` case is named by a row; a row documenting exit code 2 names a command-line case (``test_cli`` or
+    the Round 4 ``test_catalogue``), or says in ``NOT_A_COMMAND`` why it cannot be one."""
+    rows = _tables()
+    named = {param for _, _, tests in _named_tests(rows) for _, function, param in tests if function == "test_cli"}
+    assert named == set(CLI), (sorted(set(CLI) - named), sorted(named - set(CLI)))
+    for case, row, tests in _named_tests(rows):
+        if not re.search(r"exit(?: code)? 2\b", row) or any(case.startswith(k) for k in NOT_A_COMMAND):
+            continue
+        assert any(f in ("test_cli", "test_catalogue") for _, f, _ in tests), \
+            f"the row '{case[:80]}' documents exit code 2 but names no command-line case"
+    unused = [k for k in NOT_A_COMMAND if not any(case.startswith(k) for case, _, _ in _named_tests(rows))]
+    assert not unused, unused
+
+
+@functools.cache
+def _bench_run():
+    """benchmarks/run.py as a module (benchmarks/ is not a package; its dataclasses need it in sys.modules)."""
+    spec = importlib.util.spec_from_file_location("bench_run_catalogue", ROOT / "benchmarks" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("case", sorted(CLI))
+def test_cli(case, tmp_path, monkeypatch, capsys, caplog):
+    """Each case in this process: its exit code, its line, no traceback on the console or in the log."""
+    c = CLI[case]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    c.setup(tmp_path)
+    try:
+        if c.argv[0] == "dcmdp":
+            rc = cli.main(list(c.argv[1:]))
+        else:
+            _bench_run().main(list(c.argv[1:]))
+            rc = 0
+    except SystemExit as exc:
+        rc = exc.code
+    out, err = capsys.readouterr()
+    assert rc == c.code, out + err
+    assert c.needle in err, err
+    assert "Traceback" not in out + err + caplog.text
+
+
+@pytest.mark.parametrize("case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in sorted(CLI)])
+def test_cli_in_a_new_process(case, tmp_path):
+    """Each case as a user runs it: a new process, its exit code, its line and no traceback in stdout or stderr."""
+    c = CLI[case]
+    c.setup(tmp_path)
+    head = ["-m", "dcmdp.cli"] if c.argv[0] == "dcmdp" else [str(ROOT / c.argv[0])]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    done = subprocess.run([sys.executable, *head, *c.argv[1:]], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env={**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == c.code, done.stderr[-2000:]
+    assert c.needle in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stdout + done.stderr
