@@ -23,7 +23,8 @@ method list, or one per level; the candidate with the best late mean is the riva
 final accuracy, and the run-minutes of each method and of each ``compute`` group (a tuned constant's sweep). Its
 optional ``bar`` writes the pre-registered bar clause by clause per cell: each named role's reading ("level": level
 or ahead; "ahead"), at most ``collapses`` collapses, D-hat inside c on at least ``inside_c`` of the steps and lambda
-below its cap on at least ``below_cap`` of them; a cell whose runs did not all finish is "not decided", never met.
+below its cap on at least ``below_cap`` of them; a cell whose runs did not all finish, or with one seed a side (its
+reading "untested": Welch's test needs two), is "not decided", never met.
 """
 
 from __future__ import annotations
@@ -926,7 +927,10 @@ def welch(cells: list[dict]) -> list[dict]:
 
 
 def reading(diff: float, p: float, alpha: float = 0.05) -> str:
-    """'ahead' / 'behind' where Welch's p < alpha, else 'level' (and 'level' where p is undefined)."""
+    """'ahead' / 'behind' where Welch's p < alpha, 'level' where p >= alpha, and 'untested' where p is undefined
+    (fewer than two seeds on a side): one seed each can be neither level nor ahead by the test."""
+    if not math.isfinite(p):
+        return "untested"
     if not p < alpha:
         return "level"
     return "ahead" if diff > 0 else "behind"
@@ -986,7 +990,8 @@ def bar_rows(cmp: Compare, cells: list[dict], compared: list[dict], missing: dic
                 if row is None:
                     clauses.append((f"vs {role} ({need})", "no run", None))
                 else:
-                    ok = row["reading"] == "ahead" or (need == "level" and row["reading"] == "level")
+                    ok = (None if row["reading"] == "untested"
+                          else row["reading"] == "ahead" or (need == "level" and row["reading"] == "level"))
                     clauses.append((f"vs {role} ({need})", f"{row['reading']} vs {row['rival']}, "
                                     f"{row['late_diff']:+.3f}, p = {row['p_late']:.2g}", ok))
             if bar.collapses is not None:
@@ -1009,7 +1014,7 @@ def bar_rows(cmp: Compare, cells: list[dict], compared: list[dict], missing: dic
             failed = [name for name, _, ok in clauses if ok is False]
             if gone or any(ok is None for _, _, ok in clauses):
                 verdict = (f"not decided ({gone} of the cell's runs not finished)" if gone
-                           else "not decided (a clause has no run to measure it)")
+                           else "not decided (a clause has no run, or too few seeds, to measure it)")
             else:
                 verdict = "met" if not failed else "not met: " + "; ".join(failed)
             out.append({"level": key[0], "N": key[1], "config": config, "verdict": verdict,
@@ -1037,7 +1042,7 @@ def bar_across(cmp: Compare, compared: list[dict], missing: dict[tuple[str, int]
         for role in bar.ahead_somewhere:
             rows = [r for r in compared if r["config"] == config and r["role"] == role]
             ahead = any(r["reading"] == "ahead" for r in rows)
-            met = True if ahead else (None if missing else False)
+            met = True if ahead else (None if missing or any(r["reading"] == "untested" for r in rows) else False)
             out.append({"config": config, "role": role, "met": met,
                         "readings": [{"level": r["level"], "N": r["N"], "reading": r["reading"],
                                       "late_diff": r["late_diff"], "p_late": r["p_late"]} for r in rows]})

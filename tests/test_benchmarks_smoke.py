@@ -442,7 +442,7 @@ def test_compare_block_picks_each_roles_best_candidate_and_tests_it(tmp_path):
     assert abs(r["late_diff"] - (sum(mine) - sum(b)) / 3) < 1e-12
     assert abs(r["p_late"] - ttest_ind(mine, b, equal_var=False).pvalue) < 1e-12 and r["reading"] == "ahead"
     assert rows[("fp8", "plain")]["reading"] == "level"
-    assert run.reading(-0.1, 0.01) == "behind" and run.reading(0.1, float("nan")) == "level"
+    assert run.reading(-0.1, 0.01) == "behind" and run.reading(0.1, float("nan")) == "untested"
     compute = {(c["level"], c["what"]): c for c in run.compute_rows(exp.compare, runs)}
     assert compute[("int8", "tuned")]["runs"] == 6 and abs(compute[("int8", "tuned")]["run_minutes"] - 6.0) < 1e-12
     assert compute[("int8", "minirl")]["run_minutes"] == 1.5 and ("fp8", "tuned") in compute
