@@ -203,8 +203,8 @@ def checkpoint_tensors(model: torch.nn.Module, model_dir: str) -> Iterator[tuple
     for name, param in model.named_parameters():
         if name.endswith(".mlp.experts.gate_up_proj"):  # (E, 2I, H): each expert's gate rows, then its up rows
             prefix = name[: -len("gate_up_proj")]
-            tensor = torch.stack([torch.cat([read(f"{prefix}{e}.gate_proj.weight"), read(f"{prefix}{e}.up_proj.weight")])
-                                  for e in range(param.shape[0])])
+            tensor = torch.stack([torch.cat([read(f"{prefix}{e}.gate_proj.weight"),
+                                             read(f"{prefix}{e}.up_proj.weight")]) for e in range(param.shape[0])])
         elif name.endswith(".mlp.experts.down_proj"):  # (E, H, I)
             prefix = name[: -len("down_proj")]
             tensor = torch.stack([read(f"{prefix}{e}.down_proj.weight") for e in range(param.shape[0])])
