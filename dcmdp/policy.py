@@ -128,12 +128,12 @@ def _sharded_model(cfg: RunConfig, out: Path, d: distributed.Dist, tokenizer, ta
     same weights as the single-process build). A cold start that is not cached yet is trained first by rank 0 on a
     whole model, as in a single process (the other ranks wait), and written to the cache (or ``out/initial_model``
     when the cache cannot be written); every rank then reads it. Without a cold start or a path, an engine that
-    loads from disk needs the drawn weights written out: rank 0 draws the whole model in host memory for that.
+    loads from disk gets the drawn weights written to ``out/initial_model`` by rank 0, one tensor at a time.
 
     The engine comes after the sharded model: rank 0's torch engine gets its own model, filled whole from the same
     source (it holds it and the engine's cast copy for a moment); a vLLM engine reads ``model_dir``."""
     from trainers.models import build_meta_model, init_device
-    from trainers.weights import checkpoint_tensors, init_buffers, random_init_tensors
+    from trainers.weights import checkpoint_tensors, init_buffers, random_init_tensors, save_streamed
 
     meta, init_ops = build_meta_model(cfg.model, len(tokenizer))
     caps = capabilities(cfg.rollout.engine)
@@ -154,13 +154,14 @@ def _sharded_model(cfg: RunConfig, out: Path, d: distributed.Dist, tokenizer, ta
         init_ops = None
     else:
         model_dir = str(out / "initial_model")
-        if d.main and caps.loads_from_disk:
-            save_model_dir(build_model(cfg.model, len(tokenizer), seed=seed), tokenizer, model_dir)
 
     def source(model: torch.nn.Module):
         if init_ops is None:
             return checkpoint_tensors(model, model_dir)
         return random_init_tensors(init_ops, seed=seed, device=init_device(cfg.model, d.device))
+
+    if init_ops is not None and d.main and caps.loads_from_disk:
+        save_streamed(meta, source(meta), tokenizer, model_dir)
 
     engine_model = copy.deepcopy(meta) if d.main and caps.weight_sync == "rank0" else None
     model = distributed.build_sharded_model(meta, source(meta), cfg, d, dtype)

@@ -61,6 +61,23 @@ def test_memory_random_init_replay_draws_the_plain_builds_weights(preset, tied):
     assert set(model_tensors(plain)) - set(params) == {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"}
 
 
+def test_memory_streamed_save_of_the_random_init_loads_as_the_plain_model(tmp_path):
+    """A drawn model written one tensor at a time (``save_streamed``, for engines that load from disk) reads back,
+    through transformers' own loader, as the plain build's weights; the per-expert checkpoint names included."""
+    from trainers.config import ModelConfig
+    from trainers.models import build_meta_model, build_model, load_model_dir
+    from trainers.tokenizer import build_char_tokenizer
+    from trainers.weights import save_streamed
+
+    tokenizer = build_char_tokenizer()
+    meta, ops = build_meta_model(ModelConfig(preset="tiny-moe"), len(tokenizer))
+    save_streamed(meta, random_init_tensors(ops, seed=SEED), tokenizer, str(tmp_path / "m"))
+    plain = build_model(ModelConfig(preset="tiny-moe"), len(tokenizer), seed=SEED).state_dict()
+    loaded = load_model_dir(tmp_path / "m", "float32").state_dict()
+    assert set(loaded) == set(plain)
+    assert all(torch.equal(loaded[k], plain[k]) for k in plain)
+
+
 def _build_worker(out: str) -> None:
     """One torchrun rank: for each preset and each source (the seed's random init, a Hugging Face directory of the
     same weights), the peak bytes of ``build_sharded_model`` and whether the gathered weights equal the plain
@@ -108,8 +125,13 @@ def _build_worker(out: str) -> None:
 
             peaks = d.gather_to_main(peak_bytes(build))
             full = d.full_state_dict(built["model"])
+            # the rotary buffers are not in a state dict: compared on their own
+            buffers = dict(built["model"].named_buffers())
+            for name, buffer in plain.named_buffers():
+                full[name] = buffers[name]
             if d.main:
-                ref = plain.state_dict()
+                ref = model_tensors(plain)
+                ref.update(plain.state_dict())
                 results[preset][source] = {"peak_bytes": peaks, "keys_equal": set(full) == set(ref),
                                            "differ": [k for k in ref if not torch.equal(ref[k], full.get(k))]}
     if d.main:

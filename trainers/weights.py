@@ -201,15 +201,14 @@ def checkpoint_tensors(model: torch.nn.Module, model_dir: str) -> Iterator[tuple
         return files[key].read(key)
 
     for name, param in model.named_parameters():
-        if name.endswith(".mlp.experts.gate_up_proj"):  # (E, 2I, H): each expert's gate rows, then its up rows
-            prefix = name[: -len("gate_up_proj")]
-            tensor = torch.stack([torch.cat([read(f"{prefix}{e}.gate_proj.weight"),
-                                             read(f"{prefix}{e}.up_proj.weight")]) for e in range(param.shape[0])])
-        elif name.endswith(".mlp.experts.down_proj"):  # (E, H, I)
-            prefix = name[: -len("down_proj")]
-            tensor = torch.stack([read(f"{prefix}{e}.down_proj.weight") for e in range(param.shape[0])])
-        else:
+        pieces = checkpoint_names(name, param.shape)
+        if len(pieces) == 1:
             tensor = read(name)
+        elif name.endswith("gate_up_proj"):  # (E, 2I, H): each expert's gate rows, then its up rows
+            tensor = torch.stack([torch.cat([read(gate), read(up)]) for (gate, *_), (up, *_) in zip(pieces[::2],
+                                                                                                     pieces[1::2])])
+        else:  # (E, H, I)
+            tensor = torch.stack([read(key) for key, *_ in pieces])
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(f"{model_dir}: {name} has shape {tuple(tensor.shape)}, the model expects "
                              f"{tuple(param.shape)}")
@@ -232,3 +231,62 @@ def init_buffers(model: torch.nn.Module) -> None:
         module.__dict__.pop("_is_hf_initialized", None)
         with torch.no_grad():
             model._init_weights(module)
+
+
+def checkpoint_names(name: str, shape: torch.Size) -> list[tuple[str, tuple[int, ...], Any]]:
+    """The checkpoint tensors that hold model tensor ``name`` of ``shape``, as (name, shape, index into the model
+    tensor): a fused Qwen3-MoE expert tensor splits into one tensor per expert and projection, as ``save_pretrained``
+    writes it; any other tensor is itself."""
+    if name.endswith(".mlp.experts.gate_up_proj"):
+        prefix, inter = name[: -len("gate_up_proj")], shape[1] // 2
+        return [piece for e in range(shape[0]) for piece in
+                ((f"{prefix}{e}.gate_proj.weight", (inter, shape[2]), (e, slice(0, inter))),
+                 (f"{prefix}{e}.up_proj.weight", (inter, shape[2]), (e, slice(inter, None))))]
+    if name.endswith(".mlp.experts.down_proj"):
+        prefix = name[: -len("down_proj")]
+        return [(f"{prefix}{e}.down_proj.weight", tuple(shape[1:]), (e,)) for e in range(shape[0])]
+    return [(name, tuple(shape), ())]
+
+
+def save_streamed(model: torch.nn.Module, tensors: Iterator[tuple[str, Tensor]], tokenizer, path: str) -> None:
+    """Write ``model``'s parameters, taken one at a time from ``tensors`` (any order), as a Hugging Face directory
+    (``model.safetensors`` in checkpoint names, config, tokenizer) at ``path``, replacing it atomically: a model
+    that exists only as a source (the replayed random init) reaches an engine that loads from disk while one full
+    tensor is in memory. ``model`` (on the meta device) gives the names, shapes and dtypes."""
+    import shutil
+    import uuid
+
+    names = {v: k for k, v in _ST_DTYPES.items()}
+    header, pieces, offset = {}, {}, 0
+    for name, param in model.named_parameters():
+        pieces[name] = checkpoint_names(name, param.shape)
+        for key, shape, _ in pieces[name]:
+            size = int(torch.Size(shape).numel()) * param.element_size()
+            header[key] = {"dtype": names[param.dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    try:
+        start = 8 + len(blob)
+        with open(os.path.join(tmp, "model.safetensors"), "wb") as f:
+            f.write(len(blob).to_bytes(8, "little") + blob)
+            f.truncate(start + offset)
+            for name, tensor in tensors:
+                tensor = tensor.detach().to("cpu")
+                for key, _, index in pieces.pop(name):
+                    f.seek(start + header[key]["data_offsets"][0])
+                    f.write(tensor[index].contiguous().view(torch.uint8).numpy().tobytes())
+        if pieces:
+            raise KeyError(f"save_streamed: no weights for {len(pieces)} parameters, e.g. {sorted(pieces)[:3]}")
+        model.config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
