@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from trainers.scoring import fused_lm_head_logprobs, lm_head_logits, tempered_logp
+from trainers.scoring import FSDP_JUSTIFIED_METHOD, fused_lm_head_logprobs, lm_head_logits, tempered_logp
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,19 @@ def justified_response_logprobs(model: torch.nn.Module, layout: Justified, input
                                 response_mask_BT: Tensor, *, temperature: float, fp32_lm_head: bool,
                                 lm_head_kernel: str, with_entropy: bool) -> tuple[Tensor, Optional[Tensor]]:
     """``scoring.response_logprobs`` of the same batch through its justified rows: one causal forward of (B, J) with
-    no padding mask, the LM head on the N real response tokens only. Returns (logp_BT, entropy_BT), 0 at padding."""
+    no padding mask, the LM head on the N real response tokens only. Returns (logp_BT, entropy_BT), 0 at padding.
+    An FSDP2-sharded model runs it as its registered forward method (``scoring.register_fsdp_scoring``)."""
+    kwargs = dict(temperature=temperature, fp32_lm_head=fp32_lm_head, lm_head_kernel=lm_head_kernel,
+                  with_entropy=with_entropy)
+    sharded = getattr(model, FSDP_JUSTIFIED_METHOD, None)
+    if sharded is not None:
+        return sharded(layout, input_ids_BS, response_mask_BT, **kwargs)
+    return _justified_response_logprobs(model, layout, input_ids_BS, response_mask_BT, **kwargs)
+
+
+def _justified_response_logprobs(model: torch.nn.Module, layout: Justified, input_ids_BS: Tensor,
+                                 response_mask_BT: Tensor, *, temperature: float, fp32_lm_head: bool,
+                                 lm_head_kernel: str, with_entropy: bool) -> tuple[Tensor, Optional[Tensor]]:
     B, S = input_ids_BS.shape
     T = response_mask_BT.shape[1]
     P = S - T
