@@ -2,10 +2,12 @@
 
 Launched by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) the run becomes data parallel:
 
-- every rank builds the same model (same seed; rank 0 runs or caches the cold start first, the others
-  load the cached result), then ``shard_model`` wraps it with ``torch.distributed.fsdp.fully_shard``: each
-  decoder layer, the LM head (its own unit so it can keep float32 parameters when ``model.fp32_lm_head``),
-  then the root (embedding, final norm), with the ``dist`` block's ``MixedPrecisionPolicy``;
+- every rank builds the model on the meta device and ``shard_model`` wraps it with
+  ``torch.distributed.fsdp.fully_shard``: each decoder layer, the LM head (its own unit so it can keep float32
+  parameters when ``model.fp32_lm_head``), then the root (embedding, final norm), with the ``dist`` block's
+  ``MixedPrecisionPolicy``; each rank then materialises its shards only and fills them one full tensor at a time
+  (``build_sharded_model``), from the cold-start cache or ``model.path`` or the seed's replayed random init, so no
+  rank holds the whole model (a cold start not cached yet is trained by rank 0 first, on a whole model);
 - rank 0 alone holds the MLflow run (the other ranks log nothing, ``dcmdp.tracking.NoTracker``) and the torch rollout
   engine: ``RankZeroEngine`` broadcasts every Rollout it samples. A vLLM engine is instead hosted by every
   rank (``SpmdEngine``): vLLM's ``external_launcher`` executor makes rank r tensor-parallel part r of one

@@ -151,6 +151,8 @@ def _sharded_model(cfg: RunConfig, out: Path, d: distributed.Dist, tokenizer, ta
                 trained = str(info["model_dir"])
                 del whole
             model_dir = d.from_main(trained)
+        elif d.main:
+            log.info("cold start: loading cached model from %s, shard by shard", model_dir)
         init_ops = None
     else:
         model_dir = str(out / "initial_model")
