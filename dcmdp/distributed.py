@@ -216,6 +216,7 @@ def shard_model(model: torch.nn.Module, cfg, d: Dist) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+    from trainers.packing import register_fsdp_justified
     from trainers.scoring import register_fsdp_scoring
 
     mesh = init_device_mesh(d.device.type, (d.world,))
@@ -234,6 +235,7 @@ def shard_model(model: torch.nn.Module, cfg, d: Dist) -> torch.nn.Module:
             # a plain SUM: gloo has no pre-multiplied sum (and nccl's sum is the same reduction)
             module.set_force_sum_reduction_for_comms(True)
     register_fsdp_scoring(model)
+    register_fsdp_justified(model)
     return model
 
 

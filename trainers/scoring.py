@@ -29,9 +29,6 @@ def position_ids(attention_mask_BS: Tensor) -> Tensor:
 FSDP_FORWARD_METHOD = "dcmdp_response_logprobs"
 """Name under which an FSDP2-sharded model carries ``response_logprobs`` (see ``register_fsdp_scoring``)."""
 
-FSDP_JUSTIFIED_METHOD = "dcmdp_justified_logprobs"
-"""Name under which an FSDP2-sharded model carries ``packing.justified_response_logprobs`` (``register_fsdp_scoring``)."""
-
 FSDP_HEAD_METHOD = "dcmdp_head_logprobs"
 """Name under which an FSDP2-sharded LM head carries the fused head log-probs (see ``register_fsdp_scoring``)."""
 
@@ -54,22 +51,18 @@ def lm_head_logits(model: torch.nn.Module, hidden_BTH: Tensor, *, fp32_lm_head: 
 
 
 def register_fsdp_scoring(model: torch.nn.Module) -> None:
-    """Make ``response_logprobs(model, ...)`` and the left-justified scorer (``packing.justified_response_logprobs``,
-    the mask-free layout) run as FSDP2 forwards of the root ``model``.
+    """Make ``response_logprobs(model, ...)`` run as an FSDP2 forward of the root ``model``.
 
     Scoring calls the decoder (``model.model``) and the LM head, never ``model.forward``; the root's
-    parameters (embedding, final norm) are gathered only in the root's forward hooks, so each scorer is
-    attached to the model and registered as an FSDP forward method. The fused head (``lm_head_kernel`` other
+    parameters (embedding, final norm) are gathered only in the root's forward hooks, so the scorer is
+    attached to the model and registered as an FSDP forward method (the left-justified scorer alike:
+    ``packing.register_fsdp_justified``). The fused head (``lm_head_kernel`` other
     than ``logits``) reads the head's weight without calling the head, so it is registered on the head alike.
     """
     from torch.distributed.fsdp import register_fsdp_forward_method
 
-    from trainers import packing  # packing imports this module
-
     setattr(model, FSDP_FORWARD_METHOD, functools.partial(_response_logprobs, model))
     register_fsdp_forward_method(model, FSDP_FORWARD_METHOD)
-    setattr(model, FSDP_JUSTIFIED_METHOD, functools.partial(packing._justified_response_logprobs, model))
-    register_fsdp_forward_method(model, FSDP_JUSTIFIED_METHOD)
     head = model.get_output_embeddings()
     setattr(head, FSDP_HEAD_METHOD, functools.partial(_fused_head_logprobs, head))
     register_fsdp_forward_method(head, FSDP_HEAD_METHOD)
