@@ -58,7 +58,8 @@ def test_memory_random_init_replay_draws_the_plain_builds_weights(preset, tied):
     assert set(replayed) == set(params)
     for name, tensor in params.items():
         assert torch.equal(replayed[name], tensor), name
-    assert set(model_tensors(plain)) - set(params) == {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"}
+    rotary = {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"}
+    assert set(model_tensors(plain)) - set(params) == rotary
 
 
 def test_memory_streamed_save_of_the_random_init_loads_as_the_plain_model(tmp_path):
@@ -151,7 +152,8 @@ def test_memory_sharded_build_holds_a_shard_and_two_tensors_and_gives_the_plain_
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "tests.test_memory_distributed", str(out)]
     root = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=root)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     results = json.loads(out.read_text())

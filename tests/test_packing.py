@@ -155,7 +155,8 @@ def test_justified_forward_under_fsdp_equals_the_masked_one(tmp_path):
 
     out = tmp_path / "fsdp.json"
     root = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
                            "tests.test_packing", str(out)], env=env, capture_output=True, text=True, timeout=300,
                           cwd=root)
