@@ -2,10 +2,12 @@
 
 Launched by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) the run becomes data parallel:
 
-- every rank builds the same model (same seed; rank 0 runs or caches the cold start first, the others
-  load the cached result), then ``shard_model`` wraps it with ``torch.distributed.fsdp.fully_shard``: each
-  decoder layer, the LM head (its own unit so it can keep float32 parameters when ``model.fp32_lm_head``),
-  then the root (embedding, final norm), with the ``dist`` block's ``MixedPrecisionPolicy``;
+- every rank builds the model on the meta device and ``shard_model`` wraps it with
+  ``torch.distributed.fsdp.fully_shard``: each decoder layer, the LM head (its own unit so it can keep float32
+  parameters when ``model.fp32_lm_head``), then the root (embedding, final norm), with the ``dist`` block's
+  ``MixedPrecisionPolicy``; each rank then materialises its shards only and fills them one full tensor at a time
+  (``build_sharded_model``), from the cold-start cache or ``model.path`` or the seed's replayed random init, so no
+  rank holds the whole model (a cold start not cached yet is trained by rank 0 first, on a whole model);
 - rank 0 alone holds the MLflow run (the other ranks log nothing, ``dcmdp.tracking.NoTracker``) and the torch rollout
   engine: ``RankZeroEngine`` broadcasts every Rollout it samples. A vLLM engine is instead hosted by every
   rank (``SpmdEngine``): vLLM's ``external_launcher`` executor makes rank r tensor-parallel part r of one
@@ -34,7 +36,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Mapping
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -214,6 +216,7 @@ def shard_model(model: torch.nn.Module, cfg, d: Dist) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+    from trainers.packing import register_fsdp_justified
     from trainers.scoring import register_fsdp_scoring
 
     mesh = init_device_mesh(d.device.type, (d.world,))
@@ -232,6 +235,57 @@ def shard_model(model: torch.nn.Module, cfg, d: Dist) -> torch.nn.Module:
             # a plain SUM: gloo has no pre-multiplied sum (and nccl's sum is the same reduction)
             module.set_force_sum_reduction_for_comms(True)
     register_fsdp_scoring(model)
+    register_fsdp_justified(model)
+    return model
+
+
+def load_shards(model: torch.nn.Module, tensors: Iterable[tuple[str, Tensor]]) -> None:
+    """Copy each (name, full tensor) of ``tensors`` into ``model``'s tensor of that name: into this rank's shard of an
+    FSDP2-sharded parameter (the rows ``fully_shard``'s dim-0 placement gives this rank), whole into anything else.
+    Holds no more than the source hands over (one full tensor at a time for ``trainers.weights``' sources). Every
+    parameter must be written: a missing one is a KeyError naming it."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+
+    own = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    missing = set(own)
+    for name, full in tensors:
+        target = own.get(name, buffers.get(name))
+        if target is None:
+            raise KeyError(f"load_shards: the model has no tensor {name!r}")
+        with torch.no_grad():
+            if isinstance(target, DTensor):
+                shape, offset = compute_local_shape_and_global_offset(full.shape, target.device_mesh, target.placements)
+                rows = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+                target.to_local().copy_(rows)
+            else:
+                target.copy_(full)
+        missing.discard(name)
+        del full
+    if missing:
+        raise KeyError(f"load_shards: no weights for {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
+
+
+def build_sharded_model(model: torch.nn.Module, tensors: Iterable[tuple[str, Tensor]], cfg, d: Dist,
+                        dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
+    """The training model of a sharded run, built shard by shard: ``model`` (on the meta device,
+    ``trainers.models.build_meta_model``) cast to ``dtype`` (the optimiser's parameter dtype; None: as built),
+    wrapped by ``shard_model``, materialised with ``to_empty`` on this rank's device (its shards only), then filled
+    from ``tensors`` (``load_shards``) and its rotary buffers computed (``trainers.weights.init_buffers``).
+
+    A rank then holds its 1/world of the weights plus what the source holds at a time (one full tensor), never the
+    whole model. Returns ``model`` (sharded in place)."""
+    from trainers.models import cast_model
+    from trainers.weights import init_buffers
+
+    if dtype is not None:
+        cast_model(model, dtype)
+    shard_model(model, cfg, d)
+    model.to_empty(device=d.device)
+    load_shards(model, tensors)
+    init_buffers(model)
     return model
 
 

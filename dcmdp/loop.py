@@ -50,7 +50,7 @@ from trainers import guards, learner
 from trainers.advantages import ADVANTAGES
 from trainers.batch import Rollout
 from trainers.config import PRECISION_BITS, AlgoConfig
-from trainers.models import cast_model, compute_dtype
+from trainers.models import compute_dtype
 from trainers.optim import build_optimizer, precision_param_dtype
 from trainers.tasks import Example, last_failure, score_completions
 
@@ -744,13 +744,11 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
            ) -> Setup:
     start = _resume_state(cfg, out, d) if owns_folder else _Start()
     resume, state = start.resume, start.state
-    policy = build_policy(cfg, out, d=d, progress=show_bar(cfg))
+    # the parameters in the optimiser's dtype, cast after the cold start (cached at the model's own dtype) and after
+    # the engine took its copy; under torchrun sharded, built shard by shard
+    policy = build_policy(cfg, out, d=d, progress=show_bar(cfg), param_dtype=precision_param_dtype(cfg.optim.precision))
     screen_task_prompts(policy, cfg.rollout.max_new_tokens)
-    if (dtype := precision_param_dtype(cfg.optim.precision)) is not None:
-        # after the cold start (cached at the model's own dtype) and after the engine copied the weights; the rotary
-        # buffers stay float32
-        cast_model(policy.model, dtype)
-    model = policy.model = distributed.shard_model(policy.model, cfg, d)
+    model = policy.model
     optimizer = build_optimizer(model.parameters(), cfg.optim, seed=cfg.seed)
     # float16 compute needs dynamic loss scaling: small gradients underflow in float16 without it
     scaler = (torch.amp.GradScaler(next(model.parameters()).device.type) if compute_dtype(model) == torch.float16

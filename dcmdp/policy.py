@@ -8,6 +8,7 @@ those commands share to sample the held-out set (prompt encoding, the length scr
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 from dataclasses import dataclass
@@ -21,9 +22,9 @@ from dcmdp import distributed
 from dcmdp.config import RunConfig
 from trainers.attention import GQA_ATTENTION
 from trainers.batch import Rollout
-from trainers.coldstart import cold_start
+from trainers.coldstart import cached_model_dir, cold_start
 from trainers.engines import RolloutEngine, capabilities
-from trainers.models import PRESETS, build_model, check_context, save_model_dir
+from trainers.models import PRESETS, build_model, cast_model, check_context, save_model_dir
 from trainers.routing import is_moe
 from trainers.tasks import TASKS, Curriculum, Example, Task, score_completions
 from trainers.tokenizer import build_char_tokenizer, load_tokenizer
@@ -52,13 +53,16 @@ class Policy:
 
 
 def build_policy(cfg: RunConfig, out: Path, *, d: distributed.Dist = distributed.Dist(), progress: bool = False,
-                 weights: Optional[dict[str, torch.Tensor]] = None) -> Policy:
+                 weights: Optional[dict[str, torch.Tensor]] = None, param_dtype: Optional[torch.dtype] = None
+                 ) -> Policy:
     """Tokenizer, task, model (loaded from ``model.path``, or cold-started and cached) and rollout engine.
 
     ``weights``: a checkpoint's model state dict, loaded instead of the cold start (``dcmdp eval``). A model that
     is neither loaded from ``model.path`` nor cached by the cold start is saved to ``out/initial_model`` for the
-    engines that load from disk. Under torchrun (``d``) rank 0 fills the cold-start cache first and the engine is
-    the scale-out's (``distributed.rollout_engine``). ``progress``: the cold start's progress bar.
+    engines that load from disk. ``param_dtype``: the dtype the trainer's parameters train in (the optimiser's
+    precision), cast to after the engine took its copy of the starting weights. ``progress``: the cold start's
+    progress bar. Under torchrun (``d.sharded``) the model comes back FSDP2-sharded, built shard by shard
+    (``_sharded_model``), and the engine is the scale-out's (``distributed.rollout_engine``), built after it.
     """
     preset = PRESETS[cfg.model.preset]
     task = TASKS[cfg.task.name](cfg.task, cfg.seed)
@@ -78,8 +82,15 @@ def build_policy(cfg: RunConfig, out: Path, *, d: distributed.Dist = distributed
                     len(tokenizer))
     # a cold start from its own seed starts every run seed from one model
     init_seed = cfg.cold_start.seed if cfg.cold_start.seed is not None and not cfg.model.path else cfg.seed
-    model = build_model(cfg.model, len(tokenizer), seed=init_seed, device=d.device)
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if d.sharded and weights is None:
+        model, model_dir, engine = _sharded_model(cfg, out, d, tokenizer, task, seed=init_seed, dtype=param_dtype,
+                                                  progress=progress)
+        if cfg.model.gqa_attention:
+            model.set_attn_implementation(GQA_ATTENTION)
+        return Policy(tokenizer, task, model, model_dir, engine,
+                      Curriculum(task, cfg.task) if cfg.task.curriculum else None)
+    model = build_model(cfg.model, len(tokenizer), seed=init_seed, device=d.device)
     if weights is not None:
         model.load_state_dict(weights)
     if cfg.model.path and weights is None and not random_init:
@@ -96,11 +107,73 @@ def build_policy(cfg: RunConfig, out: Path, *, d: distributed.Dist = distributed
         if d.main and capabilities(cfg.rollout.engine).loads_from_disk:
             save_model_dir(model, tokenizer, model_dir)
     engine = distributed.rollout_engine(cfg, model, model_dir, eos_id=eos_id, pad_id=pad_id, d=d)
+    if param_dtype is not None:
+        # the rotary buffers stay float32
+        cast_model(model, param_dtype)
     if cfg.model.gqa_attention:
         # after the cold start (whose cached weights stay those of sdpa) and after the engine copied the model
         model.set_attn_implementation(GQA_ATTENTION)
+    model = distributed.shard_model(model, cfg, d)
     return Policy(tokenizer, task, model, model_dir, engine,
                   Curriculum(task, cfg.task) if cfg.task.curriculum else None)
+
+
+def _sharded_model(cfg: RunConfig, out: Path, d: distributed.Dist, tokenizer, task: Task, *, seed: int,
+                   dtype: Optional[torch.dtype], progress: bool) -> tuple[torch.nn.Module, str, RolloutEngine]:
+    """(sharded model, model_dir, engine) of a torchrun rank, no rank ever holding the whole trainer's model.
+
+    The model is built on the meta device, sharded, and each rank fills its shards one full tensor at a time
+    (``distributed.build_sharded_model``) from ``model.path``, from the cold-start cache entry (``model_dir``), or,
+    at ``cold_start.steps=0`` without a path, by replaying the random init of ``seed`` (``trainers.weights``: the
+    same weights as the single-process build). A cold start that is not cached yet is trained first by rank 0 on a
+    whole model, as in a single process (the other ranks wait), and written to the cache (or ``out/initial_model``
+    when the cache cannot be written); every rank then reads it. Without a cold start or a path, an engine that
+    loads from disk gets the drawn weights written to ``out/initial_model`` by rank 0, one tensor at a time.
+
+    The engine comes after the sharded model: rank 0's torch engine gets its own model, filled whole from the same
+    source (it holds it and the engine's cast copy for a moment); a vLLM engine reads ``model_dir``."""
+    from trainers.models import build_meta_model, init_device
+    from trainers.weights import checkpoint_tensors, init_buffers, random_init_tensors, save_streamed
+
+    meta, init_ops = build_meta_model(cfg.model, len(tokenizer))
+    caps = capabilities(cfg.rollout.engine)
+    if cfg.model.path and cfg.model.init != "random":
+        model_dir = cfg.model.path
+    elif cfg.cold_start.steps > 0:
+        model_dir = cached_model_dir(meta, tokenizer, task, cfg.cold_start, cfg.model, seed=seed)
+        if model_dir is None:
+            trained = None
+            if d.main:
+                whole = build_model(cfg.model, len(tokenizer), seed=seed, device=d.device)
+                whole, info = cold_start(whole, tokenizer, task, cfg.cold_start, cfg.model, seed=seed,
+                                         eos_id=tokenizer.eos_token_id, progress=progress,
+                                         fallback_dir=str(out / "initial_model"))
+                trained = str(info["model_dir"])
+                del whole
+            model_dir = d.from_main(trained)
+        elif d.main:
+            log.info("cold start: loading cached model from %s, shard by shard", model_dir)
+        init_ops = None
+    else:
+        model_dir = str(out / "initial_model")
+
+    def source(model: torch.nn.Module):
+        if init_ops is None:
+            return checkpoint_tensors(model, model_dir)
+        return random_init_tensors(init_ops, seed=seed, device=init_device(cfg.model, d.device))
+
+    if init_ops is not None and d.main and caps.loads_from_disk:
+        save_streamed(meta, source(meta), tokenizer, model_dir)
+
+    engine_model = copy.deepcopy(meta) if d.main and caps.weight_sync == "rank0" else None
+    model = distributed.build_sharded_model(meta, source(meta), cfg, d, dtype)
+    if engine_model is not None:
+        engine_model.to_empty(device=d.device)
+        distributed.load_shards(engine_model, source(engine_model))
+        init_buffers(engine_model)
+    engine = distributed.rollout_engine(cfg, engine_model if engine_model is not None else model, model_dir,
+                                        eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, d=d)
+    return model, model_dir, engine
 
 
 def seed_everything(seed: int) -> None:

@@ -2,6 +2,8 @@
 forward, from a forward without a padding mask over the real width only."""
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,3 +94,78 @@ def test_justified_head_paths_equal_the_padded_ones(fp32_lm_head, kernel):
     for got, ref in zip(out[True][:2], out[False][:2]):
         assert torch.allclose(got[mask_BT], ref[mask_BT], atol=1e-5, rtol=0), (got - ref)[mask_BT].abs().max()
         assert (got[~mask_BT] == 0).all()
+
+
+def _fsdp_worker(out: str) -> None:
+    """One torchrun rank: the tiny MoE (grouped-query attention) FSDP2-sharded, its log-probs and entropies from the
+    justified and the masked forward of the same ragged batch, and whether each attention call got a mask; rank 0
+    writes the largest differences (to each other and to the unsharded masked forward) to ``out`` (JSON)."""
+    import json
+
+    import torch.distributed as dist
+
+    from dcmdp.config import load_config
+    from dcmdp.distributed import Dist, shard_model
+    from trainers.learner import DataShard, ScoringSpec, _forward_logp_in
+
+    torch.manual_seed(0)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    d = Dist(rank=rank, world=world, backend="gloo", shard=DataShard(rank=rank, world=world), sharded=True)
+    model, rollout, _, _ = _setup("tiny-moe", "none", 1)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    sharded = shard_model(copy.deepcopy(model), load_config(None, []), d)
+    masks = {}
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        masks.setdefault(current, []).append(kwargs.get("attn_mask") is not None)
+        return sdpa(*args, **kwargs)
+
+    F.scaled_dot_product_attention = spy
+    logp, ent = {}, {}
+    for current, net, justify in (("fsdp_justified", sharded, True), ("fsdp_masked", sharded, False),
+                                  ("plain_masked", model, False)):
+        with torch.no_grad():
+            logp[current], ent[current], _ = _forward_logp_in(net, rollout, ScoringSpec(justify=justify),
+                                                              with_entropy=True, replay_experts_BSLK=None,
+                                                              capture=False)
+    F.scaled_dot_product_attention = sdpa
+    mask_BT = rollout.response_mask_BT.bool()
+
+    def gap(a: str, b: str) -> float:
+        return max(float((logp[a] - logp[b])[mask_BT].abs().max()), float((ent[a] - ent[b])[mask_BT].abs().max()))
+
+    if d.main:
+        Path(out).write_text(json.dumps({"justified_vs_masked": gap("fsdp_justified", "fsdp_masked"),
+                                         "justified_vs_plain": gap("fsdp_justified", "plain_masked"),
+                                         "masks": masks}))
+    d.barrier()
+    dist.destroy_process_group()
+
+
+def test_justified_forward_under_fsdp_equals_the_masked_one(tmp_path):
+    """2 gloo ranks: an FSDP2-sharded model scores left-justified rows with no attention mask (its registered
+    justified forward method gathers the root's embedding and norm), and its log-probs and entropies equal the
+    masked forward's, sharded or not, within 1e-5 (float32 rounding of other key and value orders)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "fsdp.json"
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                           "tests.test_packing", str(out)], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=root)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["masks"]["fsdp_justified"] and not any(result["masks"]["fsdp_justified"])
+    assert all(result["masks"]["fsdp_masked"]) and all(result["masks"]["plain_masked"])
+    assert result["justified_vs_masked"] <= 1e-5 and result["justified_vs_plain"] <= 1e-5, result
+
+
+if __name__ == "__main__":
+    _fsdp_worker(sys.argv[1])

@@ -344,6 +344,15 @@ def _load_cached(model_dir: str, dtype: str) -> tuple[PreTrainedModel | None, st
         return None, f"its weights do not load: {type(exc).__name__}: {str(exc)[:200]}"
 
 
+def cached_model_dir(model: PreTrainedModel, tokenizer, task: _Task, cfg: ColdStartConfig, model_cfg: ModelConfig, *,
+                     seed: int) -> str | None:
+    """The cache entry ``cold_start`` would load for this model (``cache_key``; the model may be on the meta device)
+    when it exists and passes its checksums, else None. Loads no weights."""
+    key = cache_key(model, tokenizer, task, cfg, model_cfg, seed=seed)
+    model_dir = os.path.abspath(os.path.join(cfg.cache_dir, key))
+    return model_dir if os.path.exists(model_dir) and verify_cache_entry(model_dir)[0] else None
+
+
 def cold_start(model: PreTrainedModel, tokenizer, task: _Task, cfg: ColdStartConfig, model_cfg: ModelConfig, *,
                seed: int, eos_id: int, progress: bool = True,
                fallback_dir: str | None = None) -> tuple[PreTrainedModel, dict]:

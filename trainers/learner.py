@@ -33,7 +33,7 @@ from trainers.batch import Rollout
 from trainers.config import AlgoConfig
 from trainers.losses import IS_MODES, POLICY_LOSSES, ess_lr_scale
 from trainers.models import compute_dtype
-from trainers.scoring import FSDP_FORWARD_METHOD, response_logprobs
+from trainers.scoring import response_logprobs
 
 
 log = logging.getLogger(__name__)
@@ -316,14 +316,10 @@ def _forward_logp_in(model, rollout: Rollout, spec: ScoringSpec, *, with_entropy
     kwargs = dict(temperature=spec.temperature, fp32_lm_head=spec.fp32_lm_head, lm_head_kernel=spec.lm_head_kernel,
                   with_entropy=with_entropy)
     P = rollout.num_prompt_positions
-    # an FSDP2 root scores through its registered forward method, which the justified forward would bypass
-    layout = (packing.justify(rollout.prompt_mask_BP, rollout.response_mask_BT)
-              if spec.justify and getattr(model, FSDP_FORWARD_METHOD, None) is None else None)
+    layout = packing.justify(rollout.prompt_mask_BP, rollout.response_mask_BT) if spec.justify else None
     S_model = S if layout is None else layout.width
     if layout is None:
-        _log_layout(False, "scoring.justify is off" if not spec.justify else
-                    "an FSDP2-sharded model scores through its forward method"
-                    if getattr(model, FSDP_FORWARD_METHOD, None) is not None else "a row is not one run of tokens",
+        _log_layout(False, "scoring.justify is off" if not spec.justify else "a row is not one run of tokens",
                     cuda=ids_BS.device.type == "cuda")
     else:
         _log_layout(True, "", cuda=ids_BS.device.type == "cuda")

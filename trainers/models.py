@@ -240,6 +240,55 @@ def build_model(cfg: ModelConfig, vocab_size: int, *, seed: int, device: torch.d
                 config.layer_types = config.layer_types[:cfg.num_layers]
         where = device if preset.needs_path else "cpu"
         model = model_from_config(config, seed=seed, dtype=param_dtype(cfg.dtype), device=where).to(device)
+    return _finish(model, cfg)
+
+
+def init_device(cfg: ModelConfig, device: torch.device | str) -> torch.device:
+    """Where ``build_model`` draws a random init: the training device for a real preset, the CPU for the small ones."""
+    return torch.device(device) if get_preset(cfg.preset).needs_path else torch.device("cpu")
+
+
+def build_meta_model(cfg: ModelConfig, vocab_size: int) -> tuple[PreTrainedModel, Optional[list]]:
+    """``build_model``'s model with its parameters on the meta device: no memory, every shape, config and switch as
+    ``build_model`` sets them, and how to fill it. Returns (model, init_ops): ``init_ops`` is the record of the random
+    init (``trainers.weights.record_init``; ``random_init_tensors(init_ops, seed=...)`` replays ``build_model``'s
+    draws for that seed), None when the weights come from ``cfg.path`` (``trainers.weights.checkpoint_tensors``)."""
+    from transformers import AutoConfig
+
+    from trainers.weights import record_init
+
+    preset = get_preset(cfg.preset)
+    if cfg.path and cfg.init != "random":
+        if not os.path.isfile(os.path.join(cfg.path, "config.json")):
+            raise FileNotFoundError(f"no model at {cfg.path!r} (expected a Hugging Face directory with config.json)")
+        config = AutoConfig.from_pretrained(cfg.path, local_files_only=True)
+        if config.model_type != preset.model_type:
+            raise ValueError(f"model.path {cfg.path!r} holds a {config.model_type!r} model, preset "
+                             f"{preset.name!r} expects {preset.model_type!r}")
+        if config.vocab_size < vocab_size:
+            raise ValueError(f"tokenizer has {vocab_size} tokens but the model in {cfg.path!r} has only "
+                             f"{config.vocab_size} embedding rows")
+        cls = Qwen3MoeForCausalLM if isinstance(config, Qwen3MoeConfig) else Qwen3ForCausalLM
+        with torch.device("meta"):
+            model = cls(config)
+        ops = None
+    elif preset.needs_path and cfg.init != "random":
+        raise FileNotFoundError(f"preset {preset.name!r} loads real weights: set model.path to a local "
+                                f"Hugging Face directory (got model.path={cfg.path!r}), or model.init=random for a "
+                                f"speed or memory run without them")
+    else:
+        config = preset.make_config(vocab_size)
+        if cfg.num_layers is not None:
+            config.num_hidden_layers = cfg.num_layers
+            if getattr(config, "layer_types", None) is not None:
+                config.layer_types = config.layer_types[:cfg.num_layers]
+        cls = Qwen3MoeForCausalLM if isinstance(config, Qwen3MoeConfig) else Qwen3ForCausalLM
+        model, ops = record_init(config, cls)
+    return _finish(_set_kernels(cast_model(model, _dtype(param_dtype(cfg.dtype)))), cfg), ops
+
+
+def _finish(model: PreTrainedModel, cfg: ModelConfig) -> PreTrainedModel:
+    """The switches ``build_model`` sets on a built model: checkpointing, no KV cache, router precision, autocast."""
     if cfg.gradient_checkpointing:
         # the recomputed layers route like their forward did (R2/R3 replay), see routing.checkpoint_context_fn
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={

@@ -55,7 +55,8 @@ def register_fsdp_scoring(model: torch.nn.Module) -> None:
 
     Scoring calls the decoder (``model.model``) and the LM head, never ``model.forward``; the root's
     parameters (embedding, final norm) are gathered only in the root's forward hooks, so the scorer is
-    attached to the model and registered as an FSDP forward method. The fused head (``lm_head_kernel`` other
+    attached to the model and registered as an FSDP forward method (the left-justified scorer alike:
+    ``packing.register_fsdp_justified``). The fused head (``lm_head_kernel`` other
     than ``logits``) reads the head's weight without calling the head, so it is registered on the head alike.
     """
     from torch.distributed.fsdp import register_fsdp_forward_method
