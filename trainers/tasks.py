@@ -387,14 +387,14 @@ def _split(cfg: TaskConfig, data: list[Example], eval_data: Optional[list[Exampl
     if eval_data is not None:
         held_out = eval_data
     elif len(data) <= cfg.eval_size:
-        raise ValueError(f"{cfg.path}: {len(data)} examples leave none for training after holding out "
+        raise InputError(f"{cfg.path}: {len(data)} examples leave none for training after holding out "
                          f"task.eval_size={cfg.eval_size}: lower task.eval_size or set task.eval_path")
     else:
         held_out, data = data[-cfg.eval_size:], data[:-cfg.eval_size]
     prompts = {ex.prompt for ex in held_out}
     train = [ex for ex in data if ex.prompt not in prompts]
     if not train:
-        raise ValueError(f"{cfg.path}: every training problem also appears in the evaluation set")
+        raise InputError(f"{cfg.path}: every training problem also appears in the evaluation set")
     return train, list(held_out)
 
 
