@@ -19,8 +19,9 @@ looks at all of them and returns each with its config key and the fix:
   lock; a folder that holds this config's own run, finished or resumable, is no problem: ``folder_line`` says what it
   holds) and a tracking URI or experiment MLflow cannot use.
 
-``dcmdp train`` runs the same checks before it imports the trainer; the exit code is 2 when a problem is a config
-error, 1 when all are input errors (a file, a directory), as the run itself would report them.
+``dcmdp train`` runs the same checks before it imports the trainer; the exit code is 2 when a problem is bad input
+(a config error, or a file or directory named that is missing or malformed), 1 when every one is the machine's (a
+library not installed), as the run itself would report them.
 """
 
 from __future__ import annotations
@@ -49,12 +50,15 @@ class Problem:
 
     key: str
     message: str
-    # 2: a config error (a value to change); 1: an input error (a file or directory to fix), as ``dcmdp train``.
+    # 2: bad input (a value to change, a file or directory to fix); 1: the machine's (a library not installed), as
+    # ``dcmdp train`` exits on it.
     exit_code: int = 2
+    # an input error (a file or directory the user named), which the run reports as an error, not a config error
+    file: bool = False
 
     def line(self) -> str:
-        """``dcmdp: <message>``, or ``dcmdp: error: <message>`` for an input error: the line the run prints."""
-        return f"dcmdp: {self.message}" if self.exit_code == 2 else f"dcmdp: error: {self.message}"
+        """``dcmdp: <message>`` for a config error, else ``dcmdp: error: <message>``: the line the run prints."""
+        return f"dcmdp: {self.message}" if self.exit_code == 2 and not self.file else f"dcmdp: error: {self.message}"
 
 
 def _problem(exc: BaseException, key: str = "", exit_code: int = 2) -> Problem:
@@ -197,7 +201,7 @@ def _task(cfg: RunConfig, problems: list[Problem]) -> None:
         key = "task.eval_path" if t.eval_path else "task.eval_size"
         fix = ("; hold out other problems (task.eval_path names another file) or train on another task.path"
                if "also appears" in str(exc) else "")
-        problems.append(Problem(key, f"{exc}{fix}", 1))
+        problems.append(Problem(key, f"{exc}{fix}", file=True))
         return
     if t.name == "jsonl" and cfg.cold_start.steps > 0 and not cfg.model.path:
         missing = [ex for ex in train + held_out if ex.completion is None]
@@ -207,7 +211,7 @@ def _task(cfg: RunConfig, problems: list[Problem]) -> None:
                 f"takes them from each record's \"completion\" string, which {len(missing)} of "
                 f"{len(train) + len(held_out)} records lack (first: {missing[0].source}); add a \"completion\" to "
                 f"every record of task.path and task.eval_path, or set cold_start.steps=0 (or model.path, to start "
-                f"from a trained model)"), 1))
+                f"from a trained model)"), file=True))
 
 
 def _read_examples(key: str, path: str, parse, task: str, problems: list[Problem]) -> Optional[list]:
@@ -220,16 +224,17 @@ def _read_examples(key: str, path: str, parse, task: str, problems: list[Problem
         return None
     if not os.path.exists(path):
         problems.append(Problem(key, f"config error at '{key}': file not found: {where} (relative paths are read "
-                                     f"from the working directory, {os.getcwd()})", 1))
+                                     f"from the working directory, {os.getcwd()})", file=True))
         return None
     if not os.path.isfile(path):
-        problems.append(Problem(key, f"config error at '{key}': {where} is not a file; name a JSON-lines file", 1))
+        problems.append(Problem(key, f"config error at '{key}': {where} is not a file; name a JSON-lines file",
+                                file=True))
         return None
     with open(path, "rb") as f:
         raw = f.read()
     if raw[:2] == b"\x1f\x8b" or raw[:4] in (b"PK\x03\x04", b"BZh9", b"\xfd7zX"):
         problems.append(Problem(key, f"{path}: a compressed file (it starts with the bytes {raw[:4]!r}); decompress "
-                                     f"it: the task reads JSON lines as plain UTF-8 text", 1))
+                                     f"it: the task reads JSON lines as plain UTF-8 text", file=True))
         return None
     examples, bad = [], []
     for lineno, line in enumerate(raw.splitlines(), start=1):
@@ -245,11 +250,11 @@ def _read_examples(key: str, path: str, parse, task: str, problems: list[Problem
         named = "; ".join(bad[:NAMED_LINES])
         more = f" (and {len(bad) - NAMED_LINES} more)" if len(bad) > NAMED_LINES else ""
         problems.append(Problem(key, f"{path}: {len(bad)} malformed {task} line(s): {named}{more}; fix or remove "
-                                     f"them", 1))
+                                     f"them", file=True))
         return None
     if not examples:
         problems.append(Problem(key, f"{path}: no examples (the file is empty); name a file with one JSON object per "
-                                     f"line", 1))
+                                     f"line", file=True))
         return None
     return examples
 
@@ -265,14 +270,15 @@ def _model(cfg: RunConfig, problems: list[Problem]) -> None:
         if preset.needs_path:
             problems.append(Problem("model.path", f"model.preset={cfg.model.preset!r} loads real weights: set "
                                                   f"model.path to a local directory with the weights and tokenizer, "
-                                                  f"or model.init=random for a speed or memory run without them", 1))
+                                                  f"or model.init=random for a speed or memory run without them",
+                                    file=True))
         return
     from trainers.tokenizer import load_tokenizer
 
     try:
         tokens = len(load_tokenizer(cfg.model.path))
     except (OSError, ValueError) as exc:
-        problems.append(Problem("model.path", str(exc), 1))
+        problems.append(Problem("model.path", str(exc), file=True))
         tokens = None
     config = Path(cfg.model.path) / "config.json"
     if not Path(cfg.model.path).is_dir():
@@ -281,23 +287,23 @@ def _model(cfg: RunConfig, problems: list[Problem]) -> None:
         arch = json.loads(config.read_text())
     except (OSError, ValueError) as exc:
         problems.append(Problem("model.path", f"no readable config.json in {cfg.model.path!r} ({exc}); model.path "
-                                              f"must be a Hugging Face model directory (save_pretrained)", 1))
+                                              f"must be a Hugging Face model directory (save_pretrained)", file=True))
         return
     if arch.get("model_type") != preset.model_type:
         problems.append(Problem("model.path", f"model.path {cfg.model.path!r} holds a {arch.get('model_type')!r} "
                                               f"model, preset {preset.name!r} expects {preset.model_type!r}: set "
-                                              f"model.preset to the directory's architecture", 1))
+                                              f"model.preset to the directory's architecture", file=True))
     rows = arch.get("vocab_size")
     if tokens is not None and isinstance(rows, int) and rows < tokens:
         problems.append(Problem("model.path", f"tokenizer has {tokens} tokens but the model in {cfg.model.path!r} has "
                                               f"only {rows} embedding rows: the tokenizer and the weights belong to "
-                                              f"different models", 1))
+                                              f"different models", file=True))
     weights = [p for p in Path(cfg.model.path).iterdir() if p.suffix in (".safetensors", ".bin")
                or p.name.endswith(".safetensors.index.json")]
     if not weights:
         problems.append(Problem("model.path", f"no weight files (*.safetensors, *.bin) in {cfg.model.path!r}: copy "
                                               f"the model's weights there, or model.init=random for a speed or memory "
-                                              f"run without them", 1))
+                                              f"run without them", file=True))
 
 
 def _engine(cfg: RunConfig, problems: list[Problem]) -> None:
@@ -345,7 +351,7 @@ def _run_folder(cfg: RunConfig, problems: list[Problem]) -> None:
         why = f" with another config ({'; '.join(conflicts[:3])})" if conflicts else ""
         problems.append(Problem("output_dir", f"output_dir {out} already holds a run{why} ({earlier}): continue it "
                                               f"with checkpoint.resume=auto, start afresh there with overwrite=true, "
-                                              f"or choose another output_dir", 1))
+                                              f"or choose another output_dir", file=True))
     try:
         check_tracking_config(cfg.tracking, out)
     except ConfigError as exc:
@@ -421,5 +427,6 @@ def report(problems: Sequence[Problem], what: str, *, listed: bool = False) -> l
 
 
 def exit_code(problems: Sequence[Problem]) -> int:
-    """2 when any problem is a config error, 1 when every one is an input error, 0 for none."""
+    """2 when any problem is bad input (a config error, a file or directory to fix), 1 when every one is the
+    machine's, 0 for none."""
     return max((p.exit_code for p in problems), default=0)

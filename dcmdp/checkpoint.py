@@ -47,6 +47,7 @@ from typing import Any, Iterable, Iterator, Optional
 import numpy as np
 import torch
 
+from dcmdp.errors import InputError
 from dcmdp.redact import public_command
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,15 @@ class CheckpointError(RuntimeError):
 
 class RunFolderError(CheckpointError):
     """The run folder is in use by another process, or already holds a run that this one must not touch."""
+
+
+class CheckpointInputError(CheckpointError, InputError):
+    """A checkpoint the user named (``checkpoint.resume=<path>``) is missing or not valid: bad input, exit code 2."""
+
+
+class RunFolderInputError(RunFolderError, InputError):
+    """The ``output_dir`` the user chose holds what this run must not touch (an earlier run, a checkpoint copied in
+    by hand): bad input, exit code 2. A folder held by a live run stays a plain ``RunFolderError`` (exit code 1)."""
 
 
 LOCK_FILE = "run.lock"
@@ -506,16 +516,16 @@ def find_resume_checkpoint(ckpt_dir: str | Path, resume: Optional[str], *, purpo
         return None
     path = Path(resume)
     if not path.exists():
-        raise CheckpointError(f"resume checkpoint {path} does not exist")
+        raise CheckpointInputError(f"resume checkpoint {path} does not exist")
     if path.is_file() and path.name in (STATE_FILE, MANIFEST_FILE):
-        raise CheckpointError(f"resume checkpoint {path} is a file of a checkpoint: name its folder, "
-                              f"checkpoint.resume={path.parent}")
+        raise CheckpointInputError(f"resume checkpoint {path} is a file of a checkpoint: name its folder, "
+                                   f"checkpoint.resume={path.parent}")
     if path.is_dir() and not (path / MANIFEST_FILE).exists() and (steps := _complete_or_not(path)):
-        raise CheckpointError(f"resume checkpoint {path} is a folder of checkpoints, not one checkpoint: name one "
-                              f"(newest: {steps[0]}), or use checkpoint.resume=auto for an output_dir's own")
+        raise CheckpointInputError(f"resume checkpoint {path} is a folder of checkpoints, not one checkpoint: name one "
+                                   f"(newest: {steps[0]}), or use checkpoint.resume=auto for an output_dir's own")
     ok, why = verify_checkpoint(path)
     if not ok:
-        raise CheckpointError(f"resume checkpoint {path} is not valid: {why}")
+        raise CheckpointInputError(f"resume checkpoint {path} is not valid: {why}")
     return path
 
 
@@ -523,17 +533,17 @@ def _verify_own(path: Path) -> tuple[bool, str]:
     """``verify_checkpoint`` for ``checkpoint.resume=auto``, which continues a folder's own checkpoints: a damaged one
     is skipped (the caller warns and tries the next older one), but one whose files all verify under a directory
     name of another step was renamed or copied in by hand (a run writes each under its own step's name, atomically),
-    and is refused: ``RunFolderError`` naming it, nothing changed. Resuming past it would silently continue from an
+    and is refused: ``RunFolderInputError`` naming it, nothing changed. Resuming past it would silently continue from an
     older step, or from another run's weights."""
     ok, why = verify_checkpoint(path)
     if ok or not why.endswith("does not match the directory name") or not verify_checkpoint(path, by_name=False)[0]:
         return ok, why
     step = _small_json(path / MANIFEST_FILE)["step"]
-    raise RunFolderError(f"checkpoint {path} holds step {step} (its manifest; every file verifies) under the name "
-                         f"{path.name}: it was renamed or copied into {path.parent} by hand, and "
-                         f"checkpoint.resume=auto continues a folder's own checkpoints only. To start from it, move it "
-                         f"out of {path.parent} and name it: checkpoint.resume=<its path> (its config is compared with "
-                         f"this one); else delete it. Nothing was changed")
+    raise RunFolderInputError(f"checkpoint {path} holds step {step} (its manifest; every file verifies) under the "
+                              f"name {path.name}: it was renamed or copied into {path.parent} by hand, and "
+                              f"checkpoint.resume=auto continues a folder's own checkpoints only. To start from it, "
+                              f"move it out of {path.parent} and name it: checkpoint.resume=<its path> (its config is "
+                              f"compared with this one); else delete it. Nothing was changed")
 
 
 def load_resume_checkpoint(ckpt_dir: str | Path, resume: Optional[str]) -> Optional[tuple[Path, dict[str, Any]]]:

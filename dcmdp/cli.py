@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 from dcmdp.config import ConfigError, load_config
 from dcmdp.cpu import machine, passive_wait_policy
+from dcmdp.errors import InputError
 from dcmdp.redact import attach_written, filter_log_handlers, written_field
 
 
@@ -339,10 +340,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _exit_code(exc: Exception) -> Optional[int]:
-    """4 for the non-finite guard's stop, 1 for an input error (OSError, ValueError, CheckpointError), None for a
+    """2 for bad input the user gave (``InputError``: a file, path or folder named that is missing, malformed or
+    holds what the run must not touch), 4 for the non-finite guard's stop, 1 for a failure at run time (OSError
+    such as a full disk, another ValueError, CheckpointError such as a folder locked by a live run), None for a
     bug. The classes are looked up only in modules already imported (an exception cannot come from one that is
     not), so reporting a config typo does not wait for torch to import."""
     guards, checkpoint = sys.modules.get("trainers.guards"), sys.modules.get("dcmdp.checkpoint")
+    if isinstance(exc, InputError):
+        return 2
     if guards is not None and isinstance(exc, guards.TooManyBadStepsError):
         return 4
     if isinstance(exc, (OSError, ValueError)) or (checkpoint is not None and isinstance(exc, checkpoint.CheckpointError)):

@@ -30,10 +30,12 @@ from constraints.config import ConstraintConfig
 from constraints.measures import discrepancy_metrics
 from constraints.penalties import constraint_names
 from dcmdp.async_rollout import RolloutWorker, staleness_plan
-from dcmdp.checkpoint import (RunFolderError, RunFolderLock, SignalCheckpointer, capture_rng, checkpoint_run_uid,
-                              clear_run_folder, load_checkpoint, load_resume_checkpoint, new_run_uid, read_run_file,
-                              restore_rng, run_in_folder, save_checkpoint, write_config_yaml, write_run_file)
+from dcmdp.checkpoint import (RunFolderError, RunFolderInputError, RunFolderLock, SignalCheckpointer, capture_rng,
+                              checkpoint_run_uid, clear_run_folder, load_checkpoint, load_resume_checkpoint,
+                              new_run_uid, read_run_file, restore_rng, run_in_folder, save_checkpoint,
+                              write_config_yaml, write_run_file)
 from dcmdp.config import ConfigError, RunConfig, flatten, load_config, resume_conflicts, to_yaml
+from dcmdp.errors import InputFileNotFoundError
 from dcmdp import distributed
 from dcmdp.cpu import apply_threads
 from dcmdp.dual import DualState, dual_step, enter_context, enter_floor, init_state, needs_floor, penalty_spec
@@ -687,14 +689,14 @@ def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> _Start:
     owner = read_run_file(out)
     if resume is None:
         if cfg.checkpoint.resume and cfg.checkpoint.resume != "auto":
-            raise FileNotFoundError(f"checkpoint.resume={cfg.checkpoint.resume!r}: no checkpoint there")
+            raise InputFileNotFoundError(f"checkpoint.resume={cfg.checkpoint.resume!r}: no checkpoint there")
         # every rank raises alike (rank 0 alone raising would leave the others waiting in a collective)
         earlier = d.from_main(run_in_folder(out) if d.main and not cfg.checkpoint.resume else None)
         if earlier and not cfg.overwrite:
-            raise RunFolderError(f"output_dir {out} already holds a run ({earlier}): continue it with "
-                                 f"checkpoint.resume=auto, start afresh there with overwrite=true (deletes its "
-                                 f"checkpoints, summary.json and dual.png; its MLflow run stays), or choose another "
-                                 f"output_dir")
+            raise RunFolderInputError(f"output_dir {out} already holds a run ({earlier}): continue it with "
+                                      f"checkpoint.resume=auto, start afresh there with overwrite=true (deletes its "
+                                      f"checkpoints, summary.json and dual.png; its MLflow run stays), or choose "
+                                      f"another output_dir")
         if earlier and d.main:
             clear_run_folder(out)
         # the folder's earlier run, if its MLflow run is still RUNNING, was killed (the folder's lock is ours now)
@@ -713,8 +715,8 @@ def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> _Start:
                           f"({int(state['step'])}, {resume}); a run cannot go back: set steps >= "
                           f"{int(state['step'])}; nothing was changed")
     if "model" in state and d.sharded:
-        raise RunFolderError(f"checkpoint {resume} was written by a single-process run; resume it with world size 1 "
-                             f"(without torchrun), or start the {d.world}-rank run afresh")
+        raise RunFolderInputError(f"checkpoint {resume} was written by a single-process run; resume it with world "
+                                  f"size 1 (without torchrun), or start the {d.world}-rank run afresh")
     uid = checkpoint_run_uid(state)
     if uid is None or uid == owner.get("uid"):
         return _Start(resume, state, uid=uid or owner.get("uid") or new_run_uid())
@@ -722,17 +724,18 @@ def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> _Start:
              f"{', written in ' + state['run']['output_dir'] if state['run'].get('output_dir') else ''})")
     inside = Path(resume).resolve().parent == (out / "checkpoints").resolve()
     if cfg.checkpoint.resume == "auto" or inside:
-        raise RunFolderError(f"checkpoint {resume} belongs to another {whose}, not to the run of output_dir {out}"
-                             f"{' (run ' + owner['uid'] + ')' if owner.get('uid') else ''}: "
-                             + ("checkpoint.resume=auto continues a folder's own run only; "
-                                if cfg.checkpoint.resume == "auto" else "")
-                             + "to start a new run from it, move it out of checkpoints/ and name it: "
-                             "checkpoint.resume=<its path> (a new MLflow run, linked to that one); nothing was changed")
+        raise RunFolderInputError(f"checkpoint {resume} belongs to another {whose}, not to the run of output_dir "
+                                  f"{out}{' (run ' + owner['uid'] + ')' if owner.get('uid') else ''}: "
+                                  + ("checkpoint.resume=auto continues a folder's own run only; "
+                                     if cfg.checkpoint.resume == "auto" else "")
+                                  + "to start a new run from it, move it out of checkpoints/ and name it: "
+                                  "checkpoint.resume=<its path> (a new MLflow run, linked to that one); nothing was "
+                                  "changed")
     earlier = d.from_main(run_in_folder(out) if d.main else None)
     if earlier and not cfg.overwrite:
-        raise RunFolderError(f"output_dir {out} already holds a run ({earlier}), and checkpoint {resume} belongs to "
-                             f"another {whose}: start from it in another output_dir, or clear this one with "
-                             f"overwrite=true; nothing was changed")
+        raise RunFolderInputError(f"output_dir {out} already holds a run ({earlier}), and checkpoint {resume} "
+                                  f"belongs to another {whose}: start from it in another output_dir, or clear this "
+                                  f"one with overwrite=true; nothing was changed")
     if earlier and d.main:
         clear_run_folder(out)
     log.warning("checkpoint %s belongs to another %s: starting a new MLflow run from its step %d, linked to that run "

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import unquote, urlparse
 
+from dcmdp.errors import InputError, InputFileNotFoundError, InputNotADirectoryError
 from dcmdp.plots import plot_runs
 from dcmdp.redact import public_uri
 
@@ -131,7 +132,7 @@ def _expand(client: Any, items: list[str], kinds: tuple[str, ...] = ("train",)) 
             try:
                 found = [client.get_run(item)]
             except Exception as exc:
-                raise ValueError(f"{item!r} is neither an experiment name nor a run id in the store "
+                raise InputError(f"{item!r} is neither an experiment name nor a run id in the store "
                                  f"{public_uri(client.tracking_uri)} (pass the store the run logged to with "
                                  f"--tracking-uri: its run.json and summary.json name it)") from exc
         for run in found:
@@ -157,9 +158,9 @@ def existing_store(tracking_uri: Optional[str], source: str = "--tracking-uri") 
         path = Path(unquote(parsed.path) if parsed.scheme else uri)
     if path is not None and not path.exists():
         how = source if tracking_uri else "the default store (pass --tracking-uri)"
-        raise FileNotFoundError(f"no MLflow store at {path} ({how}: {uri}); a run's local store is mlflow.db in the "
-                                f"folder that holds its output_dir (outputs/default: sqlite:///outputs/mlflow.db), as "
-                                f"its run.json names it")
+        raise InputFileNotFoundError(f"no MLflow store at {path} ({how}: {uri}); a run's local store is mlflow.db "
+                                     f"in the folder that holds its output_dir (outputs/default: "
+                                     f"sqlite:///outputs/mlflow.db), as its run.json names it")
     return uri
 
 
@@ -303,14 +304,14 @@ def write_report(run_ids_or_experiment: list[str], out_dir: str | Path, tracking
 
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
-        raise NotADirectoryError(f"--out {out_dir} is a file: the report is a folder (report.md, report.csv, "
-                                 f"report.png); give a folder path")
+        raise InputNotADirectoryError(f"--out {out_dir} is a file: the report is a folder (report.md, report.csv, "
+                                      f"report.png); give a folder path")
     client = MlflowClient(tracking_uri=existing_store(tracking_uri))
     selection = _expand(client, list(run_ids_or_experiment), kinds)
     if not selection.runs:
         others = f" (only {', '.join(f'{n} {k}' for k, n in sorted(selection.left_out.items()))} runs: --kind all " \
                  f"reports them)" if selection.left_out else ""
-        raise ValueError(f"no {'/'.join(kinds)} runs found for {list(run_ids_or_experiment)}{others}")
+        raise InputError(f"no {'/'.join(kinds)} runs found for {list(run_ids_or_experiment)}{others}")
     summaries = [_summarise(client, run) for run in selection.runs]
     out_dir.mkdir(parents=True, exist_ok=True)
 

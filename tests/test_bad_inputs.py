@@ -96,7 +96,7 @@ def test_missing_model_directory_names_the_path(tmp_path, capsys):
     missing = tmp_path / "no_such_model"
     rc = cli.main(["train", *_overrides(tmp_path / "out", f"model.path={missing}")])
     err = capsys.readouterr().err
-    assert rc == 1
+    assert rc == 2
     assert f"tokenizer directory not found: '{missing}' (model.path must be a local directory" in err
 
 
@@ -326,12 +326,12 @@ def test_report_out_pointing_at_a_file_and_a_missing_store_are_clear_errors(tmp_
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     a_file = tmp_path / "report.txt"
     a_file.write_text("keep me")
-    assert cli.main(["report", "dcmdp", "--out", str(a_file), "--tracking-uri", f"sqlite:///{tmp_path}/x.db"]) == 1
+    assert cli.main(["report", "dcmdp", "--out", str(a_file), "--tracking-uri", f"sqlite:///{tmp_path}/x.db"]) == 2
     assert f"--out {a_file} is a file: the report is a folder" in capsys.readouterr().err
     assert a_file.read_text() == "keep me"
     missing = tmp_path / "no" / "such" / "mlflow.db"
     rc = cli.main(["report", "dcmdp", "--out", str(tmp_path / "rep"), "--tracking-uri", f"sqlite:///{missing}"])
-    assert rc == 1 and f"no MLflow store at {missing} (--tracking-uri: sqlite:///{missing})" in capsys.readouterr().err
+    assert rc == 2 and f"no MLflow store at {missing} (--tracking-uri: sqlite:///{missing})" in capsys.readouterr().err
     assert not (tmp_path / "no").exists() and not (tmp_path / "rep").exists()  # nothing created
 
 

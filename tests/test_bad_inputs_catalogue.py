@@ -47,6 +47,19 @@ def _folder(name: str) -> Callable[[Path], None]:
     return lambda d: (d / name).mkdir()
 
 
+def _jsonl_task(*lines: str) -> Callable[[Path], None]:
+    """sums.jsonl holding ``lines`` and my_reward.py, whose ``score`` a jsonl task can call."""
+    def write(d: Path) -> None:
+        (d / "sums.jsonl").write_text("".join(f"{line}\n" for line in lines))
+        (d / "my_reward.py").write_text("def score(prompt, completion, example):\n    return 1.0\n")
+    return write
+
+
+SUMS = tuple(f'{{"prompt": "{i}+1", "answer": "{i + 1}"}}' for i in range(10))
+JSONL = ("dcmdp", "train", "task.name=jsonl", "task.path=sums.jsonl", "task.reward=my_reward.py:score",
+         "task.eval_size=2", "output_dir=out")
+
+
 def _deep_buffer_line(d: Path) -> None:
     """A leftover tracking buffer segment whose one record is nested 1,000 levels deep."""
     (d / "buffer").mkdir()
@@ -174,6 +187,20 @@ CLI: dict[str, Case] = {
     "sync-buffer-line-nested-1000-levels": Case(
         ("dcmdp", "sync", "buffer"), "a segment with unreadable lines, kept for inspection", code=1,
         setup=_deep_buffer_line),
+    "model-path-missing": Case(("dcmdp", "train", "model.path=no_model", "output_dir=out"),
+                               "dcmdp: error: tokenizer directory not found: 'no_model' (model.path must be a local "
+                               "directory"),
+    "resume-missing": Case(("dcmdp", "train", "checkpoint.resume=no_ckpt", "output_dir=out"),
+                           "dcmdp: error: resume checkpoint no_ckpt does not exist"),
+    "report-out-a-file": Case(("dcmdp", "report", "dcmdp", "--out", "a_file"),
+                              "dcmdp: error: --out a_file is a file: the report is a folder",
+                              setup=_file("a_file", "")),
+    "jsonl-malformed-line": Case(JSONL, "dcmdp: error: sums.jsonl: 1 malformed jsonl line(s): line 2: no 'prompt' "
+                                        "(keys: ['question'])",
+                                 setup=_jsonl_task(SUMS[0], '{"question": "x"}', *SUMS[2:])),
+    "jsonl-cold-start-without-completion": Case(
+        JSONL, "dcmdp: error: config error at 'cold_start.steps': the cold start trains on demonstrations",
+        setup=_jsonl_task(*SUMS)),
 }
 
 # rows that document exit code 2 for a case a command line alone cannot make: the tests they name cover them
@@ -186,6 +213,9 @@ NOT_A_COMMAND = {
     "`model.preset=${oc.env:P}`, P changed between run and resume": "needs a checkpoint of an earlier run",
     "`optim.lr` changed on resume": "needs a checkpoint of an earlier run",
     "a reward that returns NaN on every sample": "stops a training run after its steps",
+    "a fresh run (no `checkpoint.resume`) in an `output_dir` that holds an earlier run": "needs an earlier run",
+    "a checkpoint of another run (or step) copied into `checkpoints/`": "needs a checkpoint of an earlier run",
+    "a checkpoint's `manifest.json` (or the folder's `run.json`) nested": "needs a checkpoint of an earlier run",
 }
 # the cases run as a new process in the default test run (the rest with -m slow)
 FAST = ("experiment-nested-1000-levels", "sync-buffer-line-nested-1000-levels")

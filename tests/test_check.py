@@ -64,7 +64,7 @@ def test_task_files_split_and_demonstrations_each_named(tmp_path):
     # a held-out file that repeats the training file leaves nothing to train on: said before any work, with the fix
     clean, _ = _task_files(tmp_path, good)
     (overlap,) = find_problems(None, [*base, f"task.path={clean}", f"task.eval_path={clean}"])
-    assert overlap.key == "task.eval_path" and overlap.exit_code == 1
+    assert overlap.key == "task.eval_path" and overlap.exit_code == 2 and overlap.file
     assert "every training problem also appears in the evaluation set; hold out other problems" in overlap.message
 
     # records without a completion, for a cold start that trains on them
@@ -120,7 +120,7 @@ def test_train_reports_every_problem_before_building_anything(tmp_path, capsys):
     rc = cli.main(["train", *TINY, "task.name=jsonl", f"task.path={data}", f"task.eval_path={data}",
                    f"task.reward={reward}:score", f"output_dir={out}", f"model.path={tmp_path / 'no_model'}"])
     err = capsys.readouterr().err
-    assert rc == 1  # input errors only (files): the code the run itself exits with for them
+    assert rc == 2  # input errors only (files): bad input, the code the run itself exits with for them
     assert "dcmdp: 2 problems in the config" in err
     assert "every training problem also appears in the evaluation set" in err
     assert f"model.path: tokenizer directory not found: '{tmp_path / 'no_model'}'" in err

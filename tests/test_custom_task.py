@@ -261,7 +261,7 @@ def test_the_cold_start_needs_a_completion_on_every_record(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "out"
     assert cli.main(["train", *RUN, "task.reward=my_reward:score", f"output_dir={out}",
-                     f"cold_start.cache_dir={tmp_path / 'cache'}"]) == 1
+                     f"cold_start.cache_dir={tmp_path / 'cache'}"]) == 2
     err = capsys.readouterr().err
     assert re.search(r"config error at 'cold_start.steps': the cold start trains on demonstrations, and task 'jsonl' "
                      r"takes them from each record's \"completion\" string, which (\d+) of \1 records lack \(first: "

@@ -92,7 +92,7 @@ def test_fresh_run_refuses_a_folder_with_a_run_unless_resume_or_overwrite(tmp_pa
     assert cli.main(["train", *BASE, f"output_dir={out}", "steps=2"]) == 0
     capsys.readouterr()
     before, runs = _snapshot(out), _runs(out)
-    assert cli.main(["train", *BASE, f"output_dir={out}", "steps=3", "seed=5"]) == 1
+    assert cli.main(["train", *BASE, f"output_dir={out}", "steps=3", "seed=5"]) == 2
     err = capsys.readouterr().err
     assert (f"output_dir {out} already holds a run (checkpoints up to step 2 and summary.json): continue it with "
             f"checkpoint.resume=auto, start afresh there with overwrite=true") in err

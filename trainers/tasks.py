@@ -66,6 +66,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol
 
 from trainers.config import TaskConfig
+from trainers.errors import InputError, InputFileNotFoundError
 from trainers.reward_fn import as_number
 from trainers.reward_worker import (RewardExited, RewardMemoryExceeded, RewardNotNumber, RewardRaised, RewardTimeout,
                                     RewardWorker)
@@ -325,9 +326,10 @@ def parse_math_record(record: Any) -> Example:
 def load_math_jsonl(path: str | os.PathLike, *, on_error: str = "raise") -> list[Example]:
     """Read one example per non-blank line (layouts: ``parse_math_record``).
 
-    ``on_error="raise"`` (default, what the ``math`` task uses) raises ValueError naming ``path:line`` on
-    the first malformed line; ``"skip"`` logs a warning per malformed line and drops it. A file without any
-    example raises ValueError in both modes; a missing file raises FileNotFoundError.
+    ``on_error="raise"`` (default, what the ``math`` task uses) raises InputError (a ValueError) naming
+    ``path:line`` on the first malformed line; ``"skip"`` logs a warning per malformed line and drops it. A file
+    without any example raises InputError in both modes; a missing file InputFileNotFoundError (a
+    FileNotFoundError).
     """
     return _load_jsonl(path, lambda record, where: parse_math_record(record), "math", on_error=on_error)
 
@@ -350,13 +352,13 @@ def _load_jsonl(path: str | os.PathLike, parse: Callable[[Any, str], Example], t
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{task} task file not found: {path!r}")
+        raise InputFileNotFoundError(f"{task} task file not found: {path!r}")
     examples = []
     with open(path, "rb") as f:
         head = f.read(4)
         f.seek(0)
         if head[:2] == b"\x1f\x8b" or head[:4] in (b"PK\x03\x04", b"BZh9", b"\xfd7zX"):
-            raise ValueError(f"{path}: a compressed file (it starts with the bytes {head!r}); decompress it: the task "
+            raise InputError(f"{path}: a compressed file (it starts with the bytes {head!r}); decompress it: the task "
                              f"reads JSON lines as plain UTF-8 text")
         for lineno, raw in enumerate(f, start=1):
             try:
@@ -371,10 +373,10 @@ def _load_jsonl(path: str | os.PathLike, parse: Callable[[Any, str], Example], t
                                      f"{exc.start + 1}); save the file as UTF-8")
                 msg = f"{path}:{lineno}: malformed {task} example: {exc}"
                 if on_error == "raise":
-                    raise ValueError(msg) from exc
+                    raise InputError(msg) from exc
                 log.warning("%s (skipped)", msg)
     if not examples:
-        raise ValueError(f"{path}: no examples (the file is empty or every line was malformed)")
+        raise InputError(f"{path}: no examples (the file is empty or every line was malformed)")
     return examples
 
 
@@ -385,14 +387,14 @@ def _split(cfg: TaskConfig, data: list[Example], eval_data: Optional[list[Exampl
     if eval_data is not None:
         held_out = eval_data
     elif len(data) <= cfg.eval_size:
-        raise ValueError(f"{cfg.path}: {len(data)} examples leave none for training after holding out "
+        raise InputError(f"{cfg.path}: {len(data)} examples leave none for training after holding out "
                          f"task.eval_size={cfg.eval_size}: lower task.eval_size or set task.eval_path")
     else:
         held_out, data = data[-cfg.eval_size:], data[:-cfg.eval_size]
     prompts = {ex.prompt for ex in held_out}
     train = [ex for ex in data if ex.prompt not in prompts]
     if not train:
-        raise ValueError(f"{cfg.path}: every training problem also appears in the evaluation set")
+        raise InputError(f"{cfg.path}: every training problem also appears in the evaluation set")
     return train, list(held_out)
 
 
@@ -584,10 +586,10 @@ class JsonlTask(_FileSplits):
         self._worker.close()
 
     def check_demonstrations(self) -> None:
-        """ValueError unless every record has a ``"completion"`` (the cold start trains on them)."""
+        """InputError (a ValueError) unless every record has a ``"completion"`` (the cold start trains on them)."""
         missing = [ex for ex in self._train + self._eval if ex.completion is None]
         if missing:
-            raise ValueError(f"config error at 'cold_start.steps': the cold start trains on demonstrations, and task "
+            raise InputError(f"config error at 'cold_start.steps': the cold start trains on demonstrations, and task "
                              f"'jsonl' takes them from each record's \"completion\" string, which "
                              f"{len(missing)} of {len(self._train) + len(self._eval)} records lack (first: "
                              f"{missing[0].source}); add a \"completion\" to every record of task.path and "

@@ -20,6 +20,8 @@ import os
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from trainers.errors import InputFileNotFoundError
+
 log = logging.getLogger(__name__)
 
 PAD_TOKEN = "<|pad|>"
@@ -66,8 +68,8 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"tokenizer directory not found: {path!r} (model.path must be a local directory "
-                                f"with the weights and the tokenizer)")
+        raise InputFileNotFoundError(f"tokenizer directory not found: {path!r} (model.path must be a local directory "
+                                     f"with the weights and the tokenizer)")
     if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
         raise FileNotFoundError(f"no tokenizer in {path!r}: expected one of {', '.join(TOKENIZER_FILES)} "
                                 f"(save it there with tokenizer.save_pretrained)")
