@@ -31,6 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -278,7 +279,9 @@ def install_wheels(wheels: Path, out: Path) -> Outcome:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results" / "gpu"))
+    ap.add_argument("--out", default=os.environ.get("OUT") or None,
+                    help="where the page goes (default: benchmarks/results/gpu; a new temporary folder for a dry run, "
+                         "so that it never overwrites the committed page)")
     ap.add_argument("--part", type=int, nargs="+", default=None, help="these parts (default: all, in order)")
     ap.add_argument("--only", nargs="+", default=None, help="these steps only")
     ap.add_argument("--dry-run", action="store_true", help="check the wiring only, record every step as skipped")
@@ -295,12 +298,20 @@ def main(argv: Optional[list[str]] = None) -> list[Outcome]:
     if args.prepare:
         prepare(spec, steps, smoke=args.cpu_smoke)
         return []
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    outcomes: list[Outcome] = [install_wheels(Path(args.wheels), out)] if args.wheels else []
+    page = ROOT / "benchmarks" / "results" / "gpu"
+    outcomes: list[Outcome] = []
+    if args.wheels:  # the device's run: the wheels go in before anything reads the environment
+        out = Path(args.out or page)
+        out.mkdir(parents=True, exist_ok=True)
+        outcomes.append(install_wheels(Path(args.wheels), out))
     env = environment()
     print(json.dumps(env), flush=True)
     dry = args.dry_run or (env["device"] == "no CUDA device" and not args.cpu_smoke)
+    if not args.wheels:
+        out = Path(args.out or (tempfile.mkdtemp(prefix="gpu_check_dry_") if dry else page))
+        out.mkdir(parents=True, exist_ok=True)
+        if dry and not args.out:
+            print(f"dry run: its page goes to {out}, not to the committed one", flush=True)
     why_dry = "no CUDA" if env["device"] == "no CUDA device" else "dry run"
     import torch
 
