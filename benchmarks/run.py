@@ -340,27 +340,16 @@ def _pool(p: dict, where: str, profiles: dict) -> tuple[Pooled, ...]:
 
 
 def _read_experiment_file(path: Path, where: str) -> object:
-    """The YAML of an experiment file, read in time and memory linear in its size with the config files' bounds
-    (``dcmdp.config``: at most 1 MiB, 32 levels, 100,000 values once aliases are expanded), checked on the parser's
-    events before anything recursive builds from it."""
+    """The YAML of an experiment file, read with the config files' bounds (``dcmdp.config.read_yaml_text``: at most
+    1 MiB, 32 levels, 100,000 values once aliases are expanded) before anything recursive builds from it."""
     import yaml
 
-    from dcmdp.config import MAX_CONFIG_BYTES, yaml_shape
+    from dcmdp.config import read_yaml_text
 
+    text = read_yaml_text(path, where, ExperimentError, "an experiment file is a few KiB", shape_hint=False)[0]
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise ExperimentError(f"{where}: cannot read it: {exc.strerror or exc}") from None
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ExperimentError(f"{where}: larger than {MAX_CONFIG_BYTES >> 20} MiB; an experiment file is a few KiB")
-    try:
-        text = data.decode("utf-8-sig")
-        why = yaml_shape(text)[0]
-        if why is not None:  # the config's hint after ";" is about configs
-            raise ExperimentError(f"{where}: {why.split(';')[0]}; an experiment file holds a few KiB of settings")
         return yaml.safe_load(text)
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+    except yaml.YAMLError as exc:
         raise ExperimentError(f"{where}: not a readable YAML file: {' '.join(str(exc).split())}") from None
 
 

@@ -285,30 +285,41 @@ def yaml_shape(text: str) -> tuple[Optional[str], int]:
     return None, nodes
 
 
-def _read_config_file(path: str | Path) -> DictConfig:
-    """The mapping of a config file, read in time and memory linear in its size: ConfigError naming the file when it
-    is missing, larger than ``MAX_CONFIG_BYTES``, not UTF-8, too deep or too large (``yaml_shape``), empty
-    (a config with no setting is a mistake, not a request for the default run), not YAML, or not a mapping."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file not found: {p}")
+def read_yaml_text(path: Path, name: str, error: Callable[[str], Exception], size_hint: str,
+                   shape_hint: bool = True) -> tuple[str, int]:
+    """(the text of a YAML file, its number of values), read in time and memory linear in its size with a config
+    file's bounds (``MAX_CONFIG_BYTES``, ``yaml_shape``), checked before anything recursive builds from it. Every
+    problem raises ``error(message)`` with ``name`` ("config file run.yaml") in the message: the file cannot be read,
+    is larger than ``MAX_CONFIG_BYTES`` (``size_hint`` follows), is not UTF-8 (its line), or is too deep or too large
+    (``yaml_shape``'s reason, with its hint about configs when ``shape_hint``)."""
     try:
-        with open(p, "rb") as f:
+        with open(path, "rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {p}: {exc.strerror or exc}") from None
+        raise error(f"cannot read {name}: {exc.strerror or exc}") from None
     if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"config file {p} is larger than {MAX_CONFIG_BYTES >> 20} MiB; a config holds settings (a "
-                          f"few KiB): name the right file")
+        raise error(f"{name} is larger than {MAX_CONFIG_BYTES >> 20} MiB; {size_hint}")
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         line = raw[:exc.start].count(b"\n") + 1
-        raise ConfigError(f"cannot parse config file {p}: line {line} is not UTF-8 ({exc.reason} at byte "
-                          f"{exc.start}); save the file as UTF-8") from None
+        raise error(f"cannot parse {name}: line {line} is not UTF-8 ({exc.reason} at byte {exc.start}); save the "
+                    f"file as UTF-8") from None
     why, values = yaml_shape(text)
     if why is not None:
-        raise ConfigError(f"cannot read config file {p}: {why}")
+        raise error(f"cannot read {name}: {why if shape_hint else why.split(';')[0]}")
+    return text, values
+
+
+def _read_config_file(path: str | Path) -> DictConfig:
+    """The mapping of a config file (``read_yaml_text``): ConfigError naming the file when it is missing, cannot be
+    read within the bounds, is empty (a config with no setting is a mistake, not a request for the default run), is
+    not YAML, or is not a mapping."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    text, values = read_yaml_text(p, f"config file {p}", ConfigError,
+                                  "a config holds settings (a few KiB): name the right file")
     if values == 0:
         raise ConfigError(f"config file {p} holds no setting (it is empty or only comments); give a config with "
                           f"at least one key, or leave the file out to run the defaults")

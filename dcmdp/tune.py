@@ -97,8 +97,8 @@ from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
 from dcmdp import redact
-from dcmdp.config import (MAX_CONFIG_BYTES, ConfigError, RunConfig, TrackingConfig, file_in_the_way, load_config,
-                          to_yaml, validate, yaml_shape, yaml_value)
+from dcmdp.config import (ConfigError, RunConfig, TrackingConfig, file_in_the_way, load_config, read_yaml_text, to_yaml,
+                          validate, yaml_value)
 from dcmdp.redact import public_uri
 from dcmdp.tracking import LOCAL_ID_PREFIX, Tracker, resolve_tracking_uri
 
@@ -241,24 +241,12 @@ def load_tune_config(path: str | Path, overrides: Sequence[str] = ()) -> TuneCon
 
 
 def _read_tune_file(path: Path) -> Any:
-    """The YAML of a tune file, read in time and memory linear in its size with a config file's bounds
-    (``MAX_CONFIG_BYTES``, ``yaml_shape``), checked before OmegaConf, which recurses once per level, builds it."""
+    """The YAML of a tune file, read with a config file's bounds (``read_yaml_text``) before OmegaConf, which
+    recurses once per level, builds it."""
+    text = read_yaml_text(path, f"tune file {path}", ConfigError, "a tune file holds a few KiB of settings",
+                          shape_hint=False)[0]  # the hint is about run configs
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"cannot read tune file {path}: {exc.strerror or exc}") from None
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"tune file {path} is larger than {MAX_CONFIG_BYTES >> 20} MiB; a tune file holds a few KiB "
-                          f"of settings")
-    try:
-        text = data.decode("utf-8-sig")
-        why = yaml_shape(text)[0]
-        if why is not None:  # the hint after ";" is about run configs
-            raise ConfigError(f"cannot read tune file {path}: {why.split(';')[0]}")
         return OmegaConf.load(io.StringIO(text))
-    except ConfigError:
-        raise
     except Exception as exc:
         raise ConfigError(f"cannot parse tune file {path}: {exc}") from exc
 

@@ -79,10 +79,11 @@ class Case:
     setup: Callable[[Path], None] = lambda d: None
 
 
-def _experiment(needle: str, setup: Callable[[Path], None]) -> Case:
-    """``benchmarks/run.py bad.yaml --profile quick`` (training nothing); the error line starts ``needle``."""
+def _experiment(needle: str, setup: Callable[[Path], None], read: bool = False) -> Case:
+    """``benchmarks/run.py bad.yaml --profile quick`` (training nothing); the error line is ``error: bad.yaml`` and
+    ``needle`` (``error: cannot read bad.yaml`` and ``needle`` when the file's bounds refuse it: ``read``)."""
     return Case(("benchmarks/run.py", "bad.yaml", "--profile", "quick", "--no-train", "--bench-dir", "b", "--results",
-                 "r"), f"error: bad.yaml{needle}", setup=setup)
+                 "r"), f"error: {'cannot read ' if read else ''}bad.yaml{needle}", setup=setup)
 
 
 CLI: dict[str, Case] = {
@@ -164,15 +165,16 @@ CLI: dict[str, Case] = {
         _file("bad.yaml", EXPERIMENT.replace("configs/default.yaml", "configs/missing.yaml"))),
     "experiment-nested-1000-levels": _experiment(
         ": nested more than 32 levels deep (line 33)",
-        _file("bad.yaml", "".join(f"{'  ' * i}k{i}:\n" for i in range(1000)) + "  " * 1000 + "v: 1\n")),
+        _file("bad.yaml", "".join(f"{'  ' * i}k{i}:\n" for i in range(1000)) + "  " * 1000 + "v: 1\n"), read=True),
     "experiment-nested-flow": _experiment(": nested more than 32 levels deep (line 2)",
-                                          _file("bad.yaml", "about: x\nbase: " + "[" * 5000 + "]" * 5000 + "\n")),
-    "experiment-over-1-mib": _experiment(": larger than 1 MiB; an experiment file is a few KiB",
+                                          _file("bad.yaml", "about: x\nbase: " + "[" * 5000 + "]" * 5000 + "\n"),
+                                          read=True),
+    "experiment-over-1-mib": _experiment(" is larger than 1 MiB; an experiment file is a few KiB",
                                          _file("bad.yaml", "about: x\n" + "# padding\n" * 200_000)),
     "experiment-alias-bomb": _experiment(
         ": more than 100,000 values once its aliases (*name) are expanded",
         _file("bad.yaml", "about: x\nl0: &l0 [x, x, x, x, x, x, x, x, x, x]\n"
-              + "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in range(1, 10)))),
+              + "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in range(1, 10))), read=True),
     "experiment-wrong-key": _experiment(": unknown key(s) ['profilez']",
                                         _file("bad.yaml", EXPERIMENT + "profilez: {}\n")),
     "experiment-wrong-shape": _experiment(
