@@ -222,22 +222,11 @@ def build_model(cfg: ModelConfig, vocab_size: int, *, seed: int, device: torch.d
     preset = get_preset(cfg.preset)
     if cfg.path and cfg.init != "random":
         model = load_model_dir(cfg.path, param_dtype(cfg.dtype)).to(device)
-        if model.config.model_type != preset.model_type:
-            raise ValueError(f"model.path {cfg.path!r} holds a {model.config.model_type!r} model, preset "
-                             f"{preset.name!r} expects {preset.model_type!r}")
-        if model.config.vocab_size < vocab_size:
-            raise ValueError(f"tokenizer has {vocab_size} tokens but the model in {cfg.path!r} has only "
-                             f"{model.config.vocab_size} embedding rows")
+        _check_loaded(model.config, cfg, preset, vocab_size)
     elif preset.needs_path and cfg.init != "random":
-        raise FileNotFoundError(f"preset {preset.name!r} loads real weights: set model.path to a local "
-                                f"Hugging Face directory (got model.path={cfg.path!r}), or model.init=random for a "
-                                f"speed or memory run without them")
+        raise _needs_weights(preset, cfg)
     else:
-        config = preset.make_config(vocab_size)
-        if cfg.num_layers is not None:
-            config.num_hidden_layers = cfg.num_layers
-            if getattr(config, "layer_types", None) is not None:
-                config.layer_types = config.layer_types[:cfg.num_layers]
+        config = _preset_config(preset, cfg, vocab_size)
         where = device if preset.needs_path else "cpu"
         model = model_from_config(config, seed=seed, dtype=param_dtype(cfg.dtype), device=where).to(device)
     return _finish(model, cfg)
@@ -262,29 +251,46 @@ def build_meta_model(cfg: ModelConfig, vocab_size: int) -> tuple[PreTrainedModel
         if not os.path.isfile(os.path.join(cfg.path, "config.json")):
             raise FileNotFoundError(f"no model at {cfg.path!r} (expected a Hugging Face directory with config.json)")
         config = AutoConfig.from_pretrained(cfg.path, local_files_only=True)
-        if config.model_type != preset.model_type:
-            raise ValueError(f"model.path {cfg.path!r} holds a {config.model_type!r} model, preset "
-                             f"{preset.name!r} expects {preset.model_type!r}")
-        if config.vocab_size < vocab_size:
-            raise ValueError(f"tokenizer has {vocab_size} tokens but the model in {cfg.path!r} has only "
-                             f"{config.vocab_size} embedding rows")
+        _check_loaded(config, cfg, preset, vocab_size)
         cls = Qwen3MoeForCausalLM if isinstance(config, Qwen3MoeConfig) else Qwen3ForCausalLM
         with torch.device("meta"):
             model = cls(config)
         ops = None
     elif preset.needs_path and cfg.init != "random":
-        raise FileNotFoundError(f"preset {preset.name!r} loads real weights: set model.path to a local "
-                                f"Hugging Face directory (got model.path={cfg.path!r}), or model.init=random for a "
-                                f"speed or memory run without them")
+        raise _needs_weights(preset, cfg)
     else:
-        config = preset.make_config(vocab_size)
-        if cfg.num_layers is not None:
-            config.num_hidden_layers = cfg.num_layers
-            if getattr(config, "layer_types", None) is not None:
-                config.layer_types = config.layer_types[:cfg.num_layers]
+        config = _preset_config(preset, cfg, vocab_size)
         cls = Qwen3MoeForCausalLM if isinstance(config, Qwen3MoeConfig) else Qwen3ForCausalLM
         model, ops = record_init(config, cls)
     return _finish(_set_kernels(cast_model(model, _dtype(param_dtype(cfg.dtype)))), cfg), ops
+
+
+def _check_loaded(config: PretrainedConfig, cfg: ModelConfig, preset: Preset, vocab_size: int) -> None:
+    """ValueError when the model in ``cfg.path`` (its ``config``) is not the preset's kind or has fewer embedding rows
+    than the tokenizer has tokens."""
+    if config.model_type != preset.model_type:
+        raise ValueError(f"model.path {cfg.path!r} holds a {config.model_type!r} model, preset "
+                         f"{preset.name!r} expects {preset.model_type!r}")
+    if config.vocab_size < vocab_size:
+        raise ValueError(f"tokenizer has {vocab_size} tokens but the model in {cfg.path!r} has only "
+                         f"{config.vocab_size} embedding rows")
+
+
+def _needs_weights(preset: Preset, cfg: ModelConfig) -> FileNotFoundError:
+    """The error of a real preset with neither ``model.path`` nor ``model.init=random``."""
+    return FileNotFoundError(f"preset {preset.name!r} loads real weights: set model.path to a local "
+                             f"Hugging Face directory (got model.path={cfg.path!r}), or model.init=random for a "
+                             f"speed or memory run without them")
+
+
+def _preset_config(preset: Preset, cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
+    """The preset's model config for ``vocab_size`` tokens, cut to ``cfg.num_layers`` layers when set."""
+    config = preset.make_config(vocab_size)
+    if cfg.num_layers is not None:
+        config.num_hidden_layers = cfg.num_layers
+        if getattr(config, "layer_types", None) is not None:
+            config.layer_types = config.layer_types[:cfg.num_layers]
+    return config
 
 
 def _finish(model: PreTrainedModel, cfg: ModelConfig) -> PreTrainedModel:

@@ -17,14 +17,13 @@ justified columns for a replay and back for a capture, so R2 and R3 see the posi
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from trainers.scoring import fused_lm_head_logprobs, lm_head_logits, tempered_logp
+from trainers.scoring import attach_fsdp_method, call_fsdp_method, fused_lm_head_logprobs, lm_head_logits, tempered_logp
 
 
 @dataclass(frozen=True)
@@ -92,10 +91,7 @@ def register_fsdp_justified(model: torch.nn.Module) -> None:
     """Make ``justified_response_logprobs(model, ...)`` run as an FSDP2 forward of the root ``model``: it calls the
     decoder and the head, never ``model.forward``, and the root's parameters (embedding, final norm) are gathered
     only in the root's forward hooks (as ``scoring.register_fsdp_scoring`` does for the padded scorer)."""
-    from torch.distributed.fsdp import register_fsdp_forward_method
-
-    setattr(model, FSDP_JUSTIFIED_METHOD, functools.partial(_justified_response_logprobs, model))
-    register_fsdp_forward_method(model, FSDP_JUSTIFIED_METHOD)
+    attach_fsdp_method(model, FSDP_JUSTIFIED_METHOD, _justified_response_logprobs)
 
 
 def justified_response_logprobs(model: torch.nn.Module, layout: Justified, input_ids_BS: Tensor,
@@ -104,12 +100,9 @@ def justified_response_logprobs(model: torch.nn.Module, layout: Justified, input
     """``scoring.response_logprobs`` of the same batch through its justified rows: one causal forward of (B, J) with
     no padding mask, the LM head on the N real response tokens only. Returns (logp_BT, entropy_BT), 0 at padding.
     An FSDP2-sharded model runs it as its registered forward method (``register_fsdp_justified``)."""
-    kwargs = dict(temperature=temperature, fp32_lm_head=fp32_lm_head, lm_head_kernel=lm_head_kernel,
-                  with_entropy=with_entropy)
-    sharded = getattr(model, FSDP_JUSTIFIED_METHOD, None)
-    if sharded is not None:
-        return sharded(layout, input_ids_BS, response_mask_BT, **kwargs)
-    return _justified_response_logprobs(model, layout, input_ids_BS, response_mask_BT, **kwargs)
+    return call_fsdp_method(model, FSDP_JUSTIFIED_METHOD, _justified_response_logprobs, layout, input_ids_BS,
+                            response_mask_BT, temperature=temperature, fp32_lm_head=fp32_lm_head,
+                            lm_head_kernel=lm_head_kernel, with_entropy=with_entropy)
 
 
 def _justified_response_logprobs(model: torch.nn.Module, layout: Justified, input_ids_BS: Tensor,

@@ -8,7 +8,7 @@ the discrepancy the precision switches introduce.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -59,13 +59,26 @@ def register_fsdp_scoring(model: torch.nn.Module) -> None:
     ``packing.register_fsdp_justified``). The fused head (``lm_head_kernel`` other
     than ``logits``) reads the head's weight without calling the head, so it is registered on the head alike.
     """
+    attach_fsdp_method(model, FSDP_FORWARD_METHOD, _response_logprobs)
+    attach_fsdp_method(model.get_output_embeddings(), FSDP_HEAD_METHOD, _fused_head_logprobs)
+
+
+def attach_fsdp_method(module: torch.nn.Module, name: str, fn: Callable[..., Any]) -> None:
+    """Attach ``fn(module, ...)`` to the FSDP2-sharded ``module`` as its method ``name`` and register that as an FSDP
+    forward method: the module's parameters are gathered around each call (``call_fsdp_method`` calls it)."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
-    setattr(model, FSDP_FORWARD_METHOD, functools.partial(_response_logprobs, model))
-    register_fsdp_forward_method(model, FSDP_FORWARD_METHOD)
-    head = model.get_output_embeddings()
-    setattr(head, FSDP_HEAD_METHOD, functools.partial(_fused_head_logprobs, head))
-    register_fsdp_forward_method(head, FSDP_HEAD_METHOD)
+    setattr(module, name, functools.partial(fn, module))
+    register_fsdp_forward_method(module, name)
+
+
+def call_fsdp_method(module: torch.nn.Module, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(module, *args, **kwargs)``, through the FSDP forward method ``attach_fsdp_method`` attached to ``module``
+    under ``name`` when there is one (a sharded module), else directly."""
+    sharded = getattr(module, name, None)
+    if sharded is not None:
+        return sharded(*args, **kwargs)
+    return fn(module, *args, **kwargs)
 
 
 def _fused_head_logprobs(head: torch.nn.Module, hidden_BTH: Tensor, response_BT: Tensor, *, temperature: float,
@@ -79,9 +92,8 @@ def _fused_head_logprobs(head: torch.nn.Module, hidden_BTH: Tensor, response_BT:
 def fused_lm_head_logprobs(model: torch.nn.Module, hidden_BTH: Tensor, response_BT: Tensor, *, temperature: float,
                            kernel: str, with_entropy: bool) -> tuple[Tensor, Optional[Tensor]]:
     """(B, T) float32 log pi(y_t) and entropy of the tempered head, without (B, T, V) logits (``trainers.lm_head``)."""
-    head = model.get_output_embeddings()
-    fn = getattr(head, FSDP_HEAD_METHOD, None) or functools.partial(_fused_head_logprobs, head)
-    return fn(hidden_BTH, response_BT, temperature=temperature, kernel=kernel, with_entropy=with_entropy)
+    return call_fsdp_method(model.get_output_embeddings(), FSDP_HEAD_METHOD, _fused_head_logprobs, hidden_BTH,
+                            response_BT, temperature=temperature, kernel=kernel, with_entropy=with_entropy)
 
 
 def tempered_logp(logits_BTV: Tensor, temperature: float) -> Tensor:
@@ -106,12 +118,9 @@ def response_logprobs(model: torch.nn.Module, input_ids_BS: Tensor, attention_ma
     """
     if lm_head_kernel not in HEAD_KERNELS:
         raise ValueError(f"lm_head_kernel {lm_head_kernel!r} not in {HEAD_KERNELS}")
-    kwargs = dict(temperature=temperature, fp32_lm_head=fp32_lm_head, lm_head_kernel=lm_head_kernel,
-                  with_entropy=with_entropy)
-    sharded = getattr(model, FSDP_FORWARD_METHOD, None)
-    if sharded is not None:
-        return sharded(input_ids_BS, attention_mask_BS, num_prompt_positions, **kwargs)
-    return _response_logprobs(model, input_ids_BS, attention_mask_BS, num_prompt_positions, **kwargs)
+    return call_fsdp_method(model, FSDP_FORWARD_METHOD, _response_logprobs, input_ids_BS, attention_mask_BS,
+                            num_prompt_positions, temperature=temperature, fp32_lm_head=fp32_lm_head,
+                            lm_head_kernel=lm_head_kernel, with_entropy=with_entropy)
 
 
 def _response_logprobs(model: torch.nn.Module, input_ids_BS: Tensor, attention_mask_BS: Tensor,
