@@ -350,11 +350,11 @@ def _override_shape_problem(override: str) -> Optional[ConfigError]:
 def _as_config_error(exc: OmegaConfBaseException, key: Optional[str] = None) -> ConfigError:
     """OmegaConf's error of a composed or typed value as a one-line ConfigError naming the key (its own, else
     ``key``)."""
-    if isinstance(exc, (ConfigKeyError, ConfigAttributeError)):
-        return ConfigError(f"unknown config key: {exc}")
-    key = getattr(exc, "full_key", None) or key
     # OmegaConf appends full_key / reference_type lines: keep the first, and say "list" in plain words
     msg = str(getattr(exc, "msg", None) or exc).splitlines()[0]
+    if isinstance(exc, (ConfigKeyError, ConfigAttributeError)):
+        return ConfigError(f"unknown config key: {msg}")
+    key = getattr(exc, "full_key", None) or key
     if "is not a ListConfig" in msg:
         msg = "expected a list"
     return ConfigError(f"bad value for '{key}': {msg}")

@@ -155,6 +155,8 @@ CLI: dict[str, Case] = {
                                   "1600000000 samples per step, above 1048576"),
     "digits-beyond-context": Case(("dcmdp", "check", "task.digits=1000000000"),
                                   "config error at 'task.digits': 1000000000 digits do not fit the context"),
+    "curriculum-unknown-key": Case(("dcmdp", "check", "task.curriculum=[{at: 1, digits: 8}]"),
+                                   "task.curriculum: unknown config key: Key 'at' not in 'CurriculumPhase'"),
     "ess-lr-scale-2": Case(("dcmdp", "check", "algo.ess_lr_scale=2"),
                            "config error at 'algo.ess_lr_scale': expected true or false, got 2"),
     "temperature-underflows": Case(("dcmdp", "check", "rollout.temperature=1e-30"),
@@ -302,7 +304,8 @@ def _bench_run():
 
 @pytest.mark.parametrize("case", sorted(CLI))
 def test_cli(case, tmp_path, monkeypatch, capsys, caplog):
-    """Each case in this process: its exit code, its line, no traceback on the console or in the log."""
+    """Each case in this process: its exit code, its line, no traceback on the console or in the log, no line of
+    OmegaConf's own (``full_key``, ``reference_type``)."""
     c = CLI[case]
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -319,6 +322,7 @@ def test_cli(case, tmp_path, monkeypatch, capsys, caplog):
     assert rc == c.code, out + err
     assert c.needle in err, err
     assert "Traceback" not in out + err + caplog.text
+    assert "full_key:" not in err and "reference_type=" not in err, err  # OmegaConf's own lines, never the user's
 
 
 @pytest.mark.parametrize("case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in sorted(CLI)])
