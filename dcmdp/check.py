@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from dcmdp.config import ConfigError, RunConfig, check_finite, compose_with_problems, load_config, validate
+from trainers.jsonfile import read_model_config
 
 # Malformed lines of a task file named one by one; the rest are counted.
 NAMED_LINES = 3
@@ -280,11 +281,10 @@ def _model(cfg: RunConfig, problems: list[Problem]) -> None:
     except (OSError, ValueError) as exc:
         problems.append(Problem("model.path", str(exc), file=True))
         tokens = None
-    config = Path(cfg.model.path) / "config.json"
     if not Path(cfg.model.path).is_dir():
         return  # the tokenizer's problem names the directory
     try:
-        arch = json.loads(config.read_text())
+        arch = read_model_config(cfg.model.path)
     except (OSError, ValueError) as exc:
         problems.append(Problem("model.path", f"no readable config.json in {cfg.model.path!r} ({exc}); model.path "
                                               f"must be a Hugging Face model directory (save_pretrained)", file=True))

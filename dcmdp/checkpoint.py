@@ -49,6 +49,7 @@ import torch
 
 from dcmdp.errors import InputError
 from dcmdp.redact import public_command
+from trainers.jsonfile import MAX_SMALL_JSON_BYTES, read_small_json
 
 log = logging.getLogger(__name__)
 
@@ -242,20 +243,12 @@ def new_run_uid() -> str:
 
 # A run's metadata files (run.json, manifest.json) are a few KiB; one larger, or nested deeper than Python's JSON
 # decoder recurses, is not one a run wrote, and is read no further (``_small_json``).
-MAX_METADATA_BYTES = 1 << 20
+MAX_METADATA_BYTES = MAX_SMALL_JSON_BYTES
 
 
 def _small_json(path: Path) -> Any:
-    """The JSON of a metadata file, read in time and memory bounded by ``MAX_METADATA_BYTES``: ValueError for a
-    larger file, a file nested too deep or one that is not JSON; OSError when it cannot be read."""
-    with open(path, "rb") as f:
-        raw = f.read(MAX_METADATA_BYTES + 1)
-    if len(raw) > MAX_METADATA_BYTES:
-        raise ValueError(f"{path.name} is larger than {MAX_METADATA_BYTES >> 20} MiB (a run writes a few KiB)")
-    try:
-        return json.loads(raw)
-    except RecursionError:
-        raise ValueError(f"{path.name} is nested too deep to be read") from None
+    """The JSON of a metadata file, read bounded by ``MAX_METADATA_BYTES`` (``trainers.jsonfile.read_small_json``)."""
+    return read_small_json(path, "a run writes a few KiB")
 
 
 def read_run_file(folder: str | Path) -> dict[str, Any]:

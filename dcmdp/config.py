@@ -1204,12 +1204,12 @@ def _check_response_fits(cfg: RunConfig, preset: Any) -> Optional[int]:
     """rollout.max_new_tokens must leave room for a prompt in the model's context (max_position_embeddings, from
     model.path's config.json or the preset), checked before anything is built. Returns the context (None when
     unknown)."""
-    import json
+    from trainers.jsonfile import read_model_config
 
     context = None
     if cfg.model.path:
         try:
-            context = json.loads((Path(cfg.model.path) / "config.json").read_text()).get("max_position_embeddings")
+            context = read_model_config(cfg.model.path).get("max_position_embeddings")
         except (OSError, ValueError, AttributeError):
             return None  # the model loader names a missing or bad model.path
     elif not preset.needs_path:

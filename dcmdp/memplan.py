@@ -40,11 +40,11 @@ H200 (docs/gpu.md).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
+
+from trainers.jsonfile import read_model_config
 
 GIB = 1024 ** 3
 
@@ -128,7 +128,7 @@ def model_shapes(cfg) -> Shapes:
     vocab = len(SPECIAL_TOKENS) + len(CHARACTERS)
     if cfg.model.path and cfg.model.init != "random":
         try:
-            vocab = int(json.loads((Path(cfg.model.path) / "config.json").read_text())["vocab_size"])
+            vocab = int(read_model_config(cfg.model.path)["vocab_size"])
         except (OSError, ValueError, KeyError, TypeError):
             pass  # ``dcmdp check`` names a model directory it cannot read on its own
     c = get_preset(cfg.model.preset).make_config(vocab)

@@ -39,6 +39,7 @@ profiles: {quick: {about: q, cells: [{levels: [a], methods: [m], N: [1], seeds: 
 
 def _file(name: str, text: str | bytes) -> Callable[[Path], None]:
     def write(d: Path) -> None:
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
         (d / name).write_bytes(text if isinstance(text, bytes) else text.encode())
     return write
 
@@ -157,6 +158,9 @@ CLI: dict[str, Case] = {
                                   "config error at 'task.digits': 1000000000 digits do not fit the context"),
     "curriculum-unknown-key": Case(("dcmdp", "check", "task.curriculum=[{at: 1, digits: 8}]"),
                                    "task.curriculum: unknown config key: Key 'at' not in 'CurriculumPhase'"),
+    "model-config-json-nested-100000-levels": Case(
+        ("dcmdp", "check", "model.path=m"), "no readable config.json in 'm' (config.json is nested too deep to be read)",
+        setup=_file("m/config.json", '{"a": ' * 100_000 + "1" + "}" * 100_000)),
     "ess-lr-scale-2": Case(("dcmdp", "check", "algo.ess_lr_scale=2"),
                            "config error at 'algo.ess_lr_scale': expected true or false, got 2"),
     "temperature-underflows": Case(("dcmdp", "check", "rollout.temperature=1e-30"),

@@ -39,6 +39,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from trainers import routing
 from trainers.config import ModelConfig
+from trainers.jsonfile import read_model_config
 
 # "sdpa" keeps padded query rows finite (transformers unmasks fully masked rows), so left-padded
 # batches give finite values and gradients at every position; both engines use it.
@@ -248,8 +249,7 @@ def build_meta_model(cfg: ModelConfig, vocab_size: int) -> tuple[PreTrainedModel
 
     preset = get_preset(cfg.preset)
     if cfg.path and cfg.init != "random":
-        if not os.path.isfile(os.path.join(cfg.path, "config.json")):
-            raise FileNotFoundError(f"no model at {cfg.path!r} (expected a Hugging Face directory with config.json)")
+        read_model_config(cfg.path)
         config = AutoConfig.from_pretrained(cfg.path, local_files_only=True)
         _check_loaded(config, cfg, preset, vocab_size)
         cls = Qwen3MoeForCausalLM if isinstance(config, Qwen3MoeConfig) else Qwen3ForCausalLM
@@ -308,8 +308,7 @@ def _finish(model: PreTrainedModel, cfg: ModelConfig) -> PreTrainedModel:
 def load_model_dir(path: str | os.PathLike, dtype: str | torch.dtype) -> PreTrainedModel:
     """Load a causal LM saved in Hugging Face format from a local directory (never the hub)."""
     path = os.fspath(path)
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"no model at {path!r} (expected a Hugging Face directory with config.json)")
+    read_model_config(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(dtype), local_files_only=True,
                                                  attn_implementation=ATTN_IMPLEMENTATION)
     return _set_kernels(model)
