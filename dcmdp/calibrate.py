@@ -42,12 +42,13 @@ discrepancies between the two: their rows show the floor and propose no c. Calib
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -235,9 +236,7 @@ def calibrate(cfg: RunConfig, batches: int = 8, slack: float = 0.25, measures: S
     if cfg.dual.measure_at == "updates":
         return calibrate_anchored(cfg, targets, batches, slack, inside_frac)
     at_updates = cfg.dual.measure_at in _MOVED_POINTS
-    s: Setup = setup(cfg, owns_folder=False)
-    try:
-        s.tracker.set_tags({"dcmdp.kind": "calibrate"})
+    with _calibration_run(cfg) as s:
         per_key: dict[str, list[float]] = {}
         kept = []
         optimizer = build_optimizer(s.policy.model.parameters(), cfg.optim, seed=cfg.seed) if at_updates else None
@@ -285,11 +284,6 @@ def calibrate(cfg: RunConfig, batches: int = 8, slack: float = 0.25, measures: S
         result = Calibration(rows, proposed, slack, batches, s.tracker.run_id, kept, inside_frac, cfg.dual.measure_at,
                              cfg.algo.minibatches, notes)
         _write(s, result)
-    except BaseException:
-        s.tracker.finish("FAILED")
-        raise
-    finally:
-        s.policy.engine.close()
     return result
 
 # Position of c between D-hat at lambda_max (0) and without the penalty (1) for a constraint the config does not anchor.
@@ -315,9 +309,7 @@ def calibrate_anchored(cfg: RunConfig, targets: Sequence[ConstraintConfig], batc
     without the penalty (/lambda_0) and at lambda_max (/lambda_max). Nothing is written but calibration.txt / .yaml and
     an MLflow run tagged ``dcmdp.kind=calibrate``."""
     acfg = anchored_config(cfg, targets, batches)
-    s: Setup = setup(acfg, owns_folder=False)
-    try:
-        s.tracker.set_tags({"dcmdp.kind": "calibrate"})
+    with _calibration_run(acfg) as s:
         names = constraint_names(acfg.dual.constraints)
         last = max(c.anchor_start for c in acfg.dual.constraints) + batches
         step, probed = 0, []
@@ -358,12 +350,22 @@ def calibrate_anchored(cfg: RunConfig, targets: Sequence[ConstraintConfig], batc
         result = Calibration(rows, proposed, slack, len(probed), s.tracker.run_id, [], inside_frac, "updates",
                              cfg.algo.minibatches, notes)
         _write(s, result)
+    return result
+
+
+@contextlib.contextmanager
+def _calibration_run(cfg: RunConfig) -> Iterator[Setup]:
+    """The run ``calibrate`` measures with: ``dcmdp.loop.setup`` without taking output_dir (``owns_folder=False``), its
+    MLflow run tagged ``dcmdp.kind=calibrate`` and marked FAILED when anything raises, the rollout engine closed."""
+    s: Setup = setup(cfg, owns_folder=False)
+    try:
+        s.tracker.set_tags({"dcmdp.kind": "calibrate"})
+        yield s
     except BaseException:
         s.tracker.finish("FAILED")
         raise
     finally:
         s.policy.engine.close()
-    return result
 
 
 def _write(s: Setup, result: Calibration) -> None:
