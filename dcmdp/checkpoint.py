@@ -242,19 +242,14 @@ def new_run_uid() -> str:
 
 
 # A run's metadata files (run.json, manifest.json) are a few KiB; one larger, or nested deeper than Python's JSON
-# decoder recurses, is not one a run wrote, and is read no further (``_small_json``).
+# decoder recurses, is not one a run wrote, and is read no further (``trainers.jsonfile.read_small_json``).
 MAX_METADATA_BYTES = MAX_SMALL_JSON_BYTES
-
-
-def _small_json(path: Path) -> Any:
-    """The JSON of a metadata file, read bounded by ``MAX_METADATA_BYTES`` (``trainers.jsonfile.read_small_json``)."""
-    return read_small_json(path, "a run writes a few KiB")
 
 
 def read_run_file(folder: str | Path) -> dict[str, Any]:
     """``<folder>/run.json`` (``uid``, ``run_id`` of the run that owns the folder); {} when absent or unreadable."""
     try:
-        data = _small_json(Path(folder) / RUN_FILE)
+        data = read_small_json(Path(folder) / RUN_FILE)
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -321,7 +316,7 @@ def checkpoint_run_uid(payload: dict[str, Any]) -> Optional[str]:
 def manifest_run_uid(path: str | Path) -> Optional[str]:
     """The run identity in a checkpoint's manifest, read without loading ``state.pt`` (None when absent)."""
     try:
-        return _small_json(Path(path) / MANIFEST_FILE).get("run_uid")
+        return read_small_json(Path(path) / MANIFEST_FILE).get("run_uid")
     except (OSError, ValueError, AttributeError):
         return None
 
@@ -453,7 +448,7 @@ def verify_checkpoint(path: str | Path, *, by_name: bool = True) -> tuple[bool, 
     if not manifest_path.is_file():
         return False, f"no {MANIFEST_FILE} (incomplete checkpoint)"
     try:
-        manifest = _small_json(manifest_path)
+        manifest = read_small_json(manifest_path)
         version, step, files = manifest["format_version"], int(manifest["step"]), manifest["files"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return False, f"unreadable {MANIFEST_FILE}: {exc}"
@@ -531,7 +526,7 @@ def _verify_own(path: Path) -> tuple[bool, str]:
     ok, why = verify_checkpoint(path)
     if ok or not why.endswith("does not match the directory name") or not verify_checkpoint(path, by_name=False)[0]:
         return ok, why
-    step = _small_json(path / MANIFEST_FILE)["step"]
+    step = read_small_json(path / MANIFEST_FILE)["step"]
     raise RunFolderInputError(f"checkpoint {path} holds step {step} (its manifest; every file verifies) under the "
                               f"name {path.name}: it was renamed or copied into {path.parent} by hand, and "
                               f"checkpoint.resume=auto continues a folder's own checkpoints only. To start from it, "
