@@ -67,6 +67,7 @@ from omegaconf import OmegaConf
 
 from dcmdp.config import ConfigError, TrackingConfig
 from dcmdp.redact import public_command, public_uri, redact, split_credentials, uri_problem, written_field
+from trainers.jsonfile import MAX_JSON_DEPTH, nesting_problem, read_small_json
 
 logger = logging.getLogger(__name__)
 
@@ -310,33 +311,15 @@ def _clip(kind: str, values: dict[str, Any], limit: int) -> dict[str, str]:
 # with every character escaped), nested 2 levels deep. A longer or deeper line was not written by a tracker: it is
 # skipped like a line that is not JSON (``pending``), read in chunks, never whole, and never parsed recursively.
 MAX_RECORD_BYTES = 16 << 20
-MAX_RECORD_DEPTH = 32
-# a JSON string (to its closing quote, or to the end of the line if it has none) or a bracket: one linear pass
-_JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.?)*(?:"|$)|[\[\]{}]', re.S)
-
-
-def _nesting_problem(line: bytes) -> Optional[str]:
-    """Why ``line`` is nested too deep to be a record (brackets inside strings do not count), else None. Linear in
-    its length and stops at the first bracket past ``MAX_RECORD_DEPTH``; most lines have too few brackets to look."""
-    if line.count(b"[") + line.count(b"{") <= MAX_RECORD_DEPTH:
-        return None
-    depth = 0
-    for token in _JSON_TOKEN.finditer(line):
-        if token[0] in (b"[", b"{"):
-            depth += 1
-            if depth > MAX_RECORD_DEPTH:
-                return f"nested more than {MAX_RECORD_DEPTH} levels deep (a record is 2)"
-        elif token[0] in (b"]", b"}"):
-            depth -= 1
-    return None
+MAX_RECORD_DEPTH = MAX_JSON_DEPTH
 
 
 def _parse_record(line: bytes) -> tuple[Optional[dict], str]:
     """(the record of one complete buffer line, or None and why it is none): JSON nested at most
     ``MAX_RECORD_DEPTH`` levels, a mapping with a string ``t``. Never raises."""
-    why = _nesting_problem(line)
+    why = nesting_problem(line, MAX_RECORD_DEPTH)
     if why is not None:
-        return None, why
+        return None, f"{why} (a record is 2)"
     try:
         record = json.loads(line)  # bytes: a line that is not UTF-8 raises UnicodeDecodeError
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError
@@ -411,7 +394,7 @@ class _Segment:
             return None
         seg = cls(path, fh, 0)
         try:
-            seg.offset = int(_small_json(seg.sent_path, 1 << 10)["offset"])
+            seg.offset = int(read_small_json(seg.sent_path, "a progress file holds one offset", 1 << 10)["offset"])
         except FileNotFoundError:
             seg.offset = 0
         except (ValueError, KeyError, TypeError) as exc:  # damaged: where sending stopped is unknown
@@ -494,21 +477,6 @@ class _Segment:
     def close(self) -> None:
         if not self.fh.closed:
             self.fh.close()  # releases the lock
-
-
-def _small_json(path: Path, limit: int) -> Any:
-    """The JSON of a small bookkeeping file (``.sent``, ``runs.json``), read in bounded time and memory: ValueError
-    when it is larger than ``limit`` bytes, nested deeper than ``MAX_RECORD_DEPTH`` or not JSON."""
-    with open(path, "rb") as f:
-        raw = f.read(limit + 1)
-    if len(raw) > limit:
-        raise ValueError(f"larger than {limit} bytes")
-    if (why := _nesting_problem(raw)) is not None:
-        raise ValueError(why)
-    try:
-        return json.loads(raw.decode())
-    except RecursionError:
-        raise ValueError("nested too deep to be read") from None
 
 
 def _line_number(path: Path, offset: int) -> int:
@@ -745,7 +713,7 @@ class _Sender:
 
 def _read_run_map(buffer_dir: Path) -> dict[str, str]:
     try:
-        found = _small_json(buffer_dir / "runs.json", MAX_RECORD_BYTES)
+        found = read_small_json(buffer_dir / "runs.json", "a run map holds a few run ids", MAX_RECORD_BYTES)
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:  # unreadable (a failing disk, damaged bytes): the tracker must still start

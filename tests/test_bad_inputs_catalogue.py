@@ -159,7 +159,7 @@ CLI: dict[str, Case] = {
     "curriculum-unknown-key": Case(("dcmdp", "check", "task.curriculum=[{at: 1, digits: 8}]"),
                                    "task.curriculum: unknown config key: Key 'at' not in 'CurriculumPhase'"),
     "model-config-json-nested-100000-levels": Case(
-        ("dcmdp", "check", "model.path=m"), "no readable config.json in 'm' (config.json is nested too deep to be read)",
+        ("dcmdp", "check", "model.path=m"), "no readable config.json in 'm' (config.json is nested more than 32 levels deep)",
         setup=_file("m/config.json", '{"a": ' * 100_000 + "1" + "}" * 100_000)),
     "ess-lr-scale-2": Case(("dcmdp", "check", "algo.ess_lr_scale=2"),
                            "config error at 'algo.ess_lr_scale': expected true or false, got 2"),

@@ -262,7 +262,7 @@ def test_an_output_dir_from_the_environment_is_as_written_in_summary_json_but_it
 
 
 @pytest.mark.parametrize("body, why", [
-    ("[" * 100_000 + "]" * 100_000, "manifest.json is nested too deep to be read"),
+    ("[" * 100_000 + "]" * 100_000, "manifest.json is nested more than 32 levels deep"),
     ('{"pad": "' + "x" * (2 << 20) + '"}', "manifest.json is larger than 1 MiB"),
 ])
 def test_a_manifest_nested_too_deep_or_too_large_is_an_invalid_checkpoint_not_a_traceback(tmp_path, body, why):
