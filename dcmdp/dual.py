@@ -628,8 +628,23 @@ def signed_step(lambda_C: Tensor, rule_state: dict[str, Any], measured_C: Tensor
     Non-finite D_hat_i: lambda_i and its pairs unchanged.
     State: the pairs ("hist"), the last slope ("slope_C", NaN when unknown) and direction ("direction_C").
     """
-    finite_C = _finite(measured_C)
     eta_C, hi_C = _per_constraint(cfg, "lr"), _per_constraint(cfg, "lambda_max")
+
+    def one(i: int, hist: list, lam: float, d: float, c: float) -> tuple[list, Optional[float], bool, float]:
+        hist, b, pinned = _sign_test(hist, lam, d, float(hi_C[i]))
+        down = (b is not None and b > 0) or (pinned and b is None and d > c)
+        return hist, b, down, -float(eta_C[i]) * (abs(d - c) + SIGN_MIN_STEP * c) if down else float(eta_C[i]) * (d - c)
+
+    return _signed_steps(lambda_C, rule_state, measured_C, tolerance_C, cfg, one)
+
+
+def _signed_steps(lambda_C: Tensor, rule_state: dict[str, Any], measured_C: Tensor, tolerance_C: Tensor,
+                  cfg: DualConfig, one: Callable[..., tuple[list, Optional[float], bool, float]]
+                  ) -> tuple[Tensor, dict[str, Any]]:
+    """The loop the sign-tested rules share: ``one(i, pairs_i, lambda_i, D_hat_i, c_i)`` gives constraint i's new pairs,
+    response slope, direction (down or not) and step, for each finite D_hat_i; a non-finite one leaves lambda_i and
+    its pairs unchanged. Returns the projected multipliers and the state ("hist", "slope_C", "direction_C")."""
+    finite_C = _finite(measured_C)
     hist = [list(h) for h in rule_state["hist"]]
     slopes, directions = list(rule_state["slope_C"]), list(rule_state["direction_C"])
     step = []
@@ -638,11 +653,9 @@ def signed_step(lambda_C: Tensor, rule_state: dict[str, Any], measured_C: Tensor
         if not ok:
             step.append(0.0)
             continue
-        hist[i], b, pinned = _sign_test(hist[i], lam, d, float(hi_C[i]))
-        pinned = pinned and b is None
-        down = (b is not None and b > 0) or (pinned and d > c)
+        hist[i], b, down, s_i = one(i, hist[i], lam, d, c)
         slopes[i], directions[i] = (math.nan if b is None else b), (-1.0 if down else 1.0)
-        step.append(-float(eta_C[i]) * (abs(d - c) + SIGN_MIN_STEP * c) if down else float(eta_C[i]) * (d - c))
+        step.append(s_i)
     new_C = _project(lambda_C + torch.tensor(step, dtype=_F64), cfg, fixed_C=~finite_C)
     return new_C, {"hist": hist, "slope_C": slopes, "direction_C": directions}
 
@@ -684,29 +697,21 @@ def chance_step(lambda_C: Tensor, rule_state: dict[str, Any], measured_C: Tensor
     (a noisy sign would cancel the integral action). Non-finite D_hat_i: lambda_i and its pairs unchanged.
     State: the pairs ("hist"), the last slope ("slope_C", NaN when unknown) and direction ("direction_C").
     """
-    finite_C = _finite(measured_C)
     eta_C, hi_C, alpha_C = (_per_constraint(cfg, k) for k in ("lr", "lambda_max", "miss_rate"))
     applied_C = dithered_lambda(lambda_C, rule_state, cfg).tolist()
-    hist = [list(h) for h in rule_state["hist"]]
-    slopes, directions = list(rule_state["slope_C"]), list(rule_state["direction_C"])
-    step = []
-    for i, (lam, d, c, ok) in enumerate(zip(lambda_C.tolist(), measured_C.tolist(), tolerance_C.tolist(),
-                                            finite_C.tolist())):
-        if not ok:
-            step.append(0.0)
-            continue
-        hist[i], _, pinned = _sign_test(hist[i], applied_C[i], d, float(hi_C[i]))
-        pinned = pinned or (len(hist[i]) == SIGN_WINDOW + 1 and lam >= float(hi_C[i]) - 1e-12
-                            and all(l >= float(hi_C[i]) - float(eta_C[i]) - 1e-12 for l, _ in hist[i]))
-        b, se = response_slope(hist[i], with_error=True)
+
+    def one(i: int, hist: list, lam: float, d: float, c: float) -> tuple[list, Optional[float], bool, float]:
+        hi, eta, alpha = float(hi_C[i]), float(eta_C[i]), float(alpha_C[i])
+        hist, _, pinned = _sign_test(hist, applied_C[i], d, hi)
+        pinned = pinned or (len(hist) == SIGN_WINDOW + 1 and lam >= hi - 1e-12
+                            and all(l >= hi - eta - 1e-12 for l, _ in hist))
+        b, se = response_slope(hist, with_error=True)
         outside = d > c
         down = outside and ((b is not None and b > 2.0 * se) or pinned)
-        slopes[i], directions[i] = (math.nan if b is None else b), (-1.0 if down else 1.0)
-        eta, alpha = float(eta_C[i]), float(alpha_C[i])
-        step.append(-eta * (1.0 - alpha) if down else eta * (float(outside) - alpha))
-    new_C = _project(lambda_C + torch.tensor(step, dtype=_F64), cfg, fixed_C=~finite_C)
-    return new_C, {"hist": hist, "slope_C": slopes, "direction_C": directions,
-                   "dither": -float(rule_state.get("dither", 1.0))}
+        return hist, b, down, -eta * (1.0 - alpha) if down else eta * (float(outside) - alpha)
+
+    new_C, state = _signed_steps(lambda_C, rule_state, measured_C, tolerance_C, cfg, one)
+    return new_C, {**state, "dither": -float(rule_state.get("dither", 1.0))}
 
 
 _PID_KEYS = ("integral_C", "p_C", "cost_ema_C", "cost_hist")
