@@ -161,6 +161,9 @@ CLI: dict[str, Case] = {
     "model-config-json-nested-100000-levels": Case(
         ("dcmdp", "check", "model.path=m"), "no readable config.json in 'm' (config.json is nested more than 32 levels deep)",
         setup=_file("m/config.json", '{"a": ' * 100_000 + "1" + "}" * 100_000)),
+    "tokenizer-config-json-nested-100000-levels": Case(
+        ("dcmdp", "check", "model.path=m"), "no loadable tokenizer in 'm': tokenizer_config.json is nested more than 32 "
+        "levels deep", setup=_file("m/tokenizer_config.json", '{"a": ' * 100_000 + "1" + "}" * 100_000)),
     "ess-lr-scale-2": Case(("dcmdp", "check", "algo.ess_lr_scale=2"),
                            "config error at 'algo.ess_lr_scale': expected true or false, got 2"),
     "temperature-underflows": Case(("dcmdp", "check", "rollout.temperature=1e-30"),

@@ -21,6 +21,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from trainers.errors import InputFileNotFoundError
+from trainers.jsonfile import read_small_json
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,10 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
 
 # Any of these marks a directory that holds a tokenizer (fast, slow BPE, sentencepiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+# The JSON files of a tokenizer directory that transformers decodes in Python; tokenizer.json is parsed by the Rust
+# tokenizers library, which bounds its own nesting.
+TOKENIZER_JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json")
+MAX_TOKENIZER_JSON_BYTES = 64 << 20
 
 
 def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
@@ -74,8 +79,12 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
         raise FileNotFoundError(f"no tokenizer in {path!r}: expected one of {', '.join(TOKENIZER_FILES)} "
                                 f"(save it there with tokenizer.save_pretrained)")
     try:
+        for name in TOKENIZER_JSON_FILES:  # read with Python's recursive decoder by transformers: bounded here first
+            if os.path.isfile(os.path.join(path, name)):
+                read_small_json(os.path.join(path, name), "a tokenizer's file is at most a few MiB",
+                                MAX_TOKENIZER_JSON_BYTES)
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise FileNotFoundError(f"no loadable tokenizer in {path!r}: {exc}") from exc
     if tok.eos_token_id is None:
         raise ValueError(f"the tokenizer in {path!r} defines no EOS token: responses could never end")
