@@ -888,10 +888,13 @@ def is_dcmdp(method: str) -> bool:
 
 
 def welch_p(a: Sequence[float], b: Sequence[float]) -> float:
-    """Welch's t-test p-value of two samples; NaN with fewer than two values on a side."""
+    """Welch's t-test p-value of two samples; NaN with fewer than two values on a side, or with no spread on either
+    (the test is undefined there: two constant samples that differ would read p = 0)."""
     from scipy.stats import ttest_ind
 
-    return float(ttest_ind(a, b, equal_var=False).pvalue) if len(a) > 1 and len(b) > 1 else math.nan
+    if len(a) < 2 or len(b) < 2 or (max(a) == min(a) and max(b) == min(b)):
+        return math.nan
+    return float(ttest_ind(a, b, equal_var=False).pvalue)
 
 
 def welch(cells: list[dict]) -> list[dict]:

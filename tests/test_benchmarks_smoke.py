@@ -406,6 +406,22 @@ def test_collapse_rule():
     assert not run.collapse_check([0.3, 0.3], [0.8] * 5 + [0.3] * 35, 0, warmup=5)[0]
 
 
+def test_welch_p_against_its_closed_form_and_undefined_without_spread():
+    """Two samples of three: Welch's t = (mean_a - mean_b) / sqrt(v_a/3 + v_b/3), Welch-Satterthwaite df, two-sided p
+    from Student's t (scipy.stats.t, float64); NaN with one value on a side or no spread on both sides."""
+    from scipy.stats import t as student
+
+    run = _runner()
+    a, b = [0.70, 0.74, 0.75], [0.60, 0.66, 0.71]
+    ma, mb = sum(a) / 3, sum(b) / 3
+    va, vb = (sum((x - ma) ** 2 for x in a) / 2) / 3, (sum((x - mb) ** 2 for x in b) / 2) / 3
+    t, df = (ma - mb) / math.sqrt(va + vb), (va + vb) ** 2 / (va ** 2 / 2 + vb ** 2 / 2)
+    assert run.welch_p(a, b) == pytest.approx(2 * student.sf(abs(t), df), rel=1e-9)
+    assert math.isnan(run.welch_p([0.7578125] * 2, [0.76171875] * 2))  # scipy alone reads this p = 0
+    assert math.isnan(run.welch_p([0.7], b)) and math.isnan(run.welch_p([0.5, 0.5], [0.5, 0.5]))
+    assert 0 < run.welch_p([0.5, 0.5], [0.55, 0.75]) < 1  # one side with spread is a test
+
+
 def _fake_run(run, level, method, seed, late, seconds=60.0, collapsed=False):
     """A finished run with the given late and final accuracy (the evaluations are flat at ``late``)."""
     return run.Run(level, method, 4, seed, 0.3, [0, 100], [late, late], collapsed, "", [1e-3], [2e-3], [0.1], [1e-3],
