@@ -1120,8 +1120,10 @@ def accuracy_figure(exp: Experiment, cells: list[dict], methods: Sequence[str], 
                     ax.plot([xi] * len(c["lates"]), [100 * v for v in c["lates"]], "k.", ms=4)
         ax.set_xticks(range(len(methods)), [exp.labels[m] for m in methods], rotation=25, ha="right", fontsize=8)
         ax.set_ylabel(f"late held-out accuracy, % (N = {n})"), ax.set_ylim(0, 100)
-        ax.grid(axis="y", alpha=0.3), ax.legend(fontsize=7, loc="upper left", title="level (dots: seeds)",
-                                                 title_fontsize=7)
+        # above the panel, where it covers no bar
+        ax.grid(axis="y", alpha=0.3), ax.legend(fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0),
+                                                 ncol=min(len(levels), 3), title="level (dots: seeds)",
+                                                 title_fontsize=7, frameon=False)
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
     return path
