@@ -113,6 +113,8 @@ class ConstraintSummary:
     start_tolerance: float = math.nan
     # Share of the measured steps with lambda above ACTING_LAMBDA: the dual acting (a slack dual sits at 0).
     acting_frac: float = math.nan
+    # Whether c was anchored by the run's own probes (constraints[i].anchor): then "lower c" means a lower anchor.
+    anchored: bool = False
 
 
 @dataclass(slots=True)
@@ -216,7 +218,7 @@ def constraint_summaries(history: Sequence[dict[str, float]], names: Sequence[st
         out[name] = ConstraintSummary(float(d.mean()), float(tol[0]), float(tol[-1]), float((d <= tol).mean()),
                                       float(floor.mean()), float(lam.mean()), float(lam[-1]),
                                       float((lam >= c.lambda_max - 1e-12).mean()), float(start_floor), float(start_tol),
-                                      float((lam > ACTING_LAMBDA).mean()))
+                                      float((lam > ACTING_LAMBDA).mean()), getattr(c, "anchor", None) is not None)
     return out
 
 
@@ -273,10 +275,14 @@ def end_of_run_warnings(constraints: dict[str, ConstraintSummary], rule: str, ac
                        f"{c.measured_mean:.4g}, c {c.tolerance_start:.4g} -> {c.tolerance_end:.4g}): the constraint "
                        f"was not held")
         if c.slack_frac < SLACK_FRAC and c.acting_frac < ACTING_FRAC:
+            # the anchor sets c where a batch exceeds it with probability miss_rate: a rule holding D-hat's mean rests
+            lower = ("lower the anchor (constraints[i].anchor), or hold P(D-hat > c) instead of its mean: "
+                     "dual.rule=chance, as configs/default.yaml does" if c.anchored and rule != "chance" else
+                     "lower the anchor (constraints[i].anchor)" if c.anchored else
+                     "lower it, or let the run anchor it (constraints[i].anchor, as configs/default.yaml does)")
             out.append(f"constraint {name}: lambda was above {ACTING_LAMBDA:g} on only {c.acting_frac:.0%} of the steps "
                        f"(mean {c.lambda_mean:.4g}): the dual mostly rested; c ({c.tolerance_start:.4g} -> "
-                       f"{c.tolerance_end:.4g}) lies above most of D-hat (mean {c.measured_mean:.4g}); lower it, or let "
-                       f"the run anchor it (constraints[i].anchor, as configs/default.yaml does)")
+                       f"{c.tolerance_end:.4g}) lies above most of D-hat (mean {c.measured_mean:.4g}); {lower}")
         if c.slack_frac >= SLACK_FRAC:
             out.append(f"constraint {name} was slack on {c.slack_frac:.0%} of the steps (D-hat < c with lambda at its "
                        f"floor): the dual never acted. c ({c.tolerance_start:.4g} -> {c.tolerance_end:.4g}) lies above "

@@ -654,7 +654,15 @@ def test_end_of_run_warnings_name_a_pinned_lambda_and_a_constraint_not_held():
     (s,) = constraint_summaries(h, ["abs_prob_diff"], con).values()
     assert s.acting_frac == pytest.approx(0.4)
     (w,) = end_of_run_warnings({"abs_prob_diff": s}, "chance", 0.5, 0.0, 100)
-    assert "on only 40% of the steps" in w and "mostly rested" in w
+    assert "on only 40% of the steps" in w and "mostly rested" in w and "let the run anchor it" in w
+    # the same with c anchored by the run: the advice is the anchor, and for a rule holding the mean, the chance rule
+    anchored = [ConstraintConfig(measure="abs_prob_diff", lambda_max=0.3, anchor=0.5, floor_slack=1.0)]
+    (s,) = constraint_summaries(h, ["abs_prob_diff"], anchored).values()
+    assert s.anchored and not constraint_summaries(h, ["abs_prob_diff"], con)["abs_prob_diff"].anchored
+    (w,) = end_of_run_warnings({"abs_prob_diff": s}, "pid", 0.5, 0.0, 100)
+    assert "lower the anchor (constraints[i].anchor)" in w and "dual.rule=chance" in w and "let the run" not in w
+    (w,) = end_of_run_warnings({"abs_prob_diff": s}, "chance", 0.5, 0.0, 100)
+    assert w.endswith("lower the anchor (constraints[i].anchor)")
     h = _history([4e-3] * 10, [3e-3] * 10, [0.3] * 10)
     assert end_of_run_warnings(constraint_summaries(h, ["abs_prob_diff"], con), "fixed", 0.5, 0.0, 100) == []
 
