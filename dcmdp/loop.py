@@ -218,7 +218,7 @@ def constraint_summaries(history: Sequence[dict[str, float]], names: Sequence[st
         out[name] = ConstraintSummary(float(d.mean()), float(tol[0]), float(tol[-1]), float((d <= tol).mean()),
                                       float(floor.mean()), float(lam.mean()), float(lam[-1]),
                                       float((lam >= c.lambda_max - 1e-12).mean()), float(start_floor), float(start_tol),
-                                      float((lam > ACTING_LAMBDA).mean()), getattr(c, "anchor", None) is not None)
+                                      float((lam > ACTING_LAMBDA).mean()), c.anchor is not None)
     return out
 
 
