@@ -183,47 +183,73 @@ def sqlite_store_file(uri: str) -> Optional[Path]:
     return Path(path) if path and path != ":memory:" else None
 
 
+# The schemes MLflow's own tracking stores serve (its documented backends): REST servers, Databricks, and the
+# SQLAlchemy databases, whose URIs may name a driver (``postgresql+psycopg2://``). Plugins add schemes through the
+# ``mlflow.tracking_store`` entry point group. The file store is left out on purpose: MLflow 3 keeps it behind
+# MLFLOW_ALLOW_FILE_STORE. tests/test_tracking_inputs.py compares this list with the installed MLflow's.
+MLFLOW_STORE_SCHEMES = ("databricks", "databricks-uc", "http", "https", "mssql", "mysql", "postgresql", "sqlite", "uc")
+_DATABASE_SCHEMES = ("mssql", "mysql", "postgresql", "sqlite")
+_BARE_SCHEMES = ("databricks", "databricks-uc", "uc")  # URIs that are the scheme's name alone
+MAX_EXPERIMENT_NAME = 500  # MLflow stores experiment names of up to 500 characters
+MAX_RUN_NAME = 250  # and run names of up to 250
+
+
+def tracking_store_schemes() -> list[str]:
+    """Every scheme a tracking URI may use here: MLflow's own stores and those of installed plugins."""
+    from importlib.metadata import entry_points
+
+    plugins = {ep.name for ep in entry_points(group="mlflow.tracking_store")}
+    return sorted(set(MLFLOW_STORE_SCHEMES) | plugins)
+
+
+def store_scheme(uri: str) -> str:
+    """The store a tracking URI selects: ``databricks`` alone, a database without its driver suffix, else the
+    URI's scheme (``""`` for a plain path)."""
+    if uri in _BARE_SCHEMES:
+        return uri
+    scheme = urlparse(uri).scheme
+    base = scheme.split("+", 1)[0]
+    return base if base in _DATABASE_SCHEMES else scheme
+
+
 def check_tracking_uri(uri: str, source: str) -> None:
     """Raise ConfigError naming ``source`` (the config key or variable the URI came from) when MLflow would not
     track to the URI: no store serves its scheme, or it is a file store (``file://`` or a plain path), which
     MLflow 3 refuses to open unless ``MLFLOW_ALLOW_FILE_STORE`` is set. Such a run would create no run, log no
     params, and buffer its metrics for a ``dcmdp sync`` that could never send them."""
-    from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
-    from mlflow.tracking._tracking_service.utils import _tracking_store_registry as registry
+    from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE  # MLflow's documented variables
 
     if why := uri_problem(uri):
         raise ConfigError(f"config error at '{source}': the tracking URI {public_uri(uri)!r} cannot be used: {why}")
     scheme = urlparse(uri).scheme
-    file_store = scheme in ("", "file") or (len(scheme) == 1 and uri[1:3] in (":\\", ":/"))  # a Windows drive
-    usable = sorted(s for s in getattr(registry, "_registry", {}) if s and s != "file")
+    file_store = uri not in _BARE_SCHEMES and scheme in ("", "file") or (len(scheme) == 1 and uri[1:3] in (":\\", ":/"))  # a Windows drive
+    usable = tracking_store_schemes()
     hint = f"use one of the schemes {', '.join(repr(s) for s in usable)}, e.g. sqlite:///path/to/mlflow.db"
     if file_store and not MLFLOW_ALLOW_FILE_STORE.get():
         raise ConfigError(f"config error at '{source}': {public_uri(uri)!r} is a file store, which MLflow "
                           f"{_mlflow_version()} refuses to open (maintenance mode; MLFLOW_ALLOW_FILE_STORE=true "
                           f"overrides it); {hint}")
-    try:
-        registry.get_store_builder(uri)
-    except Exception:
+    if not file_store and store_scheme(uri) not in usable:
         raise ConfigError(f"config error at '{source}': MLflow cannot use the tracking URI {public_uri(uri)!r} (scheme "
-                          f"{scheme!r}); {hint}") from None
+                          f"{scheme!r}); {hint}")
 
 
 def check_tracking_config(cfg: TrackingConfig, output_dir: str | Path) -> None:
     """What MLflow will refuse later, refused before the run starts (ConfigError naming the key): the tracking URI
-    (``check_tracking_uri``), an experiment or run name MLflow rejects, and a parent run id that is not a run id."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.utils.validation import _validate_experiment_name
-
+    (``check_tracking_uri``), an experiment or run name MLflow rejects, and a parent run id that is not a run id.
+    The rules are the project's own, after MLflow's documented limits, so a new MLflow release cannot change the
+    message or skip a check."""
     check_tracking_uri(resolve_tracking_uri(cfg, output_dir), tracking_uri_source(cfg))
-    try:
-        _validate_experiment_name(cfg.experiment)
-    except MlflowException as exc:
-        raise ConfigError(f"config error at 'tracking.experiment': {exc.message}") from None
+    if not cfg.experiment:
+        raise ConfigError("config error at 'tracking.experiment': an empty name is no name")
     if not cfg.experiment.strip():
         raise ConfigError(f"config error at 'tracking.experiment': a blank name ({cfg.experiment!r}) is no name")
-    if cfg.run_name is not None and len(cfg.run_name) > 250:  # MLflow keeps run names of up to 250 characters
+    if len(cfg.experiment) > MAX_EXPERIMENT_NAME:
+        raise ConfigError(f"config error at 'tracking.experiment': {len(cfg.experiment)} characters; MLflow keeps at "
+                          f"most {MAX_EXPERIMENT_NAME}")
+    if cfg.run_name is not None and len(cfg.run_name) > MAX_RUN_NAME:
         raise ConfigError(f"config error at 'tracking.run_name': {len(cfg.run_name)} characters; MLflow keeps at "
-                          f"most 250")
+                          f"most {MAX_RUN_NAME}")
     if cfg.parent_run_id is not None and not re.fullmatch(r"[0-9a-zA-Z_\-]{1,256}", cfg.parent_run_id):
         raise ConfigError(f"config error at 'tracking.parent_run_id': {cfg.parent_run_id!r} is not an MLflow run id")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.server
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -18,8 +19,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from dcmdp import cli
-from dcmdp.config import TrackingConfig
-from dcmdp.tracking import Tracker, local_store_uri
+from dcmdp.config import ConfigError, TrackingConfig
+from dcmdp.tracking import Tracker, check_tracking_uri, local_store_uri, store_scheme, tracking_store_schemes
 
 BASE = ["model.preset=tiny-dense", "cold_start.steps=0", "algo.prompts_per_step=2", "algo.samples_per_prompt=2",
         "algo.minibatches=1", "task.eval_size=4", "threads=1", "progress=false", "rollout.max_new_tokens=4"]
@@ -161,3 +162,25 @@ def test_store_deleted_mid_run_gives_one_warning_and_the_run_goes_on(tmp_path):
     assert "held-out accuracy" in stdout
     segments = list((out / "tracking_buffer").glob("*.jsonl"))
     assert len(segments) == 1 and '"key": "reward/mean", "value"' in segments[0].read_text()
+
+
+def test_the_project_s_store_schemes_are_the_installed_mlflow_s():
+    """The scheme check is the project's own list; this is where an MLflow release that adds or drops a store shows
+    up (at a lock refresh), read from MLflow's registry here in the test, never in the package."""
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry as registry
+
+    served = {scheme for scheme in registry._registry if scheme not in ("", "file")}
+    assert served == set(tracking_store_schemes())
+
+
+@pytest.mark.parametrize("uri", ["postgresql+psycopg2://u@db:5432/mlflow", "mysql+pymysql://u@db/mlflow", "databricks",
+                                 "databricks-uc", "https://mlflow.example:443", "sqlite:////tmp/x/mlflow.db"])
+def test_a_served_scheme_is_accepted_with_or_without_a_driver(uri):
+    assert store_scheme(uri) in tracking_store_schemes()
+    check_tracking_uri(uri, "tracking.uri")
+
+
+@pytest.mark.parametrize("uri, scheme", [("foo+bar://x", "foo+bar"), ("sqlitex:///x.db", "sqlitex"), ("s3://b/k", "s3")])
+def test_an_unserved_scheme_is_refused_by_name(uri, scheme):
+    with pytest.raises(ConfigError, match=rf"MLflow cannot use the tracking URI '.*' \(scheme '{re.escape(scheme)}'\)"):
+        check_tracking_uri(uri, "tracking.uri")

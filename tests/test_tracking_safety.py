@@ -39,7 +39,8 @@ def test_a_file_store_uri_is_refused_before_the_run_unless_mlflow_allows_it(tmp_
     check_tracking_config(TrackingConfig(uri=uri), tmp_path)
 
 
-@pytest.mark.parametrize("name, why", [("", "Invalid experiment name: ''"), ("   ", "a blank name")])
+@pytest.mark.parametrize("name, why", [("", "an empty name is no name"), ("   ", "a blank name"),
+                                       ("e" * 501, "501 characters; MLflow keeps at most 500")])
 def test_an_empty_experiment_name_is_refused_before_the_run(tmp_path, capsys, name, why):
     with pytest.raises(ConfigError, match=f"config error at 'tracking.experiment': {why}"):
         check_tracking_config(TrackingConfig(experiment=name), tmp_path)
