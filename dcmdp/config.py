@@ -1083,6 +1083,9 @@ RESUME_KEYS = ("model.preset", "model.path", "model.dtype", "task.name", "dual.r
                "dual.constraints.*.tau")
 
 
+# The anchored tolerance's gap g, floor at anchoring and probe window live in the dual state: c = F + g stays the
+# checkpoint's until the next anchoring, whatever the config now says.
+_ANCHOR_STATE = "the anchored tolerance c = F + g continues from the checkpoint's dual state (its gap and probe window)"
 # Keys whose value a resumed run takes from the checkpoint's state, not from the config: a change is refused (exit 2,
 # naming the key) instead of being recorded in config.yaml while the old value trains. A key ending in "." is a
 # block (every key under it but ``RESUMABLE_IN_BLOCKS``).
@@ -1094,6 +1097,16 @@ NOT_ON_RESUME = {
     "optim.warmup_steps": "the schedule continues from the checkpoint's state",
     "optim.precision": "the parameters and optimiser state continue in the checkpoint's precision",
     "dual.constraints.*.lambda_init": "the multipliers continue from the checkpoint's",
+    "dual.constraints.*.anchor": _ANCHOR_STATE,
+    "dual.constraints.*.anchor_start": _ANCHOR_STATE,
+    "dual.constraints.*.anchor_batches": _ANCHOR_STATE,
+    "dual.constraints.*.anchor_every": _ANCHOR_STATE,
+    "dual.constraints.*.anchor_ratio": _ANCHOR_STATE,
+    "dual.constraints.*.miss_rate": "the anchored gap g was set at the checkpoint's miss rate and the chance rule's "
+                                    "multipliers were reached under it",
+    "dual.measure_at": "the floor, the anchored gap and the multipliers in the checkpoint's dual state were measured at "
+                       "its measurement point",
+    "dual.penalty": "the multipliers in the checkpoint's dual state were reached under its penalty form",
     "model.init": "the weights come from the checkpoint",
     "model.num_layers": "the weights come from the checkpoint",
     "cold_start.": "the weights come from the checkpoint, not from a cold start",

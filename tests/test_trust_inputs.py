@@ -40,6 +40,51 @@ def test_a_key_a_resume_cannot_honour_is_a_conflict_naming_it(override, key):
     assert len(lines) == 1 and lines[0].startswith(f"{key}: ") and "the new value would be ignored" in lines[0]
 
 
+ANCHORED = ["dual.measure_at=updates", "dual.constraints[0].floor_slack=0.5", "dual.constraints[0].anchor=0.5",
+            "dual.constraints[0].anchor_start=0", "dual.constraints[0].anchor_batches=1"]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("dual.constraints[0].anchor=0.25", "dual.constraints.0.anchor"),
+    ("dual.constraints[0].anchor=null", "dual.constraints.0.anchor"),
+    ("dual.constraints[0].anchor_start=3", "dual.constraints.0.anchor_start"),
+    ("dual.constraints[0].anchor_batches=2", "dual.constraints.0.anchor_batches"),
+    ("dual.constraints[0].anchor_every=50", "dual.constraints.0.anchor_every"),
+    ("dual.constraints[0].anchor_ratio=2", "dual.constraints.0.anchor_ratio"),
+    ("dual.constraints[0].miss_rate=0.1", "dual.constraints.0.miss_rate"),
+    ("dual.penalty=mean", "dual.penalty"),
+])
+def test_a_key_that_shapes_the_tolerance_or_the_dual_state_is_a_resume_conflict(override, key):
+    """The anchored gap, its probe window and the multipliers live in the checkpoint's dual state: a new anchor (or
+    none), window, miss rate or penalty would be written to config.yaml while the checkpoint's went on."""
+    saved = flatten(load_config(None, ANCHORED))
+    lines = resume_conflicts(saved, load_config(None, [*ANCHORED, override]))
+    assert len(lines) == 1 and lines[0].startswith(f"{key}: ") and "the new value would be ignored" in lines[0], lines
+
+
+def test_a_changed_measurement_point_is_a_resume_conflict():
+    lines = resume_conflicts(flatten(load_config(None, [])), load_config(None, ["dual.measure_at=updates"]))
+    assert len(lines) == 1 and lines[0].startswith("dual.measure_at: 'rollout' in the checkpoint, 'updates' now ("), lines
+
+
+def test_a_resume_with_a_new_anchor_or_none_is_refused_and_config_yaml_keeps_the_anchor(tmp_path, capsys):
+    """A run anchored at 0.5 resumed with anchor=0.25 kept the checkpoint's c = F + g digit for digit while
+    config.yaml said 0.25; anchor=null kept c = F + g while config.yaml said the anchor was off. Both exit 2 naming
+    the key, and the folder is left as it was."""
+    out = tmp_path / "out"
+    argv = ["train", *TINY, *ANCHORED, "steps=1", f"output_dir={out}"]
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != "run.lock"}
+    for value, shown in (("0.25", "'0.25'"), ("null", "'None'")):
+        assert cli.main([*argv, "steps=2", "checkpoint.resume=auto", f"dual.constraints[0].anchor={value}"]) == 2
+        err = capsys.readouterr().err
+        assert f"dual.constraints.0.anchor: '0.5' in the checkpoint, {shown} now (the anchored tolerance" in err, err
+    after = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != "run.lock"}
+    assert after == before
+    assert "anchor: 0.5" in (out / "config.yaml").read_text()
+
+
 @pytest.mark.parametrize("override", ["cold_start.cache_dir=/elsewhere", "dual.constraints[0].tolerance=0.01",
                                       "algo.prompts_per_step=4", "optim.grad_clip=0.5", "steps=99"])
 def test_a_key_a_resume_honours_may_change(override):
