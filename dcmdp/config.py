@@ -12,7 +12,6 @@ import difflib
 import functools
 import io
 import math
-import os
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -121,7 +120,8 @@ class RunConfig:
     eval_every: int = 0
     # Output directory of this run (checkpoints, plots, local MLflow store).
     output_dir: str = "outputs/default"
-    # torch intra-op threads: an int >= 1, or auto (the cores free when the run starts; see dcmdp.cpu).
+    # torch intra-op threads: an int from 1 to the cores this process may run on, or auto (the cores free when the
+    # run starts; see dcmdp.cpu).
     threads: Union[int, str] = "auto"
     # Where the model, optimiser, engine and batches live: auto (cuda:LOCAL_RANK when CUDA is available, else the
     # CPU; logged with the reason at start) | cpu | cuda | cuda:N. See dcmdp.device.
@@ -751,10 +751,14 @@ def _check_sizes(cfg: RunConfig) -> None:
         raise ConfigError(f"config error at 'async_rollout.too_stale': {a.too_stale} acts on batches staler than the "
                           f"bound the controller sets (max_staleness: auto); with the fixed max_staleness="
                           f"{a.max_staleness} no batch is ever staler; drop the key or set max_staleness: auto")
+    from dcmdp.cpu import usable_cores  # light: no torch
+
+    cores = usable_cores()
     for key, value in (("threads", cfg.threads), ("async_rollout.threads", a.threads)):
-        if isinstance(value, int) and value > 4096:
-            raise ConfigError(f"config error at '{key}': {value} threads; use at most the machine's cores "
-                              f"({os.cpu_count()})")
+        if isinstance(value, int) and value > cores:
+            raise ConfigError(f"config error at '{key}': {value} threads, but this process may run on {cores} "
+                              f"core(s) (os.sched_getaffinity): more threads only wait for each other; use at most "
+                              f"{cores}, or threads=auto")
 
 
 def _validate_staleness_control(cfg: RunConfig) -> None:

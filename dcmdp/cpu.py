@@ -13,8 +13,8 @@ wait policy (``OMP_WAIT_POLICY=PASSIVE``: threads idle between parallel regions 
 cores other jobs need); the OpenMP runtime reads it once, when torch loads it, so the command sets it before torch is
 imported, and only where the user has not set it.
 
-A fixed count keeps runs comparable: CPU sums split across threads round differently, so the cold start (its cache
-key holds the thread count) and the run depend on the count, not only on the seed.
+A fixed count keeps runs comparable: CPU sums split across threads round differently, so a CPU cold start (its
+cache key holds the thread count) and the run depend on the count, not only on the seed.
 """
 
 from __future__ import annotations
@@ -32,9 +32,15 @@ def free_cores(cores: int, load: float) -> int:
     return max(1, cores - int(round(max(load, 0.0))))
 
 
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask: a container's or ``taskset``'s share, not the machine's
+    count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def machine() -> tuple[int, Optional[float]]:
     """(cores this process may use, 1-minute load average or None where the platform has none)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):

@@ -140,7 +140,7 @@ def _sharded_model(cfg: RunConfig, out: Path, d: distributed.Dist, tokenizer, ta
     if cfg.model.path and cfg.model.init != "random":
         model_dir = cfg.model.path
     elif cfg.cold_start.steps > 0:
-        model_dir = cached_model_dir(meta, tokenizer, task, cfg.cold_start, cfg.model, seed=seed)
+        model_dir = cached_model_dir(meta, tokenizer, task, cfg.cold_start, cfg.model, seed=seed, device=d.device)
         if model_dir is None:
             trained = None
             if d.main:

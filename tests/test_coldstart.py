@@ -110,6 +110,32 @@ def test_cache_key_covers_what_determines_the_weights():
     assert len(set(variants + [base])) == len(variants) + 1
 
 
+def test_the_thread_count_keys_a_cpu_cold_start_only():
+    """CPU reductions split across threads sum in another order, so a CPU cold start's entry is keyed by the count;
+    a GPU cold start runs its floating-point work in CUDA kernels, which the count does not touch: one entry serves
+    every count there. A meta-device model (the sharded build) gets the key of the device it would train on."""
+    from trainers.models import build_meta_model
+
+    tok, task = build_char_tokenizer(), SingleDigitSum()
+    model_cfg, cfg = ModelConfig(preset="tiny-dense"), ColdStartConfig(steps=10)
+    model = build_model(model_cfg, len(tok), seed=0)
+    meta, _ = build_meta_model(model_cfg, len(tok))
+    threads = torch.get_num_threads()
+    keys = {}
+    try:
+        for n in (threads, threads + 1):
+            torch.set_num_threads(n)
+            keys[n] = {where: cache_key(model, tok, task, cfg, model_cfg, seed=0, device=where)
+                       for where in (None, "cpu", "cuda", "cuda:1")}
+            keys[n]["meta"] = cache_key(meta, tok, task, cfg, model_cfg, seed=0)
+            keys[n]["meta-on-cuda"] = cache_key(meta, tok, task, cfg, model_cfg, seed=0, device=torch.device("cuda"))
+    finally:
+        torch.set_num_threads(threads)
+    one, other = keys[threads], keys[threads + 1]
+    assert one[None] == one["cpu"] == one["meta"] != other["cpu"]
+    assert one["cuda"] == one["cuda:1"] == one["meta-on-cuda"] == other["cuda"] != one["cpu"]
+
+
 def test_zero_steps_saves_the_untouched_model(tmp_path):
     tok, task = build_char_tokenizer(), SingleDigitSum()
     model_cfg = ModelConfig(preset="tiny-moe")

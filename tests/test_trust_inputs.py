@@ -141,6 +141,29 @@ def test_a_size_no_run_can_use_is_refused_at_start(overrides, needle):
     assert time.monotonic() - t0 < 120  # refused before anything that size is made (generous: a loaded machine)
 
 
+def test_threads_above_the_usable_cores_are_refused_naming_the_bound(monkeypatch):
+    """The bound is the cores this process may run on (its affinity mask), not a constant: 3 threads on 2 usable
+    cores are refused, 2 are accepted, for the trainer and the rollout worker alike."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    for key in ("threads", "async_rollout.threads"):
+        with pytest.raises(ConfigError, match=rf"config error at '{key}': 3 threads, but this process may run on 2 "
+                                              rf"core\(s\) .*use at most 2, or threads=auto"):
+            load_config(None, [f"{key}=3"])
+        load_config(None, [f"{key}=2"])
+
+
+def test_check_and_train_refuse_threads_1000_with_the_machines_bound(tmp_path, capsys):
+    from dcmdp.cpu import usable_cores
+
+    cores = usable_cores()
+    for command in ("check", "train"):
+        assert cli.main([command, "threads=1000", f"output_dir={tmp_path / 'out'}"]) == 2
+        err = capsys.readouterr().err
+        assert f"config error at 'threads': 1000 threads, but this process may run on {cores} core(s)" in err, err
+        assert f"use at most {cores}" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_curriculum_phase_longer_than_the_context_is_refused_at_start():
     with pytest.raises(ConfigError, match=r"config error at 'task.curriculum\[1\].digits': prompts of 100 digits run "
                                           r"to \d+ characters, which with rollout.max_new_tokens=8 exceed the context"):

@@ -81,17 +81,21 @@ def _without(x: Any, key: str) -> Any:
 
 
 def cache_key(model: PreTrainedModel, tokenizer, task: _Task, cfg: ColdStartConfig, model_cfg: ModelConfig,
-              *, seed: int) -> str:
+              *, seed: int, device: torch.device | str | None = None) -> str:
     """Hex digest over everything that determines the cold-started weights.
 
     Covers the model's architecture config, the model config (preset, dtype, path), the tokenizer's
     vocabulary, the task's name and config (and its ``data_digest``, a hash of its files, when it has one), the
     cold-start hyper-parameters (not the cache directory), the seed, the torch / transformers versions (kernels
-    and init code change across versions), and torch's intra-op thread count: CPU reductions split across threads
-    sum in another order, and over ~1000 steps at a high learning rate the rounding differences grow into a
-    different model (measured on the default config: 1150 steps give 91.8% held-out accuracy with 1 thread, ~32%
-    with 2).
+    and init code change across versions), and, when the cold start trains on the CPU, torch's intra-op thread
+    count: CPU reductions split across threads sum in another order, and over ~1000 steps at a high learning rate
+    the rounding differences grow into a different model (measured on the default config: 1150 steps give 91.8%
+    held-out accuracy with 1 thread, ~32% with 2). On a GPU every floating-point operation of the cold start runs
+    in CUDA kernels, which do not use that pool (the CPU only draws examples and encodes integer token ids), so the
+    count is left out there and one entry serves every thread count. ``device``: where the cold start trains
+    (default: the model's device; a model on the meta device counts as the CPU unless ``device`` says otherwise).
     """
+    trains_on = torch.device(device) if device is not None else next(model.parameters()).device
     arch = model.config.to_dict()
     for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"):
         arch.pop(k, None)
@@ -111,7 +115,7 @@ def cache_key(model: PreTrainedModel, tokenizer, task: _Task, cfg: ColdStartConf
         "cold_start": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "cache_dir"},
         "seed": seed,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "threads": torch.get_num_threads(),
+        **({"threads": torch.get_num_threads()} if trains_on.type in ("cpu", "meta") else {}),
     }
     blob = json.dumps(payload, sort_keys=True, default=repr).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
@@ -345,10 +349,11 @@ def _load_cached(model_dir: str, dtype: str) -> tuple[PreTrainedModel | None, st
 
 
 def cached_model_dir(model: PreTrainedModel, tokenizer, task: _Task, cfg: ColdStartConfig, model_cfg: ModelConfig, *,
-                     seed: int) -> str | None:
-    """The cache entry ``cold_start`` would load for this model (``cache_key``; the model may be on the meta device)
-    when it exists and passes its checksums, else None. Loads no weights."""
-    key = cache_key(model, tokenizer, task, cfg, model_cfg, seed=seed)
+                     seed: int, device: torch.device | str | None = None) -> str | None:
+    """The cache entry ``cold_start`` would load for this model (``cache_key``; the model may be on the meta device,
+    ``device`` then names where a cold start would train it) when it exists and passes its checksums, else None.
+    Loads no weights."""
+    key = cache_key(model, tokenizer, task, cfg, model_cfg, seed=seed, device=device)
     model_dir = os.path.abspath(os.path.join(cfg.cache_dir, key))
     return model_dir if os.path.exists(model_dir) and verify_cache_entry(model_dir)[0] else None
 
