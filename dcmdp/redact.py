@@ -26,7 +26,7 @@ import logging
 import os
 import re
 from dataclasses import fields, is_dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 from urllib.parse import unquote, urlsplit
 
 from omegaconf import OmegaConf
@@ -196,7 +196,8 @@ def public_uri(uri: Optional[str]) -> Optional[str]:
 
 def uri_problem(uri: str) -> Optional[str]:
     """Why a URI cannot be used as written (a password with an unencoded '/', '?', '#' or '@' makes its host
-    unreadable), in words, or None."""
+    unreadable; an http(s) URI with a query or fragment, which MLflow would send inside the request's path), in words,
+    or None."""
     if "://" not in uri or is_ref(uri.strip()):
         return None
     rest = uri.partition("://")[2]
@@ -208,9 +209,16 @@ def uri_problem(uri: str) -> Optional[str]:
     if authority.count("@") > 1:
         return ("its userinfo holds an unencoded '@': percent-encode it (%40) in the user name and password")
     try:
-        urlsplit(uri).port
+        parts = urlsplit(uri)
+        parts.port
     except ValueError as exc:
         return f"its port cannot be read ({exc})"
+    if parts.scheme.lower() in ("http", "https") and (parts.query or parts.fragment or "?" in uri or "#" in uri):
+        return ("an MLflow server's URI takes no query or fragment: MLflow appends its API path to the URI as "
+                "written (GET /?token=.../api/2.0/mlflow/...), so neither would reach the server as one. Give a token "
+                "through the environment variable MLFLOW_TRACKING_TOKEN (sent as a bearer header), a user and password "
+                "through MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD or the URI's userinfo read from the "
+                "environment (http://user:${oc.env:NAME}@host)")
     return None
 
 
@@ -232,6 +240,18 @@ def public_command(argv: list[str]) -> str:
         else:
             words.append(arg)
     return " ".join(words) + (f" (overrides, values not recorded: {', '.join(elided)})" if elided else "")
+
+
+def public_overrides(overrides: Sequence[str], uri_keys: Sequence[str]) -> list[str]:
+    """``key=value`` overrides as a record may hold them: as written (an interpolation stays ``${oc.env:PW}``, never
+    its value), the value of each key of ``uri_keys`` (dotted, ``[i]`` read as ``.i``) by its ``public_uri``."""
+    out = []
+    for text in overrides:
+        key, eq, value = str(text).partition("=")
+        if eq and re.sub(r"\[(\d+)\]", r".\1", key.strip().lstrip("+~")) in uri_keys:
+            text = f"{key}={public_uri(value)}"
+        out.append(text)
+    return out
 
 
 # ------------------------------------------------------------------------------------------ values as written

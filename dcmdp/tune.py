@@ -97,8 +97,8 @@ from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
 from dcmdp import redact
-from dcmdp.config import (ConfigError, RunConfig, TrackingConfig, file_in_the_way, load_config, read_yaml_text, to_yaml,
-                          validate, yaml_value)
+from dcmdp.config import (URI_KEYS, ConfigError, RunConfig, TrackingConfig, file_in_the_way, load_config, public_config,
+                          read_yaml_text, to_yaml, validate, yaml_value)
 from dcmdp.redact import public_uri
 from dcmdp.tracking import LOCAL_ID_PREFIX, Tracker, resolve_tracking_uri
 
@@ -229,12 +229,15 @@ def load_tune_config(path: str | Path, overrides: Sequence[str] = ()) -> TuneCon
         raise ConfigError(f"tune file not found: {path}")
     raw = _read_tune_file(path)
     try:
-        cfg: TuneConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TuneConfig), raw))  # type: ignore
+        merged = OmegaConf.merge(OmegaConf.structured(TuneConfig), raw)
+        written = OmegaConf.to_container(merged, resolve=False)["overrides"]
+        cfg: TuneConfig = OmegaConf.to_object(merged)  # type: ignore
     except OmegaConfBaseException as exc:
         raise ConfigError(f"tune config error at '{getattr(exc, 'full_key', '')}' in {path}: {exc.msg}") from exc
     if not Path(cfg.base).is_absolute() and (path.parent / cfg.base).is_file():
         cfg.base = str(path.parent / cfg.base)
-    cfg.overrides = [str(o) for o in cfg.overrides] + list(overrides)
+    # as written: load_config resolves an interpolation (${oc.env:PW}) itself and keeps it out of every record
+    cfg.overrides = [str(o) for o in written] + list(overrides)
     cfg.study = cfg.study or path.stem
     _check(cfg)
     return cfg
@@ -585,6 +588,8 @@ class _Sweep:
         self.cfg, self.out = cfg, Path(cfg.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.base = load_config(cfg.base, cfg.overrides)
+        # what the study, the parent run and its buffer record of the overrides: Optuna's attributes are plain text
+        self.public_overrides = redact.public_overrides(cfg.overrides, URI_KEYS)
         self.names = constraint_names(self.base.dual.constraints)
         self.tracking_uri = resolve_tracking_uri(self.base.tracking, self.out)
         # trials read the URI (and any credential in it) from the environment they inherit, so that no trial's
@@ -600,15 +605,17 @@ class _Sweep:
                     "connect_args": {"timeout": 120}} if url.startswith("sqlite") else None)
             except Exception as exc:  # sqlalchemy's errors: a damaged file, a wrong URL, a driver missing
                 where = "storage" if cfg.storage else "storage (default <output_dir>/study.db)"
-                raise ConfigError(f"tune config error at '{where}': cannot open the study database {url}: "
-                                  f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+                raise ConfigError(f"tune config error at '{where}': cannot open the study database {public_uri(url)}: "
+                                  f"{type(exc).__name__}: {redact.redact(str(exc).splitlines()[0])}") from None
         self.started = 0
         self.stopping = False
         self.procs: set[subprocess.Popen] = set()
         self.study = self._open_study()
-        self.tracker = Tracker(TrackingConfig(uri=self.tracking_uri, experiment=self.base.tracking.experiment,
-                                              run_name=f"tune-{cfg.study}",
-                                              buffer_dir=str(self.out / "tracking_buffer")), self.out)
+        parent = TrackingConfig(uri=self.tracking_uri, experiment=self.base.tracking.experiment,
+                                run_name=f"tune-{cfg.study}", buffer_dir=str(self.out / "tracking_buffer"))
+        if (uri_as_written := redact.written_field(self.base.tracking, "uri")) is not None:
+            redact.attach_written(parent, {"uri": uri_as_written})  # its buffer names it, for `dcmdp sync`
+        self.tracker = Tracker(parent, self.out)
         self.parent_id = self._start_parent()
 
     def _sampler(self, seed: int) -> optuna.samplers.BaseSampler:
@@ -619,7 +626,7 @@ class _Sweep:
         return optuna.samplers.GPSampler(seed=seed)
 
     def _open_study(self) -> optuna.Study:
-        spec = json.dumps({"base": self.cfg.base, "overrides": self.cfg.overrides, "space": self.cfg.space,
+        spec = json.dumps({"base": self.cfg.base, "overrides": self.public_overrides, "space": self.cfg.space,
                            "sampler": self.cfg.sampler}, sort_keys=True)
         with self.lock():
             try:
@@ -634,9 +641,9 @@ class _Sweep:
                                           sampler=self._sampler(seed))
                 stored = study.user_attrs.get("dcmdp.spec")
                 if stored is not None and stored != spec:
-                    raise ConfigError(f"tune: study {self.cfg.study!r} in {self.storage.url} was made from another "
-                                      f"base, overrides, space or sampler ({stored}); set 'study' in the tune file "
-                                      f"or use another output_dir")
+                    raise ConfigError(f"tune: study {self.cfg.study!r} in {public_uri(str(self.storage.url))} was made "
+                                      f"from another base, overrides, space or sampler ({stored}); set 'study' in the "
+                                      f"tune file or use another output_dir")
             optuna.storages.fail_stale_trials(study)
             trials = study.get_trials(deepcopy=False)
             retried = {n for t in trials for n in RetryHeartbeatStaleTrialCallback.retry_history(t)}
@@ -646,7 +653,7 @@ class _Sweep:
         return study
 
     def _start_parent(self) -> Optional[str]:
-        params = {"tune.base": self.cfg.base, "tune.overrides": " ".join(self.cfg.overrides),
+        params = {"tune.base": self.cfg.base, "tune.overrides": " ".join(self.public_overrides),
                   "tune.sampler": self.cfg.sampler, "tune.trials": str(self.cfg.trials), "tune.study": self.cfg.study,
                   **{f"tune.space.{k.replace('[', '.').replace(']', '')}": str(v) for k, v in self.cfg.space.items()},
                   **{f"tune.select.{k}": str(v) for k, v in asdict(self.cfg.select).items()},
@@ -944,8 +951,8 @@ def log_spaced(dist: optuna.distributions.BaseDistribution) -> bool:
 def best_snippet(base: RunConfig, best: Trial) -> str:
     """The winner's ``dual.constraints`` block (and any other swept key) as YAML, ready to paste."""
     cfg = apply_settings(base, best.settings)
-    node = OmegaConf.create({"dual": {"constraints": OmegaConf.to_container(
-        OmegaConf.structured(cfg).dual.constraints)}})
+    # as every record of a config: a value written as an interpolation stays one (public_config)
+    node = OmegaConf.create({"dual": {"constraints": public_config(cfg)["dual"]["constraints"]}})
     for key, value in best.settings.items():
         if not key.startswith("dual.constraints"):
             OmegaConf.update(node, key, value, force_add=True)

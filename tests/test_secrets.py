@@ -73,7 +73,9 @@ def test_random_secrets_never_reach_a_record_and_config_yaml_reads_back(monkeypa
     monkeypatch.setenv("DCMDP_TOK", token)
     monkeypatch.setenv("DCMDP_NAME", name)
     monkeypatch.setenv("DCMDP_KEY", key)
-    uri = "http://me:${oc.env:DCMDP_PW}@127.0.0.1:5000/mlflow?token=${oc.env:DCMDP_TOK}&x=1#api_key=${oc.env:DCMDP_KEY}"
+    # a database URI: an MLflow server's (http) takes no query or fragment
+    uri = ("postgresql://me:${oc.env:DCMDP_PW}@127.0.0.1:5432/mlflow?token=${oc.env:DCMDP_TOK}&x=1"
+           "#api_key=${oc.env:DCMDP_KEY}")
     overrides = [f"tracking.uri={uri}", "tracking.run_name=${oc.env:DCMDP_NAME}", "progress=${oc.env:DCMDP_PB,false}"]
     try:
         cfg = load_config(None, overrides)
@@ -193,37 +195,37 @@ def test_random_secrets_reach_no_artefact_of_a_run_tracked_to_a_server(tmp_path,
 
 
 def test_random_secrets_reach_no_artefact_of_a_run_whose_tracking_is_buffered(tmp_path):
-    """A tracking URI with a token as user name, a literal password, credential query parameters (literal and from
-    the environment) and an unreachable server: the metrics are buffered, and the buffer, run.lock, config.yaml,
-    summary.json, the checkpoint, the console and the log (urllib3's retry warnings repeat the URL) hold none of the
-    secrets; the buffer's header names the URI without them, and how to read them again."""
+    """A tracking URI with a literal password beside a user name, a run name from the environment and an
+    unreachable server: the metrics are buffered, and the buffer, run.lock, config.yaml, summary.json, the checkpoint,
+    the console and the log (urllib3's retry warnings repeat the URL) hold none of the secrets; the buffer's header
+    names the URI without them. (A query token is refused: test_secrets_every_command.py.)"""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed once the block ends: nothing answers there
-    user, password, token, sig = _secrets(4646, 4)
+    user, password, sig = _secrets(4646, 3)
     out = tmp_path / "out"
-    uri = f"http://{user}:{password}@127.0.0.1:{port}/?token={token}&sig=${{oc.env:DCMDP_T_SIG}}&x=1"
+    uri = f"http://{user}:{password}@127.0.0.1:{port}/"
     # a process of its own: its command line (run.lock, the dcmdp.command tag) holds the literal secrets
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}, "OMP_NUM_THREADS": "1",
            "DCMDP_T_SIG": sig}
     done = subprocess.run([sys.executable, "-m", "dcmdp.cli", "train", *BASE, f"tracking.uri={uri}",
-                           f"output_dir={out}"], capture_output=True, text=True, env=env, timeout=600)
+                           "tracking.run_name=${oc.env:DCMDP_T_SIG}", f"output_dir={out}"], capture_output=True,
+                          text=True, env=env, timeout=600)
     console = done.stdout + done.stderr
     assert done.returncode == 0, console[-3000:]
     [segment] = (out / "tracking_buffer").glob("*.jsonl")
     header = json.loads(segment.read_text().splitlines()[0])
-    assert header["uri"] == f"http://127.0.0.1:{port}/?x=1" and header["credentials_removed"] is True
-    assert "sig=${oc.env:DCMDP_T_SIG}" in header["uri_as_written"]
+    assert header["uri"] == f"http://127.0.0.1:{port}/" and header["credentials_removed"] is True
     assert "tracking.uri" in (out / "run.lock").read_text()  # the key, not its value
     assert "tracking.uri holds a credential written into it" in console  # and says how to keep it
     records = [json.loads(line) for line in segment.read_text().splitlines()[1:]]
     [command] = [r["tags"]["dcmdp.command"] for r in records if "dcmdp.command" in r.get("tags", {})]
     assert command.endswith("(overrides, values not recorded: " + ", ".join(
-        o.split("=")[0] for o in [*BASE, "tracking.uri=", "output_dir="]) + ")")
+        o.split("=")[0] for o in [*BASE, "tracking.uri=", "tracking.run_name=", "output_dir="]) + ")")
     blobs = {**_files(out), "console": console.encode()}
-    for secret in (password, token, sig):
+    for secret in (password, sig):
         assert not _leaks(secret, blobs), (secret, _leaks(secret, blobs))
     # a user name beside a password is no secret (a library's message may repeat it); no record holds it
     assert not _leaks(user, _files(out)), _leaks(user, _files(out))
@@ -245,6 +247,28 @@ def test_a_tune_trial_config_keeps_interpolations_and_holds_no_uri_credential(mo
     assert trial.dual.constraints[0].lr == 0.5 and "DCMDP_LR" not in text  # a setting replaces the interpolation
     (tmp_path / "run.yaml").write_text(text)
     assert load_config(tmp_path / "run.yaml") == trial
+
+
+def test_a_tune_file_keeps_its_overrides_and_best_yaml_its_values_as_written(monkeypatch, tmp_path):
+    """The tune file's overrides reach the study's attributes and the parent run's params as written (OmegaConf
+    resolved them when the file was read), with a URI's literal password left out; best.yaml holds a constraint's
+    value read from the environment as its interpolation."""
+    from dcmdp.redact import public_overrides
+    from dcmdp.tune import Trial, best_snippet, load_tune_config
+
+    monkeypatch.setenv("DCMDP_T_PW", "pw-of-the-study-4711")
+    monkeypatch.setenv("DCMDP_T_LR", "0.25")
+    (tmp_path / "tune.yaml").write_text(yaml.safe_dump({
+        "base": "run.yaml", "overrides": ["tracking.uri=http://me:${oc.env:DCMDP_T_PW}@h:5000", "steps=1"],
+        "space": {"dual.constraints[0].tolerance": [0.01]}, "output_dir": str(tmp_path / "tune")}))
+    (tmp_path / "run.yaml").write_text("model: {preset: tiny-dense}\n"
+                                       "dual: {constraints: [{lr: '${oc.env:DCMDP_T_LR}'}]}\n")
+    cfg = load_tune_config(tmp_path / "tune.yaml", ["tracking.uri=http://me:literal-pw-4711@h:5000"])
+    assert cfg.overrides == ["tracking.uri=http://me:${oc.env:DCMDP_T_PW}@h:5000", "steps=1",
+                             "tracking.uri=http://me:literal-pw-4711@h:5000"]
+    assert public_overrides(cfg.overrides, ("tracking.uri",))[2] == "tracking.uri=http://h:5000"
+    text = best_snippet(load_config(cfg.base, cfg.overrides), Trial("t000", {"dual.constraints[0].tolerance": 0.01}))
+    assert "lr: ${oc.env:DCMDP_T_LR}" in text and "tolerance: 0.01" in text and "0.25" not in text
 
 
 def test_metrics_buffered_during_an_outage_are_sent_with_the_password_read_again(tmp_path, monkeypatch,
