@@ -1108,8 +1108,8 @@ NOT_ON_RESUME = {
     "dual.constraints.*.anchor_ratio": _ANCHOR_STATE,
     "dual.constraints.*.miss_rate": "the anchored gap g was set at the checkpoint's miss rate and the chance rule's "
                                     "multipliers were reached under it",
-    "dual.measure_at": "the floor, the anchored gap and the multipliers in the checkpoint's dual state were measured at "
-                       "its measurement point",
+    "dual.measure_at": "the floor, the anchored gap and the multipliers in the checkpoint's dual state were measured "
+                       "at its measurement point",
     "dual.penalty": "the multipliers in the checkpoint's dual state were reached under its penalty form",
     "model.init": "the weights come from the checkpoint",
     "model.num_layers": "the weights come from the checkpoint",

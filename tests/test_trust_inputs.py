@@ -64,7 +64,8 @@ def test_a_key_that_shapes_the_tolerance_or_the_dual_state_is_a_resume_conflict(
 
 def test_a_changed_measurement_point_is_a_resume_conflict():
     lines = resume_conflicts(flatten(load_config(None, [])), load_config(None, ["dual.measure_at=updates"]))
-    assert len(lines) == 1 and lines[0].startswith("dual.measure_at: 'rollout' in the checkpoint, 'updates' now ("), lines
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("dual.measure_at: 'rollout' in the checkpoint, 'updates' now ("), lines
 
 
 def test_a_resume_with_a_new_anchor_or_none_is_refused_and_config_yaml_keeps_the_anchor(tmp_path, capsys):
