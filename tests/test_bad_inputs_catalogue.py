@@ -212,6 +212,11 @@ CLI: dict[str, Case] = {
     "jsonl-cold-start-without-completion": Case(
         JSONL, "dcmdp: error: config error at 'cold_start.steps': the cold start trains on demonstrations",
         setup=_jsonl_task(*SUMS)),
+    "threads-above-cores": Case(("dcmdp", "check", "threads=1000"),
+                                "config error at 'threads': 1000 threads, but this process may run on"),
+    "tracking-uri-query-token": Case(("dcmdp", "check", "tracking.uri=http://127.0.0.1:5000/?token=t0k3n-abc"),
+                                     "config error at 'tracking.uri': 'http://127.0.0.1:5000/' cannot be used: an "
+                                     "MLflow server's URI takes no query or fragment"),
 }
 
 # rows that document exit code 2 for a case a command line alone cannot make: the tests they name cover them
@@ -227,6 +232,7 @@ NOT_A_COMMAND = {
     "a fresh run (no `checkpoint.resume`) in an `output_dir` that holds an earlier run": "needs an earlier run",
     "a checkpoint of another run (or step) copied into `checkpoints/`": "needs a checkpoint of an earlier run",
     "a checkpoint's `manifest.json` (or the folder's `run.json`) nested": "needs a checkpoint of an earlier run",
+    "a resume with a changed anchor": "needs a checkpoint of an earlier run",
 }
 # the cases run as a new process in the default test run (the rest with -m slow)
 FAST = ("experiment-nested-1000-levels", "sync-buffer-line-nested-1000-levels")
