@@ -154,7 +154,8 @@ class PruneSpec:
 class TuneConfig:
     # Run config of every trial (a relative path is tried next to the tune file, then in cwd).
     base: str
-    # Dotlist overrides of the base config for every trial.
+    # Dotlist overrides of the base config for every trial, read as written, like the command line's: an interpolation
+    # in one (${oc.env:PW}) is resolved in the run config and recorded (study, parent run, trial run.yaml) unresolved.
     overrides: list[str] = field(default_factory=list)
     # Run-config key -> a list of values, or {low, high, log, step} (tpe and gp only).
     space: dict[str, Any] = field(default_factory=dict)
