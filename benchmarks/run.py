@@ -371,6 +371,28 @@ def load_experiment(spec: str | Path) -> Experiment:
         raise ExperimentError(f"{where}: a value of the wrong shape ({type(exc).__name__}: {exc})") from None
 
 
+def _cell_name(value: object, where: str) -> str:
+    """An experiment's ``cell_name``: the template of one folder name in ``{level}``, ``{method}``, ``{N}`` and
+    ``{seed}``."""
+    try:
+        name = value.format(level="L", method="M", N=1, seed=0) if isinstance(value, str) else None
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ExperimentError(f"{where}: {value!r} is not a template in {{level}}, {{method}}, {{N}} and {{seed}} "
+                              f"({type(exc).__name__}: {exc})") from None
+    if name is None or not name.strip() or "/" in name or name in (".", ".."):
+        raise ExperimentError(f"{where}: expected the template of one folder name in {{level}}, {{method}}, {{N}} and "
+                              f"{{seed}} (e.g. \"{Experiment.cell_name}\"), got {value!r}")
+    return value
+
+
+def _late_from(value: object, where: str) -> float:
+    """An experiment's ``late_from``: the share of the steps after which evaluations count as late, in [0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ExperimentError(f"{where}: expected the share of the steps after which evaluations count as late, a "
+                              f"number in [0, 1] (e.g. 0.6), got {value!r}")
+    return float(value)
+
+
 def _experiment(path: Path, where: str, text: object) -> Experiment:
     """The experiment of an experiment file's YAML ``text``, its entries checked as they are read."""
     raw = _entry(text, where,
@@ -421,8 +443,10 @@ def _experiment(path: Path, where: str, text: object) -> Experiment:
     if raw.get("reference", "") and raw["reference"] not in methods:
         raise ExperimentError(f"{where}.reference: no method {raw['reference']!r} (known: {sorted(methods)})")
     return Experiment(path.stem, raw["about"], ROOT / raw["base"], _strings(raw.get("overrides"), f"{where}.overrides"),
-                      levels, methods, abouts, labels, profiles, raw.get("cell_name", Experiment.cell_name),
-                      float(raw.get("late_from", Experiment.late_from)), str(raw.get("reference", "")),
+                      levels, methods, abouts, labels, profiles, _cell_name(raw.get("cell_name", Experiment.cell_name),
+                                                                             f"{where}.cell_name"),
+                      _late_from(raw.get("late_from", Experiment.late_from), f"{where}.late_from"),
+                      str(raw.get("reference", "")),
                       method_levels, _compare(raw.get("compare"), f"{where}.compare", levels, methods))
 
 
@@ -1551,11 +1575,23 @@ def page(exp: Experiment, profile_name: str, runs: list[Run], cells_here: list[t
     return cells
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (a count of worker processes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
 def main(argv: Optional[Sequence[str]] = None) -> list[dict] | None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("experiment", nargs="?", help="name under benchmarks/experiments/ or a path to a YAML file")
     ap.add_argument("-p", "--profile", default="quick")
-    ap.add_argument("--workers", type=int, default=2, help="runs in parallel, one process and one thread each")
+    ap.add_argument("--workers", type=_positive_int, default=2,
+                    help="runs in parallel, one process and one thread each")
     ap.add_argument("--bench-dir", default=None, help="run folders (default: outputs/<experiment>_<profile>)")
     ap.add_argument("--results", default=None,
                     help="results prefix (default: benchmarks/results/<experiment>_<profile>)")

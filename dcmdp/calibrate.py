@@ -59,6 +59,7 @@ from constraints.config import ConstraintConfig
 from constraints.measures import measure_constraint, panel_constraints
 from constraints.penalties import constraint_names
 from dcmdp.config import RunConfig
+from dcmdp.errors import ConfigError
 from dcmdp.dual import init_state, penalty_spec, tolerances, update_floor
 from dcmdp.loop import Setup, measure_phase, reward_phase, rollout_phase, screen_phase, setup, train_step
 from dcmdp.probe import constraint_values, probe_updates
@@ -233,6 +234,10 @@ def calibrate(cfg: RunConfig, batches: int = 8, slack: float = 0.25, measures: S
     if not slack >= 0:
         raise ValueError(f"--slack must be >= 0, got {slack}")
     targets = [ConstraintConfig(measure=m) for m in measures] if measures else list(cfg.dual.constraints)
+    if cfg.dual.measure_at == "updates" and not targets:  # the anchored run it replays has nothing to anchor
+        raise ConfigError("config error at 'dual.constraints': calibrate under dual.measure_at=updates proposes c by "
+                          "running the anchored tolerance of each constraint, and the config has none; give the "
+                          "measures with --measures (e.g. --measures kl_k3) or constraints under dual.constraints")
     if cfg.dual.measure_at == "updates":
         return calibrate_anchored(cfg, targets, batches, slack, inside_frac)
     at_updates = cfg.dual.measure_at in _MOVED_POINTS

@@ -211,8 +211,8 @@ class MemoryPlan:
         t = self.largest
         return (f"config error at '{t.key}': the memory plan needs {self.total_gib:.1f} GiB per GPU, above the "
                 f"{self.gpu_mem_gib:g} GiB of {self.gpu_source}; the largest term is {t.name} ({t.gib:.1f} GiB: "
-                f"{t.formula}): {FIXES.get(t.name, 'lower ' + t.key)}, or plan for more GPUs (--gpus, FSDP2 shards "
-                f"weights, gradients and optimiser state) or a larger one (--gpu-memory)")
+                f"{t.formula}): {FIXES.get(t.name, 'change ' + t.key)}, or plan for more GPUs (--gpus, FSDP2 "
+                f"shards weights, gradients and optimiser state) or for GPUs with more memory (a larger --gpu-memory)")
 
 
 # What shrinks each term, for a refusal.
@@ -226,6 +226,8 @@ FIXES = {
                       "rollout.torch.share_weights=true",
     "kv_cache": "set rollout.torch.kv_tokens (decode in sub-batches)",
     "routes": "lower rollout.max_new_tokens or algo.prompts_per_step",
+    "overhead": "no key shrinks this fixed cost of any run on a GPU (the CUDA context and allocator slack): shrink "
+                "the other terms",
 }
 
 

@@ -217,6 +217,22 @@ CLI: dict[str, Case] = {
     "tracking-uri-query-token": Case(("dcmdp", "check", "tracking.uri=http://127.0.0.1:5000/?token=t0k3n-abc"),
                                      "config error at 'tracking.uri': 'http://127.0.0.1:5000/' cannot be used: an "
                                      "MLflow server's URI takes no query or fragment"),
+    "memory-plan-overhead-largest": Case(("dcmdp", "check", "--gpu-memory", "1"),
+                                         "the largest term is overhead (3.0 GiB: CUDA context, NCCL buffers, allocator "
+                                         "slack (assumed)): no key shrinks this fixed cost"),
+    "calibrate-updates-without-constraints": Case(
+        ("dcmdp", "calibrate", "dual.measure_at=updates", "dual.constraints=[]"),
+        "config error at 'dual.constraints': calibrate under dual.measure_at=updates proposes c"),
+    "experiment-cell-name-not-a-template": _experiment(".cell_name: expected the template of one folder name",
+                                                       _file("bad.yaml", EXPERIMENT + "cell_name: 5\n")),
+    "experiment-late-from-2": _experiment(".late_from: expected the share of the steps after which evaluations count "
+                                          "as late, a number in [0, 1] (e.g. 0.6), got 2",
+                                          _file("bad.yaml", EXPERIMENT + "late_from: 2\n")),
+    "experiment-workers-0": Case(("benchmarks/run.py", "bad.yaml", "--workers", "0"),
+                                 "argument --workers: must be an integer >= 1, got 0", setup=_file("bad.yaml", EXPERIMENT)),
+    "experiment-workers-negative": Case(("benchmarks/run.py", "bad.yaml", "--workers", "-3"),
+                                        "argument --workers: must be an integer >= 1, got -3",
+                                        setup=_file("bad.yaml", EXPERIMENT)),
 }
 
 # rows that document exit code 2 for a case a command line alone cannot make: the tests they name cover them
