@@ -383,22 +383,39 @@ class SpmdEngine:
         self.inner.close()
 
 
+# Elements of a Rollout field checksummed at a time by ``_rollout_digest``: its int64 temporaries are two of this
+# size (16 MiB), whatever the field's length (the 30B recipe's routes are ~1.7e9 elements).
+DIGEST_CHUNK = 1 << 20
+
+
 def _rollout_digest(rollout, device: torch.device) -> Tensor:
     """(fields, 2) int64 checksums of everything a Rollout holds (tokens, masks, log-probs, routes), computed on
     ``device`` to compare ranks cheaply: per field its element count and sum_i bits_i * w_i, with bits_i the value's
     bit pattern (floats viewed as integers) and w_i a fixed pseudo-random weight in [1, 65521), so a changed, moved
-    or reordered element changes it. Wrapping int64 arithmetic is the same on every rank."""
+    or reordered element changes it. Wrapping int64 arithmetic is the same on every rank, and associative: the sum
+    is taken ``DIGEST_CHUNK`` elements at a time (``field_checksum``), so the digest does not depend on the chunk."""
     sums = []
     for name, value in sorted(vars(rollout).items()):
-        if not isinstance(value, Tensor):
-            continue
-        x = value.detach().to(device).reshape(-1)
+        if isinstance(value, Tensor):
+            sums.append(field_checksum(value.detach(), device, DIGEST_CHUNK))
+    return torch.stack(sums)
+
+
+def field_checksum(value: Tensor, device: torch.device, chunk: int) -> Tensor:
+    """(2,) int64: ``value``'s element count and sum_i bits_i * w_i (``_rollout_digest``), ``chunk`` elements at a
+    time: each chunk is moved to ``device`` and widened to int64 on its own (two int64 temporaries of ``chunk``
+    elements), never the whole field (the routes are int8: a whole-field int64 copy is 8x them, each temporary of
+    the weights' arithmetic another 8x)."""
+    flat = value.reshape(-1)
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    for start in range(0, flat.numel(), chunk):
+        x = flat[start:start + chunk].to(device)
         if x.is_floating_point():
             x = x.float().view(torch.int32)
-        i = torch.arange(x.numel(), device=device, dtype=torch.int64)
-        w = (i * 2654435761 + 97) % 65521 + 1
-        sums.append(torch.stack([torch.tensor(x.numel(), device=device), (x.to(torch.int64) * w).sum()]))
-    return torch.stack(sums)
+        w = torch.arange(start, start + x.numel(), device=device, dtype=torch.int64)
+        w.mul_(2654435761).add_(97).remainder_(65521).add_(1).mul_(x)
+        total += w.sum()
+    return torch.stack([torch.tensor(flat.numel(), device=device), total])
 
 
 def rollout_engine(cfg, model: torch.nn.Module, model_dir: str, *, eos_id: int, pad_id: int, d: Dist):
