@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from dcmdp.config import ConfigError, RunConfig, check_finite, compose_with_problems, load_config, validate
+from trainers.errors import not_a_regular_file
 from trainers.jsonfile import read_model_config
 
 # Malformed lines of a task file named one by one; the rest are counted.
@@ -223,16 +224,21 @@ def _read_examples(key: str, path: str, parse, task: str, problems: list[Problem
     where = os.path.abspath(path)
     if any(p.key == key for p in problems):  # the config's own check named the file already
         return None
-    if not os.path.exists(path):
+    why = not_a_regular_file(path)
+    if why == "does not exist":
         problems.append(Problem(key, f"config error at '{key}': file not found: {where} (relative paths are read "
                                      f"from the working directory, {os.getcwd()})", file=True))
         return None
-    if not os.path.isfile(path):
-        problems.append(Problem(key, f"config error at '{key}': {where} is not a file; name a JSON-lines file",
-                                file=True))
+    if why is not None:
+        problems.append(Problem(key, f"config error at '{key}': {where} {why}; name a JSON-lines file", file=True))
         return None
-    with open(path, "rb") as f:
-        raw = f.read()
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:  # no read permission: the user's file to fix, not the machine's
+        problems.append(Problem(key, f"config error at '{key}': cannot read {where}: {exc.strerror or exc}; give "
+                                     f"the user running dcmdp read access to it", file=True))
+        return None
     if raw[:2] == b"\x1f\x8b" or raw[:4] in (b"PK\x03\x04", b"BZh9", b"\xfd7zX"):
         problems.append(Problem(key, f"{path}: a compressed file (it starts with the bytes {raw[:4]!r}); decompress "
                                      f"it: the task reads JSON lines as plain UTF-8 text", file=True))
@@ -346,7 +352,8 @@ def _run_folder(cfg: RunConfig, problems: list[Problem]) -> None:
         problems.append(Problem("checkpoint.resume", f"checkpoint.resume={resume!r}: no checkpoint there; name a "
                                                      f"checkpoint folder (<output_dir>/checkpoints/step_N), or auto",
                                 1))
-    if (out.is_dir() and not resume and not cfg.overwrite and (earlier := run_in_folder(out))
+    named = any(p.key == "output_dir" for p in problems)  # a name too long to look at, a file in its way
+    if (not named and out.is_dir() and not resume and not cfg.overwrite and (earlier := run_in_folder(out))
             and (conflicts := own_run_conflicts(cfg)) != []):
         why = f" with another config ({'; '.join(conflicts[:3])})" if conflicts else ""
         problems.append(Problem("output_dir", f"output_dir {out} already holds a run{why} ({earlier}): continue it "

@@ -18,8 +18,9 @@ from dcmdp.redact import attach_written, filter_log_handlers, written_field
 
 
 def _split_config_args(args: Sequence[str]) -> tuple[Optional[str], list[str]]:
-    """``[CONFIG] [key=value ...]``: the first argument is a YAML path unless it is an override."""
-    if args and "=" not in args[0]:
+    """``[CONFIG] [key=value ...]``: the first argument is a YAML path unless it is an override; a YAML file that
+    exists wins over an override of the same spelling (``my=cfg.yaml``), since no config key ends in ``.yaml``."""
+    if args and ("=" not in args[0] or (args[0].endswith((".yaml", ".yml")) and os.path.isfile(args[0]))):
         return args[0], list(args[1:])
     return None, list(args)
 

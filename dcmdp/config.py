@@ -27,6 +27,7 @@ from dcmdp.dual_config import FLOOR_KINDS, DualConfig
 from dcmdp.dual_config import CONTEXT_KINDS, ContextConfig, CouplingConfig, PIDConfig  # noqa: F401 (re-exported)
 from dcmdp.errors import ConfigError  # re-exported: every caller catches it from here
 from trainers.config import RENAMED_KEYS as TRAINER_RENAMED_KEYS
+from trainers.errors import not_a_regular_file
 from trainers.config import AlgoConfig, ColdStartConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig
 
 if TYPE_CHECKING:
@@ -316,8 +317,9 @@ def _read_config_file(path: str | Path) -> DictConfig:
     read within the bounds, is empty (a config with no setting is a mistake, not a request for the default run), is
     not YAML, or is not a mapping."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file not found: {p}")
+    if (why := not_a_regular_file(p)) is not None:
+        raise ConfigError(f"config file not found: {p}" if why == "does not exist" else f"config file {p} {why}; "
+                          f"name a YAML file")
     text, values = read_yaml_text(p, f"config file {p}", ConfigError,
                                   "a config holds settings (a few KiB): name the right file")
     if values == 0:
@@ -1180,10 +1182,19 @@ def _check_run_basics(cfg: RunConfig) -> None:
     if not cfg.output_dir.strip():
         raise ConfigError("config error at 'output_dir': empty; name a folder for the run (an empty one would write "
                           "into the working directory)")
+    long = [part for part in Path(cfg.output_dir).parts if len(part.encode()) > NAME_MAX]
+    if long:  # the run would fail at its first mkdir with a bare "[Errno 36]"
+        raise ConfigError(f"config error at 'output_dir': the folder name {long[0][:40]!r}... is "
+                          f"{len(long[0].encode())} bytes long, above the {NAME_MAX} bytes a file system allows "
+                          f"for one name; use a shorter name")
     # a file where the folder would be failed only after the model was built
     if (blocker := file_in_the_way(cfg.output_dir)) is not None:
         raise ConfigError(f"config error at 'output_dir': {str(blocker)!r} is a file, not a folder; name a "
                           f"folder for the run")
+
+
+# Bytes in one file or folder name on Linux file systems (ext4, xfs, btrfs, tmpfs: NAME_MAX).
+NAME_MAX = 255
 
 
 def file_in_the_way(folder: str) -> Optional[Path]:

@@ -687,6 +687,21 @@ class _Start:
     replaced_run_id: Optional[str] = None
 
 
+def _unreadable_run_file(out: Path) -> Optional[str]:
+    """Why ``<out>/run.json`` exists but names no run (damaged: not JSON, too deep or large, not a mapping), else
+    None (absent, or readable)."""
+    from trainers.jsonfile import read_small_json
+
+    path = out / "run.json"
+    if not path.exists() and not path.is_symlink():
+        return None
+    try:
+        data = read_small_json(path)
+    except (OSError, ValueError) as exc:
+        return str(exc) or type(exc).__name__
+    return None if isinstance(data, dict) and data.get("uid") else "it holds no run uid"
+
+
 def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> _Start:
     """The checkpoint to continue from and its payload, checked against ``cfg`` before any file or MLflow run is
     touched; for a fresh run, refuse (or with ``overwrite``, clear) a folder that holds an earlier run."""
@@ -729,6 +744,11 @@ def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> _Start:
     whose = (f"run {uid} (MLflow run {state.get('run_id')}"
              f"{', written in ' + state['run']['output_dir'] if state['run'].get('output_dir') else ''})")
     inside = Path(resume).resolve().parent == (out / "checkpoints").resolve()
+    if (cfg.checkpoint.resume == "auto" or inside) and (damaged := _unreadable_run_file(out)):
+        raise RunFolderInputError(
+            f"{out / 'run.json'}, which names the run that owns output_dir, cannot be read ({damaged}), so checkpoint "
+            f"{resume} of run {uid} cannot be told to be this folder's own: if it is, restore run.json as "
+            f"{json.dumps({'uid': uid, 'run_id': state.get('run_id')})} and resume again; nothing was changed")
     if cfg.checkpoint.resume == "auto" or inside:
         raise RunFolderInputError(f"checkpoint {resume} belongs to another {whose}, not to the run of output_dir "
                                   f"{out}{' (run ' + owner['uid'] + ')' if owner.get('uid') else ''}: "

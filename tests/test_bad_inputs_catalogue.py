@@ -48,6 +48,14 @@ def _folder(name: str) -> Callable[[Path], None]:
     return lambda d: (d / name).mkdir()
 
 
+def _symlink_loop(name: str) -> Callable[[Path], None]:
+    return lambda d: (d / name).symlink_to(name)
+
+
+def _fifo(name: str) -> Callable[[Path], None]:
+    return lambda d: os.mkfifo(d / name)
+
+
 def _jsonl_task(*lines: str) -> Callable[[Path], None]:
     """sums.jsonl holding ``lines`` and my_reward.py, whose ``score`` a jsonl task can call."""
     def write(d: Path) -> None:
@@ -233,6 +241,22 @@ CLI: dict[str, Case] = {
     "experiment-workers-negative": Case(("benchmarks/run.py", "bad.yaml", "--workers", "-3"),
                                         "argument --workers: must be an integer >= 1, got -3",
                                         setup=_file("bad.yaml", EXPERIMENT)),
+    "config-symlink-loop": Case(("dcmdp", "check", "run.yaml"),
+                                "config file run.yaml is a symbolic link loop (too many levels of symbolic links)",
+                                setup=_symlink_loop("run.yaml")),
+    "config-a-folder": Case(("dcmdp", "check", "run.yaml"), "config file run.yaml is a folder, not a file",
+                            setup=_folder("run.yaml")),
+    "config-a-fifo": Case(("dcmdp", "check", "run.yaml"), "config file run.yaml is a FIFO (named pipe), not a "
+                          "regular file", setup=_fifo("run.yaml")),
+    "config-dev-zero": Case(("dcmdp", "check", "/dev/zero"), "config file /dev/zero is a character device, not a "
+                            "regular file"),
+    "config-file-named-with-equals": Case(("dcmdp", "check", "my=cfg.yaml"), "unknown config key 'stepz'",
+                                          setup=_file("my=cfg.yaml", "stepz: 2\n")),
+    "output-dir-name-over-255-bytes": Case(("dcmdp", "check", "output_dir=" + "a" * 300),
+                                           "config error at 'output_dir': the folder name 'aaaa"),
+    "task-file-symlink-loop": Case(("dcmdp", "check", "task.name=math", "task.path=loop.jsonl"),
+                                   "loop.jsonl is a symbolic link loop (too many levels of symbolic links); name a "
+                                   "JSON-lines file", setup=_symlink_loop("loop.jsonl")),
 }
 
 # rows that document exit code 2 for a case a command line alone cannot make: the tests they name cover them
@@ -249,6 +273,8 @@ NOT_A_COMMAND = {
     "a checkpoint of another run (or step) copied into `checkpoints/`": "needs a checkpoint of an earlier run",
     "a checkpoint's `manifest.json` (or the folder's `run.json`) nested": "needs a checkpoint of an earlier run",
     "a resume with a changed anchor": "needs a checkpoint of an earlier run",
+    "a task file without read permission": "needs a user without root's right to read every file",
+    "a damaged `run.json`": "needs a checkpoint of an earlier run",
 }
 # the cases run as a new process in the default test run (the rest with -m slow)
 FAST = ("experiment-nested-1000-levels", "sync-buffer-line-nested-1000-levels")

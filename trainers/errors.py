@@ -1,6 +1,10 @@
 """The error of a file or path the user named that is missing or malformed: a leaf module, so that the task and
 tokenizer loaders raise it, and ``dcmdp`` (which re-exports it from ``dcmdp.errors``) maps it to exit code 2."""
 
+import errno
+import os
+import stat
+
 
 class InputError(ValueError):
     """A file or path the user named is missing or malformed; the message names it and the fix."""
@@ -12,3 +16,27 @@ class InputFileNotFoundError(InputError, FileNotFoundError):
 
 class InputNotADirectoryError(InputError, NotADirectoryError):
     """A path the user named as a folder is a file: still a ``NotADirectoryError`` to callers."""
+
+
+def not_a_regular_file(path) -> str | None:
+    """Why ``path`` cannot be read as a file the user wrote, in words ("does not exist", "is a folder, not a file",
+    "is a symbolic link loop", "is a FIFO, not a regular file", ...), or None for a regular file. A FIFO or a device
+    is refused before it is opened: a FIFO blocks the reader until a writer comes, ``/dev/zero`` never ends."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "is a symbolic link loop (too many levels of symbolic links)"
+        if exc.errno == errno.ENOENT:
+            return ("is a symbolic link to a path that does not exist" if os.path.islink(path)
+                    else "does not exist")
+        if exc.errno == errno.ENAMETOOLONG:
+            return "has a name too long for the file system (a part over 255 bytes)"
+        return f"cannot be read ({exc.strerror or exc})"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a folder, not a file"
+    kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
+            else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "a special file")
+    return f"is {kind}, not a regular file"

@@ -66,7 +66,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol
 
 from trainers.config import TaskConfig
-from trainers.errors import InputError, InputFileNotFoundError
+from trainers.errors import InputError, InputFileNotFoundError, not_a_regular_file
 from trainers.reward_fn import as_number
 from trainers.reward_worker import (RewardExited, RewardMemoryExceeded, RewardNotNumber, RewardRaised, RewardTimeout,
                                     RewardWorker)
@@ -566,11 +566,14 @@ class JsonlTask(_FileSplits):
             raise ValueError("config error at 'task.path': task 'jsonl' needs a JSON-lines file of prompts "
                              "(one {\"prompt\": ...} object per line)")
         for key, path in (("task.path", cfg.path), ("task.eval_path", cfg.eval_path)):
-            if path and os.path.exists(path) and not os.path.isfile(path):
-                what = "a directory" if os.path.isdir(path) else "not a regular file (a device, a pipe or a socket)"
-                raise ValueError(f"config error at '{key}': {os.path.abspath(path)} is {what}; name a JSON-lines file")
-            if path and not os.path.isfile(path):
+            why = not_a_regular_file(path) if path else None
+            if why == "does not exist":
                 raise ValueError(f"config error at '{key}': file not found: {os.path.abspath(path)}")
+            if why is not None:
+                raise ValueError(f"config error at '{key}': {os.path.abspath(path)} {why}; name a JSON-lines file")
+            if path and not os.access(path, os.R_OK):
+                raise ValueError(f"config error at '{key}': cannot read {os.path.abspath(path)}: permission denied; "
+                                 f"give the user running dcmdp read access to it")
         if not cfg.reward:
             raise ValueError("config error at 'task.reward': task 'jsonl' needs a reward function: "
                              "task.reward=module:function or task.reward=path/to/file.py:function")
