@@ -1,4 +1,4 @@
-"""Training–inference discrepancy measures (DESIGN.md §3): pure torch functions of the two engines' log-probs.
+"""Training–inference discrepancy measures (docs/design.md §"Measures"): pure torch functions of the engines' log-probs.
 
 Per token, rho_t = pi_old(y_t) / mu(y_t) is the ratio of the training engine's probability to the rollout
 engine's probability of the sampled token, computed in log space: ``log rho = logp_train - logp_rollout``.
@@ -309,15 +309,34 @@ def ess(logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tensor) -> Tens
 # ---------------------------------------------------------------------------------------------- routing
 
 
-def _route_pairs(experts_train_BSLK: Tensor, experts_rollout_BSLK: Tensor) -> tuple[Tensor, Tensor]:
-    """(differ_BSL, valid_BSL): top-k SETS differ (order-insensitive); valid where neither side has a -1."""
+# Route elements compared at a time: a chunk's sorts hold int64 indices of 8x it (16 MiB), never of the whole routes
+# (the 30B recipe's are ~1.7e9 elements; a whole-tensor sort held ~10x them).
+ROUTE_CHUNK = 1 << 20
+
+
+def _route_counts(experts_train_BSLK: Tensor, experts_rollout_BSLK: Tensor) -> Optional[tuple[Tensor, Tensor]]:
+    """(differ_BS, valid_BS) int32: per position, the MoE layers whose top-k SETS differ (order-insensitive) and those
+    where neither side has a -1 (a differing layer counts only where valid). None when the two are one tensor (R3
+    trains on the engine's own routes): nothing can differ, and nothing is computed. Taken ``ROUTE_CHUNK`` route
+    elements at a time, so the sorts' temporaries are a chunk's."""
     if experts_train_BSLK.shape != experts_rollout_BSLK.shape or experts_train_BSLK.dim() != 4:
         raise ValueError(f"routing_mismatch needs two [B, S, L, K] expert tensors of one shape, got "
                          f"{tuple(experts_train_BSLK.shape)} and {tuple(experts_rollout_BSLK.shape)}")
-    valid_BSL = (experts_train_BSLK >= 0).all(dim=-1) & (experts_rollout_BSLK >= 0).all(dim=-1)
-    # a top-k set holds distinct experts, so sorted tuples are equal iff the sets are
-    differ_BSL = (experts_train_BSLK.sort(dim=-1).values != experts_rollout_BSLK.sort(dim=-1).values).any(dim=-1)
-    return differ_BSL & valid_BSL, valid_BSL
+    if experts_train_BSLK is experts_rollout_BSLK:
+        return None
+    B, S, L, K = experts_train_BSLK.shape
+    train_NLK, rollout_NLK = experts_train_BSLK.reshape(B * S, L, K), experts_rollout_BSLK.reshape(B * S, L, K)
+    differ_N = torch.empty(B * S, dtype=torch.int32, device=experts_train_BSLK.device)
+    valid_N = torch.empty_like(differ_N)
+    step = max(1, ROUTE_CHUNK // max(1, L * K))
+    for start in range(0, B * S, step):
+        train, rollout = train_NLK[start:start + step], rollout_NLK[start:start + step]
+        valid = (train >= 0).all(dim=-1) & (rollout >= 0).all(dim=-1)
+        # a top-k set holds distinct experts, so sorted tuples are equal iff the sets are
+        differ = (train.sort(dim=-1).values != rollout.sort(dim=-1).values).any(dim=-1) & valid
+        differ_N[start:start + step] = differ.sum(dim=-1)
+        valid_N[start:start + step] = valid.sum(dim=-1)
+    return differ_N.reshape(B, S), valid_N.reshape(B, S)
 
 
 def routing_mismatch(experts_train_BSLK: Tensor, experts_rollout_BSLK: Tensor,
@@ -326,23 +345,32 @@ def routing_mismatch(experts_train_BSLK: Tensor, experts_rollout_BSLK: Tensor,
 
     R3 (Ma et al. arXiv 2510.11370) reports ~10% of routers disagreeing. Pairs where either side has a
     -1 (no route recorded) are excluded, as are positions outside ``mask_BS`` when given. 0 (float64)
-    when no pair is valid.
+    when no pair is valid, and, without comparing anything, when the two are one tensor (R3 replays the engine's
+    routes: 0 by construction).
     """
-    differ_BSL, valid_BSL = _route_pairs(experts_train_BSLK, experts_rollout_BSLK)
+    counts = _route_counts(experts_train_BSLK, experts_rollout_BSLK)
+    if counts is None:
+        return torch.zeros((), dtype=torch.float64, device=experts_train_BSLK.device)
+    differ_BS, valid_BS = counts
     if mask_BS is not None:
-        valid_BSL = valid_BSL & mask_BS.bool()[:, :, None]
-    return (differ_BSL & valid_BSL).sum().double() / valid_BSL.sum().clamp_min(1)
+        keep_BS = mask_BS.bool()
+        differ_BS, valid_BS = differ_BS * keep_BS, valid_BS * keep_BS
+    return differ_BS.sum().double() / valid_BS.sum().clamp_min(1)
 
 
 def routing_mismatch_per_token(experts_train_BSLK: Tensor, experts_rollout_BSLK: Tensor) -> Tensor:
-    """(B, S) share of the valid MoE layers of each position whose top-k sets differ; 0 where none is valid.
+    """(B, S) share of the valid MoE layers of each position whose top-k sets differ; 0 where none is valid, and
+    0 everywhere, without comparing, when the two are one tensor (R3).
 
     The routes of position s produce the logits of the token at s + 1: slice accordingly before using
     this as a per-response-token value.
     """
-    differ_BSL, valid_BSL = _route_pairs(experts_train_BSLK, experts_rollout_BSLK)
     dtype = torch.get_default_dtype()
-    return differ_BSL.sum(dim=-1).to(dtype) / valid_BSL.sum(dim=-1).clamp_min(1).to(dtype)
+    counts = _route_counts(experts_train_BSLK, experts_rollout_BSLK)
+    if counts is None:
+        return torch.zeros(experts_train_BSLK.shape[:2], dtype=dtype, device=experts_train_BSLK.device)
+    differ_BS, valid_BS = counts
+    return differ_BS.to(dtype) / valid_BS.clamp_min(1).to(dtype)
 
 
 def _routing_batch(logp_train_BT: Tensor, logp_rollout_BT: Tensor, mask_BT: Tensor, *,

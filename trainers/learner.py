@@ -1,6 +1,6 @@
 """The primal learner: recompute log pi_old, then N mini-batch updates of L = L_IS/clip(/RR) + penalty.
 
-Departures from plain GRPO, all from Zheng et al. (arXiv 2512.01374) and DESIGN.md §5: the policy loss
+Departures from plain GRPO (Zheng et al., arXiv 2512.01374; docs/design.md §"The primal learner"): the policy loss
 is IS-corrected for the training-inference discrepancy rho = pi_old / mu (``is_mode``), decoupled from the
 staleness ratio r = pi_theta / pi_old that the clip acts on; no length normalisation (sum over tokens
 divided by the mini-batch's token count); MoE routes may be replayed (R2: the training engine's routes
@@ -467,9 +467,12 @@ def drop_rows(batch: ScoredBatch, keep_B: Tensor) -> ScoredBatch:
     rollout = guards.mask_rows(batch.rollout, keep_B)
     old_logp_BT = torch.where(keep_B[:, None], batch.old_logp_BT, 0.0)
     advantages_BT = torch.where(keep_B[:, None], batch.advantages_BT, 0.0)
-    replay = batch.replay_experts_BSLK
-    replay = rollout.rollout_experts_BSLK if replay is batch.rollout.rollout_experts_BSLK else no_routes(replay)
-    return ScoredBatch(rollout, old_logp_BT, advantages_BT, no_routes(batch.train_experts_BSLK), replay)
+    # routes that are the engine's own (R3) stay the masked rollout's: one copy, and the route measures see one
+    # tensor, 0 by construction, instead of comparing two equal ones
+    engine = batch.rollout.rollout_experts_BSLK
+    replay, train = (rollout.rollout_experts_BSLK if routes is engine else no_routes(routes)
+                     for routes in (batch.replay_experts_BSLK, batch.train_experts_BSLK))
+    return ScoredBatch(rollout, old_logp_BT, advantages_BT, train, replay)
 
 
 def screen_old(batch: ScoredBatch, keep_B: Tensor, forward: Optional[OnPolicyForward] = None
