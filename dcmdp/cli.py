@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from dcmdp.config import ConfigError, load_config
+from dcmdp.config import ConfigError, load_config, never_reached
 from dcmdp.cpu import machine, passive_wait_policy
 from dcmdp.errors import InputError
 from dcmdp.redact import attach_written, filter_log_handlers, written_field
@@ -78,6 +78,8 @@ def _cmd_train(ns: argparse.Namespace) -> int:
         print("\n".join(report(problems, path or "the config")), file=sys.stderr)
         return exit_code(problems)
     cfg = _load(ns)
+    for line in never_reached(cfg):
+        logging.getLogger("dcmdp").warning("%s", line)
     from dcmdp.device import local_rank, resolve_device
 
     resolve_device(cfg.device, local_rank())  # device=cuda without CUDA: exit 2 before the model is built
@@ -111,6 +113,8 @@ def _cmd_check(ns: argparse.Namespace) -> int:
     if unfit is not None:
         print(unfit.line(), file=sys.stderr)
         return 2
+    for line in never_reached(load_config(path, overrides, check=False)):
+        print(f"dcmdp: warning: {line}", file=sys.stderr)
     folder = folder_line(path, overrides)
     print(f"{what}: no problem found (config and tolerances, task files and split, reward, tokenizer and model, "
           f"engine, device, output folder, tracking) in {time.perf_counter() - t0:.1f} s"

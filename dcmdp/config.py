@@ -711,6 +711,26 @@ MIN_TEMPERATURE = 1e-2
 STALENESS_SLACK = 64
 
 
+def never_reached(cfg: RunConfig) -> list[str]:
+    """Settings that a run of ``cfg.steps`` steps never reaches, each as the warning ``check`` and ``train`` print:
+    an anchor whose first window of probed batches closes after the last step (the anchored c never comes into
+    force), a learning-rate warm-up longer than the run (the rate never reaches optim.lr). Warnings, not errors: a
+    short trial of a long config (``steps=2``) and a run to be resumed further are meant."""
+    out = []
+    for i, c in enumerate(cfg.dual.constraints):
+        end = c.anchor_start + c.anchor_batches
+        if c.anchor is not None and end > cfg.steps:
+            out.append(f"dual.constraints[{i}].anchor: its first window (anchor_start={c.anchor_start}, "
+                       f"anchor_batches={c.anchor_batches}) closes at step {end}, after the run's last (steps="
+                       f"{cfg.steps}): the anchored c never comes into force and c stays (1 + floor_slack) x the "
+                       f"floor for the whole run; lower anchor_start or anchor_batches, or train at least {end} steps")
+    if cfg.optim.warmup_steps > cfg.steps:
+        out.append(f"optim.warmup_steps={cfg.optim.warmup_steps} is longer than the run (steps={cfg.steps}): the "
+                   f"learning rate never reaches optim.lr (at the last step it is {cfg.steps / cfg.optim.warmup_steps:.3g}"
+                   f" of it); lower optim.warmup_steps to at most {cfg.steps}, or train longer")
+    return out
+
+
 def _check_sizes(cfg: RunConfig) -> None:
     """Refuse at start a size-like setting no run can use (``MAX_*`` above; task digits against the context:
     ``_check_task_fits``), and the reward timeout's upper end."""

@@ -257,6 +257,13 @@ CLI: dict[str, Case] = {
     "task-file-symlink-loop": Case(("dcmdp", "check", "task.name=math", "task.path=loop.jsonl"),
                                    "loop.jsonl is a symbolic link loop (too many levels of symbolic links); name a "
                                    "JSON-lines file", setup=_symlink_loop("loop.jsonl")),
+    "anchor-never-reached": Case(("dcmdp", "check", "steps=5", "dual.measure_at=updates",
+                                  "dual.constraints=[{measure: kl_k3, anchor: 0.5, floor_slack: 1.0}]"),
+                                 "dcmdp: warning: dual.constraints[0].anchor: its first window (anchor_start=10, "
+                                 "anchor_batches=4) closes at step 14, after the run's last (steps=5)", code=0),
+    "warmup-longer-than-the-run": Case(("dcmdp", "check", "optim.warmup_steps=1000000000000"),
+                                       "dcmdp: warning: optim.warmup_steps=1000000000000 is longer than the run "
+                                       "(steps=60): the learning rate never reaches optim.lr", code=0),
 }
 
 # rows that document exit code 2 for a case a command line alone cannot make: the tests they name cover them
