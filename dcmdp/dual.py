@@ -402,9 +402,12 @@ ANCHOR_STUCK = 25
 
 def note_anchor_step(state: DualState, cfg: DualConfig, carried_C: Tensor, measured_C: Tensor) -> DualState:
     """Keep this step's (lambda carried, D_hat) in each anchored constraint's recent window (``ANCHOR_RECENT``) and
-    count the consecutive steps its new lambda sits at lambda_min or lambda_max (``ANCHOR_STUCK``)."""
+    count the consecutive steps its new lambda sits at lambda_min or lambda_max (``ANCHOR_STUCK``), under a rule
+    whose lambda moves only: a lambda held at 0 or lambda_max (``fixed``, ``off``: the placebo arms) is at an edge
+    by design, and re-anchoring every ``ANCHOR_STUCK`` steps would give the placebo another c schedule."""
     if state.anchor is None:
         return state
+    moves = get_rule(cfg).moves
     a = copy.deepcopy(state.anchor)
     a.setdefault("recent_C", [[] for _ in cfg.constraints])
     a.setdefault("stuck_C", [0] * len(cfg.constraints))
@@ -414,7 +417,7 @@ def note_anchor_step(state: DualState, cfg: DualConfig, carried_C: Tensor, measu
             continue
         if math.isfinite(d) and d > 0:
             a["recent_C"][i] = (a["recent_C"][i] + [[float(carried_C[i]), d]])[-ANCHOR_RECENT:]
-        at_edge = lam <= c.lambda_min + 1e-12 or lam >= c.lambda_max - 1e-12
+        at_edge = moves and (lam <= c.lambda_min + 1e-12 or lam >= c.lambda_max - 1e-12)
         a["stuck_C"][i] = a["stuck_C"][i] + 1 if at_edge else 0
     return replace(state, anchor=a)
 
@@ -462,7 +465,7 @@ def anchor_gap(at_zero: Sequence[float], at_max: Sequence[float], floor: Sequenc
     ok = (d0 > 0) & (dmax > 0)
     if not ok.any():
         return 0.0
-    delta = float(np.median(np.log(d0[ok]) - np.log(dmax[ok])))
+    delta = penalty_reach(d0[ok], dmax[ok])
     pairs = np.asarray([p for p in recent if p[1] > 0], dtype=np.float64).reshape(-1, 2)
     if len(pairs) >= _ANCHOR_MIN_RECENT:
         logs, lam_bar = np.log(pairs[:, 1]), float(pairs[:, 0].mean())
@@ -476,6 +479,26 @@ def anchor_gap(at_zero: Sequence[float], at_max: Sequence[float], floor: Sequenc
     else:
         log_c = m + z * sigma
     return max(math.exp(log_c) - float(np.median(floor)), 0.0)
+
+
+def penalty_reach(at_zero: Sequence[float], at_max: Sequence[float]) -> Optional[float]:
+    """Delta = median_k(log D_0,k - log D_max,k): how far the strongest penalty moves a batch's D-hat, from the paired
+    probes of the same batches without the penalty (``at_zero``) and at lambda_max (``at_max``) (dcmdp.probe), on the
+    log scale of ``batch_spread``. Pairs with a value <= 0 or non-finite are left out; None without a pair (not
+    measured). ``anchor_gap`` places c with it; the run's summary sets it against the spread."""
+    d0, dmax = np.asarray(at_zero, dtype=np.float64).reshape(-1), np.asarray(at_max, dtype=np.float64).reshape(-1)
+    ok = np.isfinite(d0) & np.isfinite(dmax) & (d0 > 0) & (dmax > 0)
+    return float(np.median(np.log(d0[ok]) - np.log(dmax[ok]))) if ok.any() else None
+
+
+def batch_spread(measured: Sequence[float]) -> Optional[float]:
+    """sigma = the standard deviation (ddof 1) of log D-hat over a run's batches (``measured``: D-hat per step as the
+    dual step saw it); values <= 0 or non-finite are left out; None with fewer than 2 (not measured).
+
+    The spread counts the batch-to-batch noise and the run's slow drift of D-hat alike: both move D-hat across a c
+    that no lambda moves it across when the penalty's reach (``penalty_reach``) is smaller."""
+    logs = np.log([x for x in np.asarray(measured, dtype=np.float64).reshape(-1) if np.isfinite(x) and x > 0])
+    return float(np.std(logs, ddof=1)) if logs.size >= 2 else None
 
 
 def record_anchor(state: DualState, cfg: DualConfig, step: int, due: Sequence[bool], at_zero_C: Tensor,
@@ -805,6 +828,9 @@ class DualRule:
     projects: bool = True
     # whether the primal loss carries the penalty (false: the constraints are measured and logged only)
     penalizes: bool = True
+    # whether lambda responds to D-hat (false: lambda is set, not controlled; its sitting at an edge is no reason to
+    # re-anchor c, so a placebo arm keeps the anchored c's schedule of the controlled run)
+    moves: bool = True
 
 
 DUAL_RULES: dict[str, DualRule] = {
@@ -814,9 +840,9 @@ DUAL_RULES: dict[str, DualRule] = {
     # the chance constraint P(D_hat > c) <= miss_rate, with the sign test (the configs/default.yaml rule)
     "chance": DualRule(chance_init, chance_step),
     # lambda held at lambda_init: the fixed-coefficient penalty baseline
-    "fixed": DualRule(_no_state, _keep),
+    "fixed": DualRule(_no_state, _keep, moves=False),
     # no penalty and no controller: lambda stays 0 (the measurements are still logged)
-    "off": DualRule(_no_state, _keep, initial_lambda=_zeros, projects=False, penalizes=False),
+    "off": DualRule(_no_state, _keep, initial_lambda=_zeros, projects=False, penalizes=False, moves=False),
 }
 
 

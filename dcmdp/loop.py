@@ -39,7 +39,8 @@ from dcmdp.errors import InputFileNotFoundError
 from dcmdp import distributed
 from dcmdp.cpu import apply_threads
 from dcmdp.dual import DualState, dual_step, enter_context, enter_floor, init_state, needs_floor, penalty_spec
-from dcmdp.dual import anchor_due, batch_tolerances, bound_in_force, record_anchor, staleness_step, with_staleness
+from dcmdp.dual import (anchor_due, batch_spread, batch_tolerances, bound_in_force, penalty_reach, record_anchor,
+                        staleness_step, with_staleness)
 from dcmdp.probe import constraint_values, probe_updates
 from dcmdp.mismatch import mismatch_metrics
 from dcmdp.plots import plot_dual
@@ -116,6 +117,19 @@ class ConstraintSummary:
     # Whether c was anchored by the run's own probes (constraints[i].anchor): then "lower c" means a lower anchor.
     anchored: bool = False
 
+    # The penalty's reach: median over the probed batches of log D_0 - log D_max (without the penalty and at
+    # lambda_max, dcmdp.dual.penalty_reach), and how many batches were probed; None: no probe ran (a fixed tolerance).
+    reach: Optional[float] = None
+    reach_probes: int = 0
+    # The batch spread: sd of log D-hat over the steps after the learning-rate warm-up (dcmdp.dual.batch_spread), and
+    # over how many steps; None: fewer than 2.
+    spread: Optional[float] = None
+    spread_steps: int = 0
+    # The least and the largest c in force over the summarised steps (c moving more than C_MOVE_FACTOR is warned of).
+    tolerance_min: float = math.nan
+    tolerance_max: float = math.nan
+    # What reach against spread says about the share inside c (``control_sentence``).
+    control: str = ""
 
 @dataclass(slots=True)
 class Setup:
@@ -171,6 +185,8 @@ class Summary:
                        f"{c.lambda_mean:.4g}, final {c.lambda_final:.4g}, acting on {c.acting_frac:.0%} of steps, at "
                        f"its cap on {c.cap_frac:.0%}")
         if not self.constraints:
+            if c.control:
+                out.append(f"constraint {name}: {c.control}")
             lam = ", ".join(f"{k}={v:.4g}" for k, v in self.final_lambda.items()) or "-"
             out.append(f"final lambda: {lam}")
         out += [f"mean discrepancy before the updates (pi_old vs mu): {disc}",
@@ -194,15 +210,56 @@ FEASIBILITY_STEPS = 3
 # Rules whose lambda responds to D-hat: only they can be slack, pinned or infeasible in the sense above.
 _MOVING_RULES = ("projected", "pid", "signed", "chance")
 
+# A c whose largest value over a run is more than this factor times its least is warned of: the share inside c then
+# follows c's placement as much as D-hat.
+C_MOVE_FACTOR = 1.5
+
+
+def control_sentence(reach: Optional[float], spread: Optional[float], inside_frac: float, probes: int = 0,
+                     steps: int = 0, lambda_max: float = math.nan) -> str:
+    """What the share of steps inside c says, from the penalty's reach (log D_0 - log D_max) against the batch spread
+    (sd of log D-hat), both on the log scale: lambda in [0, lambda_max] shifts log D-hat by at most the reach, while
+    the batches scatter log D-hat by the spread around any c. Where the reach is under the spread the share inside is
+    set by where c sits in D-hat's distribution, not by lambda (a placebo with lambda fixed at 0 or at lambda_max lands
+    near it); where it is not, the penalty can move D-hat across c, and the share can measure control (checked
+    against those placebos). A reach that was not measured (no probe: a fixed tolerance) is said, never guessed."""
+    inside = f"inside c on {inside_frac:.0%} of the steps"
+    spread_s = ("the batch spread was not measured (fewer than 2 steps)" if spread is None else
+                f"the batch spread {spread:.3g} (sd of log D-hat over {steps} steps after warm-up)")
+    if reach is None:
+        return (f"the penalty's reach was not measured (no probe ran: c is not anchored), {spread_s}: whether lambda "
+                f"could move D-hat across c is unknown, so {inside} is not evidence of control; a placebo arm (lambda "
+                f"fixed at 0 and at lambda_max) or an anchored c (its probes) would measure it")
+    reach_s = (f"the penalty's reach {reach:.3g} (median log D_0 - log D_max over {probes} probed batch"
+               f"{'es' if probes != 1 else ''})")
+    if spread is None:
+        return f"{reach_s}, {spread_s}: {inside}, not compared"
+    if reach < spread:
+        cap = f"{lambda_max:g}" if math.isfinite(lambda_max) else "lambda_max"
+        return (f"{reach_s} is under {spread_s}: the penalty cannot move D-hat much here, so {inside} is set by where "
+                f"c sits, not by lambda; what would give it authority: a longer horizon (a penalty that acts across "
+                f"steps, not within one), a measure the penalty acts on (dual.measure_at=drift), or a larger "
+                f"lambda_max (now {cap})")
+    return (f"{reach_s} is at least {spread_s}: lambda can move D-hat across c, so {inside} can reflect control "
+            f"(measured as the margin over the placebos, lambda fixed at 0 and at lambda_max)")
 
 def constraint_summaries(history: Sequence[dict[str, float]], names: Sequence[str],
-                         constraints: Sequence[ConstraintConfig]) -> dict[str, ConstraintSummary]:
+                         constraints: Sequence[ConstraintConfig], warmup: int = 0) -> dict[str, ConstraintSummary]:
     """Per constraint, from the steps whose dual/measured/<name> is finite (a skipped step measured nothing); for an
     anchored tolerance (``anchor``), from the step after its first window closed (before it there is no tolerance in
-    force and lambda holds), or every step when it never closed."""
+    force and lambda holds), or every step when it never closed. The penalty's reach comes from every probed step
+    (dual/anchor_zero/<name>, dual/anchor_max/<name>), the batch spread from the measured steps after the first
+    ``warmup`` (history[i] is step i + 1)."""
     out = {}
     for name, c in zip(names, constraints):
         rows = [h for h in history if np.isfinite(h.get(f"dual/measured/{name}", float("nan")))]
+        probed = [h for h in history if f"dual/anchor_zero/{name}" in h and f"dual/anchor_max/{name}" in h]
+        reach = penalty_reach([h[f"dual/anchor_zero/{name}"] for h in probed],
+                              [h[f"dual/anchor_max/{name}"] for h in probed])
+        n_probes = sum(h[f"dual/anchor_zero/{name}"] > 0 and h[f"dual/anchor_max/{name}"] > 0 for h in probed)
+        late = [h[f"dual/measured/{name}"] for h in history[warmup:]
+                if np.isfinite(h.get(f"dual/measured/{name}", math.nan)) and h[f"dual/measured/{name}"] > 0]
+        spread = batch_spread(late)
         anchored = [k for k, h in enumerate(rows) if f"dual/anchor_gap/{name}" in h][:1]
         if getattr(c, "anchor", None) is not None and anchored and anchored[0] + 1 < len(rows):
             rows = rows[anchored[0] + 1:]
@@ -215,10 +272,14 @@ def constraint_summaries(history: Sequence[dict[str, float]], names: Sequence[st
         start = [h for h in rows[:FEASIBILITY_STEPS] if np.isfinite(h.get(f"dual/floor_at_point/{name}", math.nan))]
         start_floor = min(h[f"dual/floor_at_point/{name}"] for h in start) if start else math.nan
         start_tol = max(h[f"dual/tolerance/{name}"] for h in start) if start else math.nan
-        out[name] = ConstraintSummary(float(d.mean()), float(tol[0]), float(tol[-1]), float((d <= tol).mean()),
+        inside = float((d <= tol).mean())
+        out[name] = ConstraintSummary(float(d.mean()), float(tol[0]), float(tol[-1]), inside,
                                       float(floor.mean()), float(lam.mean()), float(lam[-1]),
                                       float((lam >= c.lambda_max - 1e-12).mean()), float(start_floor), float(start_tol),
-                                      float((lam > ACTING_LAMBDA).mean()), c.anchor is not None)
+                                      float((lam > ACTING_LAMBDA).mean()), c.anchor is not None, reach,
+                                      int(n_probes) if reach is not None else 0, spread, len(late),
+                                      float(tol.min()), float(tol.max()),
+                                      control_sentence(reach, spread, inside, int(n_probes), len(late), c.lambda_max))
     return out
 
 
@@ -255,10 +316,17 @@ def end_of_run_warnings(constraints: dict[str, ConstraintSummary], rule: str, ac
     on less than ``ACTING_FRAC`` of them (it mostly rested), lambda at its
     cap on more than ``CAP_FRAC`` of the steps (a constant with extra steps), D-hat outside c on more than
     ``OUTSIDE_FRAC`` of them (the constraint was not held), infeasible from the first steps
-    (``feasibility_warnings``); and held-out accuracy at chance level (at most one eval prompt above ``chance``)."""
+    (``feasibility_warnings``); under any rule, a c that moved more than ``C_MOVE_FACTOR`` over the run; and held-out
+    accuracy at chance level (at most one eval prompt above ``chance``)."""
     out = []
     for name, c in constraints.items():
         if rule not in _MOVING_RULES:
+        if c.tolerance_max > C_MOVE_FACTOR * c.tolerance_min > 0:  # NaN compares False
+            out.append(f"constraint {name}: c moved {c.tolerance_max / c.tolerance_min:.2g}x during the run (from "
+                       f"{c.tolerance_min:.4g} to {c.tolerance_max:.4g}; {c.tolerance_start:.4g} at the start, "
+                       f"{c.tolerance_end:.4g} at the end), more than {C_MOVE_FACTOR:g}x: c followed the run's own "
+                       f"floor, so the share inside c ({c.inside_frac:.0%}) follows where c was placed as much as "
+                       f"D-hat; a fixed tolerance (a bound you set) does not move")
             continue
         if c.start_floor > c.start_tolerance:  # NaN compares False
             out.append(f"constraint {name} was infeasible from the start: the floor at its measurement point "
@@ -970,7 +1038,7 @@ def finish(s: Setup, acc_before: float, acc_after: float, seconds: float) -> Sum
     # steps with every sample dropped measured nothing and have no discrepancy/ keys
     disc_keys = dict.fromkeys(k for h in s.state.history for k in h if k.startswith("discrepancy/"))
     mean_disc = {k.split("/", 1)[1]: float(np.mean([h[k] for h in s.state.history if k in h])) for k in disc_keys}
-    constraints = constraint_summaries(s.state.history, s.names, cfg.dual.constraints)
+    constraints = constraint_summaries(s.state.history, s.names, cfg.dual.constraints, cfg.optim.warmup_steps)
     warnings = end_of_run_warnings(constraints, cfg.dual.rule, acc_after, getattr(s.policy.task, "chance_accuracy", 0.0),
                                    len(s.state.eval_examples or ()))
     summary = Summary(acc_before, acc_after, {n: float(v) for n, v in zip(s.names, s.state.dual.lambda_C)}, mean_disc,
