@@ -24,12 +24,21 @@ def failing_steps(errors_by_step: Sequence[float], samples: int, guard: GuardCon
     return len(recent) == guard.reward_fail_steps and all(e > guard.reward_fail_share * samples for e in recent)
 
 
+def run_end_window(steps_run: int, guard: GuardConfig) -> Optional[int]:
+    """The steps the rule reads at the end of a run of ``steps_run`` steps shorter than ``guard.reward_fail_steps``
+    (all of them: a reward that failed on each trained nothing, though the window never filled); None otherwise."""
+    return steps_run if 0 < steps_run < guard.reward_fail_steps else None
+
+
 def stop_message(failure: Optional[RewardFailure], spec: Optional[str], samples: int, guard: GuardConfig,
-                 step: int) -> str:
-    """What the stop says: the reward, the share, the first failure of the last step, and how to run it alone."""
-    share = f"more than {guard.reward_fail_share:.0%} of the {samples} samples of each of {guard.reward_fail_steps} " \
-            f"consecutive steps up to step {step} (guard.reward_fail_share={guard.reward_fail_share:g}, " \
-            f"guard.reward_fail_steps={guard.reward_fail_steps})"
+                 step: int, window: Optional[int] = None) -> str:
+    """What the stop says: the reward, the share, the first failure of the last step, and how to run it alone;
+    ``window``: the run ended after that many steps, fewer than guard.reward_fail_steps (``run_end_window``)."""
+    steps = (f"every one of the run's {window} step(s), which ended before the {guard.reward_fail_steps} consecutive "
+             f"steps the rule waits for" if window else
+             f"each of {guard.reward_fail_steps} consecutive steps up to step {step}")
+    share = f"more than {guard.reward_fail_share:.0%} of the {samples} samples of {steps} " \
+            f"(guard.reward_fail_share={guard.reward_fail_share:g}, guard.reward_fail_steps={guard.reward_fail_steps})"
     if failure is None:
         return f"the reward failed on {share}, so the run trained on nothing"
     return (f"reward {failure.reward} failed on {share}, so the run trained on nothing; at step {step} it failed on "

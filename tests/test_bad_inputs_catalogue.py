@@ -282,6 +282,7 @@ NOT_A_COMMAND = {
     "a resume with a changed anchor": "needs a checkpoint of an earlier run",
     "a task file without read permission": "needs a user without root's right to read every file",
     "a damaged `run.json`": "needs a checkpoint of an earlier run",
+    "a reward returning NaN on every call in a run shorter": "stops a training run after its steps",
 }
 # the cases run as a new process in the default test run (the rest with -m slow)
 FAST = ("experiment-nested-1000-levels", "sync-buffer-line-nested-1000-levels")

@@ -76,3 +76,42 @@ def test_a_damaged_run_json_is_named_and_the_line_it_gives_restores_the_resume(t
     (out / "run.json").write_text(json.dumps(restore))
     assert cli.main(["train", *TINY, "steps=3", "checkpoint.resume=auto", f"output_dir={out}"]) == 0
     assert json.loads((out / "summary.json").read_text())["steps"] == 3
+
+
+def _jsonl_run(d: Path, reward: str) -> list[str]:
+    """A tiny run of task jsonl on ten sums whose reward is ``reward`` (the body of ``score``)."""
+    (d / "sums.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                                          for i in range(10)))
+    (d / "rw.py").write_text(f"def score(prompt, completion, example):\n    return {reward}\n")
+    return [*TINY, "task.name=jsonl", "task.path=sums.jsonl", "task.reward=rw.py:score", "task.eval_size=2",
+            f"output_dir={d / 'out'}"]
+
+
+def test_a_reward_failing_on_every_step_of_a_run_shorter_than_the_rule_stops_it(tmp_path, monkeypatch, capsys):
+    """NaN on every call in a 2-step run (the rule waits for 3 steps): it ended exit 0, FINISHED, without a word on
+    the reward; now the rule reads the run's every step at its end: exit 2, a checkpoint, the MLflow run FAILED."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["train", *_jsonl_run(tmp_path, "float('nan')"), "steps=2"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert ("reward rw.py:score failed on more than 50% of the 4 samples of every one of the run's 2 step(s), which "
+            "ended before the 3 consecutive steps the rule waits for") in err
+    assert "checkpoint of step 2 written to" in err and "MLflow run ended FAILED" in err
+    run_id = json.loads((tmp_path / "out" / "run.json").read_text())["run_id"]
+    assert MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run_id).info.status == "FAILED"
+
+
+def test_a_reward_one_ulp_above_1_is_read_as_1(tmp_path, monkeypatch, capsys):
+    """``(0.1 + 0.2) / 0.3`` is 1.0000000000000002: it stopped the run as outside [0, 1]; now round-off within
+    ``REWARD_ROUND_OFF`` is clamped to the bound and the run trains to its end with every reward 1."""
+    from trainers.tasks import REWARD_ROUND_OFF
+
+    assert 1.0 < (0.1 + 0.2) / 0.3 <= 1.0 + REWARD_ROUND_OFF
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", *_jsonl_run(tmp_path, "(0.1 + 0.2) / 0.3"), "steps=1"]) == 0, capsys.readouterr().err
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"] == 1
+    assert cli.main(["train", *_jsonl_run(tmp_path, "1.001"), "steps=1", f"output_dir={tmp_path / 'out2'}"]) != 0
+    assert "returned 1.001" in capsys.readouterr().err

@@ -50,7 +50,7 @@ for that sample, counted (``reward/errors``) and logged; scoring never raises fo
 samples step after step is stopped by the loop: ``dcmdp.reward_stop``, which names ``last_failure``). A ``jsonl``
 reward outside [0, 1] is an error naming the function and the example (``RewardRangeError``): ``eval/accuracy`` is the
 mean reward and ``reward/accuracy`` counts rewards > 0.5, so a value outside [0, 1] is a mistake the run cannot report
-truthfully.
+truthfully; a value within ``REWARD_ROUND_OFF`` of the range is float round-off and is clamped into it.
 JSONL files are read as UTF-8 with an optional byte-order mark.
 """
 
@@ -653,6 +653,11 @@ def check_reward(cfg: TaskConfig) -> None:
         worker.close()
 
 
+# How far outside [0, 1] a reward may fall by float round-off and be read as the bound (clamped): a sum of a few
+# fractions is off by a few ulps; a reward on another scale misses [0, 1] by far more.
+REWARD_ROUND_OFF = 1e-9
+
+
 class RewardRangeError(ValueError):
     """A reward returned a number outside the range its task documents ([0, 1] for task ``jsonl``)."""
 
@@ -754,6 +759,8 @@ def score_completions(task: Task, completions: list[str], examples: list[Example
             except Exception as e:
                 why, exc = f"raised {type(e).__name__}: {e}", e
             timeouts = timeouts + 1 if why is not None and why.startswith("timed out") else 0
+        if why is None and checks_range and -REWARD_ROUND_OFF <= value <= 1.0 + REWARD_ROUND_OFF:
+            value = min(max(value, 0.0), 1.0)  # (0.1 + 0.2) / 0.3 is 1 ulp above 1: round-off, not a wrong scale
         if why is None and checks_range and not 0.0 <= value <= 1.0:
             where = getattr(example, "source", "") or "a held-out or generated example"
             raise RewardRangeError(f"reward {name} returned {value!r} for the example at {where} (prompt "
