@@ -45,7 +45,7 @@ from dcmdp.probe import constraint_values, probe_updates
 from dcmdp.mismatch import mismatch_metrics
 from dcmdp.plots import plot_dual
 from dcmdp.redact import public_uri, written_field
-from dcmdp.reward_stop import failing_steps, run_end_window, stop_message
+from dcmdp.reward_stop import failing_steps, stop_message
 from dcmdp.tracking import NoTracker, Tracker, check_tracking_config, provenance_tags
 from dcmdp.policy import (Policy, build_policy, decode_responses, encode_prompts, held_out_accuracy, held_out_examples,
                           screen_task_prompts, seed_everything, step_seed)
@@ -116,7 +116,6 @@ class ConstraintSummary:
     acting_frac: float = math.nan
     # Whether c was anchored by the run's own probes (constraints[i].anchor): then "lower c" means a lower anchor.
     anchored: bool = False
-
     # The penalty's reach: median over the probed batches of log D_0 - log D_max (without the penalty and at
     # lambda_max, dcmdp.dual.penalty_reach), and how many batches were probed; None: no probe ran (a fixed tolerance).
     reach: Optional[float] = None
@@ -130,6 +129,7 @@ class ConstraintSummary:
     tolerance_max: float = math.nan
     # What reach against spread says about the share inside c (``control_sentence``).
     control: str = ""
+
 
 @dataclass(slots=True)
 class Setup:
@@ -184,9 +184,9 @@ class Summary:
                        f" -> {c.tolerance_end:.4g}, inside on {c.inside_frac:.0%} of steps, lambda mean "
                        f"{c.lambda_mean:.4g}, final {c.lambda_final:.4g}, acting on {c.acting_frac:.0%} of steps, at "
                        f"its cap on {c.cap_frac:.0%}")
-        if not self.constraints:
             if c.control:
                 out.append(f"constraint {name}: {c.control}")
+        if not self.constraints:
             lam = ", ".join(f"{k}={v:.4g}" for k, v in self.final_lambda.items()) or "-"
             out.append(f"final lambda: {lam}")
         out += [f"mean discrepancy before the updates (pi_old vs mu): {disc}",
@@ -209,7 +209,6 @@ ACTING_LAMBDA = 0.01
 FEASIBILITY_STEPS = 3
 # Rules whose lambda responds to D-hat: only they can be slack, pinned or infeasible in the sense above.
 _MOVING_RULES = ("projected", "pid", "signed", "chance")
-
 # A c whose largest value over a run is more than this factor times its least is warned of: the share inside c then
 # follows c's placement as much as D-hat.
 C_MOVE_FACTOR = 1.5
@@ -243,6 +242,7 @@ def control_sentence(reach: Optional[float], spread: Optional[float], inside_fra
     return (f"{reach_s} is at least {spread_s}: lambda can move D-hat across c, so {inside} can reflect control "
             f"(measured as the margin over the placebos, lambda fixed at 0 and at lambda_max)")
 
+
 def constraint_summaries(history: Sequence[dict[str, float]], names: Sequence[str],
                          constraints: Sequence[ConstraintConfig], warmup: int = 0) -> dict[str, ConstraintSummary]:
     """Per constraint, from the steps whose dual/measured/<name> is finite (a skipped step measured nothing); for an
@@ -252,7 +252,6 @@ def constraint_summaries(history: Sequence[dict[str, float]], names: Sequence[st
     ``warmup`` (history[i] is step i + 1)."""
     out = {}
     for name, c in zip(names, constraints):
-        rows = [h for h in history if np.isfinite(h.get(f"dual/measured/{name}", float("nan")))]
         probed = [h for h in history if f"dual/anchor_zero/{name}" in h and f"dual/anchor_max/{name}" in h]
         reach = penalty_reach([h[f"dual/anchor_zero/{name}"] for h in probed],
                               [h[f"dual/anchor_max/{name}"] for h in probed])
@@ -260,6 +259,7 @@ def constraint_summaries(history: Sequence[dict[str, float]], names: Sequence[st
         late = [h[f"dual/measured/{name}"] for h in history[warmup:]
                 if np.isfinite(h.get(f"dual/measured/{name}", math.nan)) and h[f"dual/measured/{name}"] > 0]
         spread = batch_spread(late)
+        rows = [h for h in history if np.isfinite(h.get(f"dual/measured/{name}", float("nan")))]
         anchored = [k for k, h in enumerate(rows) if f"dual/anchor_gap/{name}" in h][:1]
         if getattr(c, "anchor", None) is not None and anchored and anchored[0] + 1 < len(rows):
             rows = rows[anchored[0] + 1:]
@@ -320,13 +320,13 @@ def end_of_run_warnings(constraints: dict[str, ConstraintSummary], rule: str, ac
     accuracy at chance level (at most one eval prompt above ``chance``)."""
     out = []
     for name, c in constraints.items():
-        if rule not in _MOVING_RULES:
         if c.tolerance_max > C_MOVE_FACTOR * c.tolerance_min > 0:  # NaN compares False
             out.append(f"constraint {name}: c moved {c.tolerance_max / c.tolerance_min:.2g}x during the run (from "
                        f"{c.tolerance_min:.4g} to {c.tolerance_max:.4g}; {c.tolerance_start:.4g} at the start, "
                        f"{c.tolerance_end:.4g} at the end), more than {C_MOVE_FACTOR:g}x: c followed the run's own "
                        f"floor, so the share inside c ({c.inside_frac:.0%}) follows where c was placed as much as "
                        f"D-hat; a fixed tolerance (a bound you set) does not move")
+        if rule not in _MOVING_RULES:
             continue
         if c.start_floor > c.start_tolerance:  # NaN compares False
             out.append(f"constraint {name} was infeasible from the start: the floor at its measurement point "
@@ -668,11 +668,9 @@ def stop_on_failing_reward(s: Setup, step: int) -> None:
     cfg = s.cfg
     samples = cfg.algo.prompts_per_step * cfg.algo.samples_per_prompt
     errors = [h.get("reward/errors", 0.0) for h in s.state.history[-cfg.guard.reward_fail_steps:]]
-    window = run_end_window(len(s.state.history), cfg.guard) if step == cfg.steps else None
-    guard = dataclasses.replace(cfg.guard, reward_fail_steps=window) if window else cfg.guard
-    if not s.dist.from_main(failing_steps(errors, samples, guard)):
+    if not s.dist.from_main(failing_steps(errors, samples, cfg.guard)):
         return
-    message = stop_message(last_failure(s.policy.task), cfg.task.reward, samples, cfg.guard, step, window)
+    message = stop_message(last_failure(s.policy.task), cfg.task.reward, samples, cfg.guard, step)
     path = checkpoint(s, step)
     s.tracker.finish("FAILED")
     raise ConfigError(f"training stopped: {message}; checkpoint of step {step} written to {path} (resume with "
