@@ -1,4 +1,4 @@
-"""Penalty forms: how the multipliers lambda_C act on the primal loss (DESIGN.md §4).
+"""Penalty forms: how the multipliers lambda_C act on the primal loss (docs/design.md §"Penalty forms").
 
 L(theta, lambda) = J(theta) - sum_i lambda_i (D_i(theta) - c_i): the learner minimises its policy loss plus
 a penalty P(theta) = sum_i lambda_i P_i(theta). Three forms (Liu et al., DCMDP, arXiv 2606.08779):

@@ -20,7 +20,7 @@ weights, which version a batch gets depends on thread timing and no run could be
 bitwise. With the fixed lag a run is a function of its config and seed alone, and the randomness of
 step k (prompts, sampling seed) is derived from (seed, k) whichever thread samples it.
 
-The bound as the dual's second action (``max_staleness: auto``, DESIGN.md §10). The controller
+The bound as the dual's second action (``max_staleness: auto``, docs/design.md §"The staleness bound"). The controller
 (``dcmdp.dual.staleness_step``) sets the bound b_v with every weights version v it publishes, from the dual's
 D-hat of the batch just trained; the worker samples batch k with the first version whose bound reaches it,
 
@@ -53,7 +53,7 @@ since both restart the schedule there. Stopping on SIGINT/SIGTERM goes through t
 
 The decoupled objective. The rollout log-probs of a stale sample are log mu of the engine at version
 v(k); ``learner.score_old`` recomputes log pi_old with the trainer's current weights (version k). That
-is AReaL's decoupled PPO (arXiv 2505.24298, DESIGN.md §8) with pi_prox = pi_old:
+is AReaL's decoupled PPO (arXiv 2505.24298; docs/design.md §"Sources") with pi_prox = pi_old:
 E[(pi_prox / pi_behav) * min(u A, clip(u, 1 +- eps) A)], u = pi_theta / pi_prox. The IS weight
 (``algo.is_mode``) acts on rho = pi_old / mu, the clip on u = pi_theta / pi_old. Per token
 

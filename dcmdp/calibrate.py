@@ -1,7 +1,7 @@
 """``dcmdp calibrate``: measure the discrepancy floor with identical weights in both engines, propose c.
 
-DESIGN.md §4: "Calibrate c from the discrepancy floor measured on the first batches (identical weights in
-both engines), plus a slack." With no update between batches the rollout engine mu and the training engine
+docs/design.md §"Tolerance schemes": c comes from the discrepancy floor measured on the first batches (identical
+weights in both engines), plus a slack. With no update between batches the rollout engine mu and the training engine
 pi_old hold the same weights, so every measured D is pure numerics (precision, kernels, KV cache, MoE
 routing flips): the part of the discrepancy no policy update can remove. A tolerance below it can never be
 met, and lambda would only grow.

@@ -1,4 +1,4 @@
-"""The dual controller: one multiplier lambda_i per discrepancy constraint D_i <= c_i (DESIGN.md §4).
+"""The dual controller: one multiplier lambda_i per discrepancy constraint D_i <= c_i (docs/design.md §"Dual rules").
 
 Once per rollout batch, from D_hat_C measured before the primal updates (pi_old vs mu, averaged over the
 global batch), ``dual_step`` moves lambda_C; the new multipliers apply from the next rollout batch, to
@@ -12,7 +12,7 @@ Rules (``DUAL_RULES``: name -> ``DualRule``, each owning its state, see ``DualRu
 - ``pid``: PID Lagrangian (Stooke, Achiam, Abbeel, ICML 2020, arXiv 2007.03964), see ``pid_step``.
 - ``signed``: the projected rule with a sign test on the measured response of D_hat to lambda, see ``signed_step``:
   it does not raise lambda where raising lambda raised D_hat (the right side of the U that D_hat(lambda) traces,
-  DESIGN.md §11); there it lowers lambda toward the bottom of the U instead.
+  docs/design.md §"The U-shaped response"); there it lowers lambda toward the bottom of the U instead.
 - ``chance`` (configs/default.yaml): the chance constraint P(D_hat > c) <= alpha by stochastic dual ascent,
   lambda <- Pi(lambda + eta (1[D_hat > c] - alpha)), with a sign test that never raises lambda where raising it
   raised D_hat, see ``chance_step``.
@@ -24,7 +24,7 @@ plain dict it returns.
 Scale of the step: with ``cfg.relative`` the rules see the violation in units of the tolerance,
 (D_hat - c) / c, so eta = 1 moves lambda by 1 per tolerance exceeded whatever the measure's magnitude
 (abs_prob_diff ~1e-3, kl_k3 ~1e-4); in absolute units lambda moves by ~1e-3 per step and is nearly constant
-over a run (DESIGN.md §9).
+over a run (docs/design.md §"The scale of the dual step").
 
 Measurement point (``cfg.measure_at``): ``rollout`` (pi_old vs mu), ``updates`` (pi_theta at each token's update vs
 mu: the engines' part plus the drift) or ``drift`` (pi_theta at each token's update vs pi_old: the part the update
@@ -54,10 +54,10 @@ the last anchoring or every ``anchor_every`` steps (``anchor_due``, ``record_anc
 Averaged multiplier (``cfg.average``): the rule moves lambda_k as always, and the penalty carries the running mean
 lambda_bar_k = (lambda_0 + ... + lambda_k) / (k + 1), the averaged dual iterate of primal-dual methods, instead of
 lambda_k. lambda_bar settles at the level of penalty the run's drift has asked for on average, and does not let go
-when D_hat falls inside c late in a run (DESIGN.md §9; measured in benchmarks/results/LOG.md, the entry on the
+when D_hat falls inside c late in a run (measured in benchmarks/results/LOG.md, the entry on the
 averaged multiplier).
 
-Staleness bound (``async_rollout.max_staleness: auto``, DESIGN.md §10): a second multiplier nu on "D_hat of the
+Staleness bound (``async_rollout.max_staleness: auto``): a second multiplier nu on "D_hat of the
 batches trained <= c_s", whose action is the rollout worker's staleness bound instead of a penalty; see
 ``staleness_step``. Its state ({"nu"}) lives in ``DualState.staleness`` and is checkpointed with the rest.
 
@@ -639,7 +639,7 @@ def signed_step(lambda_C: Tensor, rule_state: dict[str, Any], measured_C: Tensor
     """lambda <- Pi(lambda + eta_i (D_hat_i - c_i)) where raising lambda lowers D_hat, else
     lambda <- Pi(lambda - eta_i (|D_hat_i - c_i| + SIGN_MIN_STEP c_i)).
 
-    D_hat(lambda) is not monotone (DESIGN.md §11): it falls as lambda rises up to some lambda*, then rises again
+    D_hat(lambda) is not monotone: it falls as lambda rises up to some lambda*, then rises again
     with the policy's entropy. Projected ascent (s = +1) is negative feedback left of lambda* and positive feedback
     right of it, held only by the cap. The sign test keeps the last ``SIGN_WINDOW`` + 1 pairs (lambda the batch's
     updates carried, D_hat) and fits the response slope b (``response_slope``). With b > 0 (right of lambda*) the rule
@@ -713,7 +713,7 @@ def chance_step(lambda_C: Tensor, rule_state: dict[str, Any], measured_C: Tensor
     rules hold E[D_hat] = c, inside on about half of them when D_hat is noisy). The step is bounded (eta per step at
     most) and scale-free: the same eta serves every measure and needs no relative units.
 
-    Sign test (DESIGN.md §11): D_hat(lambda) is U-shaped over a run. Where the response slope b of D_hat to lambda
+    Sign test: D_hat(lambda) is U-shaped over a run. Where the response slope b of D_hat to lambda
     (``response_slope`` over the last ``SIGN_WINDOW`` + 1 steps) is significantly positive (b > 2 standard errors) or
     lambda sat at its cap over the whole window with D_hat still outside (anti-windup), raising lambda would raise D_hat:
     an outside step then lowers lambda by eta (1 - alpha) instead. A slope within its noise leaves the ascent as it is
@@ -914,7 +914,7 @@ def dual_step(state: DualState, measured_C: Tensor, cfg: DualConfig,
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# The staleness bound as the dual's second action (DESIGN.md §10; async_rollout.max_staleness: auto)
+# The staleness bound, the dual's second action (docs/design.md §"The staleness bound"; max_staleness: auto)
 
 
 def staleness_bound(nu: float, auto: StalenessAutoConfig) -> int:
@@ -932,7 +932,7 @@ def staleness_bound(nu: float, auto: StalenessAutoConfig) -> int:
 
 def staleness_nu_step(nu: float, measured: float, tolerance: float, auto: StalenessAutoConfig) -> float:
     """nu <- Pi_[0, nu_max](nu + eta_s (D_hat - c_s) / c_s), eta_s = auto.lr: projected ascent on the multiplier of
-    the staleness constraint D_hat_stale <= c_s, in units of c_s (the relative step of DESIGN.md §9, so one eta_s
+    the staleness constraint D_hat_stale <= c_s, in units of c_s (as under ``dual.relative``, so one eta_s
     serves every measure). A non-finite D_hat leaves nu unchanged."""
     if not math.isfinite(measured):
         return float(nu)

@@ -3,7 +3,7 @@
 ``probe_updates`` runs a scored batch's N mini-batch updates once per multiplier vector, each pass from the same
 weights, optimiser moments, learning-rate schedule and mini-batch permutation, and puts all of them back afterwards:
 the passes differ only in lambda, so the difference of their D-hat is the response of this batch's updates to the
-penalty, with no sampling noise between them (DESIGN.md §13, a paired perturbation within one batch). The run's
+penalty, with no sampling noise between them (docs/design.md §"Paired probes"). The run's
 anchored tolerance (``constraints[i].anchor``, dcmdp.dual) and ``dcmdp calibrate`` both measure through it.
 """
 

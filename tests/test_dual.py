@@ -536,7 +536,7 @@ def _respond(cfg: DualConfig, response, steps: int, noise: float = 0.0, seed: in
 
 
 def _u(lam: float) -> float:
-    """D_hat(lambda) with a U: least 3e-3 at lambda* = 0.15, rising on both sides (the sweeps' shape, DESIGN.md §11)."""
+    """D_hat(lambda) with a U: least 3e-3 at lambda* = 0.15, rising on both sides (docs/design.md §"The U-shaped response")."""
     return 3e-3 * (1.0 + 13.0 * (lam - 0.15) ** 2)
 
 

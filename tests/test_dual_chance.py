@@ -47,7 +47,7 @@ def _falling(lam: float) -> float:
 
 
 def _u(lam: float) -> float:
-    """D_hat(lambda) with a U: least 3e-3 at lambda* = 0.15 (tests/test_dual.py's shape, DESIGN.md §11)."""
+    """D_hat(lambda) with a U: least 3e-3 at lambda* = 0.15 (tests/test_dual.py's shape)."""
     return 3e-3 * (1.0 + 13.0 * (lam - 0.15) ** 2)
 
 

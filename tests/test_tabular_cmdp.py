@@ -1,4 +1,4 @@
-"""The exact check of DESIGN.md §4: on a small tabular constrained MDP the dual controller reaches the optimum.
+"""Exact check of docs/design.md §"The Lagrangian": on a small tabular constrained MDP the dual controller reaches the optimum.
 
 MDP: 4 states, 3 actions, discount 0.9, random transitions, reward r(s, a), cost k(s, a) correlated with the
 reward (so that the constraint binds), uniform initial distribution; seed 0. Values are normalised,

@@ -1,4 +1,4 @@
-"""Advantage estimators (DESIGN.md §5): rewards of a rollout batch -> one advantage per sample.
+"""Advantage estimators (docs/design.md §"The primal learner"): rewards of a rollout batch -> one advantage per sample.
 
 One signature::
 

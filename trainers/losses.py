@@ -1,4 +1,4 @@
-"""Policy losses and the training-inference IS correction (DESIGN.md §5, sources in §8).
+"""Policy losses and the training-inference IS correction (docs/design.md §"The primal learner" and §"Sources").
 
 Per token, pi_theta / mu = (pi_old / mu) * (pi_theta / pi_old) (Zheng et al., arXiv 2512.01374): the first
 factor rho_t = pi_old / mu is the training-inference discrepancy, corrected by an IS weight w_t computed

@@ -7,7 +7,7 @@ alone then keeps every real token from seeing a pad (pads come after all of a ro
 positions are the column indices 0 ... J - 1 (``scoring.position_ids`` of the padded row gives its real tokens the
 same ones), and the width shrinks from P + T to J = max_b (p_b + r_b). With no mask, attention is
 ``scaled_dot_product_attention(..., is_causal=True)``, whose flash kernel applies on a GPU, where a masked
-grouped-query call falls back to the math or cuDNN kernels (DESIGN.md §12: padded prompts cost the 8B step 1.37x).
+grouped-query call falls back to the math or cuDNN kernels (docs/speed.md: padded prompts cost the 8B step 1.37x).
 
 Only the hidden states that predict a real response token go through the LM head (N = sum_b r_b rows instead of
 B x T). Log-probs and entropies are those of the padded forward to float rounding (the same keys and values in

@@ -42,7 +42,7 @@ step adds ``sigma * N(0, 1)`` noise, drawn from the engine's generator seeded by
 temperature and top-p: the token is sampled from ``softmax((z + sigma eps) / T)`` (top-p renormalised)
 and ``rollout_logp`` is its log-probability under that noised distribution, so mu is the distribution
 that actually sampled it. Per step the draws are the (B, V) noise first, then the token. The noise is
-input-independent: no weight change removes the discrepancy it causes (DESIGN.md §9).
+input-independent: no weight change removes its discrepancy (docs/design.md §"What the dual can and cannot fix").
 
 Top-p: ``rollout_logp`` is the log-probability under the renormalised nucleus distribution that was
 actually sampled from, while the trainer scores the full tempered distribution. With ``top_p < 1``
