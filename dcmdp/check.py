@@ -89,11 +89,17 @@ def find_problems(path: Optional[str], overrides: Sequence[str], *, run_folder: 
     _validate(cfg, problems)
     _tolerances(cfg, problems)
     _task(cfg, problems)
+    if text_first and any(p.exit_code == 2 and not p.file for p in problems):
+        return _unique(problems)  # a bound out of range, found before torch: the model and engine checks import it
     _model(cfg, problems)
     _engine(cfg, problems)
     _device(cfg, problems)
     if run_folder:
         _run_folder(cfg, problems)
+    return _unique(problems)
+
+
+def _unique(problems: list[Problem]) -> list[Problem]:
     unique: dict[str, Problem] = {}
     for p in problems:
         unique.setdefault(p.message, p)

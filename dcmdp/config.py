@@ -638,9 +638,6 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"config error at 'checkpoint.keep': must be >= 1, got {cfg.checkpoint.keep}")
     if cfg.log_every < 1:
         raise ConfigError(f"config error at 'log_every': must be >= 1, got {cfg.log_every}")
-    from dcmdp.device import check_device_setting  # here: dcmdp.device imports torch, reading a config does not
-
-    check_device_setting(cfg.device)
     if not (cfg.threads == "auto" or (type(cfg.threads) is int and cfg.threads >= 1)):
         raise ConfigError(f"config error at 'threads': must be auto or an integer >= 1, got {cfg.threads!r}")
     for key, value in (("eval_every", cfg.eval_every), ("checkpoint.every", cfg.checkpoint.every)):
@@ -688,6 +685,11 @@ def validate(cfg: RunConfig) -> None:
         if len(cfg.dual.coupling.A) != len(cfg.dual.coupling.b) or any(len(r) != n for r in cfg.dual.coupling.A):
             raise ConfigError(f"config error at 'dual.coupling': A must be {len(cfg.dual.coupling.b)} x {n} "
                               f"(rows = len(b), columns = number of constraints)")
+    # the bounds above need no torch; what follows imports it (the device, the registries): a bound's error is
+    # reported in well under a second
+    from dcmdp.device import check_device_setting
+
+    check_device_setting(cfg.device)
     _validate_registries(cfg)
     _validate_modes(cfg)
     _check_shared_weights(cfg)
@@ -813,6 +815,11 @@ def _validate_registries(cfg: RunConfig) -> None:
         if value not in registry:
             raise ConfigError(f"config error at '{key}': unknown {value!r}{_nearest(value, list(registry))}")
 
+    from trainers.optim import PRECISIONS
+
+    if cfg.optim.precision not in PRECISIONS:
+        raise ConfigError(f"config error at 'optim.precision': got {cfg.optim.precision!r}, expected one of "
+                          f"{', '.join(PRECISIONS)}")
     one_of(cfg.model.preset, PRESETS, "model.preset")
     one_of(cfg.rollout.engine, ENGINES, "rollout.engine")
     one_of(cfg.task.name, TASKS, "task.name")

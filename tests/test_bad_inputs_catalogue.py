@@ -244,12 +244,12 @@ CLI: dict[str, Case] = {
     "config-symlink-loop": Case(("dcmdp", "check", "run.yaml"),
                                 "config file run.yaml is a symbolic link loop (too many levels of symbolic links)",
                                 setup=_symlink_loop("run.yaml")),
-    "config-a-folder": Case(("dcmdp", "check", "run.yaml"), "config file run.yaml is a folder, not a file",
+    "config-a-folder": Case(("dcmdp", "check", "run.yaml"), "config file run.yaml is a directory, not a file",
                             setup=_folder("run.yaml")),
-    "config-a-fifo": Case(("dcmdp", "check", "run.yaml"), "config file run.yaml is a FIFO (named pipe), not a "
-                          "regular file", setup=_fifo("run.yaml")),
-    "config-dev-zero": Case(("dcmdp", "check", "/dev/zero"), "config file /dev/zero is a character device, not a "
-                            "regular file"),
+    "config-a-fifo": Case(("dcmdp", "check", "run.yaml"), "config file run.yaml is not a regular file (a FIFO, "
+                          "a named pipe)", setup=_fifo("run.yaml")),
+    "config-dev-zero": Case(("dcmdp", "check", "/dev/zero"), "config file /dev/zero is not a regular file (a "
+                            "character device)"),
     "config-file-named-with-equals": Case(("dcmdp", "check", "my=cfg.yaml"), "unknown config key 'stepz'",
                                           setup=_file("my=cfg.yaml", "stepz: 2\n")),
     "output-dir-name-over-255-bytes": Case(("dcmdp", "check", "output_dir=" + "a" * 300),

@@ -5,7 +5,10 @@ on real files and processes."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -115,3 +118,30 @@ def test_a_reward_one_ulp_above_1_is_read_as_1(tmp_path, monkeypatch, capsys):
     assert summary["steps"] == 1
     assert cli.main(["train", *_jsonl_run(tmp_path, "1.001"), "steps=1", f"output_dir={tmp_path / 'out2'}"]) != 0
     assert "returned 1.001" in capsys.readouterr().err
+
+
+RANGE_ERRORS = {
+    "rollout.top_p=1.5": "config error at 'rollout.top_p': must be in (0, 1], got 1.5",
+    "algo.minibatches=3": "3 mini-batches do not divide the rollout batch of 16 x 8 = 128 samples",
+    "seed=-1": "config error at 'seed': must be >= 0, got -1",
+    "dual.constraints[0].tolerance=-1": "config error at 'dual.constraints[0].tolerance': must be >= 0",
+    "task.reward_timeout=0": "config error at 'task.reward_timeout': must be a finite number of seconds > 0",
+    "threads=0": "config error at 'threads': must be auto or an integer >= 1, got 0",
+    "checkpoint.keep=0": "config error at 'checkpoint.keep': must be >= 1, got 0",
+    "guard.max_bad_steps=0": "config error at 'guard.max_bad_steps': must be >= 1, got 0",
+    "optim.warmup_steps=-1": "config error at 'optim.warmup_steps': must be >= 0",
+}
+
+
+def test_a_value_out_of_range_is_reported_by_train_before_torch_is_imported(tmp_path):
+    """Each bound's error from ``dcmdp train``, in one new process: exit 2, its line, and torch not yet in
+    sys.modules when it was printed (the bounds ran after the torch import: 12-16 s on a loaded machine)."""
+    code = ("import json, sys; from dcmdp import cli; "
+            f"out = [(cli.main(['train', o, 'output_dir=out']), 'torch' in sys.modules) for o in {list(RANGE_ERRORS)!r}]; "
+            "print(json.dumps(out))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert json.loads(done.stdout) == [[2, False]] * len(RANGE_ERRORS), done.stdout + done.stderr
+    for line in RANGE_ERRORS.values():
+        assert line in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()

@@ -19,8 +19,9 @@ class InputNotADirectoryError(InputError, NotADirectoryError):
 
 
 def not_a_regular_file(path) -> str | None:
-    """Why ``path`` cannot be read as a file the user wrote, in words ("does not exist", "is a folder, not a file",
-    "is a symbolic link loop", "is a FIFO, not a regular file", ...), or None for a regular file. A FIFO or a device
+    """Why ``path`` cannot be read as a file the user wrote, in words ("does not exist", "is a directory, not a
+    file", "is a symbolic link loop ...", "is not a regular file (a FIFO, a named pipe)", ...), or None for a regular
+    file. A FIFO or a device
     is refused before it is opened: a FIFO blocks the reader until a writer comes, ``/dev/zero`` never ends."""
     try:
         mode = os.stat(path).st_mode
@@ -36,7 +37,7 @@ def not_a_regular_file(path) -> str | None:
     if stat.S_ISREG(mode):
         return None
     if stat.S_ISDIR(mode):
-        return "is a folder, not a file"
-    kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
+        return "is a directory, not a file"
+    kind = ("a FIFO, a named pipe" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
             else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "a special file")
-    return f"is {kind}, not a regular file"
+    return f"is not a regular file ({kind})"
