@@ -11,13 +11,14 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
 import pytest
+from omegaconf import DictConfig, OmegaConf
 
 from dcmdp import cli
+from dcmdp import config as config_module
 from dcmdp.checkpoint import RunFolderError, find_resume_checkpoint, load_resume_checkpoint, save_checkpoint
 from dcmdp.config import MAX_CONFIG_DEPTH, ConfigError, compose_with_problems, load_config
 
@@ -114,17 +115,15 @@ CATALOGUE: dict[str, tuple[Callable[[Path], list[str]], str]] = {
 
 @pytest.mark.parametrize("case", sorted(CATALOGUE))
 def test_catalogue(case, tmp_path, monkeypatch, capsys, caplog):
-    """``dcmdp check`` on each case: exit 2, the line naming the file or key, no traceback, within 60 s."""
+    """``dcmdp check`` on each case: exit 2, the line naming the file or key, no traceback."""
     write, expected = CATALOGUE[case]
     monkeypatch.chdir(tmp_path)
     args = write(tmp_path)
-    t0 = time.monotonic()
     rc = cli.main(["check", *args])
     err = capsys.readouterr().err
     assert rc == 2, err
     assert expected in err, err
     assert "Traceback" not in err + caplog.text
-    assert time.monotonic() - t0 < 60
 
 
 def test_the_round_4_table_and_the_catalogue_agree():
@@ -159,18 +158,33 @@ def test_check_lists_every_unknown_key_of_a_config_file_at_any_depth(tmp_path, m
         load_config("run.yaml")
 
 
-def test_overrides_are_checked_in_linear_time_with_the_messages_of_a_run(tmp_path):
-    """10,000 overrides and one typo: the typo alone is named, in seconds (each distinct override is tried once on
-    one typed config); doubling the overrides at most about doubles the time. Each problem names what a run names
-    for that override alone (the same message but for how OmegaConf spells a type it cannot convert)."""
-    def timed(n: int) -> float:
-        t0 = time.perf_counter()
-        cfg, found = compose_with_problems(None, [f"seed={i}" for i in range(n)] + ["algo.minibatchs=4"])
-        assert cfg.seed == n - 1 and [k for k, _ in found] == ["algo.minibatchs"]
-        return time.perf_counter() - t0
+def test_overrides_are_checked_in_linear_time_with_the_messages_of_a_run(monkeypatch):
+    """10,000 overrides, each given twice, and one typo: the typo alone is named, each distinct override is tried
+    once, and the whole-config work (merges, copies, typed objects) does not grow with the overrides: the same for
+    5,000 as for 10,000 (the time itself: ``benchmarks/refusals.py``). Each problem names what a run names for that
+    override alone (the same message but for how OmegaConf spells a type it cannot convert)."""
+    calls: dict[str, int] = {}
 
-    small, large = timed(5_000), timed(10_000)
-    assert large < 30 and large < 4 * small + 1
+    def counted(name: str, real: Callable) -> Callable:
+        def call(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(config_module, "_override_problem", counted("tried", config_module._override_problem))
+    for name in ("merge", "to_object", "to_container"):
+        monkeypatch.setattr(OmegaConf, name, staticmethod(counted(name, getattr(OmegaConf, name))))
+    monkeypatch.setattr(DictConfig, "__deepcopy__", counted("deepcopy", DictConfig.__deepcopy__))
+
+    def work(n: int) -> dict[str, int]:
+        calls.clear()
+        cfg, found = compose_with_problems(None, [f"seed={i}" for i in range(n)] * 2 + ["algo.minibatchs=4"])
+        assert cfg.seed == n - 1 and [k for k, _ in found] == ["algo.minibatchs"]
+        assert calls.pop("tried") == n + 1
+        return calls.copy()
+
+    small, large = work(5_000), work(10_000)
+    assert small["merge"] >= 1 and small == large, (small, large)
     bad = ["algo.std_normalize=maybe", "optim.betas=0.9", "algo.ess_lr_scale=2", "dual.constraints[3].lr=1",
            "steps", "dual.enabled=false", "algo.minibatches=[[[[" + "]" * 4, "seed=1"]
     cfg, found = compose_with_problems(None, bad)

@@ -7,9 +7,6 @@ same code runs with ``device=cpu`` and the device choice is tested with the CUDA
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +18,8 @@ from trainers.batch import Rollout
 from trainers.config import ModelConfig
 from trainers.models import build_model, cast_model, get_preset, model_from_config
 from trainers.quant import cast_for_precision
+
+from cli_process import run_dcmdp, run_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
@@ -72,14 +71,12 @@ def test_the_backend_follows_the_device():
 
 @pytest.mark.skipif(CUDA, reason="checks the refusal on a machine without CUDA")
 def test_train_with_device_cuda_without_cuda_exits_2_before_building_anything(tmp_path):
-    t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "dcmdp.cli", "train", str(ROOT / "configs/default.yaml"),
-                           "device=cuda", f"output_dir={tmp_path / 'out'}"], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
+    done, modules = run_dcmdp(["train", str(ROOT / "configs/default.yaml"), "device=cuda",
+                               f"output_dir={tmp_path / 'out'}"], cwd=tmp_path, timeout=600)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "config error at 'device'" in done.stderr
-    assert not (tmp_path / "out").exists()  # nothing was made: no folder, no lock, no MLflow run
-    assert time.perf_counter() - t0 < 60
+    assert list(tmp_path.iterdir()) == []  # nothing was made: no folder, no lock, no MLflow store, no cache
+    assert run_modules(modules) == [], "the refusal came after the run started being built"
 
 
 def test_the_cpu_run_logs_where_it_trains_and_tags_it(tmp_path):
