@@ -162,6 +162,10 @@ def _tolerances(cfg: RunConfig, problems: list[Problem]) -> None:
                 f"floor and proposes one), or dual.rule=off to train without the constraint"))
 
 
+# The reward worker's limits: one refused, the reward's own check would run under it and blame the reward.
+REWARD_LIMITS = ("task.reward_memory_mib", "task.reward_load_timeout", "task.reward_timeout")
+
+
 def _task(cfg: RunConfig, problems: list[Problem]) -> None:
     """Task files, their split, demonstrations and reward (file tasks); a generated task is built (it is cheap)."""
     from trainers import tasks
@@ -187,7 +191,9 @@ def _task(cfg: RunConfig, problems: list[Problem]) -> None:
         parse = tasks.parse_jsonl_record
         if t.reward:
             try:  # in a worker process, within task.reward_load_timeout: an import that exits or hangs is a problem
-                if not any(p.key == "task.reward" for p in problems):  # else validate tried it already
+                # not when validate tried it already, nor with a limit of the worker refused (it would blame the
+                # reward for the limit)
+                if not any(p.key in ("task.reward", *REWARD_LIMITS) for p in problems):
                     tasks.check_reward(t)
             except ValueError as exc:
                 problems.append(_problem(exc, "task.reward"))

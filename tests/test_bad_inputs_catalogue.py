@@ -257,6 +257,14 @@ CLI: dict[str, Case] = {
     "task-file-symlink-loop": Case(("dcmdp", "check", "task.name=math", "task.path=loop.jsonl"),
                                    "loop.jsonl is a symbolic link loop (too many levels of symbolic links); name a "
                                    "JSON-lines file", setup=_symlink_loop("loop.jsonl")),
+    "reward-memory-limit-refused-alone": Case(
+        ("dcmdp", "check", *JSONL[2:6], "cold_start.steps=0", "task.reward_memory_mib=-1"),
+        "dcmdp: 1 problem in the config, each to fix before a run can start:\n  task.reward_memory_mib: config "
+        "error at 'task.reward_memory_mib': must be 0 (no limit) or in [64, 1048576] MiB", setup=_jsonl_task(*SUMS)),
+    "reward-load-timeout-refused-alone": Case(
+        ("dcmdp", "check", *JSONL[2:6], "cold_start.steps=0", "task.reward_load_timeout=0"),
+        "dcmdp: 1 problem in the config, each to fix before a run can start:\n  task.reward_load_timeout: config "
+        "error at 'task.reward_load_timeout': must be a number of seconds in (0, 3600]", setup=_jsonl_task(*SUMS)),
     "anchor-never-reached": Case(("dcmdp", "check", "steps=5", "dual.measure_at=updates",
                                   "dual.constraints=[{measure: kl_k3, anchor: 0.5, floor_slack: 1.0}]"),
                                  "dcmdp: warning: dual.constraints[0].anchor: its first window (anchor_start=10, "
@@ -264,6 +272,13 @@ CLI: dict[str, Case] = {
     "warmup-longer-than-the-run": Case(("dcmdp", "check", "optim.warmup_steps=1000000000000"),
                                        "dcmdp: warning: optim.warmup_steps=1000000000000 is longer than the run "
                                        "(steps=60): the learning rate never reaches optim.lr", code=0),
+    "checkpoints-a-file": Case(("dcmdp", "check", "output_dir=out"), "output_dir: cannot write checkpoints to "
+                               "out/checkpoints: out/checkpoints is a file, not a folder",
+                               setup=_file("out/checkpoints", "")),
+    "overwrite-without-run-json": Case(
+        ("dcmdp", "check", "output_dir=x6", "overwrite=true"), "overwrite=true: output_dir x6 holds summary.json but "
+        "no readable run.json naming a dcmdp run that wrote them",
+        setup=lambda d: (_file("x6/summary.json", "{}\n")(d), _file("x6/checkpoints/notes.txt", "mine\n")(d))),
 }
 
 # rows that document exit code 2 for a case a command line alone cannot make: the tests they name cover them
