@@ -17,7 +17,10 @@ looks at all of them and returns each with its config key and the fix:
 - device: ``dcmdp.device.resolve_device`` (``device=cuda`` without CUDA, a local rank beyond the GPUs);
 - output: a folder that holds another config's run (``dcmdp check`` only: ``train`` decides that under its folder
   lock; a folder that holds this config's own run, finished or resumable, is no problem: ``folder_line`` says what it
-  holds) and a tracking URI or experiment MLflow cannot use.
+  holds), files ``overwrite=true`` may not remove (``dcmdp.checkpoint.unclaimed_outputs``), every path the run will
+  write (the folder, ``checkpoints/``, the tracking buffer, summary.json, dual.png, run.json) probed by writing a
+  file as ``train`` does before its cold start (``dcmdp.checkpoint.unwritable_run_paths``; nothing is left behind),
+  and a tracking URI or experiment MLflow cannot use.
 
 ``dcmdp train`` runs the same checks before it imports the trainer; the exit code is 2 when a problem is bad input
 (a config error, or a file or directory named that is missing or malformed), 1 when every one is the machine's (a
@@ -354,9 +357,12 @@ def _device(cfg: RunConfig, problems: list[Problem]) -> None:
 
 
 def _run_folder(cfg: RunConfig, problems: list[Problem]) -> None:
-    """A folder that holds another run, a resume path that names nothing, a tracking setting MLflow refuses."""
-    from dcmdp.checkpoint import run_in_folder
-    from dcmdp.tracking import check_tracking_config
+    """A folder that holds another run (or, under overwrite=true, files no run.json proves a run wrote), a path the
+    run will write that it cannot (probed as the run probes it), a resume path that names nothing, a tracking setting
+    MLflow refuses."""
+    from dcmdp.checkpoint import run_in_folder, unclaimed_outputs, unwritable_run_paths
+    from dcmdp.tracking import check_tracking_config, resolve_buffer_dir
+
 
     out = Path(cfg.output_dir)
     resume = cfg.checkpoint.resume
@@ -371,6 +377,13 @@ def _run_folder(cfg: RunConfig, problems: list[Problem]) -> None:
         problems.append(Problem("output_dir", f"output_dir {out} already holds a run{why} ({earlier}): continue it "
                                               f"with checkpoint.resume=auto, start afresh there with overwrite=true, "
                                               f"or choose another output_dir", file=True))
+    if (not named and out.is_dir() and not resume and cfg.overwrite and run_in_folder(out)
+            and (unclaimed := unclaimed_outputs(out))):
+        problems.append(Problem("output_dir", unclaimed, file=True))
+    if not named:
+        buffer = resolve_buffer_dir(cfg.tracking, out) if cfg.tracking.enabled else None
+        buffer_key = "tracking.buffer_dir" if cfg.tracking.buffer_dir else "output_dir"
+        problems += [Problem(key, message, file=True) for key, message in unwritable_run_paths(out, buffer, buffer_key)]
     try:
         check_tracking_config(cfg.tracking, out)
     except ConfigError as exc:
@@ -428,7 +441,7 @@ def folder_line(path: Optional[str], overrides: Sequence[str]) -> Optional[str]:
     if cfg.checkpoint.resume:
         how = "checkpoint.resume is set: train continues it" + (", and finds nothing to train" if finished else "")
     elif cfg.overwrite:
-        how = "overwrite=true: train deletes it and starts afresh"
+        how = "overwrite=true: train removes what its run.json proves the run wrote and starts afresh"
     else:
         how = ("train with checkpoint.resume=auto " + ("says so and trains nothing (steps=N trains further)"
                                                         if finished else "continues it")

@@ -34,6 +34,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import threading
@@ -49,6 +50,7 @@ import torch
 
 from dcmdp.errors import InputError
 from dcmdp.redact import public_command
+from trainers.errors import not_a_regular_file
 from trainers.jsonfile import MAX_SMALL_JSON_BYTES, read_small_json
 
 log = logging.getLogger(__name__)
@@ -84,7 +86,8 @@ class RunFolderInputError(RunFolderError, InputError):
 
 
 LOCK_FILE = "run.lock"
-# What a fresh run must not write over (``run_in_folder``) and what ``overwrite=true`` removes.
+# What a fresh run must not write over (``run_in_folder``), and where ``overwrite=true`` removes what the folder's
+# earlier run wrote (``clear_run_folder``): its checkpoints, its end-of-run summary (the final evaluation) and plot.
 RUN_OUTPUTS = ("checkpoints", "summary.json", "dual.png")
 
 
@@ -218,19 +221,109 @@ def run_in_folder(folder: str | Path) -> Optional[str]:
     return " and ".join(found) or None
 
 
-def clear_run_folder(folder: str | Path) -> None:
-    """Remove an earlier run's outputs (``RUN_OUTPUTS``) so a new run cannot mix with them; the MLflow store and
-    unsent tracking buffers stay."""
+def unclaimed_outputs(folder: str | Path) -> Optional[str]:
+    """Why ``overwrite=true`` may not clear ``folder``, whose files a run would write over (``run_in_folder``): no
+    ``run.json`` names the run that wrote them (absent or unreadable), so nothing proves a dcmdp run did, and they
+    may be the user's own. None when ``run.json`` names a run (``clear_run_folder`` may then remove what it wrote)."""
     folder = Path(folder)
+    if read_run_file(folder).get("uid"):
+        return None
+    found = run_in_folder(folder) or ", ".join(name for name in RUN_OUTPUTS if os.path.lexists(folder / name))
+    return (f"overwrite=true: output_dir {folder} holds {found} but no readable {RUN_FILE} naming a dcmdp run that "
+            f"wrote them, so they may be your own files: overwrite=true removes only what a run's {RUN_FILE} proves "
+            f"it wrote, and this run would write over them. Move them out of the folder (or delete them yourself), "
+            f"or choose another output_dir; nothing was changed")
+
+
+# Paths named in clear_run_folder's log line; the rest are counted.
+_NAMED = 10
+
+
+def clear_run_folder(folder: str | Path) -> list[Path]:
+    """Remove what the earlier run of ``folder`` wrote (``overwrite=true``), so a new run cannot mix with it, and
+    return the paths kept. Only a folder whose ``run.json`` names its run is cleared (else ``RunFolderInputError``,
+    nothing removed: ``unclaimed_outputs``), and only what that run wrote: ``summary.json`` and ``dual.png`` (regular
+    files), in ``checkpoints/`` the files each of its checkpoints' manifests lists (a checkpoint of this run, or one
+    written before run identities) and its interrupted writes (``.tmp-*``, ``.old-*``), then the folders left
+    empty. Anything else there (a note, another run's checkpoint copied in, a folder named ``summary.json``, a
+    symbolic link) is kept, and named in the one log line that says what was removed. config.yaml and run.json are
+    replaced by the new run; the MLflow store, unsent tracking buffers and everything else in the folder stay."""
+    folder = Path(folder)
+    uid = read_run_file(folder).get("uid")
+    if not uid:
+        raise RunFolderInputError(unclaimed_outputs(folder) or f"overwrite=true: {folder} names no run")
+    removed: list[str] = []
+    kept: list[Path] = []
     for name in RUN_OUTPUTS:
         path = folder / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-        else:
+        if not os.path.lexists(path):
             continue
-        log.warning("overwrite=true: removed %s of the earlier run", path)
+        if name == "checkpoints" and path.is_dir():
+            removed += _clear_checkpoints(path, uid, kept)
+        elif name != "checkpoints" and path.is_file() and not path.is_symlink():
+            path.unlink()
+            removed.append(name)
+        else:  # a folder, a link or a special file under a name the run writes a regular file (or folder) by
+            kept.append(path)
+    shown = [str(p.relative_to(folder)) for p in kept[:_NAMED]] + ([f"and {len(kept) - _NAMED} more"]
+                                                                  if len(kept) > _NAMED else [])
+    log.warning("overwrite=true: removed %s of the earlier run %s from %s%s", ", ".join(removed) or "nothing", uid,
+                folder, f"; kept what no run wrote: {', '.join(shown)}" if kept else "")
+    return kept
+
+
+def _clear_checkpoints(ckpt_dir: Path, uid: str, kept: list[Path]) -> list[str]:
+    """``clear_run_folder`` in ``checkpoints/``: the run's checkpoints and interrupted writes removed, the rest added
+    to ``kept``; what was removed, in words."""
+    steps = []
+    for path in sorted(ckpt_dir.iterdir()):
+        if path.is_symlink() or not path.is_dir():
+            kept.append(path)
+        elif path.name.startswith((_TMP_PREFIX, _OLD_PREFIX)):
+            shutil.rmtree(path)
+        elif (m := _STEP_RE.match(path.name)) and (files := _own_files(path, uid)) is not None:
+            for name in files:
+                with contextlib.suppress(FileNotFoundError):
+                    (path / name).unlink()
+            steps.append(int(m.group(1)))
+            kept += _remove_empty_folders(path)
+        else:
+            kept.append(path)
+    plural = "s" if len(steps) > 1 else ""
+    words = [f"checkpoint{plural} of step{plural} {', '.join(map(str, steps))}"] if steps else []
+    if not ckpt_dir.is_symlink() and not any(ckpt_dir.iterdir()):
+        ckpt_dir.rmdir()
+        words.append("checkpoints/")
+    return words
+
+
+def _own_files(path: Path, uid: str) -> Optional[list[str]]:
+    """The files (relative names) a checkpoint of run ``uid`` (or of a run before identities) wrote into ``path``, by
+    its manifest, the manifest last; None when ``path`` is not such a checkpoint (no readable manifest, another run's,
+    a manifest naming a file outside it or a link)."""
+    try:
+        manifest = read_small_json(path / MANIFEST_FILE)
+        files = list(manifest["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if manifest.get("run_uid") not in (uid, None):
+        return None
+    for name in files:
+        if (not isinstance(name, str) or name.startswith(("/", "\\")) or ".." in Path(name).parts
+                or (path / name).is_symlink()):
+            return None
+    return [*files, MANIFEST_FILE]
+
+
+def _remove_empty_folders(path: Path) -> list[Path]:
+    """Remove ``path`` and the folders below it that are empty; return the files and links left in them."""
+    left = []
+    for root, dirs, files in os.walk(path, topdown=False):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            left.append(Path(root) / name)
+        with contextlib.suppress(OSError):  # not empty: something no run wrote is in it
+            os.rmdir(root)
+    return left
 
 
 RUN_FILE = "run.json"
@@ -264,6 +357,110 @@ def write_run_file(folder: str | Path, uid: str, run_id: Optional[str], parent: 
     tmp = Path(folder) / f".{RUN_FILE}.tmp"
     tmp.write_text(json.dumps(body, indent=2) + "\n")
     os.replace(tmp, Path(folder) / RUN_FILE)
+
+
+class RunPathInputError(CheckpointError, InputError):
+    """A path the run will write cannot be written (a file where its folder goes, no permission, a read-only file
+    system), found by ``unwritable_run_paths`` before the cold start: bad input, exit code 2."""
+
+
+_PROBE_PREFIX = ".dcmdp-probe-"
+# What a run writes in its folder as a single file: each must not be a folder, nor a file it cannot write.
+RUN_FILES = (("summary.json", "the run's summary (its final evaluation)"), ("dual.png", "the dual plot"),
+             (RUN_FILE, "the run's identity"))
+
+
+def probe_folder(folder: str | Path) -> Optional[str]:
+    """Why a run could not create, write, rename and remove a file in ``folder``, in words naming the path at fault,
+    found by doing it: the folder (and its missing parents) made, a probe file created, written, renamed and
+    removed; then the folders the probe made are removed again, so the disk is as it was. None when all succeed."""
+    relative = not Path(folder).is_absolute()
+    folder = Path(os.path.abspath(folder))  # ".." taken lexically, as the parents below are
+
+    def shown(path: Path) -> str:  # a path as the user gave it: relative to the working directory when theirs was
+        return os.path.relpath(path) if relative else str(path)
+
+    missing, part = [], folder
+    while True:
+        try:
+            if not stat.S_ISDIR(os.stat(part).st_mode):
+                return f"{shown(part)} is a file, not a folder"
+            break
+        except (FileNotFoundError, NotADirectoryError):  # absent, or below a file: the parent says which
+            if os.path.islink(part):
+                return f"{shown(part)} is a symbolic link to a path that does not exist"
+            if part.parent == part:
+                break
+            missing.append(part)
+            part = part.parent
+        except OSError as exc:
+            return f"{shown(part)} cannot be reached: {_reason(exc)}"
+    made: list[Path] = []
+    probe = folder / f"{_PROBE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    moved = probe.with_name(probe.name + "-renamed")
+    doing = "create the folder"
+    try:
+        for part in reversed(missing):
+            os.mkdir(part)
+            made.append(part)
+        doing = "create a file in"
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            doing = "write a file in"
+            os.write(fd, b"dcmdp probe\n")
+        finally:
+            os.close(fd)
+        doing = "rename a file in"
+        os.rename(probe, moved)
+        doing = "remove a file from"
+        os.unlink(moved)
+    except OSError as exc:
+        where = part if doing == "create the folder" else folder
+        return f"cannot {doing} {shown(where)}: {_reason(exc)}"
+    finally:
+        for leftover in (probe, moved):
+            with contextlib.suppress(OSError):
+                os.unlink(leftover)
+        for part in reversed(made):
+            with contextlib.suppress(OSError):
+                os.rmdir(part)
+    return None
+
+
+def unwritable_run_paths(output_dir: str | Path, buffer_dir: Optional[str | Path] = None,
+                         buffer_key: str = "output_dir") -> list[tuple[str, str]]:
+    """(config key, what is wrong) for each path a run in ``output_dir`` writes that it could not, found before the
+    run builds anything (``probe_folder``): ``output_dir`` itself, ``checkpoints/`` and the tracking buffer folder
+    ``buffer_dir`` (None: tracking off; ``buffer_key`` names its key), and ``RUN_FILES`` (each not a folder, nor a
+    file the user cannot write). [] when the run can write them all."""
+    out = Path(output_dir)
+    if why := probe_folder(out):
+        return [("output_dir", f"cannot write the run folder {out}: {why}")]
+    found = []
+    folders = [("output_dir", "checkpoints", out / "checkpoints")]
+    if buffer_dir is not None:
+        folders.append((buffer_key, "the tracking buffer (metrics kept while the server cannot be reached)",
+                        Path(buffer_dir)))
+    for key, what, path in folders:
+        if why := probe_folder(path):
+            found.append((key, f"cannot write {what} to {path}: {why}; fix it, or choose another {key}"))
+    for name, what in RUN_FILES:
+        path = out / name
+        if not os.path.lexists(path):
+            continue
+        why = not_a_regular_file(path)
+        if why is None and not os.access(path, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
+            why = "is not writable (permission denied)"
+        if why is not None:
+            found.append(("output_dir", f"cannot write {what} to {path}: {name} {why}; remove or rename it, or "
+                                        f"choose another output_dir"))
+    return found
+
+
+def _reason(exc: OSError) -> str:
+    """An OSError's cause without its file name (the caller names the path)."""
+    name = errno.errorcode.get(exc.errno, exc.errno) if exc.errno is not None else type(exc).__name__
+    return f"{exc.strerror or exc} [errno {name}]"
 
 
 CONFIG_FILE, CONFIG_FALLBACK = "config.yaml", "config.resolved.yaml"
@@ -571,7 +768,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 
 
 class ForcedStop(KeyboardInterrupt):
-    """A second SIGINT/SIGTERM, or a SIGQUIT, inside the training loop: stop now, not at the end of the step."""
+    """A second SIGINT/SIGTERM/SIGHUP, or a SIGQUIT, inside the training loop: stop now, not at the end of the step."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -579,21 +776,28 @@ class ForcedStop(KeyboardInterrupt):
 
 
 class SignalCheckpointer:
-    """Context manager that turns SIGINT/SIGTERM into a flag the training loop polls, and a repeated one (or a
-    SIGQUIT) into an immediate stop.
+    """Context manager that turns SIGINT/SIGTERM/SIGHUP into a flag the training loop polls, and a repeated one (or
+    a SIGQUIT) into an immediate stop.
 
-    Inside the ``with`` block a first SIGINT/SIGTERM only sets ``requested`` (and records ``signum``, ``count``): the
-    handler does no I/O and takes no lock. The loop checks ``requested`` after each step, saves a checkpoint and
-    leaves the block; on exit the previous handlers are restored.
+    SIGHUP (the terminal that started the run was closed, the SSH session dropped) is a stop request like SIGTERM,
+    not the default death that would lose the run's steps since its last checkpoint and leave its MLflow run
+    RUNNING. A SIGHUP the process inherited as ignored (``nohup``) stays ignored: that run was asked to outlive its
+    terminal.
 
-    A second SIGINT/SIGTERM, or a SIGQUIT (Ctrl-\\), raises ``ForcedStop`` (a KeyboardInterrupt) where the loop
+    Inside the ``with`` block a first SIGINT/SIGTERM/SIGHUP only sets ``requested`` (and records ``signum``,
+    ``count``): the handler does no I/O and takes no lock. The loop checks ``requested`` after each step, saves a
+    checkpoint and leaves the block (the run exits 128 + the signal's number: 129 for SIGHUP, 143 for SIGTERM); on
+    exit the previous handlers are restored.
+
+    A second stop signal, or a SIGQUIT (Ctrl-\\), raises ``ForcedStop`` (a KeyboardInterrupt) where the loop
     is: a step that never ends (a hung reward, a stuck engine) cannot make the run deaf, and the caller ends the
     MLflow run KILLED and checkpoints the last completed step. While ``hold()`` is active (a checkpoint being
     written) signals are only counted, so a save is never interrupted half-way; a forced stop requested then is
     raised when the save is done. Must be entered from the main thread (a python rule for handlers).
     """
 
-    def __init__(self, signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM), force: Iterable[int] = (signal.SIGQUIT,)):
+    def __init__(self, signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP),
+                 force: Iterable[int] = (signal.SIGQUIT,)):
         self.signals = tuple(signals)
         self.force = tuple(force)
         self.requested = False
@@ -635,6 +839,8 @@ class SignalCheckpointer:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("SignalCheckpointer must be entered from the main thread")
         for s in self.signals + self.force:
+            if s == signal.SIGHUP and signal.getsignal(s) is signal.SIG_IGN:
+                continue  # nohup's choice: the run outlives its terminal
             self._previous[s] = signal.getsignal(s)
             signal.signal(s, self._handle)
         return self

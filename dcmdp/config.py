@@ -132,8 +132,9 @@ class RunConfig:
     progress: Optional[bool] = None
     # Steps between two console lines when no progress bar is shown.
     log_every: int = 10
-    # Start a fresh run in an output_dir that holds an earlier run's checkpoints or summary.json, deleting them
-    # (its MLflow run stays). Without it such a folder is refused unless checkpoint.resume is set.
+    # Start a fresh run in an output_dir that holds an earlier run's checkpoints or summary.json, removing only what
+    # the run its run.json names wrote (anything else stays, named; no run.json: refused, nothing removed; its MLflow
+    # run stays). Without it such a folder is refused unless checkpoint.resume is set.
     overwrite: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

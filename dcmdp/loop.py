@@ -30,10 +30,11 @@ from constraints.config import ConstraintConfig
 from constraints.measures import discrepancy_metrics
 from constraints.penalties import constraint_names
 from dcmdp.async_rollout import RolloutWorker, staleness_plan
-from dcmdp.checkpoint import (RunFolderError, RunFolderInputError, RunFolderLock, SignalCheckpointer, capture_rng,
-                              checkpoint_run_uid, clear_run_folder, load_checkpoint, load_resume_checkpoint,
-                              new_run_uid, read_run_file, restore_rng, run_in_folder, save_checkpoint,
-                              write_config_yaml, write_run_file)
+from dcmdp.checkpoint import (RunFolderError, RunFolderInputError, RunFolderLock, RunPathInputError, SignalCheckpointer,
+                              capture_rng, checkpoint_run_uid, clear_run_folder, load_checkpoint,
+                              load_resume_checkpoint, new_run_uid, read_run_file, restore_rng, run_in_folder,
+                              save_checkpoint, unclaimed_outputs, unwritable_run_paths, write_config_yaml,
+                              write_run_file)
 from dcmdp.config import ConfigError, RunConfig, flatten, load_config, resume_conflicts, to_yaml
 from dcmdp.errors import InputFileNotFoundError
 from dcmdp import distributed
@@ -46,7 +47,7 @@ from dcmdp.mismatch import mismatch_metrics
 from dcmdp.plots import plot_dual
 from dcmdp.redact import public_uri, written_field
 from dcmdp.reward_stop import failing_steps, stop_message
-from dcmdp.tracking import NoTracker, Tracker, check_tracking_config, provenance_tags
+from dcmdp.tracking import NoTracker, Tracker, check_tracking_config, provenance_tags, resolve_buffer_dir
 from dcmdp.policy import (Policy, build_policy, decode_responses, encode_prompts, held_out_accuracy, held_out_examples,
                           screen_task_prompts, seed_everything, step_seed)
 from trainers import guards, learner
@@ -770,6 +771,17 @@ def _unreadable_run_file(out: Path) -> Optional[str]:
     return None if isinstance(data, dict) and data.get("uid") else "it holds no run uid"
 
 
+def _clear_earlier_run(out: Path, d: distributed.Dist) -> None:
+    """``overwrite=true``: remove what the folder's earlier run wrote (its run.json names it; anything else stays,
+    ``clear_run_folder``), or refuse on every rank, nothing removed, when no run.json proves a run wrote the files a
+    run would write over (``unclaimed_outputs``)."""
+    refusal = d.from_main(unclaimed_outputs(out) if d.main else None)
+    if refusal:
+        raise RunFolderInputError(refusal)
+    if d.main:
+        clear_run_folder(out)
+
+
 def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> _Start:
     """The checkpoint to continue from and its payload, checked against ``cfg`` before any file or MLflow run is
     touched; for a fresh run, refuse (or with ``overwrite``, clear) a folder that holds an earlier run."""
@@ -783,11 +795,11 @@ def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> _Start:
         earlier = d.from_main(run_in_folder(out) if d.main and not cfg.checkpoint.resume else None)
         if earlier and not cfg.overwrite:
             raise RunFolderInputError(f"output_dir {out} already holds a run ({earlier}): continue it with "
-                                      f"checkpoint.resume=auto, start afresh there with overwrite=true (deletes its "
-                                      f"checkpoints, summary.json and dual.png; its MLflow run stays), or choose "
-                                      f"another output_dir")
-        if earlier and d.main:
-            clear_run_folder(out)
+                                      f"checkpoint.resume=auto, start afresh there with overwrite=true (removes its "
+                                      f"checkpoints, summary.json and dual.png, which its run.json proves it wrote; "
+                                      f"anything else, and its MLflow run, stays), or choose another output_dir")
+        if earlier:
+            _clear_earlier_run(out, d)
         # the folder's earlier run, if its MLflow run is still RUNNING, was killed (the folder's lock is ours now)
         return _Start(uid=new_run_uid(), replaced_run_id=owner.get("run_id"))
     state = found[1] if found is not None else load_checkpoint(resume)
@@ -830,16 +842,28 @@ def _resume_state(cfg: RunConfig, out: Path, d: distributed.Dist) -> _Start:
         raise RunFolderInputError(f"output_dir {out} already holds a run ({earlier}), and checkpoint {resume} "
                                   f"belongs to another {whose}: start from it in another output_dir, or clear this "
                                   f"one with overwrite=true; nothing was changed")
-    if earlier and d.main:
-        clear_run_folder(out)
+    if earlier:
+        _clear_earlier_run(out, d)
     log.warning("checkpoint %s belongs to another %s: starting a new MLflow run from its step %d, linked to that run "
                 "(tag dcmdp.resumed_from_run)", resume, whose, int(state["step"]))
     return _Start(resume, state, uid=new_run_uid(), foreign=True, replaced_run_id=owner.get("run_id"))
 
 
+def _probe_run_paths(cfg: RunConfig, out: Path, d: distributed.Dist) -> None:
+    """Every path the run will write, written once before the cold start (``unwritable_run_paths``): a checkpoints/
+    the run cannot write would otherwise be found at the last step, with every step's weights lost."""
+    buffer_key = "tracking.buffer_dir" if cfg.tracking.buffer_dir else "output_dir"
+    found = d.from_main(unwritable_run_paths(out, resolve_buffer_dir(cfg.tracking, out) if cfg.tracking.enabled
+                                             else None, buffer_key) if d.main else None)
+    if found:
+        raise RunPathInputError("; ".join(message for _, message in found))
+
+
 def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFolderLock], owns_folder: bool = True
            ) -> Setup:
     start = _resume_state(cfg, out, d) if owns_folder else _Start()
+    if owns_folder:
+        _probe_run_paths(cfg, out, d)
     resume, state = start.resume, start.state
     # the parameters in the optimiser's dtype, cast after the cold start (cached at the model's own dtype) and after
     # the engine took its copy; under torchrun sharded, built shard by shard

@@ -279,6 +279,13 @@ CLI: dict[str, Case] = {
         ("dcmdp", "check", "output_dir=x6", "overwrite=true"), "overwrite=true: output_dir x6 holds summary.json but "
         "no readable run.json naming a dcmdp run that wrote them",
         setup=lambda d: (_file("x6/summary.json", "{}\n")(d), _file("x6/checkpoints/notes.txt", "mine\n")(d))),
+    "checkpoints-a-file": Case(("dcmdp", "check", "output_dir=out"), "output_dir: cannot write checkpoints to "
+                               "out/checkpoints: out/checkpoints is a file, not a folder",
+                               setup=_file("out/checkpoints", "")),
+    "overwrite-without-run-json": Case(
+        ("dcmdp", "check", "output_dir=x6", "overwrite=true"), "overwrite=true: output_dir x6 holds summary.json but "
+        "no readable run.json naming a dcmdp run that wrote them",
+        setup=lambda d: (_file("x6/summary.json", "{}\n")(d), _file("x6/checkpoints/notes.txt", "mine\n")(d))),
 }
 
 # rows that document exit code 2 for a case a command line alone cannot make: the tests they name cover them
