@@ -117,6 +117,15 @@ class Bar:
     # roles the config must be ahead of on at least one level of the page (a clause across levels, e.g. "ahead of
     # the ESS rule alone on at least one task, for the dual to count")
     ahead_somewhere: tuple[str, ...] = ()
+    # the roles' readings from the paired t-test over the seeds both sides ran (shared cold starts), not Welch's
+    paired: bool = False
+    # D-hat inside c on at least this share of steps more than each placebo arm, the paired mean over the seeds whose
+    # config run's penalty reach exceeded its batch spread; with no such seed the clause does not apply (said so)
+    placebo_margin: Optional[float] = None
+    # at most as many collapsed runs as this role's candidate has (e.g. the ESS rule alone)
+    collapses_vs: Optional[str] = None
+    # the bar met on at least this many (level, N) cells of the page, per config (a clause across levels)
+    met_on: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +138,8 @@ class Compare:
     # label -> methods whose runs' time it sums per level (e.g. a tuned constant: its sweep and its extra seeds)
     compute: dict[str, tuple[str, ...]]
     bar: Optional[Bar] = None
+    # config -> its placebo arms (the same config with lambda fixed at 0 and at lambda_max, the same c schedule)
+    placebos: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def rival_candidates(self, role: str, level: str) -> tuple[str, ...]:
         by_level = self.rivals[role]
@@ -245,7 +256,7 @@ def _compare(raw, where: str, levels: dict, methods: dict) -> Optional[Compare]:
     """The ``compare`` block: ``{about, configs: [m], rivals: {role: [m] | {level: [m]}}, compute: {label: [m]}}``."""
     if raw is None:
         return None
-    raw = _entry(raw, where, {"about", "configs", "rivals", "compute", "bar"})
+    raw = _entry(raw, where, {"about", "configs", "rivals", "compute", "bar", "placebos"})
 
     def names(value, at: str) -> tuple[str, ...]:
         if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
@@ -267,8 +278,16 @@ def _compare(raw, where: str, levels: dict, methods: dict) -> Optional[Compare]:
     if not rivals:
         raise ExperimentError(f"{where}.rivals: name at least one rival role")
     compute = {label: names(v, f"{where}.compute.{label}") for label, v in (raw.get("compute") or {}).items()}
+    configs = names(raw.get("configs"), f"{where}.configs")
+    placebos = raw.get("placebos") or {}
+    if not isinstance(placebos, dict) or any(c not in configs for c in placebos):
+        raise ExperimentError(f"{where}.placebos: expected a mapping of the configs ({list(configs)}) to their placebo "
+                              f"methods, got {placebos!r}")
+    placebos = {c: names(v, f"{where}.placebos.{c}") for c, v in placebos.items()}
     bar = _bar(raw["bar"], f"{where}.bar", rivals) if "bar" in raw else None
-    return Compare(raw["about"], names(raw.get("configs"), f"{where}.configs"), rivals, compute, bar)
+    if bar is not None and bar.placebo_margin is not None and set(placebos) != set(configs):
+        raise ExperimentError(f"{where}.bar.placebo_margin: every config needs its placebos (compare.placebos)")
+    return Compare(raw["about"], configs, rivals, compute, bar, placebos)
 
 
 def page_compare(exp: Experiment, profile_name: str) -> Optional[Compare]:
@@ -283,10 +302,11 @@ def _bar(raw, where: str, rivals: dict) -> Bar:
     ahead_somewhere: [role]}``."""
     if not isinstance(raw, dict):
         raise ExperimentError(f"{where}: expected a mapping, got {raw!r}")
-    unknown = set(raw) - {"roles", "collapses", "inside_c", "below_cap", "acting", "ahead_somewhere"}
+    allowed = {"roles", "collapses", "inside_c", "below_cap", "acting", "ahead_somewhere", "paired", "placebo_margin",
+               "collapses_vs", "met_on"}
+    unknown = set(raw) - allowed
     if unknown:
-        raise ExperimentError(f"{where}: unknown key(s) {sorted(unknown)} (allowed: acting, ahead_somewhere, below_cap, "
-                              "collapses, inside_c, roles)")
+        raise ExperimentError(f"{where}: unknown key(s) {sorted(unknown)} (allowed: {', '.join(sorted(allowed))})")
     roles = raw.get("roles") or {}
     if not isinstance(roles, dict):
         raise ExperimentError(f"{where}.roles: expected a mapping of rival roles to level or ahead, got {roles!r}")
@@ -299,7 +319,7 @@ def _bar(raw, where: str, rivals: dict) -> Bar:
     if collapses is not None and (isinstance(collapses, bool) or not isinstance(collapses, int) or collapses < 0):
         raise ExperimentError(f"{where}.collapses: expected an integer >= 0, got {collapses!r}")
     shares = {}
-    for key in ("inside_c", "below_cap", "acting"):
+    for key in ("inside_c", "below_cap", "acting", "placebo_margin"):
         v = raw.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
             raise ExperimentError(f"{where}.{key}: expected a share in [0, 1], got {v!r}")
@@ -310,10 +330,21 @@ def _bar(raw, where: str, rivals: dict) -> Bar:
     for role in somewhere:
         if role not in rivals:
             raise ExperimentError(f"{where}.ahead_somewhere: {role!r} is not a rival role (known: {sorted(rivals)})")
-    if not roles and collapses is None and all(v is None for v in shares.values()) and not somewhere:
-        raise ExperimentError(f"{where}: name at least one clause (roles, collapses, inside_c, below_cap, acting, "
-                              "ahead_somewhere)")
-    return Bar(dict(roles), collapses, **shares, ahead_somewhere=tuple(somewhere))
+    paired = raw.get("paired", False)
+    if not isinstance(paired, bool):
+        raise ExperimentError(f"{where}.paired: expected true or false, got {paired!r}")
+    versus = raw.get("collapses_vs")
+    if versus is not None and versus not in rivals:
+        raise ExperimentError(f"{where}.collapses_vs: {versus!r} is not a rival role (known: {sorted(rivals)})")
+    met_on = raw.get("met_on")
+    if met_on is not None and (isinstance(met_on, bool) or not isinstance(met_on, int) or met_on < 1):
+        raise ExperimentError(f"{where}.met_on: expected an integer >= 1, got {met_on!r}")
+    if (not roles and collapses is None and all(v is None for v in shares.values()) and not somewhere
+            and versus is None):
+        raise ExperimentError(f"{where}: name at least one clause (roles, collapses, collapses_vs, inside_c, below_cap, "
+                              "acting, placebo_margin, ahead_somewhere)")
+    return Bar(dict(roles), collapses, **shares, ahead_somewhere=tuple(somewhere), paired=paired, collapses_vs=versus,
+               met_on=met_on)
 
 
 def _pool(p: dict, where: str, profiles: dict) -> tuple[Pooled, ...]:
@@ -725,6 +756,12 @@ def load_run(out: Path, level: str, method: str, n: int, seed: int, warmup: int,
         return [float(h.get(key, math.nan)) for h in history]
 
     extra = {k: float(np.nanmean(series(k))) for k in DIAGNOSTICS if any(k in h for h in history)}
+    # the penalty's reach (the probes' log D_0 - log D_max) and the batch spread of log D-hat, from the summary (absent:
+    # a run without probes, or from before the summary kept them)
+    con = next(iter((summary.get("constraints") or {}).values()), {})
+    for key in ("reach", "spread"):
+        if con.get(key) is not None:
+            extra[key] = float(con[key])
     if all("time/step" in h and "throughput/response_tokens_per_s" in h for h in history) and history:
         # end to end: the response tokens of every step over the steps' wall time (waits for rollouts included)
         step_s = np.asarray(series("time/step"))
@@ -868,7 +905,12 @@ def aggregate(runs: list[Run], keys: list[tuple[str, str, int]], caps: Optional[
         late, late_sd = _mean_sd([r.late for r in rs])
         series = all(r.measured for r in rs)
         cells.append({
-            "level": level, "method": method, "N": n, "seeds": len(rs),
+            "level": level, "method": method, "N": n, "seeds": len(rs), "seed_ids": [r.seed for r in rs],
+            # per run, in seed_ids' order: what the paired tests and the placebo margins read
+            "insides": [float(np.mean(np.asarray(r.measured) <= np.asarray(r.tolerance))) if r.measured else math.nan
+                        for r in rs],
+            "reaches": [r.extra.get("reach", math.nan) for r in rs],
+            "spreads": [r.extra.get("spread", math.nan) for r in rs],
             "acc_before": float(np.mean([r.acc_before for r in rs])),
             "final": final, "final_sd": final_sd, "peak": peak, "peak_sd": peak_sd,
             "finals": [r.final for r in rs], "late": late, "late_sd": late_sd, "lates": [r.late for r in rs],
@@ -921,6 +963,29 @@ def welch_p(a: Sequence[float], b: Sequence[float]) -> float:
     return float(ttest_ind(a, b, equal_var=False).pvalue)
 
 
+def by_seed(cell: dict, key: str) -> dict[int, float]:
+    """A cell's per-run values (``key``: "finals", "lates", "insides", ...) by RL seed (cells from a page record
+    written before seeds were kept: empty, so nothing pairs)."""
+    return dict(zip(cell.get("seed_ids", []), cell.get(key, [])))
+
+
+def paired(a: dict[int, float], b: dict[int, float]) -> dict:
+    """The paired comparison of two methods over the seeds both ran (a seed shares its cold start and its RL seed on
+    both sides): n, the mean difference a - b, the paired t-test's p and the Wilcoxon signed-rank test's p
+    (scipy.stats.ttest_rel, wilcoxon; two-sided). p is NaN with fewer than two pairs, the t-test's also with no spread
+    in the differences (undefined), Wilcoxon's with every difference 0."""
+    from scipy.stats import ttest_rel, wilcoxon
+
+    seeds = [s for s in a if s in b and math.isfinite(a[s]) and math.isfinite(b[s])]
+    d = np.asarray([a[s] - b[s] for s in seeds], dtype=np.float64)
+    out = {"n": len(seeds), "diff": float(d.mean()) if d.size else math.nan, "p_t": math.nan, "p_wilcoxon": math.nan}
+    if d.size >= 2 and np.ptp(d) > 1e-12:  # differences equal up to rounding: no spread, as in welch_p
+        out["p_t"] = float(ttest_rel([a[s] for s in seeds], [b[s] for s in seeds]).pvalue)
+    if d.size >= 2 and np.any(d != 0):
+        out["p_wilcoxon"] = float(wilcoxon(d).pvalue)
+    return out
+
+
 def welch(cells: list[dict]) -> list[dict]:
     """Per (level, N) and DCMDP config: against the best other method by mean final accuracy, and by late accuracy
     against the best by late accuracy."""
@@ -938,6 +1003,7 @@ def welch(cells: list[dict]) -> list[dict]:
                         "p": welch_p(mine["finals"], best["finals"]), "best_late_baseline": best_late["method"],
                         "late_diff": mine["late"] - best_late["late"],
                         "p_late": welch_p(mine["lates"], best_late["lates"]),
+                        "p_late_paired": paired(by_seed(mine, "lates"), by_seed(best_late, "lates"))["p_t"],
                         "seeds": f"{len(mine['finals'])} vs {len(best['finals'])}"})
     return out
 
@@ -966,12 +1032,17 @@ def compare_rows(cmp: Compare, cells: list[dict]) -> list[dict]:
                     continue
                 rival = max(present, key=lambda c: c["late"])
                 p_late = welch_p(mine["lates"], rival["lates"])
+                pair = paired(by_seed(mine, "lates"), by_seed(rival, "lates"))
+                pair_final = paired(by_seed(mine, "finals"), by_seed(rival, "finals"))
                 out.append({"level": key[0], "N": key[1], "config": config, "role": role, "rival": rival["method"],
                             "late": mine["late"], "late_sd": mine["late_sd"], "rival_late": rival["late"],
                             "rival_late_sd": rival["late_sd"], "late_diff": mine["late"] - rival["late"],
                             "p_late": p_late, "final_diff": mine["final"] - rival["final"],
                             "p_final": welch_p(mine["finals"], rival["finals"]),
                             "reading": reading(mine["late"] - rival["late"], p_late),
+                            "paired_n": pair["n"], "paired_late_diff": pair["diff"], "p_late_paired": pair["p_t"],
+                            "p_late_wilcoxon": pair["p_wilcoxon"], "p_final_paired": pair_final["p_t"],
+                            "reading_paired": reading(pair["diff"], pair["p_t"]),
                             "collapses": f"{mine['collapses']}/{mine['seeds']} vs {rival['collapses']}/{rival['seeds']}"})
     return out
 
@@ -979,10 +1050,54 @@ def compare_rows(cmp: Compare, cells: list[dict]) -> list[dict]:
 def compare_table(rows: list[dict]) -> list[str]:
     return md_table(
         ("N", "level", "config", "rival (role)", "config late", "rival late", "late difference", "late Welch p",
-         "reading", "final difference", "final Welch p", "collapses"),
+         "reading", "paired seeds", "late paired t p", "late Wilcoxon p", "paired reading", "final difference",
+         "final Welch p", "final paired t p", "collapses"),
         [(r["N"], r["level"], r["config"], f"{r['rival']} ({r['role']})", f"{r['late']:.3f} ± {r['late_sd']:.3f}",
           f"{r['rival_late']:.3f} ± {r['rival_late_sd']:.3f}", f"{r['late_diff']:+.3f}", f"{r['p_late']:.3g}",
-          r["reading"], f"{r['final_diff']:+.3f}", f"{r['p_final']:.3g}", r["collapses"]) for r in rows])
+          r["reading"], r.get("paired_n", 0), _fmt(r.get("p_late_paired", math.nan)),
+          _fmt(r.get("p_late_wilcoxon", math.nan)), r.get("reading_paired", "untested"), f"{r['final_diff']:+.3f}",
+          f"{r['p_final']:.3g}", _fmt(r.get("p_final_paired", math.nan)), r["collapses"]) for r in rows])
+
+
+def placebo_rows(cmp: Compare, cells: list[dict]) -> list[dict]:
+    """Per (level, N), config and placebo arm: the share of steps inside c, paired per seed (config - placebo), over
+    every seed both ran and over the seeds whose config run had authority (its penalty's reach above its batch
+    spread, from the run's summary); the paired t-test of the margin; the config's mean reach and spread."""
+    out = []
+    for key in dict.fromkeys((c["level"], c["N"]) for c in cells):
+        here = {c["method"]: c for c in cells if (c["level"], c["N"]) == key}
+        for config, arms in cmp.placebos.items():
+            if config not in here:
+                continue
+            mine = here[config]
+            reach, spread = by_seed(mine, "reaches"), by_seed(mine, "spreads")
+            authority = {s for s in reach if reach[s] > spread.get(s, math.nan)}  # NaN compares False
+            measured = {s for s in reach if math.isfinite(reach[s]) and math.isfinite(spread.get(s, math.nan))}
+            for arm in arms:
+                if arm not in here:
+                    continue
+                inside, other = by_seed(mine, "insides"), by_seed(here[arm], "insides")
+                every = paired(inside, other)
+                held = paired({s: v for s, v in inside.items() if s in authority}, other)
+                out.append({"level": key[0], "N": key[1], "config": config, "placebo": arm,
+                            "inside": _nanmean(list(inside.values())), "placebo_inside": _nanmean(list(other.values())),
+                            "margin": every["diff"], "p_margin": every["p_t"], "n": every["n"],
+                            "authority_seeds": held["n"], "measured_seeds": len(measured),
+                            "margin_authority": held["diff"],
+                            "p_margin_authority": held["p_t"], "reach": _nanmean(list(reach.values())),
+                            "spread": _nanmean(list(spread.values()))})
+    return out
+
+
+def placebo_table(rows: list[dict]) -> list[str]:
+    return md_table(
+        ("N", "level", "config", "placebo", "config inside c", "placebo inside c", "paired margin", "paired t p",
+         "seeds", "config reach", "config spread", "seeds with reach > spread", "margin there"),
+        [(r["N"], r["level"], r["config"], r["placebo"], _fmt(r["inside"], ".0%"), _fmt(r["placebo_inside"], ".0%"),
+          _fmt(100 * r["margin"], "+.1f") + " pts" if math.isfinite(r["margin"]) else "-", _fmt(r["p_margin"]), r["n"],
+          _fmt(r["reach"]), _fmt(r["spread"]), f"{r['authority_seeds']} of {r['measured_seeds']}",
+          _fmt(100 * r["margin_authority"], "+.1f") + " pts" if math.isfinite(r["margin_authority"]) else "-")
+         for r in rows])
 
 
 def bar_rows(cmp: Compare, cells: list[dict], compared: list[dict], missing: dict[tuple[str, int], int],
@@ -996,6 +1111,7 @@ def bar_rows(cmp: Compare, cells: list[dict], compared: list[dict], missing: dic
     if bar is None:
         return []
     out = []
+    placebos = placebo_rows(cmp, cells) if bar.placebo_margin is not None else []
     for key in dict.fromkeys((c["level"], c["N"]) for c in cells):
         here = {c["method"]: c for c in cells if (c["level"], c["N"]) == key}
         for config in (m for m in cmp.configs if m in here):
@@ -1006,13 +1122,40 @@ def bar_rows(cmp: Compare, cells: list[dict], compared: list[dict], missing: dic
                 if row is None:
                     clauses.append((f"vs {role} ({need})", "no run", None))
                 else:
-                    ok = (None if row["reading"] == "untested"
-                          else row["reading"] == "ahead" or (need == "level" and row["reading"] == "level"))
-                    clauses.append((f"vs {role} ({need})", f"{row['reading']} vs {row['rival']}, "
-                                    f"{row['late_diff']:+.3f}, p = {row['p_late']:.2g}", ok))
+                    read, p, diff, how = ((row["reading_paired"], row["p_late_paired"], row["paired_late_diff"],
+                                           f"paired over {row['paired_n']} seeds") if bar.paired else
+                                          (row["reading"], row["p_late"], row["late_diff"], "Welch"))
+                    ok = None if read == "untested" else read == "ahead" or (need == "level" and read == "level")
+                    clauses.append((f"vs {role} ({need})", f"{read} vs {row['rival']}, {diff:+.3f}, {how} p = {p:.2g}",
+                                    ok))
             if bar.collapses is not None:
                 clauses.append((f"collapses (<= {bar.collapses})", f"{mine['collapses']}/{mine['seeds']}",
                                 mine["collapses"] <= bar.collapses))
+            if bar.collapses_vs is not None:
+                present = [here[m] for m in cmp.rival_candidates(bar.collapses_vs, key[0]) if m in here]
+                if not present:
+                    clauses.append((f"collapses (<= {bar.collapses_vs})", "no run", None))
+                else:
+                    rival = max(present, key=lambda c: c["late"])
+                    clauses.append((f"collapses (<= {bar.collapses_vs})", f"{mine['collapses']}/{mine['seeds']} vs "
+                                    f"{rival['collapses']}/{rival['seeds']} ({rival['method']})",
+                                    mine["collapses"] <= rival["collapses"]))
+            if bar.placebo_margin is not None:
+                for arm in cmp.placebos.get(config, ()):
+                    row = next((r for r in placebos if (r["level"], r["N"], r["config"], r["placebo"])
+                                == (*key, config, arm)), None)
+                    name = f"inside c over {arm} (>= {100 * bar.placebo_margin:.0f} pts where reach > spread)"
+                    if row is None:
+                        clauses.append((name, "no run", None))
+                    elif row["measured_seeds"] == 0:  # reach or spread not in the runs' summaries: not measured
+                        clauses.append((name, "reach or spread not measured", None))
+                    elif row["authority_seeds"] == 0:  # the penalty had no authority: the accuracy clause is judged
+                        clauses.append((name, f"does not apply: reach <= spread on every seed "
+                                        f"({row['measured_seeds']})", True))
+                    else:
+                        m = row["margin_authority"]
+                        clauses.append((name, f"{100 * m:+.1f} pts paired over {row['authority_seeds']} of "
+                                        f"{row['measured_seeds']} seeds", m >= bar.placebo_margin))
             if bar.inside_c is not None:
                 v = mine["inside_share"]
                 clauses.append((f"inside c (>= {bar.inside_c:.0%})", "-" if not math.isfinite(v) else f"{v:.0%}",
@@ -1065,6 +1208,19 @@ def bar_across(cmp: Compare, compared: list[dict], missing: dict[tuple[str, int]
     return out
 
 
+def met_on_line(bar: Bar, rows: list[dict]) -> str:
+    """The clause across levels ``met_on``: per config, the bar met on at least that many of its (level, N) cells;
+    not decided while the cells still undecided could carry it over."""
+    parts = []
+    for config in dict.fromkeys(r["config"] for r in rows):
+        mine = [r for r in rows if r["config"] == config]
+        met = sum(r["verdict"] == "met" for r in mine)
+        open_ = sum(r["verdict"].startswith("not decided") for r in mine)
+        state = ("met" if met >= bar.met_on else "not decided" if met + open_ >= bar.met_on else "**not met**")
+        parts.append(f"{config}: met on {met} of {len(mine)} ({state})")
+    return f"The bar met on at least {bar.met_on} cells: " + "; ".join(parts) + "."
+
+
 def bar_across_lines(rows: list[dict]) -> list[str]:
     mark = {True: "met", False: "**not met**", None: "not decided (runs missing)"}
     return [f"- {r['config']} ahead of the {r['role']} on at least one level: {mark[r['met']]} ("
@@ -1114,10 +1270,10 @@ def table(cells: list[dict]) -> list[str]:
 def welch_table(rows: list[dict]) -> list[str]:
     return md_table(
         ("N", "level", "DCMDP config", "its final acc", "best baseline", "its final acc", "difference", "Welch p",
-         "best by late acc", "late difference", "late Welch p", "seeds"),
+         "best by late acc", "late difference", "late Welch p", "late paired t p", "seeds"),
         [(r["N"], r["level"], r["method"], f"{r['dcmdp']:.3f}", r["best_baseline"], f"{r['baseline']:.3f}",
           f"{r['diff']:+.3f}", f"{r['p']:.3g}", r["best_late_baseline"], f"{r['late_diff']:+.3f}",
-          f"{r['p_late']:.3g}", r["seeds"]) for r in rows])
+          f"{r['p_late']:.3g}", _fmt(r.get("p_late_paired", math.nan)), r["seeds"]) for r in rows])
 
 
 def accuracy_figure(exp: Experiment, cells: list[dict], methods: Sequence[str], ns: Sequence[int], path: Path) -> Path:
@@ -1334,6 +1490,7 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
     prefix.parent.mkdir(parents=True, exist_ok=True)
     rows = welch(cells)
     compared = compare_rows(exp.compare, cells) if exp.compare else []
+    placebo = placebo_rows(exp.compare, cells) if exp.compare and exp.compare.placebos else []
     compute = compute_rows(exp.compare, runs) if exp.compare else []
     finished = {(r.level, r.method, r.n, r.seed) for r in runs}
     missing: dict[tuple[str, int], int] = {}
@@ -1360,7 +1517,8 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
         {"experiment": exp.name, "profile": profile_name, "base": rel(exp.base), "overrides": list(exp.overrides),
          "profile_overrides": list(profile.overrides), "levels": {lv: exp.levels[lv] for lv in levels},
          "methods": {m: exp.methods[m] for m in methods}, "cells": cells, "welch": rows, "throughput": speed,
-         "compare": compared, "bar": barred, "bar_across": across, "compute": compute, "walls": walls,
+         "compare": compared, "placebo": placebo, "bar": barred, "bar_across": across, "compute": compute,
+         "walls": walls,
          "walls_partial": walls_partial,
          "runs": []}, indent=1)
     records = [json.dumps(run_record(r, configs[(r.level, r.method, r.n, r.seed)]), separators=(",", ":"))
@@ -1423,14 +1581,22 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
     bar = []
     if exp.compare:
         bar = ["", f"Pre-registered comparisons: {exp.compare.about}. Each config against each rival role's candidate "
-               "with the best late mean in the cell (Welch's t-test on late and on final accuracy; reading: ahead or "
-               "behind where late p < 0.05, else level):", "", *compare_table(compared), "",
+               "with the best late mean in the cell (Welch's t-test on late and on final accuracy, and beside it the "
+               "paired t-test and the Wilcoxon signed-rank test over the seeds both ran, each seed sharing its cold "
+               "start and RL seed; reading: ahead or behind where late p < 0.05, else level):", "",
+               *compare_table(compared), "",
+               *(["The placebo arms: each config against the same config with λ fixed at 0 and at λ_max (the same c "
+                  "schedule), the share of steps inside c paired per seed; reach = the penalty's reach (log D₀ − log "
+                  "D_max of the anchor's probes), spread = the sd of log D̂ after warm-up, both from each run's "
+                  "summary; the margin counts as control only over the seeds whose reach exceeded their spread:", "",
+                  *placebo_table(placebo), ""] if placebo else []),
                *(["The pre-registered bar, clause by clause (λ below its cap: share of all steps; a cell whose runs "
                   "have not all finished is not decided)" + (" - this profile's own bar, not the experiment's"
                                                              if profile.bar is not None else "") + ":", "",
                   *bar_table(barred), "",
                   f"The bar is met in {sum(r['verdict'] == 'met' for r in barred)} of {len(barred)} (level, config) "
                   f"cells; not decided in {sum(r['verdict'].startswith('not decided') for r in barred)}.", "",
+                  *([met_on_line(cmp.bar, barred), ""] if cmp.bar is not None and cmp.bar.met_on else []),
                   *(["Its clause across levels:", "", *bar_across_lines(across), ""] if across else [])]
                  if barred or across else []),
                "Compute (run-minutes of the runs on this page; a group sums its methods' runs):", "",

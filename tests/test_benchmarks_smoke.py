@@ -680,3 +680,82 @@ def test_pooled_profile_errors(tmp_path, pool, message):
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(run.ExperimentError, match=re.escape(message)):
         run.load_experiment(path)
+
+
+def test_paired_tests_by_seed_against_their_closed_forms():
+    """Paired over the seeds both sides ran: t = mean(d) / (sd(d) / sqrt(n)) with n - 1 degrees of freedom; the exact
+    Wilcoxon signed-rank p for three positive differences is 2 / 2^3 = 0.25; a seed one side lacks is left out."""
+    from scipy.stats import t as student
+
+    run = _runner()
+    a, b = {0: 0.80, 1: 0.82, 2: 0.84}, {0: 0.70, 1: 0.71, 2: 0.69, 3: 0.50}
+    d = [0.10, 0.11, 0.15]
+    m = sum(d) / 3
+    sd = math.sqrt(sum((x - m) ** 2 for x in d) / 2)
+    out = run.paired(a, b)
+    assert out["n"] == 3 and out["diff"] == pytest.approx(m, rel=1e-12)
+    assert out["p_t"] == pytest.approx(2 * student.sf(m / (sd / math.sqrt(3)), 2), rel=1e-9)
+    assert out["p_wilcoxon"] == pytest.approx(0.25, rel=1e-12)
+    # one pair, or differences without spread: the t-test is undefined
+    assert math.isnan(run.paired({0: 0.8}, {0: 0.7})["p_t"])
+    assert math.isnan(run.paired({0: 0.8, 1: 0.9}, {0: 0.7, 1: 0.8})["p_t"])
+
+
+def test_placebo_margin_counts_only_the_seeds_where_the_reach_exceeds_the_spread(tmp_path):
+    """controller6's compare block: the config against its two placebo arms. Shares inside c by seed (10 steps each):
+    config 0.9, 0.8, 0.5; lambda 0 placebo 0.7, 0.7, 0.6; lambda_max placebo 0.8, 0.8, 0.4. Reach > spread on seeds
+    0 and 1 only: margins there (0.2 + 0.1) / 2 = 0.15 over lambda 0 (met, >= 0.10) and (0.1 + 0.0) / 2 = 0.05 over
+    lambda_max (not met). With reach <= spread on every seed the clause does not apply (met: the accuracy clause alone
+    is judged). The paired readings decide the accuracy role."""
+    run = _runner()
+    exp = run.load_experiment("controller6")
+    assert exp.compare.placebos == {"dcmdp_default": ("placebo_lambda0", "placebo_lambdamax")}
+    assert exp.compare.bar.paired and exp.compare.bar.placebo_margin == 0.1
+    weak = exp.profiles["confirm_weak"].bar
+    assert weak.collapses_vs == "ESS rule alone" and weak.met_on == 4
+    assert {s for _, _, _, s in exp.cells("confirm")} == set(range(10, 15))
+    assert {s for _, _, _, s in exp.cells("confirm_weak")} == {3, 4, 5}
+
+    def arm(method, shares, reach=(), late=0.6):
+        out = []
+        for seed, share in enumerate(shares):
+            r = _fake_run(run, "program_trace", method, seed, late + 0.01 * seed)
+            inside = round(10 * share)
+            r = dataclasses.replace(r, measured=[1.0] * inside + [3.0] * (10 - inside), tolerance=[2.0] * 10,
+                                    lambdas=[0.1] * 10, extra={"reach": reach[seed], "spread": 0.2} if reach else {})
+            out.append(r)
+        return out
+
+    def cells(reach):
+        runs = (arm("dcmdp_default", [0.9, 0.8, 0.5], reach) + arm("placebo_lambda0", [0.7, 0.7, 0.6])
+                + arm("placebo_lambdamax", [0.8, 0.8, 0.4]) + arm("lambda_0.1", [1, 1, 1], late=0.62)
+                + arm("ess", [1, 1, 1], late=0.5))
+        return run.aggregate(runs, [("program_trace", m, 4) for m in ("dcmdp_default", "placebo_lambda0",
+                                                                     "placebo_lambdamax", "lambda_0.1", "ess")],
+                             caps={"dcmdp_default": 0.3})
+
+    here = cells((0.3, 0.25, 0.1))
+    rows = {r["placebo"]: r for r in run.placebo_rows(exp.compare, here)}
+    assert rows["placebo_lambda0"]["margin_authority"] == pytest.approx(0.15, abs=1e-12)
+    assert rows["placebo_lambdamax"]["margin_authority"] == pytest.approx(0.05, abs=1e-12)
+    assert rows["placebo_lambda0"]["margin"] == pytest.approx((0.2 + 0.1 - 0.1) / 3, abs=1e-12)  # every seed
+    assert rows["placebo_lambda0"]["authority_seeds"] == 2 and rows["placebo_lambda0"]["measured_seeds"] == 3
+    (bar,) = run.bar_rows(exp.compare, here, run.compare_rows(exp.compare, here), {})
+    met = {c["clause"]: c for c in bar["clauses"]}
+    assert met["inside c over placebo_lambda0 (>= 10 pts where reach > spread)"]["met"] is True
+    assert met["inside c over placebo_lambdamax (>= 10 pts where reach > spread)"]["met"] is False
+    # the accuracy role read paired: lambda 0.1 is 0.02 ahead on every seed, no spread in the differences: untested
+    role = met["vs best of lambda 0.1 and ESS (level)"]
+    assert "paired over 3 seeds" in role["value"] and role["met"] is None
+    assert bar["verdict"].startswith("not decided")
+    # no seed with authority: the placebo clauses do not apply
+    none = cells((0.1, 0.1, 0.1))
+    (bar,) = run.bar_rows(exp.compare, none, run.compare_rows(exp.compare, none), {})
+    clause = {c["clause"]: c for c in bar["clauses"]}["inside c over placebo_lambda0 (>= 10 pts where reach > spread)"]
+    assert clause["met"] is True and clause["value"] == "does not apply: reach <= spread on every seed (3)"
+    table = "\n".join(run.placebo_table(run.placebo_rows(exp.compare, here)))
+    assert "| placebo_lambda0 |" in table and "+15.0 pts" in table and "2 of 3" in table
+    assert "late paired t p" in run.compare_table(run.compare_rows(exp.compare, here))[0]
+    # met_on across levels: one cell not decided, so 4 of 5 is still open; a met cell counts
+    line = run.met_on_line(weak, [{"config": "c", "verdict": v} for v in ("met", "met", "met", "not met: x", "not decided")])
+    assert line == "The bar met on at least 4 cells: c: met on 3 of 5 (not decided)."
