@@ -13,7 +13,7 @@ a penalty P(theta) = sum_i lambda_i P_i(theta). Three forms (Liu et al., DCMDP, 
 Every form (``PENALTIES[name]``, a ``PenaltyForm``) is called with one signature::
 
     fn(logp_BT, rollout_logp_BT, advantages_BT, mask_BT, lambda_C, constraints, normalizer,
-       routing_mismatch_BT=None) -> (penalty_loss 0-dim, advantages_BT, metrics)
+       routing_mismatch_BT=None) -> (penalty_loss 0-dim, advantages_BT, metrics of 0-d tensors)
 
 ``normalizer`` is the number of valid tokens of the GLOBAL mini-batch (all ranks, all micro-batches),
 given by the caller, so the loss is sum / normalizer and gradient accumulation or data parallelism gives
@@ -98,14 +98,14 @@ class PenaltyForm:
     def __call__(self, logp_BT: Tensor, rollout_logp_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor,
                  lambda_C: Tensor | Sequence[float], constraints: Sequence[ConstraintConfig],
                  normalizer: float | Tensor, routing_mismatch_BT: Optional[Tensor] = None
-                 ) -> tuple[Tensor, Tensor, dict[str, float]]:
+                 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         return _penalty(self, logp_BT, rollout_logp_BT, advantages_BT, mask_BT, lambda_C, constraints, normalizer,
                         routing_mismatch_BT)
 
 
 def _penalty(form: PenaltyForm, logp_BT: Tensor, rollout_logp_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor,
              lambda_C: Tensor | Sequence[float], constraints: Sequence[ConstraintConfig], normalizer: float | Tensor,
-             routing_mismatch_BT: Optional[Tensor]) -> tuple[Tensor, Tensor, dict[str, float]]:
+             routing_mismatch_BT: Optional[Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     check_penalty_constraints(constraints)
     lambda_C = torch.as_tensor(lambda_C).detach().reshape(-1)
     if lambda_C.numel() != len(constraints):
@@ -117,7 +117,9 @@ def _penalty(form: PenaltyForm, logp_BT: Tensor, rollout_logp_BT: Tensor, advant
     logp_BT = torch.where(valid_BT, logp_BT.to(dtype), zero)
     rollout_logp_BT = torch.where(valid_BT, rollout_logp_BT.detach().to(dtype), zero)
     lambda_C = lambda_C.to(device=logp_BT.device, dtype=dtype)
-    norm = torch.as_tensor(normalizer, dtype=dtype, device=logp_BT.device).clamp_min(1)
+    # a Python normalizer becomes a device tensor by a fill, not a host-to-device copy (which waits for the device)
+    norm = (normalizer.to(device=logp_BT.device, dtype=dtype) if isinstance(normalizer, Tensor)
+            else torch.full((), float(normalizer), dtype=dtype, device=logp_BT.device)).clamp_min(1)
 
     loss = zero.clone()
     shaping_BT = torch.zeros_like(logp_BT)
@@ -141,10 +143,10 @@ def _penalty(form: PenaltyForm, logp_BT: Tensor, rollout_logp_BT: Tensor, advant
 
     advantages_out_BT = torch.where(valid_BT, advantages_BT - shaping_BT.to(advantages_BT.dtype), advantages_BT)
     n_valid = valid_BT.sum().clamp_min(1)
-    stats = torch.stack([loss.detach().double()] + [o.double() / n_valid for o in outside_C]).tolist()
-    metrics = {"penalty/loss": stats[0]}
-    for name, frac in zip(constraint_names(constraints), stats[1:]):
-        metrics[f"dual/outside_frac/{name}"] = frac
+    # 0-d tensors: nothing here waits for the device (the learner reads an update's metrics in one host sync)
+    metrics = {"penalty/loss": loss.detach().double()}
+    for name, outside in zip(constraint_names(constraints), outside_C):
+        metrics[f"dual/outside_frac/{name}"] = outside.double() / n_valid
     return loss, advantages_out_BT, metrics
 
 

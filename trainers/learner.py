@@ -15,6 +15,7 @@ count of the mini-batch, so the summed gradients equal the single-process gradie
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -33,6 +34,7 @@ from trainers.batch import Rollout
 from trainers.config import AlgoConfig
 from trainers.losses import IS_MODES, POLICY_LOSSES, ess_lr_scale
 from trainers.models import compute_dtype
+from trainers.optim import Float32Grads
 from trainers.scoring import response_logprobs
 
 
@@ -172,11 +174,12 @@ def length_buckets(lengths_B: Tensor, token_budget: int) -> list[Tensor]:
     the longest row) stays within ``token_budget``; a row longer than the budget is a micro-batch of its own.
 
     verl's dynamic batch size (``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu``) packs by the same budget."""
-    order = torch.argsort(lengths_B, descending=True, stable=True).tolist()
+    lengths = lengths_B.tolist()  # one host sync for the whole plan
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep their row order
     groups: list[list[int]] = []
     for i in order:
         # sorted longest first: a group's first row is its longest
-        if groups and int(lengths_B[groups[-1][0]]) * (len(groups[-1]) + 1) <= token_budget:
+        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= token_budget:
             groups[-1].append(i)
         else:
             groups.append([i])
@@ -233,16 +236,17 @@ def micro_batches(rollout: Rollout, replay_experts_BSLK: Optional[Tensor], spec:
         return [MicroBatch(torch.arange(B), rollout, replay_experts_BSLK, rollout.num_prompt_positions,
                            rollout.response_ids_BT.shape[1])]
     P = rollout.num_prompt_positions
-    prompt_len_B = rollout.prompt_mask_BP.sum(-1)
-    response_len_B = rollout.response_mask_BT.sum(-1)
-    groups = length_buckets(prompt_len_B + response_len_B, budget)
+    # the plan's lengths on the host in one sync: nothing per micro-batch waits for the device
+    prompt_len, response_len = torch.stack([rollout.prompt_mask_BP.sum(-1), rollout.response_mask_BT.sum(-1)]).tolist()
+    groups = length_buckets(torch.tensor(prompt_len) + torch.tensor(response_len), budget)
     if spec.shard.world > 1:
         count = torch.tensor([len(groups)], device=rollout.input_ids_BS.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         groups = _equal_count(groups, int(count))
     out = []
     for rows in groups:
-        p, t = int(prompt_len_B[rows].max()), max(int(response_len_B[rows].max()), 1)
+        picked = rows.tolist()
+        p, t = max(prompt_len[i] for i in picked), max(max(response_len[i] for i in picked), 1)
         replay = None if replay_experts_BSLK is None else replay_experts_BSLK[rows][:, P - p:P + t]
         out.append(MicroBatch(rows, _trim(rollout.select(rows), p, t), replay, p, t))
     return out
@@ -554,13 +558,14 @@ class _BatchWeights:
 
 
 def _minibatch_terms(logp_BT: Tensor, ent_BT: Tensor, rows: Tensor, normalizer: int, batch: ScoredBatch,
-                     weights: _BatchWeights, penalty: PenaltySpec, cfg: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
+                     weights: _BatchWeights, penalty: PenaltySpec, cfg: AlgoConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss of the batch rows ``rows`` (whose current log-probs and entropies are ``logp_BT``, ``ent_BT``):
-    policy loss + penalty - entropy_coef * entropy, each a token sum over these rows / ``normalizer``."""
+    policy loss + penalty - entropy_coef * entropy, each a token sum over these rows / ``normalizer``. Each term is
+    computed once, and nothing waits for the device: the metrics are 0-d tensors (``_host_metrics`` reads them)."""
     rollout = batch.rollout
     m_BT = rollout.response_mask_BT.bool()[rows]
     adv_BT = batch.advantages_BT[rows]
-    metrics: dict[str, float] = {}
+    metrics: dict[str, Tensor] = {}
     pen_loss = logp_BT.new_zeros(())
     if penalty.constraints:
         routing_BT = weights.routing_BT[rows] if weights.routing_BT is not None else None
@@ -574,8 +579,20 @@ def _minibatch_terms(logp_BT: Tensor, ent_BT: Tensor, rows: Tensor, normalizer: 
     metrics.update(pg_metrics)
     entropy = (ent_BT * m_BT).sum() / normalizer
     loss = pg_loss + pen_loss - cfg.entropy_coef * entropy
-    metrics.update({"loss/total": float(loss.detach()), "policy/entropy": float(entropy.detach())})
+    metrics.update({"loss/total": loss.detach(), "policy/entropy": entropy.detach()})
     return loss, metrics
+
+
+def _host_metrics(steps: list[dict]) -> list[dict[str, float]]:
+    """The mini-batches' metrics as floats, their tensors read in one host sync (a registered loss may also give
+    floats)."""
+    keys = [(i, k) for i, m in enumerate(steps) for k, v in m.items() if isinstance(v, Tensor)]
+    if keys:
+        device = steps[keys[0][0]][keys[0][1]].device
+        values = torch.stack([steps[i][k].detach().to(device, torch.float64).reshape(()) for i, k in keys]).tolist()
+        for (i, k), value in zip(keys, values):
+            steps[i][k] = value
+    return [{k: float(v) for k, v in m.items()} for m in steps]
 
 
 def _batch_weights(batch: ScoredBatch, cfg: AlgoConfig) -> tuple[_BatchWeights, dict[str, float]]:
@@ -608,19 +625,26 @@ def _accumulate(model, rollout: Rollout, replay_experts_BSLK: Optional[Tensor], 
     the gradients accumulating: only one micro-batch's activations are alive at once. Each micro-batch's loss is its
     token sum over the mini-batch's global ``normalizer``, so the accumulated gradient is the mini-batch's.
 
+    Several micro-batches of lower-precision parameters sum their gradients in float32 (``Float32Grads``), rounded
+    to the parameters' dtype once, after the last one. Nothing in the loop waits for the device (the micro-batch
+    plan reads the lengths once; the loss terms' metrics are not read).
+
     Returns the detached (B, T) log-probs and entropies of ``rollout``'s rows (0 at padding)."""
     B, T = rollout.response_ids_BT.shape
     logp_BT = torch.zeros(B, T, dtype=torch.float32, device=rollout.response_ids_BT.device)
     ent_BT = torch.zeros_like(logp_BT)
-    for mb in micro_batches(rollout, replay_experts_BSLK, spec):
-        logp, ent, _ = _forward_logp_amp(model, mb.rollout, spec, with_entropy=True,
-                                         replay_experts_BSLK=mb.replay_experts_BSLK, capture=False)
-        pad = (0, T - mb.response_len)
-        logp, ent = torch.nn.functional.pad(logp, pad), torch.nn.functional.pad(_entropy_term(ent, terms["cfg"]), pad)
-        loss, _ = _minibatch_terms(logp, ent, rows_B[mb.rows], **terms)
-        (loss if scaler is None else scaler.scale(loss)).backward()
-        logp_BT[mb.rows] = logp.detach().float()
-        ent_BT[mb.rows] = ent.detach().float()
+    parts = micro_batches(rollout, replay_experts_BSLK, spec)
+    with Float32Grads(model.parameters()) if len(parts) > 1 else contextlib.nullcontext():
+        for mb in parts:
+            logp, ent, _ = _forward_logp_amp(model, mb.rollout, spec, with_entropy=True,
+                                             replay_experts_BSLK=mb.replay_experts_BSLK, capture=False)
+            pad = (0, T - mb.response_len)
+            logp = torch.nn.functional.pad(logp, pad)
+            ent = torch.nn.functional.pad(_entropy_term(ent, terms["cfg"]), pad)
+            loss, _ = _minibatch_terms(logp, ent, rows_B[mb.rows], **terms)
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            logp_BT[mb.rows] = logp.detach().float()
+            ent_BT[mb.rows] = ent.detach().float()
     return logp_BT, ent_BT
 
 
@@ -651,6 +675,8 @@ def update(model, optim: OptimStep, batch: ScoredBatch, *, scoring: ScoringSpec,
     optimizer, scheduler, scaler, grad_clip = optim.optimizer, optim.scheduler, optim.scaler, optim.grad_clip
     mask_BT = rollout.response_mask_BT.bool()
     weights, is_metrics = _batch_weights(batch, cfg)
+    # the multipliers on the device once, not copied there (a host sync on CUDA) at every micro-batch's penalty
+    penalty = replace(penalty, lambda_C=torch.as_tensor(penalty.lambda_C).to(mask_BT.device))
     trained_logp_BT = batch.old_logp_BT.clone()
     steps = []
     skipped = 0
@@ -718,4 +744,4 @@ def update(model, optim: OptimStep, batch: ScoredBatch, *, scoring: ScoringSpec,
         metrics["guard/skipped_update"] = 0.0 if finite else 1.0
         metrics.update({"optim/grad_norm": float(grad_norm), "optim/lr": optimizer.param_groups[0]["lr"]})
         steps.append(metrics)
-    return UpdateResult(steps, is_metrics, trained_logp_BT, skipped)
+    return UpdateResult(_host_metrics(steps), is_metrics, trained_logp_BT, skipped)

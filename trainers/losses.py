@@ -16,6 +16,10 @@ Signatures, one per registry::
     POLICY_LOSSES[name](logp_BT, old_logp_BT, advantages_BT, weights_BT, mask_BT, cfg, normalizer)
         -> (loss, metrics)
 
+A policy loss's metrics are 0-d tensors (floats are accepted too): the learner computes the loss once per
+micro-batch and reads every metric of an update in one host sync, so a loss that synchronises (``float``,
+``.item()``, boolean indexing) stalls each micro-batch's backward behind the device.
+
 ``weights_BT`` is detached, in the dtype of ``old_logp_BT``, and 0 outside ``kept_BT``; ``kept_BT`` (bool)
 is the input mask minus the tokens the mode drops and minus those the composable rules drop (``cfg.seq_mask``,
 ``cfg.veto``, ``cfg.reject``; they apply under every mode, as verl's rejection and veto apply under every IS
@@ -51,7 +55,8 @@ from trainers.config import AlgoConfig, ClipConfig
 _METRIC_LOG_MAX = 700.0  # raw weights reported as metrics saturate at e^700 (float64 stays finite)
 
 ISMode = Callable[[Tensor, Tensor, Tensor, AlgoConfig], tuple[Tensor, Tensor, dict[str, float]]]
-PolicyLoss = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, AlgoConfig, float], tuple[Tensor, dict[str, float]]]
+PolicyLoss = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, AlgoConfig, float],
+                      tuple[Tensor, dict[str, Tensor | float]]]
 
 
 # ------------------------------------------------------------------------------------------ IS correction
@@ -319,32 +324,30 @@ def _dual_clip_mask(ratio_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor, cf
 
 @torch.no_grad()
 def _loss_metrics(loss: Tensor, log_r_BT: Tensor, ratio_BT: Tensor, low_BT: Tensor, high_BT: Tensor,
-                  dual_BT: Tensor, mask_BT: Tensor) -> dict[str, float]:
-    """Shared metrics; means over the valid tokens of this (micro-)batch, 0 when it has none.
+                  dual_BT: Tensor, mask_BT: Tensor) -> dict[str, Tensor]:
+    """Shared metrics; means over the valid tokens of this (micro-)batch, 0 when it has none. 0-d float64 tensors:
+    computing them waits for nothing on the device (no host sync, no boolean indexing); the caller reads them.
 
     policy/approx_kl is k3 of r on the valid tokens: E[r - 1 - log r], an estimator of KL(pi_old || pi_theta)
     on pi_old-samples (Schulman's k3). policy/ratio_mean is the mean of the ratio the clip acts on.
     clip/frac counts the eps clip (low | high); clip/frac_dual the dual-clip, separately.
     """
-    n = int(mask_BT.sum())
-    if n == 0:
-        return {"loss/policy": float(loss), "clip/frac": 0.0, "clip/frac_low": 0.0, "clip/frac_high": 0.0,
-                "clip/frac_dual": 0.0, "policy/approx_kl": 0.0, "policy/ratio_mean": 0.0}
-    log_r = log_r_BT[mask_BT].double()
-    k3 = MEASURES["kl_k3"].token(log_r, torch.zeros_like(log_r))  # the measures' ulp-accurate k3
+    n = mask_BT.sum().clamp_min(1).double()
+    log_r_BT = torch.where(mask_BT, log_r_BT.double(), 0.0)
+    k3_BT = MEASURES["kl_k3"].token(log_r_BT, torch.zeros_like(log_r_BT))  # the measures' ulp-accurate k3
     return {
-        "loss/policy": float(loss),
-        "clip/frac": float((low_BT | high_BT).sum()) / n,
-        "clip/frac_low": float(low_BT.sum()) / n,
-        "clip/frac_high": float(high_BT.sum()) / n,
-        "clip/frac_dual": float(dual_BT.sum()) / n,
-        "policy/approx_kl": float(k3.mean()),
-        "policy/ratio_mean": float(ratio_BT[mask_BT].double().mean()),
+        "loss/policy": loss.double(),
+        "clip/frac": (low_BT | high_BT).sum() / n,
+        "clip/frac_low": low_BT.sum() / n,
+        "clip/frac_high": high_BT.sum() / n,
+        "clip/frac_dual": dual_BT.sum() / n,
+        "policy/approx_kl": torch.where(mask_BT, k3_BT, 0.0).sum() / n,
+        "policy/ratio_mean": torch.where(mask_BT, ratio_BT.double(), 0.0).sum() / n,
     }
 
 
 def ppo_clip_loss(logp_BT: Tensor, old_logp_BT: Tensor, advantages_BT: Tensor, weights_BT: Tensor, mask_BT: Tensor,
-                  cfg: AlgoConfig, normalizer: float) -> tuple[Tensor, dict[str, float]]:
+                  cfg: AlgoConfig, normalizer: float) -> tuple[Tensor, dict[str, Tensor]]:
     """Decoupled PPO (AReaL, arXiv 2505.24298; Hilton et al. 2021) with dual-clip (Ye et al. 2020, arXiv
     1912.09729):
 
@@ -377,7 +380,7 @@ def ppo_clip_loss(logp_BT: Tensor, old_logp_BT: Tensor, advantages_BT: Tensor, w
 
 
 def minirl_loss(logp_BT: Tensor, old_logp_BT: Tensor, advantages_BT: Tensor, weights_BT: Tensor, mask_BT: Tensor,
-                cfg: AlgoConfig, normalizer: float) -> tuple[Tensor, dict[str, float]]:
+                cfg: AlgoConfig, normalizer: float) -> tuple[Tensor, dict[str, Tensor]]:
     """MiniRL (Zheng et al., arXiv 2512.01374, Eq. 7): masked, IS-weighted REINFORCE,
 
         J = sum_t M_t * sg(pi_theta(y_t) / mu(y_t)) * A_t * log pi_theta(y_t),   loss = -J / normalizer,
@@ -410,7 +413,7 @@ def minirl_loss(logp_BT: Tensor, old_logp_BT: Tensor, advantages_BT: Tensor, wei
 
 
 def gspo_loss(logp_BT: Tensor, old_logp_BT: Tensor, advantages_BT: Tensor, weights_BT: Tensor, mask_BT: Tensor,
-              cfg: AlgoConfig, normalizer: float) -> tuple[Tensor, dict[str, float]]:
+              cfg: AlgoConfig, normalizer: float) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071), in its GSPO-token form:
 
         s_i     = exp( mean_{t in T_i} (logp_t - old_logp_t) )              (sequence ratio, valid tokens)
