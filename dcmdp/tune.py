@@ -108,6 +108,8 @@ warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning
 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
 
 SAMPLERS = ("grid", "tpe", "gp")
+# Combinations a grid may hold: each is a training run (a larger study is a tpe or gp one with a trial budget).
+MAX_GRID_TRIALS = 10_000
 POLL_S = 0.5  # how often the parent reads a running trial's progress
 HEARTBEAT_S, GRACE_S = 20, 120  # Optuna heartbeat of running trials; a trial silent for GRACE_S is failed
 _MISSING = object()
@@ -234,7 +236,8 @@ def load_tune_config(path: str | Path, overrides: Sequence[str] = ()) -> TuneCon
         written = OmegaConf.to_container(merged, resolve=False)["overrides"]
         cfg: TuneConfig = OmegaConf.to_object(merged)  # type: ignore
     except OmegaConfBaseException as exc:
-        raise ConfigError(f"tune config error at '{getattr(exc, 'full_key', '')}' in {path}: {exc.msg}") from exc
+        raise ConfigError(f"tune config error at '{getattr(exc, 'full_key', '')}' in {path}: "
+                          f"{_first_line(exc)}") from exc
     if not Path(cfg.base).is_absolute() and (path.parent / cfg.base).is_file():
         cfg.base = str(path.parent / cfg.base)
     # as written: load_config resolves an interpolation (${oc.env:PW}) itself and keeps it out of every record
@@ -290,9 +293,19 @@ def _check(cfg: TuneConfig) -> None:
             raise ConfigError(f"sampler 'gp' (optuna.samplers.GPSampler) needs {' and '.join(missing)}: "
                               f"pip install {' '.join(missing)}")
     dists = distributions(cfg.space, grid=cfg.sampler == "grid")
+    if cfg.sampler == "grid" and (n := math.prod(len(d.choices) for d in dists.values())) > MAX_GRID_TRIALS:
+        sizes = " x ".join(str(len(d.choices)) for d in dists.values())
+        raise ConfigError(f"tune config error at 'space': the grid has {n:,} combinations ({sizes}), above "
+                          f"{MAX_GRID_TRIALS:,}, each a training run; give fewer values, or sampler: tpe (or gp) "
+                          f"with trials: N")
     base = load_config(cfg.base, cfg.overrides)
-    for key, d in dists.items():  # raises on a key the run config does not have
-        _set_keys(OmegaConf.structured(base), {key: d.choices[0] if hasattr(d, "choices") else d.low})
+    for key, d in dists.items():  # every value alone on the base, before the first trial: a bad one fails here
+        for value in (d.choices if hasattr(d, "choices") else (d.low, d.high)):
+            try:
+                apply_settings(base, {key: value})
+            except ConfigError as exc:
+                raise ConfigError(f"tune config error at 'space.{key}': the value {value!r} cannot be run: "
+                                  f"{str(exc).removeprefix('tune: ')}") from None
 
 
 def distributions(space: dict[str, Any], grid: bool = False) -> dict[str, optuna.distributions.BaseDistribution]:
@@ -328,7 +341,12 @@ def _set_keys(node: Any, settings: dict[str, Any]) -> None:
         try:
             OmegaConf.update(node, key, yaml_value(key, value), merge=False)
         except OmegaConfBaseException as exc:
-            raise ConfigError(f"tune: cannot set '{key}' to {value!r}: {exc}") from exc
+            raise ConfigError(f"tune: cannot set '{key}' to {value!r}: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: OmegaConfBaseException) -> str:
+    """OmegaConf's message without the ``full_key:`` / ``object_type=`` lines it appends."""
+    return str(getattr(exc, "msg", None) or exc).splitlines()[0]
 
 
 # The environment variable through which trials get the study's tracking URI.

@@ -48,6 +48,9 @@ def _folder(name: str) -> Callable[[Path], None]:
     return lambda d: (d / name).mkdir()
 
 
+TUNE = f"base: {ROOT / 'configs' / 'tiny-dense.yaml'}\noverrides: [steps=1, threads=1]\noutput_dir: o\n"
+
+
 def _symlink_loop(name: str) -> Callable[[Path], None]:
     return lambda d: (d / name).symlink_to(name)
 
@@ -265,6 +268,22 @@ CLI: dict[str, Case] = {
         ("dcmdp", "check", *JSONL[2:6], "cold_start.steps=0", "task.reward_load_timeout=0"),
         "dcmdp: 1 problem in the config, each to fix before a run can start:\n  task.reward_load_timeout: config "
         "error at 'task.reward_load_timeout': must be a number of seconds in (0, 3600]", setup=_jsonl_task(*SUMS)),
+    "tune-grid-value-out-of-range": Case(
+        ("dcmdp", "tune", "tune.yaml"), "dcmdp: tune config error at 'space.rollout.top_p': the value 1.5 cannot be "
+        "run: config error at 'rollout.top_p': must be in (0, 1], got 1.5",
+        setup=_file("tune.yaml", TUNE + "space: {rollout.top_p: [0.9, 1.5]}\n")),
+    "tune-grid-value-of-the-wrong-type": Case(
+        ("dcmdp", "tune", "tune.yaml"), "dcmdp: tune config error at 'space.algo.minibatches': the value 'two' cannot "
+        "be run: cannot set 'algo.minibatches' to 'two': Value 'two' of type 'str' could not be converted to Integer",
+        setup=_file("tune.yaml", TUNE + "space: {algo.minibatches: [two]}\n")),
+    "tune-key-of-the-wrong-type": Case(
+        ("dcmdp", "tune", "tune.yaml"), "tune config error at 'workers' in tune.yaml: Value 'abc' of type 'str' could "
+        "not be converted to Integer", setup=_file("tune.yaml", TUNE + "workers: abc\nspace: {seed: [1]}\n")),
+    "tune-grid-of-4-million-trials": Case(
+        ("dcmdp", "tune", "tune.yaml"), "tune config error at 'space': the grid has 4,100,625 combinations (45 x 45 x "
+        "45 x 45), above 10,000, each a training run",
+        setup=_file("tune.yaml", TUNE + "space: {" + ", ".join(f"{k}: {list(range(1, 46))}" for k in
+                                                          ("steps", "eval_every", "log_every", "seed")) + "}\n")),
     "anchor-never-reached": Case(("dcmdp", "check", "steps=5", "dual.measure_at=updates",
                                   "dual.constraints=[{measure: kl_k3, anchor: 0.5, floor_slack: 1.0}]"),
                                  "dcmdp: warning: dual.constraints[0].anchor: its first window (anchor_start=10, "
@@ -272,13 +291,6 @@ CLI: dict[str, Case] = {
     "warmup-longer-than-the-run": Case(("dcmdp", "check", "optim.warmup_steps=1000000000000"),
                                        "dcmdp: warning: optim.warmup_steps=1000000000000 is longer than the run "
                                        "(steps=60): the learning rate never reaches optim.lr", code=0),
-    "checkpoints-a-file": Case(("dcmdp", "check", "output_dir=out"), "output_dir: cannot write checkpoints to "
-                               "out/checkpoints: out/checkpoints is a file, not a folder",
-                               setup=_file("out/checkpoints", "")),
-    "overwrite-without-run-json": Case(
-        ("dcmdp", "check", "output_dir=x6", "overwrite=true"), "overwrite=true: output_dir x6 holds summary.json but "
-        "no readable run.json naming a dcmdp run that wrote them",
-        setup=lambda d: (_file("x6/summary.json", "{}\n")(d), _file("x6/checkpoints/notes.txt", "mine\n")(d))),
     "checkpoints-a-file": Case(("dcmdp", "check", "output_dir=out"), "output_dir: cannot write checkpoints to "
                                "out/checkpoints: out/checkpoints is a file, not a folder",
                                setup=_file("out/checkpoints", "")),
