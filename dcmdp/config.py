@@ -854,9 +854,13 @@ def _validate_registries(cfg: RunConfig) -> None:
     engine = ENGINES[cfg.rollout.engine].capabilities
     _validate_rollout_quantization(cfg, PRESETS, engine)
     name = cfg.rollout.engine
-    if engine.routes == "eager" and cfg.algo.routing_replay == "r3" and not getattr(cfg.rollout, name).enforce_eager:
-        raise ConfigError(f"config error at 'rollout.{name}.enforce_eager': R3 with the {name} engine records routes "
-                          f"through router hooks that only run in eager mode; set rollout.{name}.enforce_eager=true")
+    # vLLM returns its own routes on GPUs (compiled forwards and CUDA graphs keep them); on the CPU they come from
+    # router hooks, which only eager forwards run
+    hooks = engine.routes == "eager" or (engine.routes == "eager_on_cpu" and _runs_on_cpu(cfg.device))
+    if hooks and cfg.algo.routing_replay == "r3" and not getattr(cfg.rollout, name).enforce_eager:
+        raise ConfigError(f"config error at 'rollout.{name}.enforce_eager': R3 with the {name} engine on the CPU "
+                          f"records routes through router hooks that only run in eager mode; set "
+                          f"rollout.{name}.enforce_eager=true")
     if cfg.async_rollout.enabled and not engine.async_worker:
         able = " | ".join(n for n, e in ENGINES.items() if e.capabilities.async_worker)
         raise ConfigError(f"config error at 'async_rollout.enabled': the rollout worker thread drives an engine in "
@@ -1032,6 +1036,13 @@ def _validate_modes(cfg: RunConfig) -> None:
             raise ConfigError(f"config error at '{knob}': {knob} belongs to {sel.kind} {who}; the selected "
                               f"{sel.kind} is '{selected}' ({sel.key}), which does not read it; drop the key or set "
                               f"{fix}")
+
+
+def _runs_on_cpu(device: str) -> bool:
+    """Whether the ``device`` setting puts the run on the CPU (auto: when no CUDA device is visible)."""
+    import torch
+
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
 
 
 def _validate_rollout_quantization(cfg: RunConfig, presets: dict, engine: EngineCapabilities) -> None:

@@ -41,6 +41,8 @@ def _recipe(name: str, model_dir: str, tmp_path: Path, engine: str):
                  "eval_every=0", "progress=false", "checkpoint.every=0", f"output_dir={tmp_path / 'out'}"]
     if engine == "torch":
         overrides.append("rollout.precision=bf16")
+    else:  # on the CPU vLLM's routes (R3) come from router hooks, which run in eager mode only
+        overrides.append("rollout.vllm.enforce_eager=true")
     return load_config(ROOT / "configs" / f"{name}.yaml", overrides)
 
 
@@ -126,3 +128,18 @@ def test_recipe_at_real_shape_one_layer_two_steps(name, engine, real_shape_dirs,
     assert step2["discrepancy/abs_prob_diff"] < tolerance
     if name == "qwen3-30b-a3b":
         assert step1["routing/mismatch"] == 0.0 and step2["routing/mismatch"] == 0.0
+
+
+@pytest.mark.parametrize("device, refused", [("cpu", True), ("cuda", False)])
+def test_the_moe_recipe_asks_for_eager_vllm_only_where_routes_come_from_hooks(device, refused):
+    """vLLM returns its own routes on GPUs (CUDA graphs keep them), so the 30B recipe runs R3 without enforce_eager;
+    on the CPU its routes come from router hooks, which only eager forwards run, and the config check says so."""
+    from dcmdp.config import ConfigError
+
+    overrides = [f"device={device}", f"task.path={DATA}", "task.eval_path=null"]
+    if refused:
+        with pytest.raises(ConfigError, match=r"rollout\.vllm\.enforce_eager"):
+            load_config(ROOT / "configs" / "qwen3-30b-a3b.yaml", overrides)
+    else:
+        cfg = load_config(ROOT / "configs" / "qwen3-30b-a3b.yaml", overrides)
+        assert cfg.algo.routing_replay == "r3" and not cfg.rollout.vllm.enforce_eager

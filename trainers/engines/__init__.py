@@ -38,7 +38,7 @@ class EngineCapabilities:
     no_precision_switch: Optional[str] = None
     # When it reports the experts each position was routed to (MoE; R3 and routing_mismatch need them): always |
     # eager (through router hooks that run in eager mode only: the engine's sub-config has enforce_eager=true, e.g.
-    # rollout.vllm.enforce_eager).
+    # rollout.vllm.enforce_eager) | eager_on_cpu (its own routes on GPUs, router hooks on the CPU).
     routes: str = "always"
     # How the trainer's weights reach it under torchrun: rank0 (rank 0 hosts the engine, gets the gathered full
     # weights and broadcasts each Rollout) | every_rank (every rank hosts its tensor-parallel part of one engine
@@ -119,7 +119,7 @@ ENGINES: dict[str, EngineEntry] = {
         loads_from_disk=True,
         unsupported_precisions={"int8": VLLM_INT8_UNSUPPORTED, **VLLM_UNSUPPORTED_PRECISIONS},
         fp8_needs_tensor_cores=VLLM_FP8_UNAVAILABLE, no_logit_noise=VLLM_LOGIT_NOISE_UNSUPPORTED,
-        no_precision_switch=VLLM_PRECISION_SWITCH_UNSUPPORTED, routes="eager",
+        no_precision_switch=VLLM_PRECISION_SWITCH_UNSUPPORTED, routes="eager_on_cpu",
         weight_sync="every_rank", tensor_parallel=True, async_worker=False, requires={"vllm": VLLM_INSTALL})),
 }
 
