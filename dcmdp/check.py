@@ -398,6 +398,13 @@ def memory_plan(path: Optional[str], overrides: Sequence[str], gpus: int = 1, gp
     from dcmdp.memplan import detected_gpu_gib, plan_memory
 
     cfg = load_config(path, overrides, check=False)
+    if gpus > 1:  # the checks torchrun's start makes (dcmdp.distributed.init): a plan of a launch that cannot start
+        from dcmdp.distributed import DistributedSetupError, check_world
+
+        try:
+            check_world(cfg, gpus)
+        except DistributedSetupError as exc:
+            return [], _problem(exc)
     detected = detected_gpu_gib() if gpu_memory is None else None
     if gpu_memory is not None:
         size, source = gpu_memory, "--gpu-memory"

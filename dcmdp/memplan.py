@@ -181,6 +181,8 @@ class MemoryPlan:
     persistent_bytes: float = 0.0
     train_bytes: float = 0.0
     rollout_bytes: float = 0.0
+    # The config's values of the keys a refusal may propose (``FIX_SETTINGS``): a hint never proposes one already set.
+    settings: tuple[tuple[str, str], ...] = ()
 
     @property
     def total_gib(self) -> float:
@@ -209,9 +211,13 @@ class MemoryPlan:
     def refusal(self) -> str:
         """Why the plan does not fit: the total, the largest term and the key that shrinks it."""
         t = self.largest
+        fix = FIXES.get(t.name, "change " + t.key)
+        setting = FIX_SETTINGS.get(t.name)
+        if setting is not None and dict(self.settings).get(setting[0]) == setting[1]:
+            fix = f"{setting[0]} is {setting[1]} already, the least this term can be on {self.gpus} GPU(s)"
         return (f"config error at '{t.key}': the memory plan needs {self.total_gib:.1f} GiB per GPU, above the "
                 f"{self.gpu_mem_gib:g} GiB of {self.gpu_source}; the largest term is {t.name} ({t.gib:.1f} GiB: "
-                f"{t.formula}): {FIXES.get(t.name, 'change ' + t.key)}, or plan for more GPUs (--gpus, FSDP2 "
+                f"{t.formula}): {fix}, or plan for more GPUs (--gpus, FSDP2 "
                 f"shards weights, gradients and optimiser state) or for GPUs with more memory (a larger --gpu-memory)")
 
 
@@ -229,6 +235,12 @@ FIXES = {
     "overhead": "no key shrinks this fixed cost of any run on a GPU (the CUDA context and allocator slack): shrink "
                 "the other terms",
 }
+
+
+# The (key, value) each FIXES entry proposes, where it proposes one: not proposed when the config has it already.
+FIX_SETTINGS = {"weights": ("optim.precision", "bf16_stochastic"), "gradients": ("optim.precision", "bf16_stochastic"),
+                "optimiser": ("optim.precision", "bf16_stochastic"), "logits": ("model.lm_head_kernel", "bf16x3"),
+                "rollout_engine": ("rollout.torch.share_weights", "True")}
 
 
 def plan_memory(cfg, gpus: int = 1, gpu_mem_gib: float = 80.0, *, gpu_source: str = "--gpu-memory",
@@ -302,21 +314,37 @@ def plan_memory(cfg, gpus: int = 1, gpu_mem_gib: float = 80.0, *, gpu_source: st
     kv = 0.0
     engine_b = ROLLOUT_WEIGHT_BYTES.get(r.precision, 2)
     if r.engine == "vllm":
-        engine = add("rollout_engine", r.vllm.gpu_memory_utilization * gpu_mem_gib * GIB,
-                     f"vLLM reserves gpu_memory_utilization {r.vllm.gpu_memory_utilization:g} of the GPU (its "
-                     f"{engine_b * N / world / GIB:.1f} GiB of weights and its KV cache)",
+        # vLLM sizes its KV cache so that weights + KV reach gpu_memory_utilization of the GPU; its weights alone
+        # (bf16, split over tensor parallel) plus one row's KV are the least it needs to start
+        tp = max(r.vllm.tensor_parallel_size, 1)
+        vllm_weights = 2 * N / tp
+        vllm_kv_min = s.kv_bytes_per_token(2) * seq / tp
+        share = r.vllm.gpu_memory_utilization * gpu_mem_gib * GIB
+        need = vllm_weights + vllm_kv_min
+        engine = add("rollout_engine", max(share, need),
+                     f"vLLM: gpu_memory_utilization {r.vllm.gpu_memory_utilization:g} x {gpu_mem_gib:g} GiB = "
+                     f"{share / GIB:.1f} GiB for its {vllm_weights / GIB:.1f} GiB of bf16 weights (/ TP {tp}) and its "
+                     f"KV cache" + ("" if share >= need else f"; below its weights + one row's KV "
+                                                             f"({need / GIB:.1f} GiB): vLLM cannot start"),
                      "rollout.vllm.gpu_memory_utilization")
     else:
         copy = 0.0 if r.torch.share_weights else engine_b * N
         engine = add("rollout_engine", copy, "share_weights: the trainer's parameters" if r.torch.share_weights
                      else f"a {r.precision} copy of the weights, {engine_b:g} B x params", "rollout.torch.share_weights")
+        from trainers.engines.torch_engine import KV_FREE_FRACTION
+
         kv_row = s.kv_bytes_per_token(2 if r.precision != "fp32" else 4)
         want = rows * seq
-        limit = r.torch.kv_tokens if r.torch.kv_tokens > 0 else want
-        kv_tokens = min(want, max(limit, seq))
+        if r.torch.kv_tokens > 0:
+            limit, why = r.torch.kv_tokens, f"rollout.torch.kv_tokens={r.torch.kv_tokens:,}"
+        else:  # the engine's own budget (TorchEngine.kv_rows): a share of the memory free at the rollout
+            free = gpu_mem_gib * GIB - (weights + optim + engine + overhead_gib * GIB)
+            limit = int(KV_FREE_FRACTION * max(free, 0.0) // kv_row)
+            why = f"kv_tokens=0: {KV_FREE_FRACTION:g} of the {max(free, 0.0) / GIB:.1f} GiB free at the rollout"
+        kv_tokens = min(want, max(limit // seq, 1) * seq)
         kv = add("kv_cache", kv_row * kv_tokens,
-                 f"{kv_tokens:,} tokens x {kv_row / 1024:.0f} KiB (rollout.torch.kv_tokens="
-                 f"{r.torch.kv_tokens or 'all rows'})", "rollout.torch.kv_tokens")
+                 f"{kv_tokens:,} tokens ({kv_tokens // seq} rows) x {kv_row / 1024:.0f} KiB ({why})",
+                 "rollout.torch.kv_tokens")
     if s.experts:
         rb = route_dtype_bytes(s.experts)
         routes = add("routes", rows * seq * s.layers * s.top_k * rb,
@@ -328,8 +356,12 @@ def plan_memory(cfg, gpus: int = 1, gpu_mem_gib: float = 80.0, *, gpu_source: st
     trans = opt_tmp
     trans_formula = "optimiser step: float32 temporaries of the largest tensor"
     if sharded:
-        trans += 2 * compute_b * s.layer_params + 4 * s.layer_params + 4 * s.vocab * s.hidden
-        trans_formula += "; FSDP2: two unsharded layers, one layer's float32 gradient, the float32 LM head"
+        # the root unit (embedding, final norm) is not resharded after its forward: its gathered embedding stays
+        # whole until the backward has passed it
+        trans += (2 * compute_b * s.layer_params + 4 * s.layer_params + 4 * s.vocab * s.hidden
+                  + compute_b * s.vocab * s.hidden)
+        trans_formula += ("; FSDP2: two unsharded layers, one layer's float32 gradient, the float32 LM head, the "
+                          "root's unsharded embedding")
     if r.engine == "vllm" or not r.torch.share_weights:
         trans += engine_b * largest_b
         trans_formula += "; weight sync: one tensor in the engine's dtype"
@@ -343,8 +375,10 @@ def plan_memory(cfg, gpus: int = 1, gpu_mem_gib: float = 80.0, *, gpu_source: st
     else:  # the one backward frees the activations while it fills the gradients
         train = max(forward, grads + transients)
     total = persistent + max(train, kv)
+    settings = (("optim.precision", cfg.optim.precision), ("model.lm_head_kernel", cfg.model.lm_head_kernel),
+                ("rollout.torch.share_weights", str(r.engine == "torch" and r.torch.share_weights)))
     return MemoryPlan(world, float(gpu_mem_gib), gpu_source, tuple(terms), total, T, prompt_tokens, micro,
-                      persistent, train, kv)
+                      persistent, train, kv, settings)
 
 
 def detected_gpu_gib() -> Optional[tuple[float, str]]:

@@ -11,7 +11,7 @@ from dcmdp.memplan import GIB, model_shapes, plan_memory, route_dtype_bytes
 # The recipes without their weights and task files (a random init at the real shapes, a generated task): the same
 # memory, and a check that does not stop at a missing /models directory.
 STANDALONE = ["model.init=random", "model.path=null", "task.name=long_addition", "task.path=null",
-              "task.eval_path=null"]
+              "task.eval_path=null", "rollout.vllm.enforce_eager=true"]
 RECIPES = ("configs/qwen3-8b.yaml", "configs/qwen3-30b-a3b.yaml")
 
 
@@ -21,10 +21,16 @@ def _check(capsys, tmp_path, config: str, *args: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+# What torchrun needs of a recipe on 8 GPUs (dcmdp.distributed.check_world): one vLLM engine over the 8 ranks, float32
+# master weights with bf16 compute.
+TORCHRUN_8 = ["rollout.vllm.tensor_parallel_size=8", "model.dtype=float32", "dist.param_dtype=bf16"]
+
+
 @pytest.mark.parametrize("config,gpus,gib", [("configs/qwen3-8b.yaml", 1, 139), ("configs/qwen3-8b.yaml", 8, 79),
                                              ("configs/qwen3-30b-a3b.yaml", 8, 79)])
 def test_memory_plan_recipes_fit_their_gpus(capsys, tmp_path, config, gpus, gib):
-    code, out, err = _check(capsys, tmp_path, config, "--gpus", str(gpus), "--gpu-memory", str(gib))
+    code, out, err = _check(capsys, tmp_path, config, *(TORCHRUN_8 if gpus > 1 else []), "--gpus", str(gpus),
+                            "--gpu-memory", str(gib))
     assert code == 0, err
     assert f"memory plan per GPU ({gpus} x {gib} GiB" in out
     for term in ("weights", "gradients", "optimiser", "activations", "logits", "rollout_engine", "total (peak)"):
@@ -75,3 +81,52 @@ def test_memory_plan_within_25_percent_of_the_h200_measurement():
     assert abs(plan.total_gib - 63.3) <= 0.25 * 63.3, plan.lines()
     assert plan.total_bytes == pytest.approx(plan.persistent_bytes + max(plan.train_bytes, plan.rollout_bytes))
     assert plan.total_gib * GIB == plan.total_bytes
+
+
+@pytest.mark.parametrize("config,fixed,key", [
+    ("configs/qwen3-8b.yaml", [], "rollout.vllm.tensor_parallel_size"),
+    ("configs/qwen3-8b.yaml", ["rollout.vllm.tensor_parallel_size=8"], "model.dtype"),
+    ("configs/qwen3-30b-a3b.yaml", [], "rollout.vllm.tensor_parallel_size")])
+def test_memory_plan_of_8_gpus_makes_the_torchrun_checks(capsys, tmp_path, config, fixed, key):
+    """The recipes as written do not start under torchrun on 8 GPUs (dcmdp.distributed.check_world): the plan refuses
+    them with torchrun's own error instead of printing a plan that fits."""
+    code, out, err = _check(capsys, tmp_path, config, *fixed, "--gpus", "8", "--gpu-memory", "79")
+    assert code == 2
+    assert f"config error at '{key}'" in err and "memory plan per GPU" not in out
+
+
+def test_memory_plan_kv_tokens_0_is_the_engines_budget_from_free_memory():
+    """rollout.torch.kv_tokens=0 decodes as many rows as KV_FREE_FRACTION of the free memory holds (TorchEngine.kv_rows),
+    not every row at once: 512 rows x 8,704 tokens x 144 KiB would be 612 GiB."""
+    from trainers.engines.torch_engine import KV_FREE_FRACTION
+
+    cfg = load_config("configs/qwen3-8b.yaml", ["rollout.engine=torch", "rollout.torch.kv_tokens=0"], check=False)
+    plan = plan_memory(cfg, 1, 139)
+    kv = plan.term("kv_cache").bytes
+    held = sum(plan.term(n).bytes for n in ("weights", "optimiser", "rollout_engine", "overhead"))
+    free = 139 * GIB - held
+    row = model_shapes(cfg).kv_bytes_per_token() * (512 + 8192)
+    assert kv == int(KV_FREE_FRACTION * free // model_shapes(cfg).kv_bytes_per_token()) // (512 + 8192) * row
+    assert kv <= KV_FREE_FRACTION * free and "kv_tokens=0" in plan.term("kv_cache").formula
+
+
+def test_memory_plan_refusal_never_proposes_the_value_already_set(capsys, tmp_path):
+    """On one 24 GiB GPU the 8B recipe's largest term is its optimiser state, already bf16_stochastic: the hint says
+    so and proposes more GPUs, not the recipe's own setting; and never a smaller --gpu-memory."""
+    code, out, err = _check(capsys, tmp_path, "configs/qwen3-8b.yaml", "--gpu-memory", "24")
+    assert code == 2
+    from dcmdp.memplan import FIXES
+
+    assert FIXES["optimiser"] not in err and "bf16_stochastic already" in err
+    assert "lower --gpu-memory" not in err and "more GPUs" in err
+
+
+def test_memory_plan_vllm_share_holds_its_bf16_weights():
+    """gpu_memory_utilization 0.3 of 24 GiB is 7.2 GiB, below the 15.3 GiB of the 8B's bf16 weights: the plan holds the
+    weights plus one row's KV and says vLLM cannot start; on 139 GiB the share is utilization x GPU."""
+    cfg = load_config("configs/qwen3-8b.yaml", [], check=False)
+    s = model_shapes(cfg)
+    small = plan_memory(cfg, 1, 24).term("rollout_engine")
+    assert small.bytes == 2 * s.params + s.kv_bytes_per_token() * (512 + 8192)
+    assert "cannot start" in small.formula
+    assert plan_memory(cfg, 1, 139).term("rollout_engine").bytes == pytest.approx(0.3 * 139 * GIB)
