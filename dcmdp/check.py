@@ -361,7 +361,7 @@ def _run_folder(cfg: RunConfig, problems: list[Problem]) -> None:
     run will write that it cannot (probed as the run probes it), a resume path that names nothing, a tracking setting
     MLflow refuses."""
     from dcmdp.checkpoint import run_in_folder, unclaimed_outputs, unwritable_run_paths
-    from dcmdp.tracking import check_tracking_config, resolve_buffer_dir
+    from dcmdp.tracking import check_sqlite_store, check_tracking_config, resolve_buffer_dir
 
 
     out = Path(cfg.output_dir)
@@ -386,6 +386,8 @@ def _run_folder(cfg: RunConfig, problems: list[Problem]) -> None:
         problems += [Problem(key, message, file=True) for key, message in unwritable_run_paths(out, buffer, buffer_key)]
     try:
         check_tracking_config(cfg.tracking, out)
+        if cfg.tracking.enabled and not named:
+            check_sqlite_store(cfg.tracking, out)
     except ConfigError as exc:
         problems.append(_problem(exc, "tracking"))
 

@@ -46,8 +46,9 @@ from dcmdp.probe import constraint_values, probe_updates
 from dcmdp.mismatch import mismatch_metrics
 from dcmdp.plots import plot_dual
 from dcmdp.redact import public_uri, written_field
-from dcmdp.reward_stop import failing_steps, stop_message
-from dcmdp.tracking import NoTracker, Tracker, check_tracking_config, provenance_tags, resolve_buffer_dir
+from dcmdp.reward_stop import failing_steps, run_end_window, stop_message
+from dcmdp.tracking import (NoTracker, Tracker, check_sqlite_store, check_tracking_config, provenance_tags,
+                            resolve_buffer_dir)
 from dcmdp.policy import (Policy, build_policy, decode_responses, encode_prompts, held_out_accuracy, held_out_examples,
                           screen_task_prompts, seed_everything, step_seed)
 from trainers import guards, learner
@@ -669,9 +670,11 @@ def stop_on_failing_reward(s: Setup, step: int) -> None:
     cfg = s.cfg
     samples = cfg.algo.prompts_per_step * cfg.algo.samples_per_prompt
     errors = [h.get("reward/errors", 0.0) for h in s.state.history[-cfg.guard.reward_fail_steps:]]
-    if not s.dist.from_main(failing_steps(errors, samples, cfg.guard)):
+    window = run_end_window(len(s.state.history), cfg.guard) if step == cfg.steps else None
+    guard = dataclasses.replace(cfg.guard, reward_fail_steps=window) if window else cfg.guard
+    if not s.dist.from_main(failing_steps(errors, samples, guard)):
         return
-    message = stop_message(last_failure(s.policy.task), cfg.task.reward, samples, cfg.guard, step)
+    message = stop_message(last_failure(s.policy.task), cfg.task.reward, samples, cfg.guard, step, window)
     path = checkpoint(s, step)
     s.tracker.finish("FAILED")
     raise ConfigError(f"training stopped: {message}; checkpoint of step {step} written to {path} (resume with "
@@ -721,6 +724,7 @@ def setup(cfg: RunConfig, *, owns_folder: bool = True) -> Setup:
     # an unusable URI would keep nothing but buffered metrics: refuse it before anything is written
     if cfg.tracking.enabled:
         check_tracking_config(cfg.tracking, out)
+        check_sqlite_store(cfg.tracking, out)
     lock, error = None, None
     try:
         out.mkdir(parents=True, exist_ok=True)

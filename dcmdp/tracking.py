@@ -44,6 +44,7 @@ queued steps after it are lost, and the resumed run logs those steps again.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -67,6 +68,7 @@ from omegaconf import OmegaConf
 
 from dcmdp.config import ConfigError, TrackingConfig
 from dcmdp.redact import public_command, public_uri, redact, split_credentials, uri_problem, written_field
+from trainers.errors import not_a_regular_file
 from trainers.jsonfile import MAX_JSON_DEPTH, nesting_problem, read_small_json
 
 logger = logging.getLogger(__name__)
@@ -181,6 +183,42 @@ def sqlite_store_file(uri: str) -> Optional[Path]:
         return None
     path = unquote(uri[len("sqlite:///"):])
     return Path(path) if path and path != ":memory:" else None
+
+
+def check_sqlite_store(cfg: TrackingConfig, output_dir: str | Path) -> None:
+    """ConfigError naming the key (``output_dir`` for the local store, whose file lies beside the run folders) and
+    the path when the run's sqlite store cannot be written (``sqlite_store_problem``)."""
+    why = sqlite_store_problem(resolve_tracking_uri(cfg, output_dir))
+    if why is not None:
+        source = tracking_uri_source(cfg)
+        key = "output_dir" if source == "the local store" else source
+        raise ConfigError(f"config error at '{key}': {why}; fix the path, or name another store with "
+                          f"tracking.uri=sqlite:////path/to/mlflow.db")
+
+
+def sqlite_store_problem(uri: str) -> Optional[str]:
+    """Why the sqlite database of ``uri`` cannot be a store (a directory or a device where the file goes, a file or
+    folder the user running dcmdp cannot write, a read-only file system), naming the path; None when it can, or when
+    ``uri`` is not a sqlite one. SQLite writes a journal beside the file, so its folder must be writable too. Checked
+    before a run starts: MLflow retries such a store for minutes (a 2-step run took 220 s) without naming it."""
+    db = sqlite_store_file(uri)
+    if db is None:
+        return None
+    db = db.absolute()
+    effective = os.access in os.supports_effective_ids
+    if db.exists() or db.is_symlink():
+        why = not_a_regular_file(db)
+        if why is not None:
+            return f"the MLflow store {db} {why}; a sqlite store is a file"
+        if not os.access(db, os.R_OK | os.W_OK, effective_ids=effective):
+            return f"the MLflow store {db} cannot be written (permission denied or a read-only file system)"
+    folder = next((p for p in db.parents if p.exists()), None)
+    if folder is None or not folder.is_dir():
+        return f"the folder of the MLflow store {db} is not a folder ({folder})"
+    if not os.access(folder, os.W_OK | os.X_OK, effective_ids=effective):
+        return (f"the folder {folder} of the MLflow store {db} cannot be written (permission denied or a read-only "
+                f"file system): SQLite creates the file and its journal there")
+    return None
 
 
 # The schemes MLflow's own tracking stores serve (its documented backends): REST servers, Databricks, and the
@@ -547,6 +585,22 @@ def _no_deleted_store(record: logging.LogRecord) -> bool:
 logging.getLogger("mlflow.store.db.utils").addFilter(_no_deleted_store)
 
 
+@contextlib.contextmanager
+def _store_creation_lock(db: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the folder of the sqlite store ``db`` while its tables are created or migrated.
+    Two runs started at once beside each other share one new store; MLflow creates its tables without a lock, so
+    one of them failed (``duplicate column name``, ``table already exists``) and logged nothing live. The second
+    now waits for the first's creation and finds the tables made. The folder, not a file in it, is locked: no file
+    is added beside the user's runs."""
+    db.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(db.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 @dataclass
 class _Sender:
     """Sends records in order through one MlflowClient; remembers placeholder -> MLflow run ids."""
@@ -581,7 +635,11 @@ class _Sender:
         if self.client is None:
             from mlflow.tracking import MlflowClient
 
-            self.client = MlflowClient(tracking_uri=self.tracking_uri)
+            if self._sqlite_file is None:
+                self.client = MlflowClient(tracking_uri=self.tracking_uri)
+            else:
+                with _store_creation_lock(self._sqlite_file):  # the client creates or migrates the store's tables
+                    self.client = MlflowClient(tracking_uri=self.tracking_uri)
         return self.client
 
     def resolve(self, run: str) -> str:

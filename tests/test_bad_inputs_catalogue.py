@@ -284,6 +284,11 @@ CLI: dict[str, Case] = {
         "45 x 45), above 10,000, each a training run",
         setup=_file("tune.yaml", TUNE + "space: {" + ", ".join(f"{k}: {list(range(1, 46))}" for k in
                                                           ("steps", "eval_every", "log_every", "seed")) + "}\n")),
+    "store-a-folder": Case(("dcmdp", "check", "output_dir=out"), "mlflow.db is a directory, not a file; a sqlite "
+                           "store is a file", setup=_folder("mlflow.db")),
+    "store-a-folder-train": Case(("dcmdp", "train", "model.preset=tiny-dense", "cold_start.steps=0", "threads=1",
+                                  "steps=2", "output_dir=out"),
+                                 "dcmdp: config error at 'output_dir': the MLflow store ", setup=_folder("mlflow.db")),
     "anchor-never-reached": Case(("dcmdp", "check", "steps=5", "dual.measure_at=updates",
                                   "dual.constraints=[{measure: kl_k3, anchor: 0.5, floor_slack: 1.0}]"),
                                  "dcmdp: warning: dual.constraints[0].anchor: its first window (anchor_start=10, "
@@ -317,6 +322,7 @@ NOT_A_COMMAND = {
     "a task file without read permission": "needs a user without root's right to read every file",
     "a damaged `run.json`": "needs a checkpoint of an earlier run",
     "a reward returning NaN on every call in a run shorter": "stops a training run after its steps",
+    "the folder that holds the local MLflow store": "needs a user without root's right to write every folder",
 }
 # the cases run as a new process in the default test run (the rest with -m slow)
 FAST = ("experiment-nested-1000-levels", "sync-buffer-line-nested-1000-levels")

@@ -145,3 +145,53 @@ def test_a_value_out_of_range_is_reported_by_train_before_torch_is_imported(tmp_
     for line in RANGE_ERRORS.values():
         assert line in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
+
+
+CLIENTS_AT_ONCE = """
+import sys, time
+from pathlib import Path
+from dcmdp.tracking import _Sender
+start, uri, buffer = float(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+time.sleep(max(0.0, start - time.time()))
+client = _Sender(uri, buffer)._client()
+print(client.get_experiment_by_name("Default").name)
+"""
+
+
+def test_clients_opening_a_new_sqlite_store_at_once_all_find_its_tables(tmp_path):
+    """Four processes open one new store at the same instant (two runs started at once beside each other share
+    ``<folder>/mlflow.db``): MLflow creates its tables without a lock, so one of them failed (``table runs already
+    exists``, ``duplicate column name``) and its run logged nothing live. The store's folder is locked while they are
+    made: every process gets a client of a store with its tables."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    start = __import__("time").time() + 8  # after the four interpreters have imported mlflow
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", CLIENTS_AT_ONCE, str(start), uri, str(tmp_path / f"buf{i}")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [err[-800:] for _, err in outs]
+    assert [out.strip() for out, _ in outs] == ["Default"] * 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db"]  # no lock file left beside the store
+
+
+def test_a_store_folder_the_user_cannot_write_is_refused_at_start_naming_it(shared_dir, monkeypatch, capsys):
+    """The run folder is writable, the folder that holds the shared local store is not: ``check`` and ``train`` exit
+    2 naming that folder (a 2-step run retried the store silently for 217-236 s and then did not name it)."""
+    import dcmdp.loop  # noqa: F401  (imported as root: the interpreter's own files may be root's alone)
+
+    store_folder = shared_dir / "ro"
+    (store_folder / "run").mkdir(parents=True)
+    (store_folder / "run").chmod(0o777)
+    store_folder.chmod(0o555)
+    monkeypatch.chdir(shared_dir)
+    args = [*TINY, "steps=2", f"output_dir={store_folder / 'run'}"]
+    assert cli.main(["check", *TINY, f"output_dir={shared_dir / 'warm'}"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    with unprivileged():
+        codes = [cli.main([command, *args]) for command in ("check", "train")]
+    err = capsys.readouterr().err
+    assert codes == [2, 2], err
+    line = (f"config error at 'output_dir': the folder {store_folder} of the MLflow store {store_folder / 'mlflow.db'} "
+            f"cannot be written (permission denied or a read-only file system)")
+    assert err.count(line) == 2, err
+    assert sorted(p.name for p in (store_folder / "run").iterdir()) == []
