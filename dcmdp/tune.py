@@ -26,8 +26,9 @@ that is redone here. The supervisor adds what Optuna cannot do from inside one P
 - pruning by the selection rule (``RulePruner``: a trial that can no longer be selected, collapsed or out of
   tolerance, stops), where Optuna's pruners rank intermediate values; the trial is stopped by SIGTERM so it
   writes its checkpoint and ends its MLflow run;
-- the selection rule itself (eligible: finished, not collapsed, D-hat <= c on most steps with the dual active; then
-  the tightest c within one standard error of the best held-out accuracy), which ``study.best_trial`` cannot express;
+- the selection rule itself (eligible: finished, not collapsed, the dual active, D-hat <= c on most steps where the
+  penalty can move D-hat across c; then the tightest c within one standard error of the best held-out accuracy),
+  which ``study.best_trial`` cannot express;
   eligibility goes to TPE and GP as an Optuna constraint;
 - the end of a grid shared by several processes: outside ``optimize`` Optuna's grid sampler neither stops nor
   avoids points other processes are running, so ``claim`` ends the sweep once every point has a trial;
@@ -45,12 +46,17 @@ every ``POLL_S``, reports held-out accuracy (``eval/accuracy``, every ``eval_eve
 intermediate value and asks ``RulePruner``. A pruned trial gets SIGTERM, writes its checkpoint, ends its
 MLflow run KILLED and is tagged ``dcmdp.tune.state=PRUNED``.
 
-Selection rule. A trial is *eligible* when it finished, did not collapse, kept every constraint's D-hat
+Selection rule. A trial is *eligible* when it finished, did not collapse, kept every judged constraint's D-hat
 <= c (``dual/measured/<c>`` <= ``dual/tolerance/<c>``) on at least ``min_inside_frac`` of its steps after
 warm-up (steps ``warmup_steps + 1 .. steps``), and its dual acted: no constraint slack (lambda at its floor with
 D-hat < c) on more than ``max_slack_frac`` of the steps, none with lambda at its cap on more than ``max_cap_frac``
-(the run's summary.json). A slack dual is a run without the penalty, a pinned one a constant: "best accuracy among
-trials inside c" alone rewards the loosest c, where the dual does nothing. It *collapsed* when a ``loss/`` metric
+(the run's summary.json), no lambda holding one value on every step after warm-up. A slack dual is a run without
+the penalty, a pinned one a constant: "best accuracy among trials inside c" alone rewards the loosest c, where the
+dual does nothing. A constraint is *judged* when its c is fixed (a bound the user set) or when its c is anchored and
+the penalty's reach (median log D_0 - log D_max of its probed batches) is at least the batch spread (sd of log D-hat
+after warm-up): below it lambda cannot move D-hat across c, the share inside is set by where the anchor placed c and
+a placebo (lambda fixed at 0 or at lambda_max) meets it too, so it is not judged ("inside c not judged: reach X
+under spread Y") and the accuracy clause alone decides; the placebos fail the dual-acted clauses. It *collapsed* when a ``loss/`` metric
 was non-finite, or when the mean of ``collapse_metric`` over its last ``collapse_window`` steps fell below
 ``collapse_drop_frac`` x its peak window mean. The selected trial is the eligible one with the tightest tolerance
 (mean c over its steps) among those whose held-out accuracy is within ``tolerance_se`` standard errors of the best
@@ -137,9 +143,11 @@ class SelectRule:
     def describe(self) -> str:
         return (f"selection: the tightest c within {self.tolerance_se:g} standard error(s) of the best held-out "
                 f"accuracy among finished trials that did not collapse, kept every constraint's D-hat <= c on >= "
-                f"{self.min_inside_frac:.0%} of steps after warm-up (steps > {self.warmup_steps}) and whose dual "
-                f"acted (slack on <= {self.max_slack_frac:.0%} of steps, lambda at its cap on <= "
-                f"{self.max_cap_frac:.0%}); collapsed = a non-finite loss/ value, or the mean "
+                f"{self.min_inside_frac:.0%} of steps after warm-up (steps > {self.warmup_steps}) where lambda "
+                f"has authority (a fixed c, or an anchored one whose penalty reach is at least the batch spread; "
+                f"below it, or not measured, inside c is not judged and the accuracy clause alone decides) and "
+                f"whose dual acted (slack on <= {self.max_slack_frac:.0%} of steps, lambda at its cap on <= "
+                f"{self.max_cap_frac:.0%}, lambda not one value on every step after warm-up); collapsed = a non-finite loss/ value, or the mean "
                 f"{self.collapse_metric} of the last {self.collapse_window} steps < {self.collapse_drop_frac:g} x "
                 f"its peak {self.collapse_window}-step mean")
 
@@ -219,6 +227,14 @@ class Trial:
     mean_tolerance: float = math.nan
     # Held-out prompts behind accuracy_after (0: unknown; the standard error is then 0).
     eval_prompts: int = 0
+    # Per constraint: the penalty's reach (median log D_0 - log D_max over the probed batches, dcmdp.dual.penalty_reach)
+    # and the batch spread (sd of log D-hat after warm-up, dcmdp.dual.batch_spread); NaN: not measured.
+    reach: dict[str, float] = field(default_factory=dict)
+    spread: dict[str, float] = field(default_factory=dict)
+    # Constraint -> why its inside share is not judged (an anchored c whose reach is under the spread, or not measured).
+    unjudged: dict[str, str] = field(default_factory=dict)
+    # Share of the post-warm-up steps with every judged constraint inside c (NaN: none judged).
+    judged_inside_frac: float = math.nan
 
 
 # --------------------------------------------------------------------------------------------------
@@ -374,16 +390,28 @@ def label(key: str) -> str:
 # The selection rule, and the pruner that applies it while a trial runs.
 
 
-def assess(trial: Trial, history: dict[str, list[float]], names: Sequence[str], rule: SelectRule) -> Trial:
+def assess(trial: Trial, history: dict[str, list[float]], names: Sequence[str], rule: SelectRule,
+           anchored: Optional[Sequence[bool]] = None) -> Trial:
     """Fill the per-step derived fields of ``trial`` from ``history`` (metric key -> values of steps 1..N).
 
     inside_frac = share of steps t > warmup_steps with measured_c(t) <= tolerance_c(t) for every constraint c;
     a non-finite D-hat counts as outside, a run without constraints is inside on every step, and a run with
-    no step after warm-up gets NaN (and is not eligible).
+    no step after warm-up gets NaN (and is not eligible). judged_inside_frac is the same share over the judged
+    constraints (``authority``; ``anchored``: whether each constraint's c is anchored, by default whether it was
+    probed).
     """
     inside = _inside(history, names, rule)
     trial.steps = max((len(v) for v in history.values()), default=0)
     trial.inside_frac = sum(inside) / len(inside) if inside else math.nan
+    anchored = _anchored(history, names, anchored)
+    trial.reach, trial.spread, trial.unjudged = {}, {}, {}
+    for c, a in zip(names, anchored):
+        trial.reach[c], trial.spread[c], note = authority(history, c, rule, a, live=False)
+        if note:
+            trial.unjudged[c] = note
+    judged = [c for c in names if c not in trial.unjudged]
+    inside_judged = _inside(history, judged, rule) if judged else []
+    trial.judged_inside_frac = sum(inside_judged) / len(inside_judged) if inside_judged else math.nan
     trial.mean_discrepancy = {c: _finite_mean(history.get(f"dual/measured/{c}", [])) for c in names}
     trial.mean_tolerance = sum(_finite_mean(history.get(f"dual/tolerance/{c}", [])) for c in names) if names else 0.0
     trial.lambda_history = {c: list(history.get(f"dual/lambda/{c}", [])) for c in names}
@@ -397,6 +425,37 @@ def assess(trial: Trial, history: dict[str, list[float]], names: Sequence[str], 
     return trial
 
 
+def authority(history: dict[str, list[float]], name: str, rule: SelectRule, anchored: bool,
+              live: bool = True) -> tuple[float, float, str]:
+    """(reach, spread, why not judged) of one constraint from ``history``: the reach from its probed batches
+    (``dual/anchor_zero/<name>``, ``dual/anchor_max/<name>``; ``dcmdp.dual.penalty_reach``), the spread from
+    ``dual/measured/<name>`` after warm-up (``dcmdp.dual.batch_spread``), NaN where not measured.
+
+    The inside share of an anchored c is judged only where the reach is at least the spread: lambda in [0, lambda_max]
+    shifts log D-hat by at most the reach while the batches scatter it by the spread, so below it the share is set by
+    where the anchor placed c, and a placebo (lambda fixed at 0 or at lambda_max) meets it as well
+    (``dcmdp.loop.control_sentence``). ``live`` (a running trial): the reach counts only once the first anchor window
+    has closed (``dual/anchor_gap/<name>``). A fixed c, never probed, is a bound the user set: always judged."""
+    from dcmdp.dual import batch_spread, penalty_reach
+
+    measured = history.get(f"dual/measured/{name}", [])
+    spread = batch_spread(measured[rule.warmup_steps:])
+    reach = penalty_reach(history.get(f"dual/anchor_zero/{name}", []), history.get(f"dual/anchor_max/{name}", []))
+    if live and not any(math.isfinite(v) for v in history.get(f"dual/anchor_gap/{name}", [])):
+        reach = None
+    reach_f, spread_f = (math.nan if x is None else x for x in (reach, spread))
+    if not anchored or (reach is not None and spread is not None and reach >= spread):
+        return reach_f, spread_f, ""
+    if reach is None or spread is None:
+        return reach_f, spread_f, f"inside c not judged: {'reach' if reach is None else 'spread'} not measured"
+    return reach_f, spread_f, f"inside c not judged: reach {reach:.3g} under spread {spread:.3g}"
+
+
+def _anchored(history: dict[str, list[float]], names: Sequence[str],
+              anchored: Optional[Sequence[bool]]) -> list[bool]:
+    return list(anchored) if anchored is not None else [f"dual/anchor_zero/{c}" in history for c in names]
+
+
 def _inside(history: dict[str, list[float]], names: Sequence[str], rule: SelectRule) -> list[bool]:
     n = max((len(v) for v in history.values()), default=0)
     return [all(math.isfinite(d := _at(history, f"dual/measured/{c}", t))
@@ -408,17 +467,21 @@ def _window_means(watched: Sequence[float], window: int) -> list[float]:
         or ([_finite_mean(watched)] if watched else [])
 
 
-def live_state(history: dict[str, list[float]], names: Sequence[str], rule: SelectRule) -> dict[str, Any]:
-    """What the pruner needs of a running trial: steps so far, post-warm-up steps outside the tolerance, a
-    non-finite loss, and for how many trailing steps the collapse condition has held."""
+def live_state(history: dict[str, list[float]], names: Sequence[str], rule: SelectRule,
+               anchored: Optional[Sequence[bool]] = None) -> dict[str, Any]:
+    """What the pruner needs of a running trial: steps so far, post-warm-up steps outside the tolerance of a judged
+    constraint (``authority`` on the history so far: an anchored c only once its first window closed and its reach
+    is at least the running spread), a non-finite loss, and for how many trailing steps the collapse condition has
+    held."""
     means = _window_means(history.get(rule.collapse_metric, []), rule.collapse_window)
     collapsed_for = 0
     for j in range(len(means) - 1, -1, -1):
         if not means[j] < rule.collapse_drop_frac * max(means[:j + 1]):
             break
         collapsed_for += 1
+    judged = [c for c, a in zip(names, _anchored(history, names, anchored)) if not authority(history, c, rule, a)[2]]
     return {"live/steps": max((len(v) for v in history.values()), default=0),
-            "live/outside": sum(not ok for ok in _inside(history, names, rule)),
+            "live/outside": sum(not ok for ok in _inside(history, judged, rule)) if judged else 0,
             "live/nonfinite": any(not math.isfinite(v) for k, vs in history.items() if k.startswith("loss/")
                                   for v in vs),
             "live/collapsed_for": collapsed_for}
@@ -429,7 +492,8 @@ class RulePruner(optuna.pruners.BasePruner):
     tune process sets as the trial runs (``live_state``) and its ``steps_total``.
 
     Outside for good: more than (1 - min_inside_frac) x (steps_total - warmup_steps) post-warm-up steps with
-    D-hat > c, so the inside share can no longer reach min_inside_frac. Collapsed: a non-finite loss, or the
+    D-hat > c, so the inside share can no longer reach min_inside_frac; counted only for judged constraints, so a
+    trial whose reach is under its running spread is never pruned for its inside share. Collapsed: a non-finite loss, or the
     collapse condition (last window mean < collapse_drop_frac x peak window mean) on ``patience`` steps in a
     row (a collapse that lasts is not expected to recover within the run).
     """
@@ -490,19 +554,62 @@ def select(trials: list[Trial], rule: SelectRule) -> Optional[Trial]:
 
 
 def _eligible(t: Trial, rule: SelectRule) -> bool:
+    share = _judged_share(t)
     return (t.status == "ok" and not t.collapsed and math.isfinite(t.accuracy_after)
-            and t.inside_frac >= rule.min_inside_frac
-            and not t.slack_frac > rule.max_slack_frac and not t.cap_frac > rule.max_cap_frac)  # NaN: unknown, passes
+            and (share is None or share >= rule.min_inside_frac)
+            and not t.slack_frac > rule.max_slack_frac and not t.cap_frac > rule.max_cap_frac  # NaN: unknown, passes
+            and _fixed_lambda(t, rule) is None)
+
+
+def _judged_share(t: Trial) -> Optional[float]:
+    """The inside share the constraint clause judges: every constraint's (``inside_frac``) when each is judged, that
+    of the judged ones when some are not, None (not required) when none is."""
+    if not t.unjudged:
+        return t.inside_frac
+    return None if len(t.unjudged) >= len(t.reach) else t.judged_inside_frac
+
+
+def _fixed_lambda(t: Trial, rule: SelectRule) -> Optional[tuple[str, float]]:
+    """(constraint, value) of a lambda that held one value on every step after warm-up (at least 2): a placebo
+    (``dual.rule=fixed``, lambda at 0 or at lambda_max) or any constant, which no clause on D-hat tells from a dual;
+    None when every lambda moved."""
+    for c, lam in t.lambda_history.items():
+        late = [v for v in lam[rule.warmup_steps:] if math.isfinite(v)]
+        if len(late) >= 2 and max(late) - min(late) <= 1e-12:
+            return c, late[0]
+    return None
+
+
+def clause(t: Trial) -> str:
+    """Which clause decides on the constraint: the inside share (judged), or the accuracy clause alone (not)."""
+    if t.unjudged:
+        many = len(t.reach) > 1
+        return "; ".join(f"{note} ({c})" if many else note for c, note in t.unjudged.items())
+    pairs = [(c, t.reach[c], t.spread.get(c, math.nan)) for c in t.reach if math.isfinite(t.reach[c])]
+    if not pairs:
+        return "inside c judged (a fixed c)" if t.reach else ""
+    return "inside c judged: " + ", ".join(f"reach {r:.3g} >= spread {sp:.3g}" for _, r, sp in pairs)
 
 
 def _why_chosen(best: Trial, top: Trial, floor: float, n_near: int, n_eligible: int, rule: SelectRule) -> str:
+    decided = _decided(best, rule)
     if n_near == 1:
         return (f"selected: the best held-out accuracy ({best.accuracy_after:.1%}) of {n_eligible} eligible trial(s); "
-                f"no other within {rule.tolerance_se:g} standard error(s) (>= {floor:.1%})")
+                f"no other within {rule.tolerance_se:g} standard error(s) (>= {floor:.1%}){decided}")
     same = " (the best accuracy too)" if best is top else f" (best: {top.trial}, {top.accuracy_after:.1%})"
     return (f"selected: the tightest c (mean {best.mean_tolerance:.4g}) of the {n_near} eligible trials within "
             f"{rule.tolerance_se:g} standard error(s) of the best accuracy, >= {floor:.1%}; its accuracy "
-            f"{best.accuracy_after:.1%}{same}")
+            f"{best.accuracy_after:.1%}{same}{decided}")
+
+
+def _decided(t: Trial, rule: SelectRule) -> str:
+    """The clause that made ``t`` eligible on its constraint, as a tail of its reason ("" where nothing is known)."""
+    what = clause(t)
+    if not what:
+        return ""
+    if _judged_share(t) is None:
+        return f"; eligible on the accuracy clause alone ({what})"
+    return f"; {what}, inside on {_fmt(_judged_share(t), '.0%')} >= {rule.min_inside_frac:.0%}"
 
 
 def _why_not(t: Trial, best: Optional[Trial], rule: SelectRule, floor: float = math.nan) -> str:
@@ -515,13 +622,16 @@ def _why_not(t: Trial, best: Optional[Trial], rule: SelectRule, floor: float = m
                 f"{rule.collapse_drop_frac:g} x peak {t.peak_window_mean:.3g}")
     if not math.isfinite(t.accuracy_after):
         return "no held-out accuracy"
-    if not t.inside_frac >= rule.min_inside_frac:
-        return f"inside tolerance on {_fmt(t.inside_frac, '.0%')} of steps < {rule.min_inside_frac:.0%}"
+    if (share := _judged_share(t)) is not None and not share >= rule.min_inside_frac:
+        return f"inside tolerance on {_fmt(share, '.0%')} of steps < {rule.min_inside_frac:.0%}"
     if t.slack_frac > rule.max_slack_frac:
         return (f"dual off: slack (lambda at its floor, D-hat < c) on {t.slack_frac:.0%} of steps > "
                 f"{rule.max_slack_frac:.0%}")
     if t.cap_frac > rule.max_cap_frac:
         return f"lambda at its cap on {t.cap_frac:.0%} of steps > {rule.max_cap_frac:.0%}: a constant, not a controller"
+    if (fixed := _fixed_lambda(t, rule)) is not None:
+        return (f"lambda fixed at {fixed[1]:.4g} ({fixed[0]}) on every step after warm-up: a constant, not a "
+                f"controller")
     assert best is not None
     if t.accuracy_after < floor:
         return (f"eligible, accuracy {t.accuracy_after:.1%} more than {rule.tolerance_se:g} standard error(s) under "
@@ -726,6 +836,7 @@ class _Sweep:
             log.warning("trial %s: %s", d.name, exc)
             return self._tell(trial, TrialState.FAIL, Trial(d.name, settings, status="failed", error=str(exc)))
         (d / "run.yaml").write_text(to_yaml(run_cfg, public=True))
+        anchored = [c.anchor is not None for c in run_cfg.dual.constraints]
         trial.set_user_attr("steps_total", run_cfg.steps)
         trial.set_user_attr("process", f"{os.uname().nodename}:{os.getpid()}")
         self.started += 1
@@ -744,7 +855,7 @@ class _Sweep:
                     if math.isfinite(acc) and step not in reported:
                         trial.report(acc, step)
                         reported.add(step)
-                state = live_state(history, self.names, self.cfg.select)
+                state = live_state(history, self.names, self.cfg.select, anchored)
                 if state != live:
                     live = state
                     for k, v in state.items():
@@ -768,14 +879,15 @@ class _Sweep:
         finally:
             self.procs.discard(proc)
         try:
-            self._finish(trial, d, settings, proc.returncode, pruned)
+            self._finish(trial, d, settings, proc.returncode, pruned, anchored)
         finally:
             if interrupted:
                 raise KeyboardInterrupt
 
-    def _finish(self, trial: optuna.Trial, d: Path, settings: dict[str, Any], returncode: int, pruned: str) -> None:
+    def _finish(self, trial: optuna.Trial, d: Path, settings: dict[str, Any], returncode: int, pruned: str,
+                anchored: Sequence[bool]) -> None:
         history, run_id = read_progress(d / "progress.jsonl")
-        record = assess(Trial(d.name, settings), history, self.names, self.cfg.select)
+        record = assess(Trial(d.name, settings), history, self.names, self.cfg.select, anchored)
         if pruned:
             record.status, record.error, record.run_id = "pruned", pruned, run_id
             self._tag_child(run_id, "PRUNED", trial.number, end="KILLED")
@@ -899,13 +1011,16 @@ def _fmt(x: Any, spec: str = ".4g") -> str:
 def table(trials: list[Trial], names: Sequence[str], rule: SelectRule) -> str:
     """The printed table; the rule is stated above it, and the last column says why a trial was (not) selected."""
     head = ["trial", "settings", "acc before", "acc after", *[f"mean D {c}" for c in names], "inside",
-            *[f"final λ {c}" for c in names], "steps", "selected", "why (not) selected"]
+            *[f"reach {c}" for c in names], *[f"spread {c}" for c in names], *[f"final λ {c}" for c in names],
+            "steps", "selected", "constraint clause", "why (not) selected"]
     rows = [head]
     for t in trials:
         rows.append([t.trial, _fmt_settings(t.settings), _fmt(t.accuracy_before, ".1%"), _fmt(t.accuracy_after, ".1%"),
                      *[_fmt(t.mean_discrepancy.get(c, math.nan)) for c in names], _fmt(t.inside_frac, ".0%"),
+                     *[_fmt(t.reach.get(c, math.nan), ".3g") for c in names],
+                     *[_fmt(t.spread.get(c, math.nan), ".3g") for c in names],
                      *[_fmt(t.final_lambda.get(c, math.nan)) for c in names], str(t.steps),
-                     "*" if t.selected else "", t.reason[:110]])
+                     "*" if t.selected else "", clause(t), t.reason[:110]])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -946,7 +1061,7 @@ def _csv_row(t: Trial) -> dict[str, Any]:
     """One CSV row: settings, per-constraint values as ``<field>/<constraint>``, booleans as 0/1."""
     row: dict[str, Any] = {"trial": t.trial, "optuna_number": t.number, **t.settings}
     for k, v in asdict(t).items():
-        if isinstance(v, dict) and k in ("mean_discrepancy", "final_lambda"):
+        if isinstance(v, dict) and k in ("mean_discrepancy", "final_lambda", "reach", "spread", "unjudged"):
             row.update({f"{k}/{c}": x for c, x in v.items()})
         elif k == "warnings":
             row[k] = "; ".join(v)
@@ -976,9 +1091,10 @@ def best_snippet(base: RunConfig, best: Trial) -> str:
         if not key.startswith("dual.constraints"):
             OmegaConf.update(node, key, value, force_add=True)
     acc = f"{best.accuracy_before:.1%} -> {best.accuracy_after:.1%}"
+    what = f"; {clause(best)}" if clause(best) else ""
     warned = "".join(f"# warning: {w}\n" for w in best.warnings)
     return (f"# dcmdp tune: selected trial {best.trial} ({_fmt_settings(best.settings)}); held-out accuracy {acc}, "
-            f"inside tolerance on {_fmt(best.inside_frac, '.0%')} of steps after warm-up\n{warned}"
+            f"inside tolerance on {_fmt(best.inside_frac, '.0%')} of steps after warm-up{what}\n{warned}"
             + OmegaConf.to_yaml(node))
 
 

@@ -476,3 +476,110 @@ def test_the_rule_does_not_reward_switching_the_dual_off_and_says_why_it_chose()
     assert trials[4].reason.startswith("eligible, accuracy 50.0% more than 1 standard error(s) under the best")
     # with no standard error to allow (tolerance_se 0) the best accuracy wins
     assert select(trials, SelectRule(tolerance_se=0.0)) is trials[2]
+
+
+# --------------------------------------------------------------------------------------------------
+# Eligibility on what the dual controls: the penalty's reach against the batch spread, and the placebos.
+
+NAN = math.nan
+
+
+def _anchored_history(lo, hi, ratio, c, lam, n=14, warm=4):
+    """n steps of one anchored constraint m: D-hat 1e-3 in warm-up, then lo, hi, lo, ... (10 steps); c fixed;
+    probes on steps 1-4 with D_0 / D_max = ratio (reach ln ratio), the anchor window closing at step 4."""
+    return {"dual/measured/m": [1e-3] * warm + [lo if i % 2 == 0 else hi for i in range(n - warm)],
+            "dual/tolerance/m": [c] * n, "dual/lambda/m": list(lam),
+            "dual/anchor_zero/m": [1e-3 * ratio] * warm + [NAN] * (n - warm),
+            "dual/anchor_max/m": [1e-3] * warm + [NAN] * (n - warm),
+            "dual/anchor_gap/m": [NAN] * (warm - 1) + [1e-4] + [NAN] * (n - warm),
+            "reward/accuracy": [0.5] * n, "loss/total": [1.0] * n}
+
+
+MOVING = [0.1 + 0.01 * (i % 3) for i in range(14)]
+RULE = SelectRule(warmup_steps=4, collapse_window=3)
+# sd (ddof 1) of 10 logs alternating ln lo, ln hi: ln(hi / lo) / 2 x sqrt(10 / 9)
+SPREAD_SMALL = math.log(1.2) / 2 * math.sqrt(10 / 9)  # lo 1e-3, hi 1.2e-3: 0.0961
+SPREAD_LARGE = math.log(2.0) / 2 * math.sqrt(10 / 9)  # lo 1e-3, hi 2e-3: 0.365
+
+
+def _assessed(name, acc, history, anchored=None):
+    t = assess(Trial(name, {"x": name}), history, ["m"], RULE, anchored)
+    t.accuracy_before, t.accuracy_after, t.mean_tolerance = 0.1, acc, history["dual/tolerance/m"][0]
+    return t
+
+
+def test_inside_share_is_judged_only_where_the_reach_is_at_least_the_spread():
+    # reach ln 2 = 0.693 >= spread 0.0961: the constraint clause applies; c = 1.1e-3 holds 5 of the 10 steps
+    held = _assessed("held", 0.40, _anchored_history(1e-3, 1.2e-3, 2.0, 1.3e-3, MOVING))
+    missed = _assessed("missed", 0.45, _anchored_history(1e-3, 1.2e-3, 2.0, 1.1e-3, MOVING))
+    assert held.reach["m"] == pytest.approx(math.log(2.0)) and held.spread["m"] == pytest.approx(SPREAD_SMALL)
+    assert (held.unjudged, held.inside_frac, missed.inside_frac) == ({}, 1.0, 0.5)
+    # reach ln 1.07 = 0.0677 < spread 0.365: inside c (5 of 10 steps) is not judged, the accuracy clause decides
+    free = _assessed("free", 0.42, _anchored_history(1e-3, 2e-3, 1.07, 1.5e-3, MOVING))
+    assert free.spread["m"] == pytest.approx(SPREAD_LARGE) and free.inside_frac == 0.5
+    assert free.unjudged == {"m": "inside c not judged: reach 0.0677 under spread 0.365"}
+    trials = [held, missed, free]
+    best = select(trials, RULE)
+    assert [t.eligible for t in trials] == [True, False, True] and best is free  # eval_prompts 0: no SE, best acc
+    assert missed.reason == "inside tolerance on 50% of steps < 70%"
+    assert best.reason == ("selected: the best held-out accuracy (42.0%) of 2 eligible trial(s); no other within 1 "
+                           "standard error(s) (>= 42.0%); eligible on the accuracy clause alone (inside c not judged: "
+                           "reach 0.0677 under spread 0.365)")
+    assert select([held], RULE).reason.endswith("; inside c judged: reach 0.693 >= spread 0.0961, inside on 100% >= 70%")
+    text = table(trials, ["m"], RULE)
+    assert "constraint clause" in text and "inside c not judged: reach 0.0677 under spread 0.365" in text
+    assert "where lambda has authority" in text.splitlines()[0]
+    # a fixed c (never probed) is a bound the user set: judged whatever the spread
+    fixed = {k: v for k, v in _anchored_history(1e-3, 2e-3, 1.07, 1.5e-3, MOVING).items() if "anchor" not in k}
+    assert not select([_assessed("fixed", 0.4, fixed)], RULE) and _assessed("f", 0.4, fixed).unjudged == {}
+    # an anchored c whose reach was never measured is not judged
+    assert _assessed("u", 0.4, fixed, anchored=[True]).unjudged == {"m": "inside c not judged: reach not measured"}
+
+
+def test_fixed_lambda_placebos_are_never_eligible():
+    """dual.rule=fixed with lambda at 0 or at lambda_max, on the no-authority branch where inside c is not judged:
+    slack_frac and cap_frac as summary.json has them (dcmdp.loop.constraint_summaries). lambda = 0 with D-hat
+    outside c on half the steps is slack on fewer than half: the slack clause alone would pass it; a lambda that
+    holds one value is what tells a placebo from a dual."""
+    from dcmdp.loop import constraint_summaries
+
+    base = load_config(str(ROOT / "configs/default.yaml"), ["dual.rule=fixed"])
+    cap = base.dual.constraints[0].lambda_max
+    out = []
+    for name, lam, c in [("zero-tight", [0.0] * 14, 1.5e-3), ("zero-loose", [0.0] * 14, 3e-3),
+                         ("at-cap", [cap] * 14, 1.5e-3), ("dual", MOVING, 1.5e-3)]:
+        h = _anchored_history(1e-3, 2e-3, 1.07, c, lam)
+        t = _assessed(name, 0.5, h)
+        steps = [{k: v[i] for k, v in h.items() if math.isfinite(v[i])} for i in range(14)]
+        s = constraint_summaries(steps, ["m"], base.dual.constraints, warmup=4)["m"]
+        t.slack_frac, t.cap_frac = s.slack_frac, s.cap_frac
+        out.append(t)
+    assert [t.unjudged != {} for t in out] == [True] * 4  # reach 0.0677 under spread 0.365 for all
+    assert [(t.slack_frac, t.cap_frac) for t in out[:3]] == [(0.5, 0.0), (1.0, 0.0), (0.0, 1.0)]
+    best = select(out, RULE)
+    assert best is out[3] and [t.eligible for t in out] == [False, False, False, True]
+    assert out[0].reason == "lambda fixed at 0 (m) on every step after warm-up: a constant, not a controller"
+    assert out[1].reason == "dual off: slack (lambda at its floor, D-hat < c) on 100% of steps > 50%"
+    assert out[2].reason == "lambda at its cap on 100% of steps > 50%: a constant, not a controller"
+
+
+def test_pruner_prunes_for_the_inside_share_only_where_the_reach_reaches_the_running_spread():
+    rule = SelectRule(warmup_steps=4, collapse_window=3, min_inside_frac=0.9)
+    pruner = RulePruner(rule, patience=2)
+    # 5 post-warm-up steps outside c = 1.1e-3 (steps 6, 8, ..., 14), more than the 0.1 x 20 = 2 that 24 steps allow
+    authority_h = _anchored_history(1e-3, 1.2e-3, 2.0, 1.1e-3, MOVING)
+    state = live_state(authority_h, ["m"], rule, [True])
+    assert state["live/outside"] == 5
+    assert pruner.reason({**state, "steps_total": 24}).startswith(
+        "outside tolerance on 5 steps after warm-up, more than the 2 that 90% inside allows")
+    # the same steps outside, reach 0.0677 under the running spread 0.365: never pruned for the inside share
+    free_h = _anchored_history(1e-3, 2e-3, 1.07, 1.5e-3, MOVING)
+    state = live_state(free_h, ["m"], rule, [True])
+    assert state["live/outside"] == 0 and pruner.reason({**state, "steps_total": 24}) == ""
+    # before the first anchor window closes, the reach does not count yet: not pruned either
+    early = dict(authority_h, **{"dual/anchor_gap/m": [NAN] * 14})
+    assert live_state(early, ["m"], rule, [True])["live/outside"] == 0
+    # a collapse still prunes: accuracy 0.5 then 0 on the last 4 steps (3-step means fall below half the peak)
+    collapsing = dict(free_h, **{"reward/accuracy": [0.5] * 10 + [0.0] * 4})
+    state = live_state(collapsing, ["m"], rule, [True])
+    assert state["live/outside"] == 0 and pruner.reason({**state, "steps_total": 24}).startswith("collapsed")
