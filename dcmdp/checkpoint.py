@@ -355,8 +355,12 @@ def write_run_file(folder: str | Path, uid: str, run_id: Optional[str], parent: 
     body = {"uid": uid, "run_id": run_id, **({"tracking_uri": tracking_uri} if tracking_uri else {}),
             **({"resumed_from": parent} if parent else {})}
     tmp = Path(folder) / f".{RUN_FILE}.tmp"
-    tmp.write_text(json.dumps(body, indent=2) + "\n")
-    os.replace(tmp, Path(folder) / RUN_FILE)
+    try:
+        tmp.write_text(json.dumps(body, indent=2) + "\n")
+        os.replace(tmp, Path(folder) / RUN_FILE)
+    except OSError as exc:  # a full disk fails on close, where Python's error names no file
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, f"cannot write {Path(folder) / RUN_FILE}: {exc.strerror or exc}") from exc
 
 
 class RunPathInputError(CheckpointError, InputError):

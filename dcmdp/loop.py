@@ -910,15 +910,19 @@ def _build(cfg: RunConfig, d: distributed.Dist, out: Path, lock: Optional[RunFol
                         "dcmdp.output_dir": written_field(cfg, "output_dir") or str(out.resolve()), "dcmdp.run_uid": start.uid, **provenance_tags(),
                         **({"dcmdp.resumed_from_run": str(parent["run_id"]), "dcmdp.resumed_from": str(resume)}
                            if parent else {})})
-    if d.main and owns_folder:
-        write_run_file(out, start.uid, tracker.run_id, parent, tracking_uri=public_uri(tracker.tracking_uri))
-        if start.replaced_run_id and start.replaced_run_id != tracker.run_id:
-            tracker.end_stale_run(start.replaced_run_id)
-    if resume is not None and d.main and not start.foreign:
-        # the steps between the checkpoint and the crash were logged once already: they are not logged again
-        tracker.skip_logged(after_step=start_step)
-    if d.main and owns_folder:  # written once the run has started cleanly: a run that failed to start leaves the old one
-        tracker.log_artifact(write_config_yaml(out, to_yaml(cfg, public=True), [f.name for f in fields(RunConfig)]))
+    try:
+        if d.main and owns_folder:
+            write_run_file(out, start.uid, tracker.run_id, parent, tracking_uri=public_uri(tracker.tracking_uri))
+            if start.replaced_run_id and start.replaced_run_id != tracker.run_id:
+                tracker.end_stale_run(start.replaced_run_id)
+        if resume is not None and d.main and not start.foreign:
+            # the steps between the checkpoint and the crash were logged once already: they are not logged again
+            tracker.skip_logged(after_step=start_step)
+        if d.main and owns_folder:  # written once the run started cleanly: a run that failed to start leaves the old
+            tracker.log_artifact(write_config_yaml(out, to_yaml(cfg, public=True), [f.name for f in fields(RunConfig)]))
+    except BaseException:  # a full disk: the MLflow run is not left RUNNING, and the tracker counts what it lost
+        tracker.finish("FAILED")
+        raise
     scoring = learner.ScoringSpec(temperature=cfg.rollout.temperature, fp32_lm_head=cfg.model.fp32_lm_head,
                                   lm_head_kernel=cfg.model.lm_head_kernel, moe=policy.moe, shard=d.shard,
                                   micro_batch_tokens=cfg.algo.micro_batch_tokens)

@@ -1140,7 +1140,11 @@ class Tracker:
             logger.warning("MLflow at %s is unreachable: %d metrics of run %s stay buffered in %s; send them with "
                            "`dcmdp sync` (dcmdp.tracking.sync_buffer)", public_uri(self.tracking_uri), self._buffered,
                            self.run_id, self._segment.path)
-            self._segment.close()
+            try:
+                self._segment.close()
+            except OSError as exc:  # a full disk: the last write's bytes, still in the file object, cannot go out
+                logger.error("cannot write the end of the tracking buffer %s: %s; its last record may be torn (dcmdp "
+                             "sync stops before a torn line)", self._segment.path, exc.strerror or exc)
             self._segment = None
         if self._lost:
             logger.error("%d tracking records of run %s were lost: the store did not answer and the buffer in %s "

@@ -195,3 +195,30 @@ def test_a_store_folder_the_user_cannot_write_is_refused_at_start_naming_it(shar
             f"cannot be written (permission denied or a read-only file system)")
     assert err.count(line) == 2, err
     assert sorted(p.name for p in (store_folder / "run").iterdir()) == []
+
+
+@pytest.mark.parametrize("size, last", [
+    ("64k", "dcmdp: error: [Errno 28] cannot write {out}/run.json: No space left on device"),
+    ("1m", "dcmdp: error: could not write checkpoint step 3 to {out}/checkpoints: No space left on device"),
+])
+def test_a_full_disk_names_the_path_and_counts_the_lost_metrics(tmp_path, size, last):
+    """The output folder on a tmpfs of ``size`` (a private user+mount namespace): the run ended with a bare
+    ``[Errno 28] No space left on device`` (the buffer's or run.json's close, where Python names no file) and the
+    count of lost metrics it had promised never came. Now the last line names the path, the count comes before it,
+    exit 1 (the machine's, not the user's input), no traceback."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", 'mount -t tmpfs -o size=64k x "$1"',
+                       "sh", str(mnt)], capture_output=True).returncode != 0:
+        pytest.skip("unprivileged user+mount namespaces are not available here")
+    out = mnt / "out"
+    argv = [sys.executable, "-m", "dcmdp.cli", "train", *TINY, "steps=3", f"output_dir={out}"]
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                           f'mount -t tmpfs -o size={size} dcmdp_full "$1" && shift && exec "$@"', "sh", str(mnt),
+                           *argv], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])})
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert lines[-1].startswith(last.format(out=out)), lines[-1]
+    assert any(" tracking records of run local-" in line and "were lost" in line for line in lines), done.stderr[-3000:]
