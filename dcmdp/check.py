@@ -420,6 +420,18 @@ def memory_plan(path: Optional[str], overrides: Sequence[str], gpus: int = 1, gp
     return plan.lines(), problem
 
 
+def rehearsal(path: Optional[str], overrides: Sequence[str], gpus: int = 1, gpu_memory: Optional[float] = None
+              ) -> list[str]:
+    """``dcmdp.rehearse``'s report of one step of the config on ``gpus`` GPUs of ``gpu_memory`` GiB (the detected
+    GPU's size when None, else 80 GiB)."""
+    from dcmdp.memplan import detected_gpu_gib
+    from dcmdp.rehearse import rehearsal_lines
+
+    detected = detected_gpu_gib() if gpu_memory is None else None
+    size = gpu_memory if gpu_memory is not None else detected[0] if detected is not None else 80.0
+    return rehearsal_lines(load_config(path, overrides, check=False), gpus, size)
+
+
 def own_run_conflicts(cfg: RunConfig) -> Optional[list[str]]:
     """How ``cfg`` differs from the config of the run in ``cfg.output_dir`` (its ``config.yaml``) where a resume
     would refuse or ignore it (``dcmdp.config.resume_conflicts``): [] when the folder holds this config's own run,

@@ -110,6 +110,10 @@ def _cmd_check(ns: argparse.Namespace) -> int:
 
     lines, unfit = memory_plan(path, overrides, ns.gpus, ns.gpu_memory)
     print("\n".join(lines))
+    if ns.rehearse and lines:
+        from dcmdp.check import rehearsal
+
+        print("\n".join(rehearsal(path, overrides, ns.gpus, ns.gpu_memory)), flush=True)
     if unfit is not None:
         print(unfit.line(), file=sys.stderr)
         return 2
@@ -238,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "rank per GPU; default 1)")
     k.add_argument("--gpu-memory", type=_at_least(1), default=None, metavar="GiB", help="memory of each GPU in GiB "
                    "(default: the detected GPU's; without one the plan is shown for 80 GiB and refuses nothing)")
+    k.add_argument("--rehearse", action="store_true", help="also run one training step on fake tensors at the "
+                   "config's shapes and world (dcmdp.rehearse): its traced peak by phase and category beside the "
+                   "plan's, the largest tensors at the peak, a roofline time estimate")
     k.set_defaults(func=_cmd_check)
 
     c = sub.add_parser("calibrate", help="measure the discrepancy floor with identical weights and propose c: "

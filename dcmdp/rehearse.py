@@ -1,0 +1,619 @@
+"""``dcmdp check CONFIG --gpus N --gpu-memory GiB --rehearse``: one training step of the run at its real shapes, on
+fake tensors, its memory traced against the plan (``dcmdp.memplan``) before a GPU is rented.
+
+The model is built from the preset's real dimensions (vocabulary from ``model.path``'s config.json when readable) on
+the meta device and materialised under ``FakeTensorMode`` (shapes and dtypes, no storage); at ``--gpus N > 1`` it is
+sharded by ``dcmdp.distributed.shard_model`` over a fake process group of world N (``FakeStore``: collectives return
+at once, this process is rank 0). Then the loop's phases run as ``dcmdp.loop._train_step`` runs them:
+
+- rollout: the engine's outputs at the config's shapes (every row at its full P + max_new_tokens, the worst case):
+  token ids, masks, log mu, and the MoE routes for an engine that reports them; under torchrun a vLLM engine goes
+  through ``SpmdEngine.generate`` (its cross-rank digest). The torch engine is not rehearsed (its decode ends on data
+  the fake tensors do not hold); the plan's kv_cache term stands for it;
+- screen (``loop.screen_phase``), pi_old (``learner.old_pass``), measures (``loop.measure_phase``) and the dual step;
+- update (``learner.update``: micro-batches, activation checkpointing, gradient accumulation), with its optimiser
+  steps traced as their own phase;
+- sync (``engine.load_weights(model.state_dict())``: ``GatheredStateDict`` under FSDP2).
+
+Rewards are drawn, not computed (decoding and scoring run on the host). Tensors that only the batch's data made (ids,
+masks, log mu, rewards) are real CPU tensors, so the micro-batches, screens and buckets see real lengths; a value the
+model computed is fake, and a read of one (a loss for a metric, a finiteness check, a digest comparison) gets a
+nominal answer (True, 0), each site listed in the output.
+
+Memory: ``torch.distributed._tools.mem_tracker.MemTracker`` (categories: parameters, gradients, optimiser state,
+activations = made in a forward or its recomputation, temporaries = made in a backward or outside a module, batch =
+made in the rollout phase), with the peak per phase and the five largest tensors at the peak with the project line
+that made them. Time: ``RuntimeEstimator``'s roofline cost model with the named GPU's datasheet FLOP/s and bandwidth,
+by phase (an estimate; communication not counted).
+
+Depth: a full-depth fake step takes too long on two cores, so the step runs at three depths (``DEPTHS``); every phase's
+peak and time is affine in the depth (each decoder layer adds the same tensors), which the third depth checks to
+``LINEAR_TOL``; the full depth is then the affine extrapolation, printed as such.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import sys
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+GIB = 1024 ** 3
+
+PHASES = ("rollout", "old_logp", "measures", "update", "optimiser", "sync")
+CATEGORIES = ("parameters", "gradients", "optimiser state", "activations", "temporaries", "batch")
+# MemTracker's reference types -> the categories printed.
+_REFTYPE_CATEGORY = {"Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients",
+                     "Optstate": "optimiser state", "Activation": "activations", "Temp": "temporaries",
+                     "Other": "batch"}
+# Depths the step runs at: the first two fix the affine fit, the third checks it.
+DEPTHS = (2, 3, 4)
+# Relative gap allowed between the third depth's traced figure and the fit's prediction.
+LINEAR_TOL = 1e-3
+# A tensor of at least this many bytes records the project line that made it (for the top five at the peak); a model
+# whose parameters are smaller than 1024 x this records from 1/1024 of them.
+BIG_BYTES = 16 * 1024 ** 2
+# Real tensors whose elements exceed this stay fake even when made from real ones.
+REAL_NUMEL = 1 << 24
+_PROJECT = ("dcmdp", "trainers", "constraints")
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """Datasheet figures of one GPU for the roofline (dense bf16 tensor-core FLOP/s, float32 FLOP/s, HBM bytes/s)."""
+
+    name: str
+    gib: float
+    bf16_flops: float
+    fp32_flops: float
+    bytes_per_s: float
+
+
+GPUS = (GPUSpec("NVIDIA H100 SXM 80GB", 80, 989e12, 67e12, 3.35e12),
+        GPUSpec("NVIDIA H200 141GB", 141, 989e12, 67e12, 4.8e12))
+
+
+def gpu_for(gib: float) -> GPUSpec:
+    """The listed GPU whose memory is closest to ``gib``."""
+    return min(GPUS, key=lambda g: abs(g.gib - gib))
+
+
+# ------------------------------------------------------------------------------------------ fake and real tensors
+
+
+def _fake_class():
+    from torch._subclasses.fake_tensor import FakeTensor
+    return FakeTensor
+
+
+# The rehearsal's own dispatch hooks, skipped when naming the line that made a tensor.
+_HOOKS = ("__torch_dispatch__", "_track", "_update_peak_stats", "_roofline_estimate", "call", "real", "bf16")
+
+
+def _project_line() -> str:
+    """The innermost frame of the project's own code on the stack, as ``path:line in function``."""
+    f = sys._getframe(2)
+    while f is not None:
+        parts = Path(f.f_code.co_filename).parts
+        hook = f.f_code.co_filename.endswith("rehearse.py") and f.f_code.co_name in _HOOKS
+        if len(parts) >= 2 and parts[-2] in _PROJECT and not hook:
+            return f"{parts[-2]}/{parts[-1]}:{f.f_lineno} in {f.f_code.co_name}"
+        f = f.f_back
+    return "?"
+
+
+def _zeros_for(fake_cls):
+    """A map from a fake (or meta) tensor to real values of its shape and dtype: True for a mask (every element
+    selected, the nominal answer of a data-dependent read), zeros otherwise; anything else as it is."""
+    def real(x):
+        if not (isinstance(x, Tensor) and (isinstance(x, fake_cls) or x.is_meta)):
+            return x
+        return torch.ones(x.shape, dtype=x.dtype) if x.dtype == torch.bool else torch.zeros(x.shape, dtype=x.dtype)
+    return real
+
+
+def _writes_real(func, args, kwargs, fake_cls) -> bool:
+    """Whether ``func`` writes into one of its arguments that is a real tensor."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            x = args[i] if i < len(args) else kwargs.get(a.name)
+            if isinstance(x, Tensor) and not isinstance(x, fake_cls):
+                return True
+    return False
+
+
+class _MixedMode:
+    """A dispatch mode above ``FakeTensorMode``: an op none of whose inputs is fake and whose outputs are small runs
+    for real (the batch's data: its values decide the micro-batches and screens); a data-dependent read of a fake
+    tensor (``.item()``, ``torch.equal``) gets a nominal value, its project line counted in ``nominal``."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Mode(TorchDispatchMode):
+            nominal: dict[str, int] = {}
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                from torch.utils._python_dispatch import _disable_current_modes
+                from torch.utils._pytree import tree_leaves
+
+                kwargs = kwargs or {}
+                fake_cls = _fake_class()
+                leaves = [x for x in tree_leaves((args, kwargs)) if isinstance(x, Tensor)]
+                # a meta tensor (the model before ``to_empty``) counts as fake: what is made from it has no values
+                fake = any(isinstance(x, fake_cls) or x.is_meta for x in leaves)
+                aten = torch.ops.aten
+                if fake and func in (aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default):
+                    site = _project_line()
+                    self.nominal[site] = self.nominal.get(site, 0) + 1
+                    if func is aten._local_scalar_dense.default:
+                        t = args[0]
+                        return True if t.dtype == torch.bool else 0.0 if t.is_floating_point() else 0
+                    return True
+                if fake and _writes_real(func, args, kwargs, fake_cls):
+                    # a fake value written into a real tensor (a model's log-probs into the batch's buffer): the
+                    # real tensor keeps real storage, the value written is 0
+                    def real(x):
+                        return torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, fake_cls) else x
+
+                    from torch.utils._pytree import tree_map
+
+                    with _disable_current_modes():
+                        return func(*tree_map(real, args), **tree_map(real, kwargs))
+                from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+                if func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+                    # the meta kernel of grouped_mm accepts only bfloat16 (CUDA's); the CPU runs it in float32: the
+                    # shape from bfloat16 stand-ins (made below the trackers, so not counted), the output in its dtype
+                    # (fake even from real inputs: under FSDP2 on the fake process group the gathered weights are
+                    # real tensors that hold no values)
+                    from torch.utils._pytree import tree_map
+
+                    def bf16(x):
+                        return x.to(torch.bfloat16) if isinstance(x, Tensor) and x.is_floating_point() else x
+
+                    out = func(*tree_map(bf16, args), **tree_map(bf16, kwargs))
+                    return torch.empty(out.shape, dtype=args[0].dtype)
+                if fake:
+                    try:
+                        return func(*args, **kwargs)
+                    except DynamicOutputShapeException:
+                        # a shape set by the batch's real data (values[mask]): the fake values read as 0
+                        if sum(x.numel() for x in leaves) > REAL_NUMEL:
+                            raise
+                        from torch.utils._pytree import tree_map
+
+                        with _disable_current_modes():
+                            return func(*tree_map(_zeros_for(fake_cls), args), **tree_map(_zeros_for(fake_cls), kwargs))
+
+                try:  # the shapes first: an output too large to hold for real stays fake
+                    out = func(*args, **kwargs)
+                except (DataDependentOutputException, DynamicOutputShapeException):
+                    with _disable_current_modes():
+                        return func(*args, **kwargs)
+                outs = [x for x in tree_leaves(out) if isinstance(x, Tensor)]
+                if not outs or sum(x.numel() for x in outs) > REAL_NUMEL:
+                    return out
+                with _disable_current_modes():
+                    return func(*args, **kwargs)
+
+        return Mode()
+
+
+@contextlib.contextmanager
+def _host_object_collectives():
+    """The pickled-object collectives (``broadcast_object_list``, ``gather_object``) run below the fake modes: they
+    pickle host objects into byte tensors, which FakeTensorMode refuses to build from real storage."""
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def outside(fn):
+        def call(*args, **kwargs):
+            with _disable_current_modes():
+                return fn(*args, **kwargs)
+        return call
+
+    saved = dist.broadcast_object_list, dist.gather_object
+    dist.broadcast_object_list, dist.gather_object = outside(saved[0]), outside(saved[1])
+    try:
+        yield
+    finally:
+        dist.broadcast_object_list, dist.gather_object = saved
+
+
+# ------------------------------------------------------------------------------------------ tracing
+
+
+def _tracker_class():
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+
+    class PhaseTracker(MemTracker):
+        """MemTracker with the peak per phase (its category snapshot) and the largest tensors at the global peak."""
+
+        def __init__(self, big_bytes: int = BIG_BYTES) -> None:
+            super().__init__()
+            self.big_bytes = big_bytes
+            self.phase = "build"
+            self.phase_peak: dict[str, int] = {}
+            self.phase_snap: dict[str, dict[str, int]] = {}
+            self.big: dict[int, tuple[int, str, str]] = {}  # id(storage) -> (bytes, category, line)
+            self.top: list[tuple[int, str, str]] = []
+            self._top_at = 0
+            self._seen: weakref.WeakSet = weakref.WeakSet()
+
+        # MemTracker's module hooks keep a snapshot per module call and refuse a module called twice (every
+        # micro-batch calls each layer again): only what the categories need is kept, params and AC regions
+        def _pre_fw_hook(self, module, inputs) -> None:
+            if module not in self._seen:
+                self._seen.add(module)
+                self._track_module_params_and_buffers(module, install_grad_hooks=True)
+            elif self._mod_tracker.is_bw and self._ac_mod is None:
+                self._ac_mod, self._in_ac = weakref.ref(module), True
+
+        def _post_fw_hook(self, module, inputs, outputs) -> None:
+            if self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:
+                self._ac_mod, self._in_ac = None, False
+
+        def _pre_bw_hook(self, module, args) -> None:
+            pass
+
+        def _post_bw_hook(self, module, args) -> None:
+            pass
+
+        def _track(self, reftype, t: Tensor) -> None:
+            if self.phase == "rollout" and reftype == _MemRefType.ACT:
+                reftype = _MemRefType.OTH
+            from torch.distributed._tools.common_utils import get_untyped_storages
+
+            for st in get_untyped_storages(t):
+                n = st.nbytes()
+                if n >= self.big_bytes and id(st) not in self.big and st not in self._WINFO:
+                    self.big[id(st)] = (n, _REFTYPE_CATEGORY.get(str(reftype.value), "?"), _project_line())
+                    weakref.finalize(st, self.big.pop, id(st), None)
+            super()._track(reftype, t)
+
+        def _update_peak_stats(self, peak_state) -> None:
+            super()._update_peak_stats(peak_state)
+            total = sum(s.get(_TOTAL_KEY, 0) for s in self._curr_mem_snap.values())
+            if total > self.phase_peak.get(self.phase, -1):
+                self.phase_peak[self.phase] = total
+                snap: dict[str, int] = {}
+                for dev_snap in self._curr_mem_snap.values():
+                    for k, v in dev_snap.items():
+                        if k != _TOTAL_KEY:
+                            cat = _REFTYPE_CATEGORY.get(str(k.value), "temporaries")
+                            snap[cat] = snap.get(cat, 0) + v
+                self.phase_snap[self.phase] = snap
+                if total > self._top_at + self.big_bytes:
+                    self._top_at = total
+                    self.top = sorted(self.big.values(), reverse=True)[:5]
+
+    return PhaseTracker
+
+
+def _estimator_class(gpu: GPUSpec):
+    from torch.distributed._tools.runtime_estimator import RuntimeEstimator
+
+    class Roofline(RuntimeEstimator):
+        """RuntimeEstimator's roofline cost model with ``gpu``'s datasheet figures instead of a CUDA device's."""
+
+        phase_ms: dict[str, float]
+
+        @classmethod
+        def _roofline_estimate(cls, func, args, kwargs):
+            import torch.utils._runtime_estimation as est
+
+            saved = est.get_device_tflops, est.get_gpu_dram_gbps
+            est.get_device_tflops = lambda dtype: (gpu.fp32_flops if dtype == torch.float32 else gpu.bf16_flops) / 1e12
+            est.get_gpu_dram_gbps = lambda: gpu.bytes_per_s / 1e9
+            try:
+                available = torch.cuda.is_available
+                torch.cuda.is_available = lambda: True
+                try:
+                    return super()._roofline_estimate.__func__(cls, func, args, kwargs)
+                finally:
+                    torch.cuda.is_available = available
+            finally:
+                est.get_device_tflops, est.get_gpu_dram_gbps = saved
+
+        def __exit__(self, *args: Any) -> None:  # RuntimeEstimator prints its total; the caller prints by phase
+            from torch.utils._python_dispatch import TorchDispatchMode
+
+            TorchDispatchMode.__exit__(self, *args)
+            self._mod_tracker.clear_user_hooks()
+            self._mod_tracker.__exit__(*args)
+
+    return Roofline
+
+
+# ------------------------------------------------------------------------------------------ the step
+
+
+class SyntheticEngine:
+    """The rollout engine's outputs at the config's shapes (every row at full length) in place of vLLM's, which
+    cannot run on fake tensors: ``generate`` returns the Rollout an engine with these capabilities would, and
+    ``load_weights`` reads every tensor of the state dict in order, as vLLM's loader does (each then copied into
+    the engine's own weights, which its reservation holds)."""
+
+    def __init__(self, B: int, P: int, T: int, vocab: int, routes: Optional[tuple[int, int, int]]):
+        self.B, self.P, self.T, self.vocab, self.routes = B, P, T, vocab, routes
+        self.version = 0
+
+    def generate(self, prompts, seed: int):
+        from trainers.batch import Rollout
+
+        g = torch.Generator().manual_seed(seed)
+        B, P, T = self.B, self.P, self.T
+        experts = None
+        if self.routes is not None:
+            L, K, E = self.routes
+            from trainers.routing import route_dtype
+
+            # (B, S, L, K) routes in the engine's dtype; fake (no values): they only flow to the learner and measures
+            experts = torch.empty(B, P + T, L, K, dtype=route_dtype(E))
+        return Rollout(prompt_ids_BP=torch.randint(3, self.vocab, (B, P), generator=g),
+                       prompt_mask_BP=torch.ones(B, P, dtype=torch.bool),
+                       response_ids_BT=torch.randint(3, self.vocab, (B, T), generator=g),
+                       response_mask_BT=torch.ones(B, T, dtype=torch.bool),
+                       rollout_logp_BT=-torch.rand(B, T, generator=g), rollout_experts_BSLK=experts)
+
+    def load_weights(self, state_dict, version: int) -> None:
+        for name in state_dict:
+            state_dict[name].detach()
+        self.version = int(version)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Trace:
+    """What one rehearsed step traced, at one depth."""
+
+    layers: int
+    peak: int
+    phase_peak: dict[str, int]
+    phase_snap: dict[str, dict[str, int]]
+    phase_ms: dict[str, float]
+    top: list[tuple[int, str, str]]
+    nominal: dict[str, int]
+    seconds: float
+
+
+def rehearse_step(cfg, gpus: int, gpu: GPUSpec, layers: int, *, prompt_tokens: int) -> Trace:
+    """One training step of ``cfg`` at ``layers`` decoder layers on rank 0 of ``gpus``, traced (module docstring)."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dcmdp import distributed, loop
+    from dcmdp.dual import dual_step, init_state, penalty_spec
+    from dcmdp.memplan import model_shapes
+    from dcmdp.policy import step_seed
+    from trainers import learner
+    from trainers.engines import capabilities
+    from trainers.models import build_meta_model, cast_model
+    from trainers.optim import build_optimizer, precision_param_dtype
+    from trainers.weights import init_buffers
+
+    t0 = time.perf_counter()
+    shapes = model_shapes(cfg)
+    model_cfg = dataclasses.replace(cfg.model, init="random", num_layers=layers)
+    sharded = gpus > 1
+    if sharded:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=gpus)
+    d = (distributed.Dist(rank=0, world=gpus, backend="fake", shard=learner.DataShard(0, gpus), sharded=True)
+         if sharded else distributed.Dist())
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    mixed = _MixedMode()
+    tracker = _tracker_class()(min(BIG_BYTES, max(shapes.params * 4 // 1024, 4096)))
+    roof = _estimator_class(gpu)()("operator-level-cost-model")
+    roof._estimate = type(roof)._roofline_estimate
+    phase_ms: dict[str, float] = {}
+    mark = [0.0]
+
+    def enter(phase: str) -> None:
+        now = roof.total_runtime
+        phase_ms[tracker.phase] = phase_ms.get(tracker.phase, 0.0) + now - mark[0]
+        mark[0] = now
+        tracker.phase = phase
+
+    try:
+        # built and cast on the meta device (no storage), as build_sharded_model does; materialised fake below
+        model, _ = build_meta_model(model_cfg, shapes.vocab)
+        dtype = precision_param_dtype(cfg.optim.precision)
+        if dtype is not None:
+            cast_model(model, dtype)
+        with fake, mixed, _host_object_collectives():
+            with tracker, roof:
+                distributed.shard_model(model, cfg, d)
+                model.to_empty(device="cpu")
+                init_buffers(model)
+                optimizer = build_optimizer(model.parameters(), cfg.optim, seed=cfg.seed)
+                optimizer.register_step_pre_hook(lambda *a: enter("optimiser"))
+                optimizer.register_step_post_hook(lambda *a: enter("update"))
+                moe = bool(shapes.experts)
+                scoring = learner.ScoringSpec(temperature=cfg.rollout.temperature,
+                                              fp32_lm_head=cfg.model.fp32_lm_head,
+                                              lm_head_kernel=cfg.model.lm_head_kernel, moe=moe, shard=d.shard,
+                                              micro_batch_tokens=cfg.algo.micro_batch_tokens)
+                optim = learner.OptimStep(optimizer, None, None, cfg.optim.grad_clip)
+                algo = cfg.algo
+                B = algo.prompts_per_step * algo.samples_per_prompt
+                caps = capabilities(cfg.rollout.engine)
+                routes = (layers, shapes.top_k, shapes.experts) if moe else None
+                inner = SyntheticEngine(B, prompt_tokens, cfg.rollout.max_new_tokens, shapes.vocab, routes)
+                engine = (distributed.SpmdEngine(inner, d, distributed.sync_dtype(cfg.rollout))
+                          if sharded and caps.weight_sync == "every_rank" else
+                          distributed.RankZeroEngine(inner, d, distributed.sync_dtype(cfg.rollout))
+                          if sharded else inner)
+                dual = init_state(cfg.dual)
+
+                enter("rollout")
+                rollout = engine.generate([], seed=step_seed(cfg.seed, 0, 1))
+                rewards_B = (torch.rand(B) > 0.5).float()
+                rollout, advantages_B, keep_B, _ = loop.screen_phase(algo, rollout, rewards_B)
+                rollout, advantages_B, keep_B = learner.place(model, rollout, advantages_B, keep_B)
+                enter("old_logp")
+                old = learner.old_pass(model, rollout, advantages_B, keep_B, algo, scoring)
+                batch, train_logp_BT = old.batch, old.train_logp_BT
+                enter("measures")
+                measured_C, _ = loop.measure_phase(cfg.dual.constraints, batch, train_logp_BT)
+                enter("update")
+                learner.update(model, optim, batch, scoring=scoring, penalty=penalty_spec(dual, cfg.dual),
+                               cfg=algo, generator=torch.Generator().manual_seed(step_seed(cfg.seed, 0, 2)),
+                               forward=old.forward)
+                del old
+                enter("measures")
+                dual, _ = dual_step(dual, measured_C, cfg.dual, floor_C=measured_C)
+                enter("sync")
+                engine.load_weights(model.state_dict(), version=1)
+                enter("done")
+    finally:
+        if sharded and dist.is_initialized():
+            dist.destroy_process_group()
+    peak = max(tracker.phase_peak.get(p, 0) for p in PHASES)
+    return Trace(layers, peak, {p: tracker.phase_peak.get(p, 0) for p in PHASES},
+                 {p: tracker.phase_snap.get(p, {}) for p in PHASES}, {p: phase_ms.get(p, 0.0) for p in PHASES},
+                 list(tracker.top), dict(mixed.nominal), time.perf_counter() - t0)
+
+
+# ------------------------------------------------------------------------------------------ the report
+
+NOT_TRACED = (
+    "rollout engine: vLLM's CUDA kernels and the torch engine's decode (its loop ends on sampled tokens, which fake "
+    "tensors do not hold) do not run on fake tensors: the engine's outputs at the config's shapes stand for them, so "
+    "the plan's rollout_engine and kv_cache terms are not traced",
+    "CUDA context, NCCL buffers and allocator slack (the plan's overhead): no CUDA here",
+)
+NOT_TRACED_WORLD = (
+    "collectives run on a fake process group: they move no data, and what a gather returns holds no values (the "
+    "losses and norms after one are not the run's); communication time is not in the estimate",
+)
+
+
+@dataclass
+class Rehearsal:
+    """The rehearsed step at the config's depth: traced (or extrapolated from ``DEPTHS``) figures, bytes and ms."""
+
+    layers: int
+    traces: list[Trace]
+    phase_peak: dict[str, float]
+    phase_snap: dict[str, dict[str, float]]
+    phase_ms: dict[str, float]
+    extrapolated: bool
+    # Largest relative gap between the last depth's figures and the fit through the first two (0 when not fitted).
+    fit_gap: float = 0.0
+
+    @property
+    def peak(self) -> float:
+        return max(self.phase_peak.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phase_peak, key=self.phase_peak.get)
+
+
+def _affine(xs: tuple[int, int], ys: tuple[float, float], x: int) -> float:
+    return ys[0] + (ys[1] - ys[0]) * (x - xs[0]) / (xs[1] - xs[0])
+
+
+def rehearse(cfg, gpus: int, gpu: GPUSpec, *, prompt_tokens: int) -> Rehearsal:
+    """The step at the config's depth: run as is when it has at most ``max(DEPTHS)`` layers, else run at each of
+    ``DEPTHS`` and every figure extrapolated affinely from the first two, the third checking the fit."""
+    from dcmdp.memplan import model_shapes
+
+    layers = model_shapes(cfg).layers
+    if layers <= max(DEPTHS):
+        t = rehearse_step(cfg, gpus, gpu, layers, prompt_tokens=prompt_tokens)
+        return Rehearsal(layers, [t], {p: float(v) for p, v in t.phase_peak.items()},
+                         {p: {k: float(v) for k, v in snap.items()} for p, snap in t.phase_snap.items()},
+                         dict(t.phase_ms), False)
+    traces = [rehearse_step(cfg, gpus, gpu, n, prompt_tokens=prompt_tokens) for n in DEPTHS]
+    xs = (DEPTHS[0], DEPTHS[1])
+    gap = 0.0
+
+    def fit(get) -> float:
+        nonlocal gap
+        y0, y1, y2 = (float(get(t)) for t in traces)
+        check = _affine(xs, (y0, y1), DEPTHS[2])
+        gap = max(gap, abs(y2 - check) / max(abs(y2), 1.0))
+        return max(_affine(xs, (y0, y1), layers), 0.0)
+
+    peak = {p: fit(lambda t, p=p: t.phase_peak[p]) for p in PHASES}
+    snap = {p: {c: fit(lambda t, p=p, c=c: t.phase_snap[p].get(c, 0)) for c in CATEGORIES} for p in PHASES}
+    ms = {p: fit(lambda t, p=p: t.phase_ms[p]) for p in PHASES}
+    return Rehearsal(layers, traces, peak, snap, ms, True, gap)
+
+
+def _plan_by_phase(plan) -> tuple[dict[str, float], dict[str, float]]:
+    """The plan's figures (bytes, the terms a CPU trace can hold: no engine, KV cache or overhead) by phase and by
+    category, in the rehearsal's names."""
+    def term(name: str) -> float:
+        return next((t.bytes for t in plan.terms if t.name == name), 0.0)
+
+    base = term("weights") + term("optimiser") + term("routes")
+    forward = term("activations") + term("logits")
+    train = plan.train_bytes
+    by_phase = {"rollout": base, "old_logp": base + forward, "measures": base, "update": base + train,
+                "optimiser": base + train, "sync": base + term("transients")}
+    by_cat = {"parameters": term("weights"), "gradients": term("gradients"), "optimiser state": term("optimiser"),
+              "activations": forward, "temporaries": term("transients"), "batch": term("routes")}
+    return by_phase, by_cat
+
+
+def rehearsal_lines(cfg, gpus: int, gpu_gib: float) -> list[str]:
+    """``dcmdp check --rehearse``'s report: the rehearsed step's peak by phase and category beside the plan's, the
+    five largest tensors at the peak, the roofline time by phase, and what could not be traced and why."""
+    from dcmdp.memplan import PROMPT_TOKENS, plan_memory
+
+    gpu = gpu_for(gpu_gib)
+    t0 = time.perf_counter()
+    r = rehearse(cfg, gpus, gpu, prompt_tokens=PROMPT_TOKENS)
+    plan = plan_memory(cfg, gpus, gpu_gib, prompt_tokens=PROMPT_TOKENS, overhead_gib=0.0)
+    plan_phase, plan_cat = _plan_by_phase(plan)
+    how = (f"extrapolated from depths {', '.join(map(str, DEPTHS))} to {r.layers} layers (fit checked at depth "
+           f"{DEPTHS[2]}: {r.fit_gap:.1e} relative)" if r.extrapolated else f"traced at its {r.layers} layers")
+    last = r.traces[-1]
+    opt_state = max(r.phase_snap["optimiser"].get("optimiser state", 0.0),
+                    r.phase_snap["update"].get("optimiser state", 0.0))
+    lines = [f"rehearsal: one training step on rank 0 of {gpus} on fake tensors, {how}, rows of {PROMPT_TOKENS} + "
+             f"{cfg.rollout.max_new_tokens} tokens; in {time.perf_counter() - t0:.0f} s here",
+             f"  {'phase':<11} {'traced':>10} {'+opt state':>11} {'plan':>10}   (GiB per GPU; plan without its "
+             f"rollout_engine, kv_cache and overhead terms, which are not traced)"]
+    for p in PHASES:
+        held = r.phase_snap[p].get("optimiser state", 0.0)
+        steady = r.phase_peak[p] + max(opt_state - held, 0.0)  # a later step holds the state from its start
+        lines.append(f"  {p:<11} {r.phase_peak[p] / GIB:10.3f} {steady / GIB:11.3f} {plan_phase[p] / GIB:10.3f}")
+    lines.append(f"  (+opt state: the phase at a later step, which holds the optimiser state made at step 1's "
+                 f"first optimiser step: {opt_state / GIB:.3f} GiB)")
+    peak_phase = r.peak_phase
+    lines.append(f"  by category at the peak ({peak_phase}):")
+    for c in CATEGORIES:
+        lines.append(f"  {c:<16} {r.phase_snap[peak_phase].get(c, 0.0) / GIB:10.3f} {plan_cat[c] / GIB:10.3f}")
+    lines.append(f"  {'total (peak)':<16} {r.peak / GIB:10.3f} {max(plan_phase.values()) / GIB:10.3f}   "
+                 f"(the full plan, with its untraced terms: {plan.total_gib:.2f} GiB of {gpu_gib:g})")
+    depth = f" at depth {last.layers}" if r.extrapolated else ""
+    lines.append(f"  largest tensors at the peak{depth}:")
+    lines += [f"    {n / 2 ** 20:10.1f} MiB  {cat:<16} {line}" for n, cat, line in last.top] or ["    (none recorded)"]
+    total_ms = sum(r.phase_ms.values())
+    lines.append(f"  roofline time (an estimate: RuntimeEstimator's per-op cost model with {gpu.name}'s datasheet "
+                 f"FLOP/s and bandwidth, no communication): {total_ms / 1e3:.3f} s for the step")
+    lines.append("    " + ", ".join(f"{p} {r.phase_ms[p] / 1e3:.3f} s" for p in PHASES))
+    lines.append("  not traced, and why:")
+    lines += [f"    - {why}" for why in NOT_TRACED + (NOT_TRACED_WORLD if gpus > 1 else ())]
+    if last.nominal:
+        sites = ", ".join(f"{site} (x{n})" for site, n in sorted(last.nominal.items()))
+        lines.append(f"    - values the model computed are fake: these reads got a nominal answer (True, 0): {sites}")
+    return lines
