@@ -29,6 +29,8 @@ library not installed), as the run itself would report them.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import importlib.util
 import json
 import os
@@ -248,30 +250,38 @@ def _read_examples(key: str, path: str, parse, task: str, problems: list[Problem
         problems.append(Problem(key, f"config error at '{key}': {where} {why}; name a JSON-lines file", file=True))
         return None
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        f = open(path, "rb")
     except OSError as exc:  # no read permission: the user's file to fix, not the machine's
         problems.append(Problem(key, f"config error at '{key}': cannot read {where}: {exc.strerror or exc}; give "
                                      f"the user running dcmdp read access to it", file=True))
         return None
-    if raw[:2] == b"\x1f\x8b" or raw[:4] in (b"PK\x03\x04", b"BZh9", b"\xfd7zX"):
-        problems.append(Problem(key, f"{path}: a compressed file (it starts with the bytes {raw[:4]!r}); decompress "
-                                     f"it: the task reads JSON lines as plain UTF-8 text", file=True))
-        return None
-    examples, bad = [], []
-    for lineno, line in enumerate(raw.splitlines(), start=1):
-        try:  # as trainers.tasks._load_jsonl reads them: a byte-order mark may open the file
-            text = line.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            if text.strip():
-                examples.append(parse(tasks.json_line(text), f"{path}:{lineno}"))
-        except UnicodeDecodeError as exc:
-            bad.append(f"line {lineno}: not UTF-8 ({exc.reason} at column {exc.start + 1})")
-        except ValueError as exc:  # json.JSONDecodeError too
-            bad.append(f"line {lineno}: {exc}")
-    if bad:
-        named = "; ".join(bad[:NAMED_LINES])
-        more = f" (and {len(bad) - NAMED_LINES} more)" if len(bad) > NAMED_LINES else ""
-        problems.append(Problem(key, f"{path}: {len(bad)} malformed {task} line(s): {named}{more}; fix or remove "
+    examples, bad, n_bad = [], [], 0
+    with f:
+        head = f.read(4)
+        if head[:2] == b"\x1f\x8b" or head in (b"PK\x03\x04", b"BZh9", b"\xfd7zX"):
+            problems.append(Problem(key, f"{path}: a compressed file (it starts with the bytes {head!r}); decompress "
+                                         f"it: the task reads JSON lines as plain UTF-8 text", file=True))
+            return None
+        f.seek(0)
+        # one line at a time, keeping of each example only what the split and the demonstrations check read: the
+        # file's records are the run's to hold (a 200 MB file held whole took check to 3.3 GB)
+        for lineno, line in enumerate(f, start=1):
+            try:  # as trainers.tasks._load_jsonl reads them: a byte-order mark may open the file
+                text = line.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                if text.strip():
+                    examples.append(_light(parse(tasks.json_line(text), f"{path}:{lineno}")))
+                continue
+            except UnicodeDecodeError as exc:
+                why = f"line {lineno}: not UTF-8 ({exc.reason} at column {exc.start + 1})"
+            except ValueError as exc:  # json.JSONDecodeError too
+                why = f"line {lineno}: {exc}"
+            n_bad += 1
+            if len(bad) < NAMED_LINES:
+                bad.append(why)
+    if n_bad:
+        named = "; ".join(bad)
+        more = f" (and {n_bad - NAMED_LINES} more)" if n_bad > NAMED_LINES else ""
+        problems.append(Problem(key, f"{path}: {n_bad} malformed {task} line(s): {named}{more}; fix or remove "
                                      f"them", file=True))
         return None
     if not examples:
@@ -279,6 +289,16 @@ def _read_examples(key: str, path: str, parse, task: str, problems: list[Problem
                                      f"line", file=True))
         return None
     return examples
+
+
+def _light(example):
+    """``example`` as the checks read it: its prompt as a digest (the split compares prompts), whether it has a
+    demonstration, where it is; the record and the answer dropped."""
+    prompt = hashlib.blake2b(example.prompt.encode(), digest_size=16).hexdigest()
+    if hasattr(example, "record"):
+        return dataclasses.replace(example, prompt=prompt, answer="", record={},
+                                   completion=None if example.completion is None else "")
+    return dataclasses.replace(example, prompt=prompt, answer="")
 
 
 def _model(cfg: RunConfig, problems: list[Problem]) -> None:

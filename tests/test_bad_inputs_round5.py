@@ -222,3 +222,51 @@ def test_a_full_disk_names_the_path_and_counts_the_lost_metrics(tmp_path, size, 
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert lines[-1].startswith(last.format(out=out)), lines[-1]
     assert any(" tracking records of run local-" in line and "were lost" in line for line in lines), done.stderr[-3000:]
+
+
+PEAK_RSS = """
+import json, resource, sys
+from dcmdp.check import find_problems
+problems = find_problems(None, ["task.name=jsonl", f"task.path={sys.argv[1]}", "task.reward=rw.py:score",
+                                "cold_start.steps=0", "threads=1"], run_folder=False)
+print(json.dumps({"problems": [p.message for p in problems],
+                  "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+
+
+def test_check_reads_a_large_task_file_in_memory_well_under_its_size(tmp_path):
+    """``check`` of a 60 MB task file: it held the file, its lines and every parsed record at once (a 200 MB file
+    took it to 3.3 GB). Now it reads a line at a time and keeps of each example only a digest of its prompt, whether
+    it has a demonstration and where it is: its peak memory grows by less than the file's size over a check of a
+    ten-line file (the records are the run's to hold)."""
+    (tmp_path / "rw.py").write_text("def score(prompt, completion, example):\n    return 1.0\n")
+    line = lambda i: json.dumps({"prompt": f"{i}+1= " + "x" * 200, "answer": str(i + 1), "meta": "y" * 300}) + "\n"
+    (tmp_path / "small.jsonl").write_text("".join(line(i) for i in range(300)))
+    with open(tmp_path / "big.jsonl", "w") as f:
+        for i in range(110_000):
+            f.write(line(i))
+    size_kib = (tmp_path / "big.jsonl").stat().st_size / 1024
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    peaks = {}
+    for name in ("small", "big"):
+        done = subprocess.run([sys.executable, "-c", PEAK_RSS, f"{name}.jsonl"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=600)
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        assert out["problems"] == [], out
+        peaks[name] = out["peak_kib"]
+    assert size_kib > 55_000
+    assert peaks["big"] - peaks["small"] < size_kib, (peaks, size_kib)
+
+
+def test_the_examples_check_keeps_are_light(tmp_path):
+    """What ``check`` keeps of each example: a 32-character digest of the prompt, no record, no answer; a missing
+    demonstration still counted and named by its line (the cold start's check)."""
+    from dcmdp.check import _read_examples
+    from trainers import tasks
+
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2", "big": "z" * 1000}) + "\n"
+                                      + json.dumps({"prompt": "2+2=", "completion": "4"}) + "\n")
+    examples = _read_examples("task.path", str(tmp_path / "d.jsonl"), tasks.parse_jsonl_record, "jsonl", [])
+    assert [len(ex.prompt) for ex in examples] == [32, 32] and examples[0].prompt != examples[1].prompt
+    assert [(ex.record, ex.answer, ex.completion) for ex in examples] == [({}, "", None), ({}, "", "")]
+    assert examples[0].source.endswith("d.jsonl:1")
