@@ -728,9 +728,10 @@ def never_reached(cfg: RunConfig) -> list[str]:
                        f"{cfg.steps}): the anchored c never comes into force and c stays (1 + floor_slack) x the "
                        f"floor for the whole run; lower anchor_start or anchor_batches, or train at least {end} steps")
     if cfg.optim.warmup_steps > cfg.steps:
+        share = cfg.steps / cfg.optim.warmup_steps
         out.append(f"optim.warmup_steps={cfg.optim.warmup_steps} is longer than the run (steps={cfg.steps}): the "
-                   f"learning rate never reaches optim.lr (at the last step it is {cfg.steps / cfg.optim.warmup_steps:.3g}"
-                   f" of it); lower optim.warmup_steps to at most {cfg.steps}, or train longer")
+                   f"learning rate never reaches optim.lr (at the last step it is {share:.3g} of it); lower "
+                   f"optim.warmup_steps to at most {cfg.steps}, or train longer")
     return out
 
 

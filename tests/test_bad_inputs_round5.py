@@ -137,7 +137,8 @@ def test_a_value_out_of_range_is_reported_by_train_before_torch_is_imported(tmp_
     """Each bound's error from ``dcmdp train``, in one new process: exit 2, its line, and torch not yet in
     sys.modules when it was printed (the bounds ran after the torch import: 12-16 s on a loaded machine)."""
     code = ("import json, sys; from dcmdp import cli; "
-            f"out = [(cli.main(['train', o, 'output_dir=out']), 'torch' in sys.modules) for o in {list(RANGE_ERRORS)!r}]; "
+            "out = [(cli.main(['train', o, 'output_dir=out']), 'torch' in sys.modules) "
+            f"for o in {list(RANGE_ERRORS)!r}]; "
             "print(json.dumps(out))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])})
@@ -208,8 +209,8 @@ def test_a_full_disk_names_the_path_and_counts_the_lost_metrics(tmp_path, size, 
     exit 1 (the machine's, not the user's input), no traceback."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    if subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", 'mount -t tmpfs -o size=64k x "$1"',
-                       "sh", str(mnt)], capture_output=True).returncode != 0:
+    probe = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", 'mount -t tmpfs -o size=64k x "$1"', "sh"]
+    if subprocess.run([*probe, str(mnt)], capture_output=True).returncode != 0:
         pytest.skip("unprivileged user+mount namespaces are not available here")
     out = mnt / "out"
     argv = [sys.executable, "-m", "dcmdp.cli", "train", *TINY, "steps=3", f"output_dir={out}"]
