@@ -130,6 +130,17 @@ def _writes_real(func, args, kwargs, fake_cls) -> bool:
     return False
 
 
+def _uninitialised_ops() -> tuple:
+    aten = torch.ops.aten
+    return (aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
+            aten.new_empty_strided.default, aten.empty_like.default)
+
+
+# Ops whose output holds no values until written: always fake, so a buffer a collective of the fake process group
+# fills (FSDP2's all-gathered weights, its reduce-scattered gradients) is not real memory holding garbage.
+_UNINITIALISED = _uninitialised_ops()
+
+
 class _MixedMode:
     """A dispatch mode above ``FakeTensorMode``: an op none of whose inputs is fake and whose outputs are small runs
     for real (the batch's data: its values decide the micro-batches and screens); a data-dependent read of a fake
@@ -200,7 +211,7 @@ class _MixedMode:
                     with _disable_current_modes():
                         return func(*args, **kwargs)
                 outs = [x for x in tree_leaves(out) if isinstance(x, Tensor)]
-                if not outs or sum(x.numel() for x in outs) > REAL_NUMEL:
+                if not outs or sum(x.numel() for x in outs) > REAL_NUMEL or func in _UNINITIALISED:
                     return out
                 with _disable_current_modes():
                     return func(*args, **kwargs)
