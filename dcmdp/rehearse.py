@@ -509,8 +509,8 @@ NOT_TRACED = (
     "CUDA context, NCCL buffers and allocator slack (the plan's overhead): no CUDA here",
 )
 NOT_TRACED_WORLD = (
-    "collectives run on a fake process group: they move no data, and what a gather returns holds no values (the "
-    "losses and norms after one are not the run's); communication time is not in the estimate",
+    "collectives run on a fake process group: they move no data, and what a gather returns holds no values (a "
+    "read of one gets the nominal answer below); communication time is not in the estimate",
 )
 
 
@@ -584,6 +584,10 @@ def _plan_by_phase(plan) -> tuple[dict[str, float], dict[str, float]]:
     return by_phase, by_cat
 
 
+def _duration(ms: float) -> str:
+    return f"{ms / 1e3:.3g} s" if ms >= 1e3 else f"{ms:.3g} ms"
+
+
 def rehearsal_lines(cfg, gpus: int, gpu_gib: float) -> list[str]:
     """``dcmdp check --rehearse``'s report: the rehearsed step's peak by phase and category beside the plan's, the
     five largest tensors at the peak, the roofline time by phase, and what could not be traced and why."""
@@ -620,8 +624,8 @@ def rehearsal_lines(cfg, gpus: int, gpu_gib: float) -> list[str]:
     lines += [f"    {n / 2 ** 20:10.1f} MiB  {cat:<16} {line}" for n, cat, line in last.top] or ["    (none recorded)"]
     total_ms = sum(r.phase_ms.values())
     lines.append(f"  roofline time (an estimate: RuntimeEstimator's per-op cost model with {gpu.name}'s datasheet "
-                 f"FLOP/s and bandwidth, no communication): {total_ms / 1e3:.3f} s for the step")
-    lines.append("    " + ", ".join(f"{p} {r.phase_ms[p] / 1e3:.3f} s" for p in PHASES))
+                 f"FLOP/s and bandwidth, no communication): {_duration(total_ms)} for the step")
+    lines.append("    " + ", ".join(f"{p} {_duration(r.phase_ms[p])}" for p in PHASES))
     lines.append("  not traced, and why:")
     lines += [f"    - {why}" for why in NOT_TRACED + (NOT_TRACED_WORLD if gpus > 1 else ())]
     if last.nominal:
