@@ -383,7 +383,6 @@ def _run_folder(cfg: RunConfig, problems: list[Problem]) -> None:
     from dcmdp.checkpoint import run_in_folder, unclaimed_outputs, unwritable_run_paths
     from dcmdp.tracking import check_sqlite_store, check_tracking_config, resolve_buffer_dir
 
-
     out = Path(cfg.output_dir)
     resume = cfg.checkpoint.resume
     if resume and resume != "auto" and not Path(resume).exists():
