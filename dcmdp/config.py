@@ -858,7 +858,7 @@ def _validate_registries(cfg: RunConfig) -> None:
     # vLLM returns its own routes on GPUs (compiled forwards and CUDA graphs keep them); on the CPU they come from
     # router hooks, which only eager forwards run
     hooks = engine.routes == "eager" or (engine.routes == "eager_on_cpu" and _runs_on_cpu(cfg.device))
-    if hooks and cfg.algo.routing_replay == "r3" and not getattr(cfg.rollout, name).enforce_eager:
+    if hooks and cfg.algo.routing_replay == "r3" and getattr(cfg.rollout, name).enforce_eager is False:
         raise ConfigError(f"config error at 'rollout.{name}.enforce_eager': R3 with the {name} engine on the CPU "
                           f"records routes through router hooks that only run in eager mode; set "
                           f"rollout.{name}.enforce_eager=true")

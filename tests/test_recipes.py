@@ -130,16 +130,18 @@ def test_recipe_at_real_shape_one_layer_two_steps(name, engine, real_shape_dirs,
         assert step1["routing/mismatch"] == 0.0 and step2["routing/mismatch"] == 0.0
 
 
-@pytest.mark.parametrize("device, refused", [("cpu", True), ("cuda", False)])
-def test_the_moe_recipe_asks_for_eager_vllm_only_where_routes_come_from_hooks(device, refused):
-    """vLLM returns its own routes on GPUs (CUDA graphs keep them), so the 30B recipe runs R3 without enforce_eager;
-    on the CPU its routes come from router hooks, which only eager forwards run, and the config check says so."""
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_moe_recipe_asks_for_eager_vllm_only_where_routes_come_from_hooks(device):
+    """vLLM returns its own routes on GPUs (CUDA graphs keep them), so the 30B recipe leaves enforce_eager to the
+    engine (null: eager on the CPU, graphs on GPUs) and loads on either device; on the CPU its routes come from router
+    hooks, which only eager forwards run, so an explicit false is refused there."""
     from dcmdp.config import ConfigError
 
     overrides = [f"device={device}", f"task.path={DATA}", "task.eval_path=null"]
-    if refused:
+    cfg = load_config(ROOT / "configs" / "qwen3-30b-a3b.yaml", overrides)
+    assert cfg.algo.routing_replay == "r3" and cfg.rollout.vllm.enforce_eager is None
+    if device == "cpu":
         with pytest.raises(ConfigError, match=r"rollout\.vllm\.enforce_eager"):
-            load_config(ROOT / "configs" / "qwen3-30b-a3b.yaml", overrides)
+            load_config(ROOT / "configs" / "qwen3-30b-a3b.yaml", [*overrides, "rollout.vllm.enforce_eager=false"])
     else:
-        cfg = load_config(ROOT / "configs" / "qwen3-30b-a3b.yaml", overrides)
-        assert cfg.algo.routing_replay == "r3" and not cfg.rollout.vllm.enforce_eager
+        load_config(ROOT / "configs" / "qwen3-30b-a3b.yaml", [*overrides, "rollout.vllm.enforce_eager=false"])

@@ -125,7 +125,9 @@ class VllmEngineConfig:
     # Tensor-parallel size (under torchrun: the world size).
     tensor_parallel_size: int = 1
     # Disable CUDA graphs / torch.compile (faster start, used on CPU; R3 on vLLM's router hooks needs it).
-    enforce_eager: bool = True
+    # null: eager on the CPU (where R3's routes come from router hooks), CUDA graphs on GPUs (where vLLM returns
+    # the routes itself).
+    enforce_eager: Optional[bool] = True
     # Fraction of accelerator memory the engine may take.
     gpu_memory_utilization: float = 0.5
 

@@ -223,6 +223,8 @@ class VllmEngine:
 
         # vLLM's own route return works wherever Model Runner V2 does (not on CPU, see the module docstring)
         self.native_routes = bool(self.num_moe_layers) and not current_platform.is_cpu()
+        # enforce_eager null: eager on the CPU (route hooks), CUDA graphs on GPUs (vLLM's own routes)
+        self.eager = cfg.vllm.enforce_eager if cfg.vllm.enforce_eager is not None else current_platform.is_cpu()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         dtype = VLLM_DTYPES[cfg.precision]
         memory = {"gpu_memory_utilization": cfg.vllm.gpu_memory_utilization}
@@ -238,7 +240,7 @@ class VllmEngine:
         shm_before = _cpu_shm_segments() if track_shm else set()
         try:
             # generation_config="vllm": the model directory's sampling defaults (top_k, ...) must not apply.
-            self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=cfg.vllm.enforce_eager,
+            self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=self.eager,
                            **VLLM_QUANTIZATION.get(cfg.precision, {}),
                            tensor_parallel_size=cfg.vllm.tensor_parallel_size, seed=int(seed),
                            logprobs_mode="processed_logprobs", skip_tokenizer_init=True, generation_config="vllm",
@@ -254,7 +256,7 @@ class VllmEngine:
         self._recorder: Optional[_RouteRecorder] = None
         self._hooks = []
         # Routes are recorded by Python callbacks inside the forward, which torch.compile / CUDA graphs skip.
-        if self.num_moe_layers and not self.native_routes and self.in_process and cfg.vllm.enforce_eager:
+        if self.num_moe_layers and not self.native_routes and self.in_process and self.eager:
             self._install_route_capture()
 
     # -- set-up helpers -------------------------------------------------------------------------------
