@@ -59,6 +59,13 @@ class ConstraintConfig:
     anchor_every: int = 100
     # Re-anchor when the floor F leaves [F_a / anchor_ratio, F_a x anchor_ratio], F_a the floor at the last anchoring.
     anchor_ratio: float = 1.5
+    # Authority (an anchored c under a rule that moves lambda): the dual acts on this constraint only where its penalty
+    # can move D-hat across c. Each anchor window compares the penalty's reach (median log D_0 - log D_max of its probed
+    # batches) with the batch spread (sd of log D-hat over the anchor's recent steps); while the reach is under
+    # authority x the spread, lambda is held at 0 (the dual stands down and the run says so), and it starts from
+    # lambda_init at the first window that shows the reach. Before the first window closes lambda is 0. null: the
+    # dual acts from lambda_init whatever the reach.
+    authority: Optional[float] = None
     # Chance rule (dual.rule: chance): the share alpha of steps allowed outside c; lambda moves by
     # eta (1[D_hat > c] - alpha), so an interior lambda holds D-hat inside c on 1 - alpha of the steps.
     miss_rate: float = 0.2
@@ -108,8 +115,14 @@ class ConstraintConfig:
             if 0 < self.anchor_every <= self.anchor_batches:
                 raise ValueError(f"config error at '{prefix}.anchor_every': must exceed anchor_batches "
                                  f"({self.anchor_batches}) or be 0, got {self.anchor_every}")
+            if self.authority is not None and not 0 < self.authority < float("inf"):
+                raise ValueError(f"config error at '{prefix}.authority': the least reach / spread at which the dual "
+                                 f"acts, a finite value > 0, got {self.authority}; or null")
             if not self.anchor_ratio > 1:
                 raise ValueError(f"config error at '{prefix}.anchor_ratio': must be > 1, got {self.anchor_ratio}")
+        elif self.authority is not None:
+            raise ValueError(f"config error at '{prefix}.authority': compares the penalty's reach, which the anchor's "
+                             f"probes measure; set '{prefix}.anchor' too, or authority: null")
         if self.floor_ratchet:
             if self.floor_slack is None:
                 raise ValueError(f"config error at '{prefix}.floor_ratchet': ratchets the floor of an automatic "

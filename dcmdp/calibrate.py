@@ -475,7 +475,7 @@ def lambda_response(cfg: RunConfig, lambdas: Sequence[float], batches: int = 4,
                 optimizer.load_state_dict(copy.deepcopy(moments))
                 lam_C = torch.tensor([lam], dtype=torch.float64)
                 state = replace(s.state.dual, lambda_C=lam_C, lambda_avg_C=lam_C)
-                penalty = penalty_spec(state, replace(cfg.dual, constraints=[target]))
+                penalty = penalty_spec(state, replace(cfg.dual, constraints=[target]), stand_down=False)
                 result = learner.update(model, learner.OptimStep(optimizer, grad_clip=cfg.optim.grad_clip), scored,
                                         scoring=s.scoring, penalty=penalty, cfg=cfg.algo,
                                         generator=torch.Generator().manual_seed(step_seed(cfg.seed, n, 2)))

@@ -216,7 +216,7 @@ def init_state(cfg: DualConfig) -> DualState:
     """lambda_C = the rule's initial multipliers (lambda_init; 0 for ``off``), the rule's initial state."""
     n = len(cfg.constraints)
     rule = get_rule(cfg)
-    lam = rule.initial_lambda(cfg)
+    lam = torch.where(_gated(cfg), torch.zeros((), dtype=_F64), rule.initial_lambda(cfg))
     coupling = _coupling(cfg)
     if coupling is not None and rule.projects:
         A, b = coupling
@@ -314,21 +314,53 @@ def constraints_in_force(state: DualState, cfg: DualConfig) -> list:
     return [replace(c, tolerance=float(t)) for c, t in zip(cfg.constraints, tolerances(state, cfg).tolist())]
 
 
-def applied_lambda(state: DualState, cfg: DualConfig) -> Tensor:
+def applied_lambda(state: DualState, cfg: DualConfig, stand_down: bool = True) -> Tensor:
     """(C,) float64, the multipliers the penalty carries: lambda_C, or its running mean lambda_bar under
-    ``cfg.average``; under the chance rule dithered by one step (``dithered_lambda``)."""
+    ``cfg.average``; under the chance rule dithered by one step (``dithered_lambda``); 0 for a constraint whose dual
+    stands down (``stood_down``) unless ``stand_down`` is false (the anchor's probes measure the penalty as it would
+    act)."""
     lam_C = state.lambda_avg() if cfg.average else state.lambda_C
-    return dithered_lambda(lam_C, state.rule, cfg) if cfg.rule == "chance" else lam_C
+    lam_C = dithered_lambda(lam_C, state.rule, cfg) if cfg.rule == "chance" else lam_C
+    return torch.where(stood_down(state, cfg), torch.zeros((), dtype=_F64), lam_C) if stand_down else lam_C
 
 
-def penalty_spec(state: DualState, cfg: DualConfig) -> PenaltySpec:
+def penalty_spec(state: DualState, cfg: DualConfig, stand_down: bool = True) -> PenaltySpec:
     """The penalty the updates of the next rollout batch carry: ``applied_lambda`` (float32), the constraints with
     the tolerances in force and the penalty form, anchored at pi_old under ``measure_at: drift`` (else at mu); none
-    under a rule that does not penalise (``off``)."""
+    under a rule that does not penalise (``off``). ``stand_down`` as in ``applied_lambda``."""
     if not get_rule(cfg).penalizes:
         return PenaltySpec()
-    return PenaltySpec(applied_lambda(state, cfg).float(), tuple(constraints_in_force(state, cfg)), cfg.penalty,
-                       anchor="old" if cfg.measure_at == "drift" else "rollout")
+    return PenaltySpec(applied_lambda(state, cfg, stand_down).float(), tuple(constraints_in_force(state, cfg)),
+                       cfg.penalty, anchor="old" if cfg.measure_at == "drift" else "rollout")
+
+
+def _gated(cfg: DualConfig) -> Tensor:
+    """(C,) bool: the constraints whose dual acts only with authority (``authority`` set, an anchored c, a rule that
+    moves lambda); the placebo arms (``fixed``, ``off``) hold their lambda whatever the reach."""
+    moves = get_rule(cfg).moves
+    return torch.tensor([moves and c.anchor is not None and getattr(c, "authority", None) is not None
+                         for c in cfg.constraints], dtype=torch.bool)
+
+
+def _keep_rows(new: dict[str, Any], old: dict[str, Any], rows: Sequence[bool]) -> dict[str, Any]:
+    """The rule state ``new`` with the per-constraint entries (lists of one entry per constraint) of the ``rows``
+    taken from ``old``; shared entries (the dither's sign) from ``new``."""
+    out = dict(new)
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, list) and isinstance(before, list) and len(value) == len(before) == len(rows):
+            out[key] = [copy.deepcopy(b) if keep else v for v, b, keep in zip(value, before, rows)]
+    return out
+
+
+def stood_down(state: DualState, cfg: DualConfig) -> Tensor:
+    """(C,) bool: the constraints whose dual stands down now: gated (``_gated``) and without authority from the last
+    anchor window (the penalty's reach under ``authority`` x the batch spread), or before the first window closed."""
+    gated = _gated(cfg)
+    if not bool(gated.any()):
+        return gated
+    auth = (state.anchor or {}).get("authority_C") or [None] * len(cfg.constraints)
+    return gated & torch.tensor([a is not True for a in auth], dtype=torch.bool)
 
 
 def _seed_floor(state: DualState, floor_measured_C: Tensor, cfg: DualConfig) -> DualState:
@@ -408,6 +440,7 @@ def note_anchor_step(state: DualState, cfg: DualConfig, carried_C: Tensor, measu
     if state.anchor is None:
         return state
     moves = get_rule(cfg).moves
+    down = stood_down(state, cfg)  # lambda held at 0 by the stand-down, not by the rule: no reason to re-anchor
     a = copy.deepcopy(state.anchor)
     a.setdefault("recent_C", [[] for _ in cfg.constraints])
     a.setdefault("stuck_C", [0] * len(cfg.constraints))
@@ -417,7 +450,7 @@ def note_anchor_step(state: DualState, cfg: DualConfig, carried_C: Tensor, measu
             continue
         if math.isfinite(d) and d > 0:
             a["recent_C"][i] = (a["recent_C"][i] + [[float(carried_C[i]), d]])[-ANCHOR_RECENT:]
-        at_edge = moves and (lam <= c.lambda_min + 1e-12 or lam >= c.lambda_max - 1e-12)
+        at_edge = moves and not bool(down[i]) and (lam <= c.lambda_min + 1e-12 or lam >= c.lambda_max - 1e-12)
         a["stuck_C"][i] = a["stuck_C"][i] + 1 if at_edge else 0
     return replace(state, anchor=a)
 
@@ -506,12 +539,16 @@ def record_anchor(state: DualState, cfg: DualConfig, step: int, due: Sequence[bo
     """Add one probed batch (D-hat without the penalty, at lambda_max, and the floor F) to each due constraint's window;
     a window of ``anchor_batches`` finite probes sets the gap from them (``anchor_gap``) and closes. Non-finite
     probes are not counted. Metrics: 'dual/anchor_zero/n', 'dual/anchor_max/n' (this batch's probes) and, when a window
-    closes, 'dual/anchor_gap/n'."""
+    closes, 'dual/anchor_gap/n'; for a constraint with ``authority`` also the window's decision 'dual/authority/n' (1:
+    the reach is at least authority x the spread, the dual acts, from lambda_init if it stood down; 0: it stands down,
+    lambda 0) with 'dual/authority_reach/n' and 'dual/authority_spread/n' (the recent steps' D-hat, the probes' D_0
+    while fewer than 8)."""
     a = copy.deepcopy(state.anchor) if state.anchor is not None else anchor_init(cfg)
     if a is None:
         return state, {}
     metrics: dict[str, float] = {}
     names = constraint_names(cfg.constraints)
+    gated, lam_C = _gated(cfg), state.lambda_C.clone()
     for i, c in enumerate(cfg.constraints):
         if not due[i]:
             continue
@@ -525,11 +562,25 @@ def record_anchor(state: DualState, cfg: DualConfig, step: int, due: Sequence[bo
             gap = anchor_gap(d0s, dmaxs, fs, a.get("recent_C", [[]] * len(cfg.constraints))[i], c.lambda_max,
                              c.anchor, c.miss_rate)
             a["gap_C"][i], a["floor_C"][i], a["step_C"][i] = gap, float(np.median(fs)), step
+            if getattr(c, "authority", None) is not None and bool(gated[i]):
+                recent = [d for _, d in a.get("recent_C", [[]] * len(cfg.constraints))[i]]
+                reach = penalty_reach(d0s, dmaxs)
+                spread = batch_spread(recent if len(recent) >= _ANCHOR_MIN_RECENT else d0s)
+                now = reach is not None and spread is not None and reach >= c.authority * spread
+                auth = a.setdefault("authority_C", [None] * len(cfg.constraints))
+                if now and auth[i] is not True:  # the dual takes over from lambda_init
+                    lam_C[i] = c.lambda_init
+                elif not now:  # it stands down: lambda held at 0 until a window shows the reach
+                    lam_C[i] = 0.0
+                auth[i] = bool(now)
+                metrics[f"dual/authority/{names[i]}"] = float(now)
+                metrics[f"dual/authority_reach/{names[i]}"] = math.nan if reach is None else reach
+                metrics[f"dual/authority_spread/{names[i]}"] = math.nan if spread is None else spread
             a["probes_C"][i] = []
             if "stuck_C" in a:
                 a["stuck_C"][i] = 0
             metrics[f"dual/anchor_gap/{names[i]}"] = a["gap_C"][i]
-    return replace(state, anchor=a), metrics
+    return replace(state, anchor=a, lambda_C=lam_C), metrics
 
 
 def _solve_projection_qp(target: np.ndarray, lo: np.ndarray, hi: np.ndarray, A: np.ndarray, b: np.ndarray,
@@ -864,7 +915,9 @@ def dual_step(state: DualState, measured_C: Tensor, cfg: DualConfig,
     vs mu before the updates, default measured_C) then updates the floor of the automatic tolerances, which
     applies from the next batch, like lambda. Metrics per constraint name n: 'dual/lambda/n' (after the step),
     'dual/measured/n', 'dual/tolerance/n', 'dual/violation/n' (D_hat - c); 'dual/skipped' (entries skipped
-    in this step); under ``cfg.average`` also 'dual/lambda_avg/n' (lambda_bar, the multiplier the penalty carries).
+    in this step); under ``cfg.average`` also 'dual/lambda_avg/n' (lambda_bar, the multiplier the penalty carries);
+    for a constraint with ``authority``, 'dual/stood_down/n' (1: this batch's updates carried no penalty, the dual
+    standing down; its lambda is held at 0).
     """
     rule = get_rule(cfg)
     measured_C = torch.as_tensor(measured_C, dtype=_F64).detach().cpu().reshape(-1)
@@ -884,10 +937,15 @@ def dual_step(state: DualState, measured_C: Tensor, cfg: DualConfig,
         lambda_C, rule_state = rule.step(state.lambda_C, state.rule, measured_C / scale_C, tolerance_C / scale_C, cfg)
     else:
         lambda_C, rule_state = rule.step(state.lambda_C, state.rule, measured_C, tolerance_C, cfg)
+    down_C = stood_down(state, cfg)
     if state.anchor is not None:  # an anchored constraint has no tolerance to hold until its first window closes
         waiting_C = torch.tensor([c.anchor is not None and g is None for c, g in zip(cfg.constraints,
                                                                                    state.anchor["gap_C"])])
         lambda_C = torch.where(waiting_C, state.lambda_C, lambda_C)
+        # a dual that stands down holds lambda at 0 (``stood_down``); the anchor's next window decides again
+        lambda_C = torch.where(down_C, torch.zeros((), dtype=_F64), lambda_C)
+        if bool(down_C.any()):  # nor does its rule learn from batches that carried no penalty (the sign test's pairs)
+            rule_state = _keep_rows(rule_state, state.rule, down_C.tolist())
     steps = state.steps + 1
     avg_prev_C = state.lambda_avg()
     # lambda_bar_k = lambda_bar_{k-1} + (lambda_k - lambda_bar_{k-1}) / (k + 1): the mean of lambda_0..lambda_k
@@ -907,6 +965,9 @@ def dual_step(state: DualState, measured_C: Tensor, cfg: DualConfig,
         metrics[f"dual/measured/{name}"] = d
         metrics[f"dual/tolerance/{name}"] = c
         metrics[f"dual/violation/{name}"] = d - c
+    for name, gated, down in zip(constraint_names(cfg.constraints), _gated(cfg).tolist(), down_C.tolist()):
+        if gated:  # whether this batch's updates carried no penalty because the dual stood down
+            metrics[f"dual/stood_down/{name}"] = float(down)
     for key, label in (("slope_C", "slope"), ("direction_C", "direction")):  # the signed rule's sign test
         for name, v in zip(constraint_names(cfg.constraints), rule_state.get(key, ())):
             metrics[f"dual/{label}/{name}"] = float(v)

@@ -129,8 +129,14 @@ class ConstraintSummary:
     # The least and the largest c in force over the summarised steps (c moving more than C_MOVE_FACTOR is warned of).
     tolerance_min: float = math.nan
     tolerance_max: float = math.nan
-    # What reach against spread says about the share inside c (``control_sentence``).
+    # What reach against spread says about the share inside c (``control_sentence``), and for a constraint with
+    # ``authority`` what the dual did with it (``stand_down_sentence``).
     control: str = ""
+    # For a constraint with ``authority``: the anchor windows closed and those that gave the dual authority, and the
+    # share of the summarised steps whose updates carried no penalty because the dual stood down.
+    windows: int = 0
+    windows_acting: int = 0
+    stood_down_frac: float = 0.0
 
 
 @dataclass(slots=True)
@@ -211,6 +217,9 @@ ACTING_LAMBDA = 0.01
 FEASIBILITY_STEPS = 3
 # Rules whose lambda responds to D-hat: only they can be slack, pinned or infeasible in the sense above.
 _MOVING_RULES = ("projected", "pid", "signed", "chance")
+# A dual that stood down (``authority``) on more than this share of the steps is not judged slack, idle, pinned or
+# not holding: it did not act there by design, and its control line says why.
+STOOD_DOWN_FRAC = 0.5
 # A c whose largest value over a run is more than this factor times its least is warned of: the share inside c then
 # follows c's placement as much as D-hat.
 C_MOVE_FACTOR = 1.5
@@ -245,6 +254,21 @@ def control_sentence(reach: Optional[float], spread: Optional[float], inside_fra
             f"(measured as the margin over the placebos, lambda fixed at 0 and at lambda_max)")
 
 
+def stand_down_sentence(windows: int, acting: int, stood_down_frac: float, authority: float) -> str:
+    """What a dual with ``authority`` did: acted where an anchor window showed the penalty's reach at least authority
+    x the batch spread, stood down (lambda held at 0, no penalty) where it did not."""
+    rule = f"reach at least {authority:g} x the spread (dual.constraints[i].authority)"
+    if windows == 0:
+        return (f"the dual stood down throughout (lambda held at 0, no penalty): no anchor window closed, so its "
+                f"authority ({rule}) was never measured")
+    if acting == 0:
+        return (f"the dual stood down throughout (lambda held at 0, no penalty): none of its {windows} anchor "
+                f"window{'s' if windows != 1 else ''} showed the {rule}; this run trained as its lambda = 0 placebo "
+                f"does, and its share inside c is c's placement alone")
+    return (f"the dual acted on {acting} of {windows} anchor windows ({rule}) and stood down on the rest: "
+            f"{stood_down_frac:.0%} of the steps carried no penalty")
+
+
 def constraint_summaries(history: Sequence[dict[str, float]], names: Sequence[str],
                          constraints: Sequence[ConstraintConfig], warmup: int = 0) -> dict[str, ConstraintSummary]:
     """Per constraint, from the steps whose dual/measured/<name> is finite (a skipped step measured nothing); for an
@@ -275,13 +299,20 @@ def constraint_summaries(history: Sequence[dict[str, float]], names: Sequence[st
         start_floor = min(h[f"dual/floor_at_point/{name}"] for h in start) if start else math.nan
         start_tol = max(h[f"dual/tolerance/{name}"] for h in start) if start else math.nan
         inside = float((d <= tol).mean())
+        control = control_sentence(reach, spread, inside, int(n_probes), len(late), c.lambda_max)
+        flags = [h[f"dual/stood_down/{name}"] for h in rows if f"dual/stood_down/{name}" in h]
+        decisions = [h[f"dual/authority/{name}"] for h in history if f"dual/authority/{name}" in h]
+        stood = float(np.mean(flags)) if flags else 0.0
+        if flags:
+            control += "; " + stand_down_sentence(len(decisions), int(sum(x > 0 for x in decisions)), stood,
+                                                  float(getattr(c, "authority", math.nan) or math.nan))
         out[name] = ConstraintSummary(float(d.mean()), float(tol[0]), float(tol[-1]), inside,
                                       float(floor.mean()), float(lam.mean()), float(lam[-1]),
                                       float((lam >= c.lambda_max - 1e-12).mean()), float(start_floor), float(start_tol),
                                       float((lam > ACTING_LAMBDA).mean()), c.anchor is not None, reach,
                                       int(n_probes) if reach is not None else 0, spread, len(late),
-                                      float(tol.min()), float(tol.max()),
-                                      control_sentence(reach, spread, inside, int(n_probes), len(late), c.lambda_max))
+                                      float(tol.min()), float(tol.max()), control, len(decisions),
+                                      int(sum(x > 0 for x in decisions)), stood)
     return out
 
 
@@ -318,7 +349,8 @@ def end_of_run_warnings(constraints: dict[str, ConstraintSummary], rule: str, ac
     on less than ``ACTING_FRAC`` of them (it mostly rested), lambda at its
     cap on more than ``CAP_FRAC`` of the steps (a constant with extra steps), D-hat outside c on more than
     ``OUTSIDE_FRAC`` of them (the constraint was not held), infeasible from the first steps
-    (``feasibility_warnings``); under any rule, a c that moved more than ``C_MOVE_FACTOR`` over the run; and held-out
+    (``feasibility_warnings``), none of these for a dual that stood down on more than ``STOOD_DOWN_FRAC`` of the
+    steps (``authority``); under any rule, a c that moved more than ``C_MOVE_FACTOR`` over the run; and held-out
     accuracy at chance level (at most one eval prompt above ``chance``)."""
     out = []
     for name, c in constraints.items():
@@ -328,8 +360,8 @@ def end_of_run_warnings(constraints: dict[str, ConstraintSummary], rule: str, ac
                        f"{c.tolerance_end:.4g} at the end), more than {C_MOVE_FACTOR:g}x: c followed the run's own "
                        f"floor, so the share inside c ({c.inside_frac:.0%}) follows where c was placed as much as "
                        f"D-hat; a fixed tolerance (a bound you set) does not move")
-        if rule not in _MOVING_RULES:
-            continue
+        if rule not in _MOVING_RULES or c.stood_down_frac > STOOD_DOWN_FRAC:
+            continue  # a dual that stood down over most of the run says so in its control line, not as a fault
         if c.start_floor > c.start_tolerance:  # NaN compares False
             out.append(f"constraint {name} was infeasible from the start: the floor at its measurement point "
                        f"({c.start_floor:.4g}, the least over the first {FEASIBILITY_STEPS} steps) was above c "

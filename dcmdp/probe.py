@@ -59,9 +59,10 @@ def probe_updates(model: torch.nn.Module, optim: learner.OptimStep, batch: learn
     try:
         for k, lam_C in enumerate(lambdas):
             lam_C = torch.as_tensor(lam_C, dtype=torch.float64).reshape(-1)
-            # the multipliers as given: no averaging, no dither (dcmdp.dual.applied_lambda)
+            # the multipliers as given: no averaging, no dither, no stand-down (dcmdp.dual.applied_lambda)
             state = replace(dual_state, lambda_C=lam_C, lambda_avg_C=lam_C, rule={**dual_state.rule, "dither": 0.0})
-            result = learner.update(model, optim, batch, scoring=scoring, penalty=penalty_spec(state, probe_cfg),
+            result = learner.update(model, optim, batch, scoring=scoring,
+                                    penalty=penalty_spec(state, probe_cfg, stand_down=False),
                                     cfg=algo, generator=torch.Generator().manual_seed(seed))
             out.append(constraint_values(targets, batch, result.trained_logp_BT, anchor))
             if keep_moments and k == len(lambdas) - 1:
