@@ -5,7 +5,7 @@ operands in float32 and in bfloat16. Each head of ``trainers.scoring`` computes 
 backpropagates ``sum_n g_n log p_n + e_n H_n``; against the float64 head: max |Δ log p|, max |Δ H|, relative
 gradient errors, peak memory of forward + backward (CPU: VmHWM; CUDA: max_memory_allocated) and, on CUDA, time.
 
-    .venv/bin/python benchmarks/lm_head.py          # CPU: N 256, H 1024, V 151936; writes results/lm_head.md/json
+    .venv/bin/python benchmarks/lm_head.py          # CPU: N 256, H 1024, V 151936; writes results/lm_head/lm_head.md/json
     .venv/bin/python benchmarks/lm_head.py --smoke  # tiny shapes, seconds
 """
 
@@ -191,7 +191,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--memory-hidden", type=int, default=64, help="hidden size of the memory probe")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--smoke", action="store_true", help="N 64, H 64, V 3001: seconds")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lm_head.md"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lm_head" / "lm_head.md"))
     return ap
 
 

@@ -10,7 +10,7 @@ recipe through ``dcmdp train`` with the torch and the vLLM engine, one process a
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/real_shapes.py [--recipes qwen3-8b,qwen3-30b-a3b]
         [--engines torch,vllm] [--precision fp32|bf16_stochastic|bf16_kahan] [--workdir /tmp/dcmdp_real_shapes]
-        [--out benchmarks/results/real_shapes]
+        [--out benchmarks/results/real_shapes/real_shapes]
 """
 
 from __future__ import annotations
@@ -370,7 +370,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--workdir", default="/tmp/dcmdp_real_shapes", help="models, run folders and logs")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "real_shapes"),
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "real_shapes" / "real_shapes"),
                    help="results prefix: writes <out>.md and <out>.json")
     p.add_argument("--context", type=int, default=1024, help="max_position_embeddings of the one-layer models")
     p.add_argument("--threads", type=int, default=2)

@@ -59,10 +59,51 @@ def test_experiment_smoke(smoke_run):
     assert str(run.ROOT) not in md  # repository-relative paths only
     for suffix in ("_accuracy.png", "_curves.png", "_dual.png", "_lambda.png"):
         assert prefix.with_name(prefix.name + suffix).stat().st_size > 0
+    # the figures are not tracked: the page names the command that draws them again, from the record alone
+    assert (f"`.venv/bin/python benchmarks/run.py {exp.name} --profile smoke --figures` draws "
+            f"`{prefix.name}_accuracy.png`") in md
+    figures = sorted(prefix.parent.glob(f"{prefix.name}_*.png"))
+    for path in figures:
+        path.unlink()
+    run.main([exp.name, "--profile", "smoke", "--results", str(prefix), "--figures"])
+    assert sorted(prefix.parent.glob(f"{prefix.name}_*.png")) == figures
+    assert all(path.stat().st_size > 0 for path in figures)
     first = exp.cell_dir(bench, *cells[0]) / "summary.json"
     mtime = first.stat().st_mtime
     run.main([exp.name, "--profile", "smoke", "--workers", "1", "--bench-dir", str(bench), "--results", str(prefix)])
     assert first.stat().st_mtime == mtime
+
+
+def test_a_page_goes_to_its_experiments_folder_by_default():
+    run = _runner()
+    assert run.results_prefix("stress", "quick") == run.ROOT / "benchmarks" / "results" / "stress" / "stress_quick"
+
+
+def test_each_experiments_pages_lie_in_its_folder_beside_their_records():
+    """benchmarks/results/ holds LOG.md and a folder per experiment; each page of an experiment of
+    benchmarks/experiments/ lies in that experiment's folder beside its record, which ``--no-train`` and
+    ``--figures`` read."""
+    run = _runner()
+    results = run.ROOT / "benchmarks" / "results"
+    assert [p.name for p in results.iterdir() if p.is_file()] == ["LOG.md"]
+    pages = [page for name in EXPERIMENT_FILES for page in (results / name).glob(f"{name}_*.md")]
+    assert len(pages) > 40  # the walk saw the pages
+    assert not [page for page in pages if not run.record_path(page.with_suffix("")).exists()]
+
+
+def test_no_figure_a_record_draws_again_is_tracked():
+    """The figures ``--figures`` draws from a page's record are not tracked (.gitignore); the headline is."""
+    import subprocess
+
+    run = _runner()
+    if not (run.ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    tracked = subprocess.run(["git", "ls-files", "benchmarks/results"], cwd=run.ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    redrawn = [p for p in tracked if p.endswith(".png") and any(
+        run.record_path(run.ROOT / p.removesuffix(suffix)).exists()
+        for suffix in ("_accuracy.png", "_curves.png", "_dual.png", "_lambda.png", "_front.png") if p.endswith(suffix))]
+    assert not redrawn, f"tracked, though --figures draws them from the record: {redrawn}"
 
 
 def _histories(exp, bench):

@@ -9,7 +9,7 @@
 - ``cli``: the command line, one invocation from the experiment file to the page.
 """
 
-from benchmarks.runner.cli import main, run
+from benchmarks.runner.cli import main, results_prefix, run
 from benchmarks.runner.experiment import (EXPERIMENTS, ROOT, Bar, Compare, Experiment, ExperimentError,
                                           load_experiment, page_compare)
 from benchmarks.runner.figures import accuracy_figure, redraw
@@ -23,4 +23,4 @@ __all__ = ["EXPERIMENTS", "MACHINE_FILE", "ROOT", "Bar", "Compare", "Experiment"
            "accuracy_figure", "aggregate", "bar_across", "bar_across_lines", "bar_rows", "bar_table", "collapse_check",
            "compare_rows", "compare_table", "compute_rows", "extreme_share", "load_experiment", "main", "met_on_line",
            "page_compare", "paired", "placebo_rows", "placebo_table", "read_record", "reading", "record_path", "redraw",
-           "run", "run_from_record", "welch_p", "write_record"]
+           "results_prefix", "run", "run_from_record", "welch_p", "write_record"]

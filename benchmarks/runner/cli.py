@@ -8,10 +8,12 @@ run is the experiment's base config + its ``overrides`` + the profile's + the le
 a cell whose ``summary.json`` and ``history.json`` exist is skipped and a killed run resumes from its last
 checkpoint, so a folder of finished cells copied in renders without training; a run the page's record holds is not
 trained again (``--retrain`` does). The page
-``benchmarks/results/<experiment>_<profile>.md`` (with .csv, .json.gz and plots) is generated from the run folders
-and the page's record: its .json.gz (gzipped JSON; a plain .json is read too) holds every run (accuracy curve, λ and
+``benchmarks/results/<experiment>/<experiment>_<profile>.md`` (with .csv, .json.gz and figures) is generated from the
+run folders and the page's record: its .json.gz (gzipped JSON; a plain .json is read too) holds every run (accuracy curve, λ and
 discrepancy per step, diagnostics, the overrides it was trained with), and a run the folder lacks is read from there
 while the experiment file still gives it the same overrides. The folders are scratch; the committed record is the result.
+The figures are not tracked: ``--figures`` draws them again from the record alone; the experiment's headline figure
+(``--headline``, ``<page>_headline.png``) is.
 
 Collapse, any of: a non-finite update; the final held-out accuracy below half of the run's peak (step 0
 included); the mean reward accuracy over the last W = max(5, steps / 20) steps below half of the best W-step
@@ -37,7 +39,7 @@ from typing import Optional, Sequence
 
 from benchmarks._page import command, rel
 from benchmarks.runner.experiment import EXPERIMENTS, Experiment, ExperimentError, load_experiment
-from benchmarks.runner.figures import accuracy_figure
+from benchmarks.runner.figures import accuracy_figure, redraw
 from benchmarks.runner.page import page
 from benchmarks.runner.records import load_run, read_record, recorded_runs
 from benchmarks.runner.workers import (SHARED_WALL, finished, mlflow_template, prepare, serve, train_missing,
@@ -149,6 +151,12 @@ def render_pool(exp: Experiment, profile_name: str, results_prefix: Path, cmd: s
                 carried=carried)
 
 
+def results_prefix(experiment: str, profile: str) -> Path:
+    """Where a profile's page goes by default: the experiment's folder of ``benchmarks/results/``, which holds its pages,
+    their records and its headline figure."""
+    return ROOT / "benchmarks" / "results" / experiment / f"{experiment}_{profile}"
+
+
 def _positive_int(text: str) -> int:
     """An argparse type: an integer >= 1 (a count of worker processes)."""
     try:
@@ -168,9 +176,12 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict] | None:
                     help="runs in parallel, one process and one thread each")
     ap.add_argument("--bench-dir", default=None, help="run folders (default: outputs/<experiment>_<profile>)")
     ap.add_argument("--results", default=None,
-                    help="results prefix (default: benchmarks/results/<experiment>_<profile>)")
+                    help="results prefix (default: benchmarks/results/<experiment>/<experiment>_<profile>)")
     ap.add_argument("--headline", default=None, metavar="M1,M2,...",
                     help="render <results>_headline.png (one panel, these methods) from the page's JSON, and exit")
+    ap.add_argument("--figures", action="store_true",
+                    help="draw the page's figures again from its record (<results>_*.png; they are not tracked), "
+                         "and exit")
     ap.add_argument("--list", action="store_true", help="print the experiment's profiles with their about, and exit")
     ap.add_argument("--levels", default=None, metavar="L1,L2,...",
                     help="train only the profile's runs at these levels (a long profile run in parts: the page "
@@ -202,13 +213,17 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict] | None:
         return None
     stem = f"{exp.name}_{args.profile}"
     bench = Path(args.bench_dir) if args.bench_dir else ROOT / "outputs" / stem
-    results = Path(args.results) if args.results else ROOT / "benchmarks" / "results" / stem
-    if args.headline:
-        cells = read_record(results)["cells"]
-        print(accuracy_figure(exp, cells, args.headline.split(","), [max(c["N"] for c in cells)],
-                              results.with_name(results.name + "_headline.png")))
-        return None
+    results = Path(args.results) if args.results else results_prefix(exp.name, args.profile)
     try:
+        if args.figures:
+            for path in redraw(exp, results):
+                print(rel(path))
+            return None
+        if args.headline:
+            cells = read_record(results)["cells"]
+            print(accuracy_figure(exp, cells, args.headline.split(","), [max(c["N"] for c in cells)],
+                                  results.with_name(results.name + "_headline.png")))
+            return None
         return run(exp, args.profile, bench.resolve(), results.resolve(), args.workers, command("run.py", argv),
                    train=not args.no_train, levels=args.levels.split(",") if args.levels else None,
                    methods=args.methods.split(",") if args.methods else None, retrain=args.retrain)

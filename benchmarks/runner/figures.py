@@ -9,9 +9,9 @@ from typing import Sequence
 
 import numpy as np
 
-from benchmarks._page import save_figure
-from benchmarks.runner.experiment import Experiment
-from benchmarks.runner.records import SCHEDULE_KEYS, Run, read_record, run_from_record
+from benchmarks._page import rel, save_figure
+from benchmarks.runner.experiment import Experiment, ExperimentError
+from benchmarks.runner.records import SCHEDULE_KEYS, Run, read_record, record_path, run_from_record
 from benchmarks.runner.statistics import is_dcmdp, varies
 
 
@@ -83,7 +83,7 @@ def plot(exp: Experiment, runs: list[Run], cells: list[dict], prefix: Path) -> l
 
     # the dual there: D-hat (5-step mean) against c, and lambda against its cap, per seed, a row per DCMDP config
     dual = [m for m in methods if is_dcmdp(m) and any((r.level, r.method, r.n) == (last, m, n) for r in runs)]
-    if dual:
+    if dual and any(r.lambdas for r in runs):  # a record from before the per-step series has none to draw
         fig, axes = plt.subplots(len(dual), 2, figsize=(11, 3.8 * len(dual)), squeeze=False)
         for (ax_d, ax_l), method in zip(axes, dual):
             rs = [r for r in runs if (r.level, r.method, r.n) == (last, method, n)]
@@ -184,6 +184,9 @@ def redraw(exp: Experiment, prefix: Path) -> list[Path]:
     """Draw the figures of the page at ``prefix`` again from its record alone (``<prefix>.json.gz``, or a plain
     ``<prefix>.json``), beside it: the figures are not tracked, the record is."""
     record = read_record(prefix)
+    if not all("level" in d for d in record["runs"]):
+        raise ExperimentError(f"{rel(record_path(prefix))}: the record is older than the runs' levels, which the figures "
+                              "are drawn by; the page names the commit that holds its figures")
     runs = [run_from_record(d, exp.late_from) for d in record["runs"]]
     paths = plot(exp, runs, record["cells"], prefix)
     if record.get("throughput"):

@@ -155,7 +155,7 @@ def write_results(exp: Experiment, profile_name: str, runs: list[Run], cells: li
                          [(c["level"], c["what"] if c["methods"] == [c["what"]]
                            else f"{c['what']} ({', '.join(c['methods'])})", c["runs"], f"{c['run_minutes']:.0f}")
                           for c in compute])]
-    plots = [f"![{p.stem}]({p.name})" for p in pngs]
+    plots = figure_lines(exp.name, profile_name, prefix, [p.name for p in pngs])
     prefix.with_suffix(".md").write_text("\n".join(header + lines + bar + test + diag + [""] + plots) + "\n")
     return lines + [""] + (compare_table(compared) + ([""] + bar_table(barred) if barred else []) if compared
                            else welch_table(rows))
@@ -187,3 +187,12 @@ def page(exp: Experiment, profile_name: str, runs: list[Run], cells_here: list[t
     print("\n" + "\n".join(write_results(exp, profile_name, runs, cells, results_prefix, cmd, walls, configs, expected,
                                           carried, walls_partial)))
     return cells
+
+
+def figure_lines(experiment: str, profile: str, prefix: Path, names: list[str]) -> list[str]:
+    """The page's figures: the experiment's headline figure where this page has it (tracked), and the figures the
+    record redraws (not tracked), named with the command that draws them."""
+    headline = prefix.with_name(prefix.name + "_headline.png")
+    return ([f"![{headline.stem}]({headline.name})", ""] if headline.exists() else []) + [
+        f"Figures, drawn from this page's record (not tracked): `.venv/bin/python benchmarks/run.py {experiment} "
+        f"--profile {profile} --figures` draws " + ", ".join(f"`{n}`" for n in names) + "."]

@@ -154,7 +154,7 @@ def run_from_record(d: dict, late_from: float, seconds: float = math.nan) -> Run
     late = float(np.mean([a for s, a in zip(steps, acc) if s >= late_from * steps[-1]]))
     extra = d.get("extra") or ({"tokens_per_s": d["tokens_per_s"]} if d.get("tokens_per_s") is not None else {})
     return Run(d["level"], d["method"], d["N"], d["seed"], acc[0], steps, acc, d["collapsed"], d["collapse_reason"],
-               d.get("measured", []), d.get("tolerance", []), d["lambda"], d.get("abs_prob_diff", []),
+               d.get("measured", []), d.get("tolerance", []), d.get("lambda", []), d.get("abs_prob_diff", []),
                d.get("kl_k3", []), float(d.get("seconds", seconds)), acc[-1], max(acc), late, extra,
                float(d.get("finished") or math.nan), d.get("schedule", {}), d.get("machine", ""))
 
