@@ -439,6 +439,34 @@ def memory_plan(path: Optional[str], overrides: Sequence[str], gpus: int = 1, gp
     return plan.lines(), problem
 
 
+def not_here(path: Optional[str], overrides: Sequence[str], problems: list[Problem]
+             ) -> tuple[list[Problem], list[Problem]]:
+    """``problems`` split into those that stop a rehearsal and those of the machine the check runs on rather than the
+    launch's: a task file or model folder that is not here, a rollout engine package not installed here. A rehearsal
+    builds the model from the config's shapes (``model.path``'s config.json when it is here) and stands in for the
+    engine's outputs, so it goes on without them; they are still to be checked on the launch's machine."""
+    cfg = load_config(path, overrides, check=False)
+    absent = {"task.path": cfg.task.path, "task.eval_path": cfg.task.eval_path, "model.path": cfg.model.path}
+    from trainers.engines import ENGINES
+
+    entry = ENGINES.get(cfg.rollout.engine)
+
+    def installed(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # as ``_engine``: a broken install
+            return False
+
+    missing = entry is not None and not all(installed(m) for m in entry.capabilities.requires)
+
+    def elsewhere(p: Problem) -> bool:
+        if p.key in absent:
+            return absent[p.key] is not None and not Path(absent[p.key]).exists()
+        return p.key == "rollout.engine" and missing
+
+    return [p for p in problems if not elsewhere(p)], [p for p in problems if elsewhere(p)]
+
+
 def rehearsal(path: Optional[str], overrides: Sequence[str], gpus: int = 1, gpu_memory: Optional[float] = None
               ) -> list[str]:
     """``dcmdp.rehearse``'s report of one step of the config on ``gpus`` GPUs of ``gpu_memory`` GiB (the detected

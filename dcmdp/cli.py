@@ -103,6 +103,13 @@ def _cmd_check(ns: argparse.Namespace) -> int:
     path, overrides = _split_config_args(ns.args)
     problems = find_problems(path, overrides)
     what = path or "the config"
+    elsewhere = []
+    if ns.rehearse:  # a rehearsal runs before the launch's machine exists: its files and packages are checked there
+        from dcmdp.check import not_here
+
+        problems, elsewhere = not_here(path, overrides, problems)
+        for p in elsewhere:
+            print(f"dcmdp: not here, to check on the launch's machine: {p.message}", file=sys.stderr)
     if problems:
         print("\n".join(report(problems, what, listed=True)), file=sys.stderr)
         return 2
@@ -122,7 +129,8 @@ def _cmd_check(ns: argparse.Namespace) -> int:
     folder = folder_line(path, overrides)
     print(f"{what}: no problem found (config and tolerances, task files and split, reward, tokenizer and model, "
           f"engine, device, output folder, tracking) in {time.perf_counter() - t0:.1f} s"
-          + (f"; {folder}" if folder else ""))
+          + (f"; {folder}" if folder else "")
+          + (f"; not here, so not checked: {', '.join(p.key for p in elsewhere)}" if elsewhere else ""))
     return 0
 
 

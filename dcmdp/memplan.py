@@ -5,7 +5,8 @@ tensors) and adds up, per GPU (per rank under ``torchrun``; the single process a
 
 - **weights, gradients, optimiser**: N bytes per parameter each, from ``optim.precision`` (``fp32``: float32
   master weights 4 + gradient 4 + AdamW moments 8; ``bf16_stochastic``: 2 + 2 + 4; ``bf16_kahan``: 2 + 2 + 6),
-  divided by the world size when FSDP2 shards them (``gpus > 1``);
+  divided by the world size when FSDP2 shards them (``gpus > 1``); the gradients of lower-precision parameters
+  are 4 B when a mini-batch has several micro-batches (``trainers.optim.Float32Grads`` sums them in float32);
 - **activations**: what one micro-batch of ``algo.micro_batch_tokens`` tokens saves for its backward (each layer's
   input with gradient checkpointing, plus the one layer being recomputed; every layer's saved tensors without it),
   and the gradient accumulation: with more than one micro-batch per mini-batch the gradients are alive while a
@@ -269,10 +270,6 @@ def plan_memory(cfg, gpus: int = 1, gpu_mem_gib: float = 80.0, *, gpu_source: st
 
     share = f" / {world}" if sharded else ""
     weights = add("weights", w_b * N / world, f"{w_b} B x {N / 1e9:.2f} B params{share}", "optim.precision")
-    grads = add("gradients", g_b * N / world, f"{g_b} B x params{share}", "optim.precision")
-    optim = add("optimiser", o_b * N / world, f"{o_b} B x params{share} (optim.precision={cfg.optim.precision})",
-                "optim.precision")
-
     algo = cfg.algo
     rows = algo.prompts_per_step * algo.samples_per_prompt
     rows_rank = max(rows // algo.minibatches // world, 1)
@@ -285,6 +282,13 @@ def plan_memory(cfg, gpus: int = 1, gpu_mem_gib: float = 80.0, *, gpu_source: st
         rows_micro = min(rows_micro, rows_rank)
     else:
         rows_micro, micro = rows_rank, 1
+    if micro > 1 and g_b < 4:  # trainers.optim.Float32Grads: the micro-batches' gradients summed in float32
+        grads = add("gradients", 4 * N / world, f"4 B x params{share} (summed in float32 over {micro} micro-batches)",
+                    "optim.precision")
+    else:
+        grads = add("gradients", g_b * N / world, f"{g_b} B x params{share}", "optim.precision")
+    optim = add("optimiser", o_b * N / world, f"{o_b} B x params{share} (optim.precision={cfg.optim.precision})",
+                "optim.precision")
     tokens = rows_micro * seq
     layer_b = s.layer_activation_bytes(compute_b)
     if cfg.model.gradient_checkpointing:

@@ -56,6 +56,11 @@ _REFTYPE_CATEGORY = {"Parameter": "parameters", "Buffer": "parameters", "Gradien
                      "Other": "batch"}
 # Depths the step runs at: the first two fix the affine fit, the third checks it.
 DEPTHS = (2, 3, 4)
+# Rows per rank in each mini-batch of the reduced runs (two points of the fit in the batch's rows; at least two, so
+# a mini-batch accumulates over micro-batches as the config's do), and their number of mini-batches (the first
+# makes the optimiser state, the second runs with it: the steady state of every later one).
+ROWS = (2, 3)
+REDUCED_MINIBATCHES = 2
 # Relative gap allowed between the third depth's traced figure and the fit's prediction.
 LINEAR_TOL = 1e-3
 # A tensor of at least this many bytes records the project line that made it (for the top five at the peak); a model
@@ -98,14 +103,25 @@ def _fake_class():
 _HOOKS = ("__torch_dispatch__", "_track", "_update_peak_stats", "_roofline_estimate", "call", "real", "bf16")
 
 
+_FILES: dict[str, Optional[str]] = {}
+
+
+def _project_file(filename: str) -> Optional[str]:
+    """``package/module.py`` for a file of the project's own packages, else None (memoised: called per tensor)."""
+    if filename not in _FILES:
+        parts = Path(filename).parts
+        _FILES[filename] = f"{parts[-2]}/{parts[-1]}" if len(parts) >= 2 and parts[-2] in _PROJECT else None
+    return _FILES[filename]
+
+
 def _project_line() -> str:
     """The innermost frame of the project's own code on the stack, as ``path:line in function``."""
     f = sys._getframe(2)
     while f is not None:
-        parts = Path(f.f_code.co_filename).parts
-        hook = f.f_code.co_filename.endswith("rehearse.py") and f.f_code.co_name in _HOOKS
-        if len(parts) >= 2 and parts[-2] in _PROJECT and not hook:
-            return f"{parts[-2]}/{parts[-1]}:{f.f_lineno} in {f.f_code.co_name}"
+        code = f.f_code
+        name = _project_file(code.co_filename)
+        if name is not None and not (name == "dcmdp/rehearse.py" and code.co_name in _HOOKS):
+            return f"{name}:{f.f_lineno} in {code.co_name}"
         f = f.f_back
     return "?"
 
@@ -241,6 +257,24 @@ def _host_object_collectives():
 
 
 # ------------------------------------------------------------------------------------------ tracing
+
+
+@contextlib.contextmanager
+def _no_module_grad_hooks():
+    """ModTracker (under MemTracker and RuntimeEstimator) registers a multi-grad hook on each module call's inputs
+    and outputs that need a gradient, to keep its module stack in the backward. The hook's closure holds the
+    tensors' autograd nodes, which hold the tensors: a cycle through C++ that the garbage collector does not see,
+    so every micro-batch's layer inputs would stay alive to the end (~one hidden state per row at the real width).
+    The trackers here read only whether a backward is running (the autograd graph task), not that stack: the hooks
+    are not registered."""
+    from torch.distributed._tools import mod_tracker
+
+    saved = mod_tracker.register_multi_grad_hook
+    mod_tracker.register_multi_grad_hook = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = saved
 
 
 def _tracker_class():
@@ -397,6 +431,47 @@ class Trace:
     top: list[tuple[int, str, str]]
     nominal: dict[str, int]
     seconds: float
+    # Wall seconds per phase here.
+    phase_s: dict[str, float] = field(default_factory=dict)
+
+
+def reduced_rows(cfg, gpus: int, rows: int, minibatches: int):
+    """``cfg`` with ``minibatches`` mini-batches of ``rows`` rows per rank (the rollout batch ``minibatches x gpus x
+    rows``; a prompt's samples cut to divide it when they do not)."""
+    algo = cfg.algo
+    batch = minibatches * gpus * rows
+    samples = math.gcd(algo.samples_per_prompt, batch)
+    return dataclasses.replace(cfg, algo=dataclasses.replace(algo, prompts_per_step=batch // samples,
+                                                             samples_per_prompt=samples, minibatches=minibatches))
+
+
+def rows_per_rank(cfg, gpus: int) -> float:
+    """Rows per rank in one mini-batch of ``cfg``'s rollout batch."""
+    return cfg.algo.prompts_per_step * cfg.algo.samples_per_prompt / (cfg.algo.minibatches * gpus)
+
+
+@contextlib.contextmanager
+def _optimiser_as_on_gpu(optimizer):
+    """A ``BF16AdamW`` step as a CUDA device runs it: one fused kernel per piece (``compile`` None compiles on CUDA
+    only). The compiled kernel cannot run on fake tensors (inductor generates code for real storage): its eager
+    function ``_update_in_place`` stands for it, the same operations on each piece, whose float32 temporaries the
+    fused kernel keeps in registers (an upper bound of the step's memory by a few pieces)."""
+    from trainers import optim
+
+    if not isinstance(optimizer, optim.BF16AdamW) or optimizer.compile is not None:
+        yield
+        return
+    saved = optim._COMPILED.get("fn")
+    optimizer.compile = True
+    optim._COMPILED["fn"] = optim._update_in_place
+    try:
+        yield
+    finally:
+        optimizer.compile = None
+        if saved is None:
+            optim._COMPILED.pop("fn", None)
+        else:
+            optim._COMPILED["fn"] = saved
 
 
 def rehearse_step(cfg, gpus: int, gpu: GPUSpec, layers: int, *, prompt_tokens: int) -> Trace:
@@ -432,12 +507,14 @@ def rehearse_step(cfg, gpus: int, gpu: GPUSpec, layers: int, *, prompt_tokens: i
     roof = _estimator_class(gpu)()("operator-level-cost-model")
     roof._estimate = type(roof)._roofline_estimate
     phase_ms: dict[str, float] = {}
-    mark = [0.0]
+    phase_s: dict[str, float] = {}
+    mark = [0.0, time.perf_counter()]
 
     def enter(phase: str) -> None:
-        now = roof.total_runtime
+        now, wall = roof.total_runtime, time.perf_counter()
         phase_ms[tracker.phase] = phase_ms.get(tracker.phase, 0.0) + now - mark[0]
-        mark[0] = now
+        phase_s[tracker.phase] = phase_s.get(tracker.phase, 0.0) + wall - mark[1]
+        mark[0], mark[1] = now, wall
         tracker.phase = phase
 
     try:
@@ -446,12 +523,13 @@ def rehearse_step(cfg, gpus: int, gpu: GPUSpec, layers: int, *, prompt_tokens: i
         dtype = precision_param_dtype(cfg.optim.precision)
         if dtype is not None:
             cast_model(model, dtype)
-        with fake, mixed, _host_object_collectives():
+        with fake, mixed, _host_object_collectives(), _no_module_grad_hooks(), contextlib.ExitStack() as stack:
             with tracker, roof:
                 distributed.shard_model(model, cfg, d)
                 model.to_empty(device="cpu")
                 init_buffers(model)
                 optimizer = build_optimizer(model.parameters(), cfg.optim, seed=cfg.seed)
+                stack.enter_context(_optimiser_as_on_gpu(optimizer))
                 optimizer.register_step_pre_hook(lambda *a: enter("optimiser"))
                 optimizer.register_step_post_hook(lambda *a: enter("update"))
                 moe = bool(shapes.experts)
@@ -473,7 +551,8 @@ def rehearse_step(cfg, gpus: int, gpu: GPUSpec, layers: int, *, prompt_tokens: i
 
                 enter("rollout")
                 rollout = engine.generate([], seed=step_seed(cfg.seed, 0, 1))
-                rewards_B = (torch.rand(B) > 0.5).float()
+                # 0 and 1 in turn: every group has a spread, so the screen keeps every row (the longest step)
+                rewards_B = (torch.arange(B) % 2).float()
                 rollout, advantages_B, keep_B, _ = loop.screen_phase(algo, rollout, rewards_B)
                 rollout, advantages_B, keep_B = learner.place(model, rollout, advantages_B, keep_B)
                 enter("old_logp")
@@ -497,7 +576,8 @@ def rehearse_step(cfg, gpus: int, gpu: GPUSpec, layers: int, *, prompt_tokens: i
     peak = max(tracker.phase_peak.get(p, 0) for p in PHASES)
     return Trace(layers, peak, {p: tracker.phase_peak.get(p, 0) for p in PHASES},
                  {p: tracker.phase_snap.get(p, {}) for p in PHASES}, {p: phase_ms.get(p, 0.0) for p in PHASES},
-                 list(tracker.top), dict(mixed.nominal), time.perf_counter() - t0)
+                 list(tracker.top), dict(mixed.nominal), time.perf_counter() - t0,
+                 {p: phase_s.get(p, 0.0) for p in PHASES})
 
 
 # ------------------------------------------------------------------------------------------ the report
@@ -516,7 +596,7 @@ NOT_TRACED_WORLD = (
 
 @dataclass
 class Rehearsal:
-    """The rehearsed step at the config's depth: traced (or extrapolated from ``DEPTHS``) figures, bytes and ms."""
+    """The rehearsed step at the config's depth and batch: traced (or extrapolated) figures, bytes and ms."""
 
     layers: int
     traces: list[Trace]
@@ -524,8 +604,13 @@ class Rehearsal:
     phase_snap: dict[str, dict[str, float]]
     phase_ms: dict[str, float]
     extrapolated: bool
-    # Largest relative gap between the last depth's figures and the fit through the first two (0 when not fitted).
+    # Largest relative gap between the check depth's figures and the fit's prediction (0 when not fitted in depth).
     fit_gap: float = 0.0
+    # Rows per rank in the batch (the whole step's) and in its reduced runs (empty when not reduced).
+    rows: float = 0.0
+    reduced_rows: tuple[int, ...] = ()
+    minibatches: int = 1
+    reduced_minibatches: int = 1
 
     @property
     def peak(self) -> float:
@@ -536,36 +621,74 @@ class Rehearsal:
         return max(self.phase_peak, key=self.phase_peak.get)
 
 
-def _affine(xs: tuple[int, int], ys: tuple[float, float], x: int) -> float:
+def _affine(xs: tuple[int, int], ys: tuple[float, float], x: float) -> float:
     return ys[0] + (ys[1] - ys[0]) * (x - xs[0]) / (xs[1] - xs[0])
 
 
+def _bilinear(xs: tuple, ys: tuple, f: dict, x: float, y: float) -> float:
+    """The function affine in x and in y (a + b x + c y + d x y) through ``f[(xi, yj)]`` at x, y; an axis with one
+    point is constant along it."""
+    if len(xs) == 1 and len(ys) == 1:
+        return f[(xs[0], ys[0])]
+    if len(ys) == 1:
+        return _affine(xs, (f[(xs[0], ys[0])], f[(xs[1], ys[0])]), x)
+    if len(xs) == 1:
+        return _affine(ys, (f[(xs[0], ys[0])], f[(xs[0], ys[1])]), y)
+    return _affine(ys, (_affine(xs, (f[(xs[0], ys[0])], f[(xs[1], ys[0])]), x),
+                        _affine(xs, (f[(xs[0], ys[1])], f[(xs[1], ys[1])]), x)), y)
+
+
 def rehearse(cfg, gpus: int, gpu: GPUSpec, *, prompt_tokens: int) -> Rehearsal:
-    """The step at the config's depth: run as is when it has at most ``max(DEPTHS)`` layers, else run at each of
-    ``DEPTHS`` and every figure extrapolated affinely from the first two, the third checking the fit."""
+    """The step at the config's depth and batch. Run as is when it has at most ``max(DEPTHS)`` layers and at most
+    ``REDUCED_MINIBATCHES`` mini-batches of at most ``max(ROWS)`` rows per rank; else on a grid of depths
+    (``DEPTHS[:2]``) and rows per rank per mini-batch (``ROWS``, in ``REDUCED_MINIBATCHES`` mini-batches), every
+    figure affine in each (``_bilinear``: the routes are rows x layers) and extrapolated to the config's depth and
+    rows per rank; the depth fit checked at ``DEPTHS[2]``. The optimiser phase's time is per optimiser step: scaled
+    from the reduced mini-batches to the config's."""
     from dcmdp.memplan import model_shapes
 
     layers = model_shapes(cfg).layers
-    if layers <= max(DEPTHS):
+    minibatches = cfg.algo.minibatches
+    per_minibatch = rows_per_rank(cfg, gpus)
+    rows = per_minibatch * minibatches  # rows per rank in the step
+    cut_depth = layers > max(DEPTHS)
+    cut_rows = minibatches > REDUCED_MINIBATCHES or per_minibatch > max(ROWS)
+    if not cut_depth and not cut_rows:
         t = rehearse_step(cfg, gpus, gpu, layers, prompt_tokens=prompt_tokens)
         return Rehearsal(layers, [t], {p: float(v) for p, v in t.phase_peak.items()},
                          {p: {k: float(v) for k, v in snap.items()} for p, snap in t.phase_snap.items()},
-                         dict(t.phase_ms), False)
-    traces = [rehearse_step(cfg, gpus, gpu, n, prompt_tokens=prompt_tokens) for n in DEPTHS]
-    xs = (DEPTHS[0], DEPTHS[1])
+                         dict(t.phase_ms), False, rows=rows, minibatches=minibatches, reduced_minibatches=minibatches)
+    reduced_mb = min(minibatches, REDUCED_MINIBATCHES)
+    xs = DEPTHS[:2] if cut_depth else (layers,)
+    ys = ROWS if cut_rows else (per_minibatch,)
+
+    def step_cfg(r):
+        return reduced_rows(cfg, gpus, r, reduced_mb) if cut_rows else cfg
+
+    traces = {}
+    for r in ys:
+        for x in xs:
+            traces[(x, r)] = rehearse_step(step_cfg(r), gpus, gpu, x, prompt_tokens=prompt_tokens)
+    check = rehearse_step(step_cfg(ys[0]), gpus, gpu, DEPTHS[2], prompt_tokens=prompt_tokens) if cut_depth else None
+    # the fit's second axis: rows per rank in the whole reduced step (its mini-batches x rows per mini-batch)
+    ns = tuple(reduced_mb * r for r in ys) if cut_rows else (rows,)
     gap = 0.0
 
-    def fit(get) -> float:
+    def fit(get, scale: float = 1.0) -> float:
         nonlocal gap
-        y0, y1, y2 = (float(get(t)) for t in traces)
-        check = _affine(xs, (y0, y1), DEPTHS[2])
-        gap = max(gap, abs(y2 - check) / max(abs(y2), 1.0))
-        return max(_affine(xs, (y0, y1), layers), 0.0)
+        f = {(x, n): float(get(traces[(x, r)])) for x in xs for n, r in zip(ns, ys)}
+        if check is not None:
+            want = _bilinear(xs, ns, f, DEPTHS[2], ns[0])
+            gap = max(gap, abs(float(get(check)) - want) / max(abs(float(get(check))), 1.0))
+        return max(_bilinear(xs, ns, f, layers, rows), 0.0) * scale
 
     peak = {p: fit(lambda t, p=p: t.phase_peak[p]) for p in PHASES}
     snap = {p: {c: fit(lambda t, p=p, c=c: t.phase_snap[p].get(c, 0)) for c in CATEGORIES} for p in PHASES}
-    ms = {p: fit(lambda t, p=p: t.phase_ms[p]) for p in PHASES}
-    return Rehearsal(layers, traces, peak, snap, ms, True, gap)
+    ms = {p: fit(lambda t, p=p: t.phase_ms[p], minibatches / reduced_mb if p == "optimiser" else 1.0)
+          for p in PHASES}
+    runs = list(traces.values()) + ([check] if check is not None else [])
+    return Rehearsal(layers, runs, peak, snap, ms, True, gap, rows=rows, reduced_rows=ys if cut_rows else (),
+                     minibatches=minibatches, reduced_minibatches=reduced_mb)
 
 
 def _plan_by_phase(plan) -> tuple[dict[str, float], dict[str, float]]:
@@ -599,7 +722,13 @@ def rehearsal_lines(cfg, gpus: int, gpu_gib: float) -> list[str]:
     plan = plan_memory(cfg, gpus, gpu_gib, prompt_tokens=PROMPT_TOKENS, overhead_gib=0.0)
     plan_phase, plan_cat = _plan_by_phase(plan)
     how = (f"extrapolated from depths {', '.join(map(str, DEPTHS))} to {r.layers} layers (fit checked at depth "
-           f"{DEPTHS[2]}: {r.fit_gap:.1e} relative)" if r.extrapolated else f"traced at its {r.layers} layers")
+           f"{DEPTHS[2]}: {r.fit_gap:.1e} relative)" if r.extrapolated and r.traces[-1].layers != r.layers else
+           f"traced at its {r.layers} layers")
+    if r.reduced_rows:
+        how += (f"; and from {' and '.join(map(str, r.reduced_rows))} rows per rank in each of "
+                f"{r.reduced_minibatches} mini-batches to its {r.rows:g} rows per rank in {r.minibatches} "
+                f"(affine in the rows, each figure a bilinear fit in depth x rows; the optimiser's time per step "
+                f"x {r.minibatches} steps)")
     last = r.traces[-1]
     opt_state = max(r.phase_snap["optimiser"].get("optimiser state", 0.0),
                     r.phase_snap["update"].get("optimiser state", 0.0))
