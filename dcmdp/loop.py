@@ -103,7 +103,9 @@ class ConstraintSummary:
     tolerance_end: float
     # Share of the measured steps with D-hat <= c.
     inside_frac: float
-    # Share of the measured steps with D-hat < c and lambda at its floor (lambda_min): the dual did nothing there.
+    # Share of the measured steps with D-hat < c and lambda at its floor (lambda_min): the dual did nothing there. This,
+    # cap_frac and acting_frac count, for a constraint with ``authority``, the steps the dual was in force (not
+    # standing down); NaN when it stood down on all of them.
     slack_frac: float
     lambda_mean: float
     lambda_final: float
@@ -295,6 +297,8 @@ def constraint_summaries(history: Sequence[dict[str, float]], names: Sequence[st
         tol = np.array([h[f"dual/tolerance/{name}"] for h in rows])
         lam = np.array([h[f"dual/lambda/{name}"] for h in rows])
         floor = (lam <= c.lambda_min + 1e-12) & (d < tol)
+        # a dual with authority is judged slack, pinned or acting on the steps it was in force (not standing down)
+        live = np.array([h.get(f"dual/stood_down/{name}", 0.0) < 0.5 for h in rows])
         start = [h for h in rows[:FEASIBILITY_STEPS] if np.isfinite(h.get(f"dual/floor_at_point/{name}", math.nan))]
         start_floor = min(h[f"dual/floor_at_point/{name}"] for h in start) if start else math.nan
         start_tol = max(h[f"dual/tolerance/{name}"] for h in start) if start else math.nan
@@ -306,10 +310,13 @@ def constraint_summaries(history: Sequence[dict[str, float]], names: Sequence[st
         if flags:
             control += "; " + stand_down_sentence(len(decisions), int(sum(x > 0 for x in decisions)), stood,
                                                   float(getattr(c, "authority", math.nan) or math.nan))
+        def share(x: np.ndarray) -> float:
+            return float(x[live].mean()) if live.any() else math.nan
+
         out[name] = ConstraintSummary(float(d.mean()), float(tol[0]), float(tol[-1]), inside,
-                                      float(floor.mean()), float(lam.mean()), float(lam[-1]),
-                                      float((lam >= c.lambda_max - 1e-12).mean()), float(start_floor), float(start_tol),
-                                      float((lam > ACTING_LAMBDA).mean()), c.anchor is not None, reach,
+                                      share(floor), float(lam.mean()), float(lam[-1]),
+                                      share(lam >= c.lambda_max - 1e-12), float(start_floor), float(start_tol),
+                                      share(lam > ACTING_LAMBDA), c.anchor is not None, reach,
                                       int(n_probes) if reach is not None else 0, spread, len(late),
                                       float(tol.min()), float(tol.max()), control, len(decisions),
                                       int(sum(x > 0 for x in decisions)), stood)

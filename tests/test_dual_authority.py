@@ -153,6 +153,7 @@ def test_the_summary_says_what_the_dual_did_and_judges_no_fault_it_stood_down_fo
     _, rows, _ = _drive(cfg, 40, [(8e-3, 8e-3 / 1.6)] * 2, d_of_step=lambda k: 1e-3 * math.e ** (k % 2) if k < 12 else 0.05)
     summary = constraint_summaries(rows, [NAME], cfg.constraints)[NAME]
     assert summary.windows == 1 and summary.windows_acting == 0 and summary.stood_down_frac == 1.0
+    assert all(math.isnan(x) for x in (summary.slack_frac, summary.cap_frac, summary.acting_frac))
     assert "the dual stood down throughout" in summary.control and summary.inside_frac < 0.1
     assert end_of_run_warnings({NAME: summary}, "chance", 0.5, 0.0, 0) == []
     # the same steps judged as a dual that acted: the faults are warned of
