@@ -130,3 +130,16 @@ def test_memory_plan_vllm_share_holds_its_bf16_weights():
     assert small.bytes == 2 * s.params + s.kv_bytes_per_token() * (512 + 8192)
     assert "cannot start" in small.formula
     assert plan_memory(cfg, 1, 139).term("rollout_engine").bytes == pytest.approx(0.3 * 139 * GIB)
+
+
+def test_memory_plan_counts_the_float32_sum_of_the_micro_batches_gradients():
+    # bf16 parameters: one micro-batch per mini-batch keeps the bfloat16 gradient (2 B); several sum theirs in float32
+    # (trainers.optim.Float32Grads, 4 B), which the rehearsal traces on the 8B recipe
+    cfg = load_config("configs/qwen3-8b.yaml", [], check=False)
+    params = model_shapes(cfg).params
+    several = plan_memory(cfg, 1, 141)
+    assert several.micro_batches > 1 and several.term("gradients").bytes == 4 * params
+    one = plan_memory(load_config("configs/qwen3-8b.yaml", ["algo.micro_batch_tokens=0"], check=False), 1, 141)
+    assert one.micro_batches == 1 and one.term("gradients").bytes == 2 * params
+    fp32 = plan_memory(load_config("configs/qwen3-8b.yaml", ["optim.precision=fp32"], check=False), 1, 141)
+    assert fp32.term("gradients").bytes == 4 * params  # float32 parameters: no second copy
