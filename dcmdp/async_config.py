@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from trainers.errors import config_error, require
+
 # What a batch staler than the bound in force gets (the bound of ``max_staleness: auto`` fell since it was sampled).
 TOO_STALE = ("wait", "drop")
 # Staleness forced per batch (a testbed knob): off (the schedule of the bound) | schedule | power_law | geometric.
@@ -35,22 +37,15 @@ class StalenessAutoConfig:
     tolerance: Optional[float] = None
 
     def check(self, prefix: str) -> None:
-        if self.min < 0:
-            raise ValueError(f"config error at '{prefix}.min': must be >= 0, got {self.min}")
-        if self.max < self.min:
-            raise ValueError(f"config error at '{prefix}': the range needs min <= max, got min={self.min} "
-                             f"max={self.max}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"config error at '{prefix}.lr': must be > 0, got {self.lr}")
-        if not (self.nu_max > 0 and math.isfinite(self.nu_max)):
-            raise ValueError(f"config error at '{prefix}.nu_max': must be > 0, got {self.nu_max}")
-        if self.nu_init is not None and not 0 <= self.nu_init <= self.nu_max:
-            raise ValueError(f"config error at '{prefix}.nu_init': must be in [0, nu_max={self.nu_max}], "
-                             f"got {self.nu_init}")
-        if self.constraint < 0:
-            raise ValueError(f"config error at '{prefix}.constraint': must be >= 0, got {self.constraint}")
-        if self.tolerance is not None and not self.tolerance > 0:
-            raise ValueError(f"config error at '{prefix}.tolerance': must be > 0, got {self.tolerance}")
+        require(self.min >= 0, f"{prefix}.min", f"must be >= 0, got {self.min}")
+        require(self.max >= self.min, prefix, f"the range needs min <= max, got min={self.min} max={self.max}")
+        require(self.lr > 0 and math.isfinite(self.lr), f"{prefix}.lr", f"must be > 0, got {self.lr}")
+        require(self.nu_max > 0 and math.isfinite(self.nu_max), f"{prefix}.nu_max", f"must be > 0, got {self.nu_max}")
+        require(self.nu_init is None or 0 <= self.nu_init <= self.nu_max, f"{prefix}.nu_init",
+                f"must be in [0, nu_max={self.nu_max}], got {self.nu_init}")
+        require(self.constraint >= 0, f"{prefix}.constraint", f"must be >= 0, got {self.constraint}")
+        require(self.tolerance is None or self.tolerance > 0, f"{prefix}.tolerance",
+                f"must be > 0, got {self.tolerance}")
 
 
 @dataclass
@@ -114,54 +109,43 @@ class AsyncRolloutConfig:
 
     def check(self, prefix: str = "async_rollout") -> None:
         ms = self.max_staleness
-        if isinstance(ms, str) and ms != "auto":
-            raise ValueError(f"config error at '{prefix}.max_staleness': expected an integer >= 0 or auto, got {ms!r}")
-        if not self.is_auto and ms < 0:
-            raise ValueError(f"config error at '{prefix}.max_staleness': must be >= 0, got {ms}")
-        if self.threads < 0:
-            raise ValueError(f"config error at '{prefix}.threads': must be >= 0, got {self.threads}")
+        require(not isinstance(ms, str) or ms == "auto", f"{prefix}.max_staleness",
+                f"expected an integer >= 0 or auto, got {ms!r}")
+        require(self.is_auto or ms >= 0, f"{prefix}.max_staleness", f"must be >= 0, got {ms}")
+        require(self.threads >= 0, f"{prefix}.threads", f"must be >= 0, got {self.threads}")
         if (self.is_auto or ms > 0 or self.forced != "off") and not self.enabled:
             what = f"max_staleness={ms}" if self.forced == "off" else f"forced={self.forced}"
-            raise ValueError(f"config error at '{prefix}.{what.split('=')[0]}': {what} needs the rollout worker; set "
-                             f"{prefix}.enabled=true")
-        if self.too_stale not in TOO_STALE:
-            raise ValueError(f"config error at '{prefix}.too_stale': expected one of {', '.join(TOO_STALE)}, got "
-                             f"{self.too_stale!r}")
-        if self.forced not in FORCED:
-            raise ValueError(f"config error at '{prefix}.forced': expected one of {', '.join(FORCED)}, got "
-                             f"{self.forced!r}")
+            raise config_error(f"{prefix}.{what.split('=')[0]}",
+                               f"{what} needs the rollout worker; set {prefix}.enabled=true")
+        require(self.too_stale in TOO_STALE, f"{prefix}.too_stale", f"expected one of {', '.join(TOO_STALE)}, got "
+                f"{self.too_stale!r}")
+        require(self.forced in FORCED, f"{prefix}.forced", f"expected one of {', '.join(FORCED)}, got {self.forced!r}")
         self.auto.check(f"{prefix}.auto")
-        if self.forced != "off" and self.is_auto:
-            raise ValueError(f"config error at '{prefix}.forced': forced={self.forced} sets the staleness of every "
-                             f"batch; it needs an integer max_staleness (its cap), not auto")
-        if self.schedule and self.forced != "schedule":
-            raise ValueError(f"config error at '{prefix}.schedule': phases are given but {prefix}.forced="
-                             f"{self.forced}; set {prefix}.forced=schedule")
+        require(self.forced == "off" or not self.is_auto, f"{prefix}.forced",
+                f"forced={self.forced} sets the staleness of every "
+                "batch; it needs an integer max_staleness (its cap), not auto")
+        require(not self.schedule or self.forced == "schedule", f"{prefix}.schedule",
+                f"phases are given but {prefix}.forced={self.forced}; set {prefix}.forced=schedule")
         if self.forced == "schedule":
             self._check_schedule(prefix)
-        if self.forced == "power_law" and not (self.power_law.exponent > 0 and math.isfinite(self.power_law.exponent)):
-            raise ValueError(f"config error at '{prefix}.power_law.exponent': must be > 0, got "
-                             f"{self.power_law.exponent}")
-        if self.forced == "geometric" and not 0 < self.geometric.p <= 1:
-            raise ValueError(f"config error at '{prefix}.geometric.p': must be in (0, 1], got {self.geometric.p}")
+        exponent = self.power_law.exponent
+        require(self.forced != "power_law" or (exponent > 0 and math.isfinite(exponent)),
+                f"{prefix}.power_law.exponent", f"must be > 0, got {exponent}")
+        require(self.forced != "geometric" or 0 < self.geometric.p <= 1, f"{prefix}.geometric.p",
+                f"must be in (0, 1], got {self.geometric.p}")
 
     def _check_schedule(self, prefix: str) -> None:
-        if not self.schedule:
-            raise ValueError(f"config error at '{prefix}.schedule': forced=schedule needs at least one phase")
+        require(self.schedule, f"{prefix}.schedule", "forced=schedule needs at least one phase")
         last_until = -1
         for i, phase in enumerate(self.schedule):
             key = f"{prefix}.schedule[{i}]"
             last = i == len(self.schedule) - 1
-            if last and phase.until_step is not None:
-                raise ValueError(f"config error at '{key}.until_step': the last phase covers every later step; "
-                                 f"leave its until_step out")
-            if not last and phase.until_step is None:
-                raise ValueError(f"config error at '{key}.until_step': only the last phase may leave it out")
+            require(not last or phase.until_step is None, f"{key}.until_step",
+                    "the last phase covers every later step; leave its until_step out")
+            require(last or phase.until_step is not None, f"{key}.until_step", "only the last phase may leave it out")
             if phase.until_step is not None:
-                if phase.until_step <= last_until:
-                    raise ValueError(f"config error at '{key}.until_step': must be > the previous phase's "
-                                     f"({last_until}), got {phase.until_step}")
+                require(phase.until_step > last_until, f"{key}.until_step", "must be > the previous phase's "
+                        f"({last_until}), got {phase.until_step}")
                 last_until = phase.until_step
-            if not 0 <= phase.staleness <= int(self.max_staleness):
-                raise ValueError(f"config error at '{key}.staleness': must be in [0, max_staleness="
-                                 f"{self.max_staleness}], got {phase.staleness}")
+            require(0 <= phase.staleness <= int(self.max_staleness), f"{key}.staleness", "must be in [0, max_staleness="
+                    f"{self.max_staleness}], got {phase.staleness}")

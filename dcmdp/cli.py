@@ -138,16 +138,14 @@ def _cmd_calibrate(ns: argparse.Namespace) -> int:
     cfg = _load(ns, "calibrate")
     from constraints.measures import _NOT_A_CONSTRAINT, MEASURES
     from dcmdp.calibrate import calibrate
-    from dcmdp.config import _nearest
+    from dcmdp.config import config_error, nearest, require
     measures = [m.strip() for m in ns.measures.split(",") if m.strip()] if ns.measures else []
     for m in measures:  # checked before the measuring, which takes minutes on a real model
-        if m not in MEASURES:
-            raise ConfigError(f"config error at '--measures': unknown {m!r}{_nearest(m, list(MEASURES))}")
+        require(m in MEASURES, "--measures", f"unknown {m!r}{nearest(m, list(MEASURES))}")
         if m in _NOT_A_CONSTRAINT:
-            raise ConfigError(f"config error at '--measures': {m!r} cannot be a constraint: {_NOT_A_CONSTRAINT[m]}")
-    if ns.out and (Path(ns.out).is_dir() or not Path(ns.out).resolve().parent.is_dir()):
-        raise ConfigError(f"config error at '--out': {ns.out} is a folder, or its folder does not exist; name a "
-                          f"file in an existing folder for the snippet")
+            raise config_error("--measures", f"{m!r} cannot be a constraint: {_NOT_A_CONSTRAINT[m]}")
+    require(not ns.out or (not Path(ns.out).is_dir() and Path(ns.out).resolve().parent.is_dir()), "--out",
+            f"{ns.out} is a folder, or its folder does not exist; name a file in an existing folder for the snippet")
     result = calibrate(cfg, batches=ns.batches, slack=ns.slack, measures=measures)
     print(result.table())
     snippet = result.snippet()

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from dcmdp.errors import ConfigError
+from dcmdp.errors import require
 
 DEVICE_SETTINGS = ("auto", "cpu", "cuda")
 _CUDA_INDEX = re.compile(r"^cuda:(\d+)$")
@@ -25,9 +25,8 @@ _CUDA_INDEX = re.compile(r"^cuda:(\d+)$")
 
 def check_device_setting(setting: str) -> None:
     """Raise ConfigError for a ``device`` value that is not auto, cpu, cuda or cuda:N (no hardware is looked at)."""
-    if setting in DEVICE_SETTINGS or _CUDA_INDEX.match(str(setting)):
-        return
-    raise ConfigError(f"config error at 'device': got {setting!r}, expected auto, cpu, cuda or cuda:N")
+    require(setting in DEVICE_SETTINGS or _CUDA_INDEX.match(str(setting)), "device",
+            f"got {setting!r}, expected auto, cpu, cuda or cuda:N")
 
 
 def local_rank() -> int:
@@ -52,15 +51,14 @@ def resolve_device(setting: str, local_rank: int = 0, *, cuda_count: Optional[in
         return torch.device("cpu"), f"device=auto: the CPU ({why})"
     match = _CUDA_INDEX.match(setting)
     index = int(match.group(1)) if match else local_rank
-    if cuda_count == 0:
-        why = ("this torch build has no CUDA (a CPU build)" if torch.version.cuda is None else
-               "torch sees no CUDA device (check the driver and CUDA_VISIBLE_DEVICES)")
-        raise ConfigError(f"config error at 'device': device={setting} but {why}; use device=auto or device=cpu "
-                          f"to train on the CPU, or install a CUDA build of torch on a GPU machine")
-    if index >= cuda_count:
-        raise ConfigError(f"config error at 'device': device={setting} needs CUDA device {index} (local rank "
-                          f"{local_rank}), but {cuda_count} are visible; launch at most {cuda_count} processes per "
-                          f"node (torchrun --nproc_per_node {cuda_count}) or set CUDA_VISIBLE_DEVICES")
+    why = ("this torch build has no CUDA (a CPU build)" if torch.version.cuda is None else
+           "torch sees no CUDA device (check the driver and CUDA_VISIBLE_DEVICES)")
+    require(cuda_count > 0, "device", f"device={setting} but {why}; use device=auto or device=cpu to train on the "
+                                      f"CPU, or install a CUDA build of torch on a GPU machine")
+    require(index < cuda_count, "device",
+            f"device={setting} needs CUDA device {index} (local rank {local_rank}), but {cuda_count} are visible; "
+            f"launch at most {cuda_count} processes per node (torchrun --nproc_per_node {cuda_count}) or set "
+            f"CUDA_VISIBLE_DEVICES")
     source = "set in the config" if setting != "auto" else "device=auto: CUDA is available"
     return torch.device("cuda", index), f"cuda:{index} ({source}; {cuda_count} visible, local rank {local_rank})"
 
@@ -72,9 +70,9 @@ def default_backend(device: torch.device) -> str:
 
 def check_backend(backend: str, device: torch.device) -> None:
     """Raise ConfigError for a backend that cannot reduce tensors living on ``device``."""
-    if backend == "nccl" and device.type != "cuda":
-        raise ConfigError(f"config error at 'dist.backend': nccl reduces CUDA tensors and this run trains on "
-                          f"{device}; use dist.backend=auto (gloo on the CPU) or a GPU (device=cuda)")
+    require(backend != "nccl" or device.type == "cuda", "dist.backend",
+            f"nccl reduces CUDA tensors and this run trains on {device}; use dist.backend=auto (gloo on the CPU) or a "
+            f"GPU (device=cuda)")
 
 
 def activate(device: torch.device) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from constraints.config import ConstraintConfig
 from trainers.config import PRECISION_BITS
+from trainers.errors import require
 
 
 @dataclass
@@ -28,13 +29,10 @@ class PIDConfig:
 
     def check(self, prefix: str = "dual.pid") -> None:
         for key in ("kp", "kd"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"config error at '{prefix}.{key}': must be >= 0, got {getattr(self, key)}")
+            require(getattr(self, key) >= 0, f"{prefix}.{key}", f"must be >= 0, got {getattr(self, key)}")
         for key in ("alpha_p", "alpha_d"):
-            if not 0 <= getattr(self, key) < 1:
-                raise ValueError(f"config error at '{prefix}.{key}': must be in [0, 1), got {getattr(self, key)}")
-        if self.delay < 1:
-            raise ValueError(f"config error at '{prefix}.delay': must be >= 1, got {self.delay}")
+            require(0 <= getattr(self, key) < 1, f"{prefix}.{key}", f"must be in [0, 1), got {getattr(self, key)}")
+        require(self.delay >= 1, f"{prefix}.delay", f"must be >= 1, got {self.delay}")
 
 
 @dataclass
@@ -62,14 +60,12 @@ class ContextConfig:
     edges: list[float] = field(default_factory=list)
 
     def check(self, prefix: str = "dual.context") -> None:
-        if self.by not in CONTEXT_KINDS:
-            raise ValueError(f"config error at '{prefix}.by': unknown context {self.by!r}; known: "
-                             f"{', '.join(CONTEXT_KINDS)}")
-        if self.edges and self.by != "staleness":
-            raise ValueError(f"config error at '{prefix}.edges': buckets the staleness; set {prefix}.by=staleness "
-                             f"or edges: []")
-        if any(not b > a for a, b in zip(self.edges, self.edges[1:])):
-            raise ValueError(f"config error at '{prefix}.edges': must be strictly increasing, got {list(self.edges)}")
+        require(self.by in CONTEXT_KINDS, f"{prefix}.by", f"unknown context {self.by!r}; known: "
+                f"{', '.join(CONTEXT_KINDS)}")
+        require(not self.edges or self.by == "staleness", f"{prefix}.edges",
+                f"buckets the staleness; set {prefix}.by=staleness or edges: []")
+        require(all(b > a for a, b in zip(self.edges, self.edges[1:])), f"{prefix}.edges",
+                f"must be strictly increasing, got {list(self.edges)}")
 
     def key(self, staleness_mean: float, precision: str, digits: int) -> tuple[str, float]:
         """(context key, its value as a metric) of a batch: the staleness bucket's index, the precision's name

@@ -2,10 +2,6 @@
 or path named that is missing or malformed. A leaf module, so that the config and the modules whose checks it calls
 (``dcmdp.device``) raise them without importing one another."""
 
-from trainers.errors import InputError, InputFileNotFoundError, InputNotADirectoryError
+from trainers.errors import ConfigError, InputError, InputFileNotFoundError, InputNotADirectoryError, require
 
-__all__ = ["ConfigError", "InputError", "InputFileNotFoundError", "InputNotADirectoryError"]
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used; the message names the key."""
+__all__ = ["ConfigError", "InputError", "InputFileNotFoundError", "InputNotADirectoryError", "require"]

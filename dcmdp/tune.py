@@ -78,7 +78,6 @@ import contextlib
 import csv
 import fcntl
 import importlib.util
-import io
 import itertools
 import json
 import logging
@@ -103,8 +102,8 @@ from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
 from dcmdp import redact
-from dcmdp.config import (URI_KEYS, ConfigError, RunConfig, TrackingConfig, file_in_the_way, load_config, public_config,
-                          read_yaml_text, to_yaml, validate, yaml_value)
+from dcmdp.config import (URI_KEYS, ConfigError, RunConfig, TrackingConfig, config_error, file_in_the_way, load_config,
+                          public_config, read_yaml_file, require, to_yaml, validate, yaml_value)
 from dcmdp.redact import public_uri
 from dcmdp.tracking import LOCAL_ID_PREFIX, Tracker, resolve_tracking_uri
 
@@ -244,9 +243,9 @@ class Trial:
 def load_tune_config(path: str | Path, overrides: Sequence[str] = ()) -> TuneConfig:
     """Parse and check a tune file; ``overrides`` (key=value of the run config) follow the file's own."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"tune file not found: {path}")
-    raw = _read_tune_file(path)
+    # the hint about the shape of a run config does not apply
+    raw = read_yaml_file(path, ConfigError, kind="tune file", size_hint="a tune file holds a few KiB of settings",
+                         shape_hint=False)[0]
     try:
         merged = OmegaConf.merge(OmegaConf.structured(TuneConfig), raw)
         written = OmegaConf.to_container(merged, resolve=False)["overrides"]
@@ -263,46 +262,36 @@ def load_tune_config(path: str | Path, overrides: Sequence[str] = ()) -> TuneCon
     return cfg
 
 
-def _read_tune_file(path: Path) -> Any:
-    """The YAML of a tune file, read with a config file's bounds (``read_yaml_text``) before OmegaConf, which
-    recurses once per level, builds it."""
-    text = read_yaml_text(path, f"tune file {path}", ConfigError, "a tune file holds a few KiB of settings",
-                          shape_hint=False)[0]  # the hint is about run configs
-    try:
-        return OmegaConf.load(io.StringIO(text))
-    except Exception as exc:
-        raise ConfigError(f"cannot parse tune file {path}: {exc}") from exc
+def _require(cond: object, key: str, message: str) -> None:
+    """``require`` for a key of the tune file: "tune config error at '<key>': <message>"."""
+    require(cond, key, message, what="tune config")
+
+
+def _error(key: str, message: str) -> ConfigError:
+    """``config_error`` for a key of the tune file, where the message names what failed."""
+    return config_error(key, message, what="tune config")
 
 
 def _check(cfg: TuneConfig) -> None:
     s = cfg.select
-    if not cfg.space:
-        raise ConfigError("tune config error at 'space': give at least one key with a list of values or a range")
-    if cfg.workers < 1:
-        raise ConfigError(f"tune config error at 'workers': must be >= 1, got {cfg.workers}")
-    if not cfg.output_dir.strip():
-        raise ConfigError("tune config error at 'output_dir': empty; name a folder for the study")
-    if (blocker := file_in_the_way(cfg.output_dir)) is not None:
-        raise ConfigError(f"tune config error at 'output_dir': {str(blocker)!r} is a file, not a folder")
-    if not 0 <= s.min_inside_frac <= 1:
-        raise ConfigError(f"tune config error at 'select.min_inside_frac': must be in [0, 1], got {s.min_inside_frac}")
-    if s.warmup_steps < 0 or s.collapse_window < 1 or not 0 <= s.collapse_drop_frac <= 1:
-        raise ConfigError("tune config error at 'select': need warmup_steps >= 0, collapse_window >= 1 and "
-                          "collapse_drop_frac in [0, 1]")
+    _require(cfg.space, "space", "give at least one key with a list of values or a range")
+    _require(cfg.workers >= 1, "workers", f"must be >= 1, got {cfg.workers}")
+    _require(cfg.output_dir.strip(), "output_dir", "empty; name a folder for the study")
+    blocker = file_in_the_way(cfg.output_dir)
+    _require(blocker is None, "output_dir", f"{str(blocker)!r} is a file, not a folder")
+    _require(0 <= s.min_inside_frac <= 1, "select.min_inside_frac", f"must be in [0, 1], got {s.min_inside_frac}")
+    _require(s.warmup_steps >= 0 and s.collapse_window >= 1 and 0 <= s.collapse_drop_frac <= 1, "select",
+             "need warmup_steps >= 0, collapse_window >= 1 and collapse_drop_frac in [0, 1]")
     for key in ("max_slack_frac", "max_cap_frac"):
-        if not 0 <= getattr(s, key) <= 1:
-            raise ConfigError(f"tune config error at 'select.{key}': must be in [0, 1], got {getattr(s, key)}")
-    if not 0 <= s.tolerance_se < math.inf:
-        raise ConfigError(f"tune config error at 'select.tolerance_se': must be a finite value >= 0, got "
-                          f"{s.tolerance_se}")
-    if cfg.prune.collapse_patience is not None and cfg.prune.collapse_patience < 1:
-        raise ConfigError("tune config error at 'prune.collapse_patience': must be >= 1")
-    if cfg.sampler not in SAMPLERS:
-        raise ConfigError(f"tune config error at 'sampler': {cfg.sampler!r} is not one of {', '.join(SAMPLERS)}")
-    if cfg.sampler == "grid" and cfg.trials is not None:
-        raise ConfigError("tune config error at 'trials': the grid sampler runs every combination; leave it out")
-    if cfg.sampler != "grid" and not (cfg.trials or 0) >= 1:
-        raise ConfigError(f"tune config error at 'trials': sampler {cfg.sampler} needs trials >= 1")
+        _require(0 <= getattr(s, key) <= 1, f"select.{key}", f"must be in [0, 1], got {getattr(s, key)}")
+    _require(0 <= s.tolerance_se < math.inf, "select.tolerance_se", "must be a finite value >= 0, got "
+             f"{s.tolerance_se}")
+    _require(cfg.prune.collapse_patience is None or cfg.prune.collapse_patience >= 1, "prune.collapse_patience",
+             "must be >= 1")
+    _require(cfg.sampler in SAMPLERS, "sampler", f"{cfg.sampler!r} is not one of {', '.join(SAMPLERS)}")
+    _require(cfg.sampler != "grid" or cfg.trials is None, "trials",
+             "the grid sampler runs every combination; leave it out")
+    _require(cfg.sampler == "grid" or (cfg.trials or 0) >= 1, "trials", f"sampler {cfg.sampler} needs trials >= 1")
     if cfg.sampler == "gp":
         missing = [m for m in ("scipy", "torch") if importlib.util.find_spec(m) is None]
         if missing:
@@ -311,17 +300,16 @@ def _check(cfg: TuneConfig) -> None:
     dists = distributions(cfg.space, grid=cfg.sampler == "grid")
     if cfg.sampler == "grid" and (n := math.prod(len(d.choices) for d in dists.values())) > MAX_GRID_TRIALS:
         sizes = " x ".join(str(len(d.choices)) for d in dists.values())
-        raise ConfigError(f"tune config error at 'space': the grid has {n:,} combinations ({sizes}), above "
-                          f"{MAX_GRID_TRIALS:,}, each a training run; give fewer values, or sampler: tpe (or gp) "
-                          f"with trials: N")
+        raise _error("space", f"the grid has {n:,} combinations ({sizes}), above {MAX_GRID_TRIALS:,}, each a "
+                              f"training run; give fewer values, or sampler: tpe (or gp) with trials: N")
     base = load_config(cfg.base, cfg.overrides)
     for key, d in dists.items():  # every value alone on the base, before the first trial: a bad one fails here
         for value in (d.choices if hasattr(d, "choices") else (d.low, d.high)):
             try:
                 apply_settings(base, {key: value})
             except ConfigError as exc:
-                raise ConfigError(f"tune config error at 'space.{key}': the value {value!r} cannot be run: "
-                                  f"{str(exc).removeprefix('tune: ')}") from None
+                raise _error(f"space.{key}", f"the value {value!r} cannot be run: "
+                                             f"{str(exc).removeprefix('tune: ')}") from None
 
 
 def distributions(space: dict[str, Any], grid: bool = False) -> dict[str, optuna.distributions.BaseDistribution]:
@@ -337,10 +325,10 @@ def distributions(space: dict[str, Any], grid: bool = False) -> dict[str, optuna
                 out[key] = kind(v["low"], v["high"], log=bool(v.get("log", False)), step=v.get("step", 1 if ints
                                                                                                    else None))
             except ValueError as exc:
-                raise ConfigError(f"tune config error at 'space.{key}': {exc}") from exc
+                raise _error(f"space.{key}", str(exc)) from exc
         else:
             what = "a non-empty list of values" + ("" if grid else " or {low, high, log, step}")
-            raise ConfigError(f"tune config error at 'space.{key}': must be {what}, got {v!r}")
+            raise _error(f"space.{key}", f"must be {what}, got {v!r}")
     return out
 
 
@@ -734,8 +722,8 @@ class _Sweep:
                     "connect_args": {"timeout": 120}} if url.startswith("sqlite") else None)
             except Exception as exc:  # sqlalchemy's errors: a damaged file, a wrong URL, a driver missing
                 where = "storage" if cfg.storage else "storage (default <output_dir>/study.db)"
-                raise ConfigError(f"tune config error at '{where}': cannot open the study database {public_uri(url)}: "
-                                  f"{type(exc).__name__}: {redact.redact(str(exc).splitlines()[0])}") from None
+                raise _error(where, f"cannot open the study database {public_uri(url)}: {type(exc).__name__}: "
+                                    f"{redact.redact(str(exc).splitlines()[0])}") from None
         self.started = 0
         self.stopping = False
         self.procs: set[subprocess.Popen] = set()

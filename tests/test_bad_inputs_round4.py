@@ -18,7 +18,7 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from dcmdp import cli
-from dcmdp import config as config_module
+from dcmdp.config import load as config_module  # the module whose _override_problem the count wraps
 from dcmdp.checkpoint import RunFolderError, find_resume_checkpoint, load_resume_checkpoint, save_checkpoint
 from dcmdp.config import MAX_CONFIG_DEPTH, ConfigError, compose_with_problems, load_config
 

@@ -1,7 +1,7 @@
 """Config dataclasses of the learner-side components (model, rollout engine, task, algorithm, optimiser).
 
 One dataclass per component; defaults live only here. Field docstrings are the one-line comment above
-each field. Bounds are checked in ``check()``, which raises ``ValueError`` naming the key.
+each field. Bounds are checked in ``check()``, which raises ``ConfigError`` naming the key (``require``).
 """
 
 from __future__ import annotations
@@ -9,14 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from trainers.errors import require
+
 
 # How a float32 LM head computes log-probs (trainers.lm_head implements them): here so a config check needs no torch.
 HEAD_KERNELS = ("logits", "chunked", "bf16x3")
-
-
-def _require(cond: bool, key: str, msg: str) -> None:
-    if not cond:
-        raise ValueError(f"config error at '{key}': {msg}")
 
 
 @dataclass
@@ -54,20 +51,20 @@ class ModelConfig:
     num_layers: Optional[int] = None
 
     def check(self, prefix: str = "model") -> None:
-        _require(self.init in ("auto", "random"), f"{prefix}.init", f"got {self.init!r}, expected auto or random")
-        _require(self.num_layers is None or self.num_layers >= 1, f"{prefix}.num_layers",
-                 f"must be >= 1 or null, got {self.num_layers}")
-        _require(self.num_layers is None or self.init == "random", f"{prefix}.num_layers",
-                 "sets the depth of a randomly initialised model: needs model.init=random")
-        _require(self.init != "random" or not self.path, f"{prefix}.init",
-                 f"random builds the preset without weights, and model.path={self.path!r} names weights to load; "
-                 f"drop one of them (model.path=null for a random-init run)")
-        _require(self.dtype in ("float32", "bfloat16", "float16"), f"{prefix}.dtype",
-                 f"got {self.dtype!r}, expected float32, bfloat16 or float16")
-        _require(self.lm_head_kernel in HEAD_KERNELS, f"{prefix}.lm_head_kernel",
-                 f"got {self.lm_head_kernel!r}, expected one of {', '.join(HEAD_KERNELS)}")
-        _require(self.fp32_lm_head or self.lm_head_kernel == "logits", f"{prefix}.lm_head_kernel",
-                 f"{self.lm_head_kernel!r} computes a float32 head: needs model.fp32_lm_head: true")
+        require(self.init in ("auto", "random"), f"{prefix}.init", f"got {self.init!r}, expected auto or random")
+        require(self.num_layers is None or self.num_layers >= 1, f"{prefix}.num_layers",
+                f"must be >= 1 or null, got {self.num_layers}")
+        require(self.num_layers is None or self.init == "random", f"{prefix}.num_layers",
+                "sets the depth of a randomly initialised model: needs model.init=random")
+        require(self.init != "random" or not self.path, f"{prefix}.init",
+                f"random builds the preset without weights, and model.path={self.path!r} names weights to load; "
+                f"drop one of them (model.path=null for a random-init run)")
+        require(self.dtype in ("float32", "bfloat16", "float16"), f"{prefix}.dtype",
+                f"got {self.dtype!r}, expected float32, bfloat16 or float16")
+        require(self.lm_head_kernel in HEAD_KERNELS, f"{prefix}.lm_head_kernel",
+                f"got {self.lm_head_kernel!r}, expected one of {', '.join(HEAD_KERNELS)}")
+        require(self.fp32_lm_head or self.lm_head_kernel == "logits", f"{prefix}.lm_head_kernel",
+                f"{self.lm_head_kernel!r} computes a float32 head: needs model.fp32_lm_head: true")
 
 
 # Inference precisions of the rollout engine (trainers.quant.PRECISION_DTYPES holds their parameter dtypes).
@@ -112,12 +109,12 @@ class TorchEngineConfig:
     kv_tokens: int = 0
 
     def check(self, prefix: str = "rollout.torch") -> None:
-        _require(self.kv_tokens >= 0, f"{prefix}.kv_tokens", f"must be >= 0 (0: from free memory), got {self.kv_tokens}")
-        _require(self.int4_group_size >= 1, f"{prefix}.int4_group_size", f"must be >= 1, got {self.int4_group_size}")
-        _require(self.kv_cache in ("dynamic", "static"), f"{prefix}.kv_cache",
-                 f"must be dynamic or static, got {self.kv_cache!r}")
-        _require(not self.decode_graphs or self.kv_cache == "static", f"{prefix}.decode_graphs",
-                 "needs rollout.torch.kv_cache=static (a captured graph reads a cache of fixed shape)")
+        require(self.kv_tokens >= 0, f"{prefix}.kv_tokens", f"must be >= 0 (0: from free memory), got {self.kv_tokens}")
+        require(self.int4_group_size >= 1, f"{prefix}.int4_group_size", f"must be >= 1, got {self.int4_group_size}")
+        require(self.kv_cache in ("dynamic", "static"), f"{prefix}.kv_cache",
+                f"must be dynamic or static, got {self.kv_cache!r}")
+        require(not self.decode_graphs or self.kv_cache == "static", f"{prefix}.decode_graphs",
+                "needs rollout.torch.kv_cache=static (a captured graph reads a cache of fixed shape)")
 
 
 @dataclass
@@ -132,9 +129,9 @@ class VllmEngineConfig:
     gpu_memory_utilization: float = 0.5
 
     def check(self, prefix: str = "rollout.vllm") -> None:
-        _require(self.tensor_parallel_size >= 1, f"{prefix}.tensor_parallel_size", "must be >= 1")
-        _require(0 < self.gpu_memory_utilization <= 1, f"{prefix}.gpu_memory_utilization",
-                 f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        require(self.tensor_parallel_size >= 1, f"{prefix}.tensor_parallel_size", "must be >= 1")
+        require(0 < self.gpu_memory_utilization <= 1, f"{prefix}.gpu_memory_utilization",
+                f"must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass
@@ -165,28 +162,28 @@ class RolloutConfig:
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
 
     def check(self, prefix: str = "rollout") -> None:
-        _require(self.precision in ROLLOUT_PRECISIONS, f"{prefix}.precision",
-                 f"got {self.precision!r}, expected one of {', '.join(ROLLOUT_PRECISIONS)}")
-        _require(0 <= self.logit_noise < float("inf"), f"{prefix}.logit_noise",
-                 f"must be a finite std >= 0, got {self.logit_noise}")
-        _require(self.temperature > 0, f"{prefix}.temperature", f"must be > 0, got {self.temperature}")
-        _require(0 < self.top_p <= 1, f"{prefix}.top_p", f"must be in (0, 1], got {self.top_p}")
-        _require(self.max_new_tokens >= 1, f"{prefix}.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        require(self.precision in ROLLOUT_PRECISIONS, f"{prefix}.precision",
+                f"got {self.precision!r}, expected one of {', '.join(ROLLOUT_PRECISIONS)}")
+        require(0 <= self.logit_noise < float("inf"), f"{prefix}.logit_noise",
+                f"must be a finite std >= 0, got {self.logit_noise}")
+        require(self.temperature > 0, f"{prefix}.temperature", f"must be > 0, got {self.temperature}")
+        require(0 < self.top_p <= 1, f"{prefix}.top_p", f"must be in (0, 1], got {self.top_p}")
+        require(self.max_new_tokens >= 1, f"{prefix}.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         self.torch.check(f"{prefix}.torch")
         self.vllm.check(f"{prefix}.vllm")
         sched = self.precision_schedule
         for i, phase in enumerate(sched):
             key = f"{prefix}.precision_schedule[{i}]"
-            _require(phase.precision in ROLLOUT_PRECISIONS, f"{key}.precision",
-                     f"got {phase.precision!r}, expected one of {', '.join(ROLLOUT_PRECISIONS)}")
+            require(phase.precision in ROLLOUT_PRECISIONS, f"{key}.precision",
+                    f"got {phase.precision!r}, expected one of {', '.join(ROLLOUT_PRECISIONS)}")
             last = i == len(sched) - 1
-            _require((phase.until_step is None) == last, f"{key}.until_step",
-                     "the last phase runs to the end (no until_step); every other phase needs one")
-            _require(phase.until_step is None or phase.until_step > (sched[i - 1].until_step if i else 0),
-                     f"{key}.until_step", f"must be above the previous phase's (and above 0), got {phase.until_step}")
-        _require(not sched or sched[0].precision == self.precision, f"{prefix}.precision",
-                 f"the engine starts in precision_schedule[0].precision={sched[0].precision if sched else ''!r}; "
-                 f"set {prefix}.precision to it (got {self.precision!r})")
+            require((phase.until_step is None) == last, f"{key}.until_step",
+                    "the last phase runs to the end (no until_step); every other phase needs one")
+            require(phase.until_step is None or phase.until_step > (sched[i - 1].until_step if i else 0),
+                    f"{key}.until_step", f"must be above the previous phase's (and above 0), got {phase.until_step}")
+        require(not sched or sched[0].precision == self.precision, f"{prefix}.precision",
+                f"the engine starts in precision_schedule[0].precision={sched[0].precision if sched else ''!r}; "
+                f"set {prefix}.precision to it (got {self.precision!r})")
 
     def precision_at(self, step: int) -> str:
         """The rollout precision of loop step ``step`` (0-based): the first schedule phase whose until_step is above
@@ -243,33 +240,33 @@ class TaskConfig:
     reward_memory_mib: int = 1024
 
     def check(self, prefix: str = "task") -> None:
-        _require(0 < self.reward_timeout < float("inf"), f"{prefix}.reward_timeout",
-                 f"must be a finite number of seconds > 0, got {self.reward_timeout}")
-        _require(0 < self.reward_load_timeout <= 3600, f"{prefix}.reward_load_timeout",
-                 f"must be a number of seconds in (0, 3600], got {self.reward_load_timeout}")
-        _require(self.reward_memory_mib == 0 or 64 <= self.reward_memory_mib <= 1 << 20, f"{prefix}.reward_memory_mib",
-                 f"must be 0 (no limit) or in [64, 1048576] MiB (a Python process alone holds about 10), got "
-                 f"{self.reward_memory_mib}")
-        _require(self.digits >= 1, f"{prefix}.digits", f"must be >= 1, got {self.digits}")
-        _require(1 <= self.min_digits <= self.digits, f"{prefix}.min_digits",
-                 f"must be in [1, digits={self.digits}], got {self.min_digits}")
-        _require(self.items >= 1, f"{prefix}.items", f"must be >= 1, got {self.items}")
-        _require(self.eval_size >= 1, f"{prefix}.eval_size", f"must be >= 1, got {self.eval_size}")
-        _require(self.reward is None or self.name == "jsonl", f"{prefix}.reward",
-                 f"only task 'jsonl' takes a reward function; task {self.name!r} scores with its own")
+        require(0 < self.reward_timeout < float("inf"), f"{prefix}.reward_timeout",
+                f"must be a finite number of seconds > 0, got {self.reward_timeout}")
+        require(0 < self.reward_load_timeout <= 3600, f"{prefix}.reward_load_timeout",
+                f"must be a number of seconds in (0, 3600], got {self.reward_load_timeout}")
+        require(self.reward_memory_mib == 0 or 64 <= self.reward_memory_mib <= 1 << 20, f"{prefix}.reward_memory_mib",
+                f"must be 0 (no limit) or in [64, 1048576] MiB (a Python process alone holds about 10), got "
+                f"{self.reward_memory_mib}")
+        require(self.digits >= 1, f"{prefix}.digits", f"must be >= 1, got {self.digits}")
+        require(1 <= self.min_digits <= self.digits, f"{prefix}.min_digits",
+                f"must be in [1, digits={self.digits}], got {self.min_digits}")
+        require(self.items >= 1, f"{prefix}.items", f"must be >= 1, got {self.items}")
+        require(self.eval_size >= 1, f"{prefix}.eval_size", f"must be >= 1, got {self.eval_size}")
+        require(self.reward is None or self.name == "jsonl", f"{prefix}.reward",
+                f"only task 'jsonl' takes a reward function; task {self.name!r} scores with its own")
         for i, phase in enumerate(self.curriculum):
             key = f"{prefix}.curriculum[{i}]"
             last = i == len(self.curriculum) - 1
-            _require((phase.until_step is None) == last, f"{key}.until_step",
-                     "the last phase runs to the end (no until_step); every other phase needs one")
+            require((phase.until_step is None) == last, f"{key}.until_step",
+                    "the last phase runs to the end (no until_step); every other phase needs one")
             prev = self.curriculum[i - 1].until_step if i else 0
-            _require(phase.until_step is None or phase.until_step > prev, f"{key}.until_step",
-                     f"must be above the previous phase's (and above 0), got {phase.until_step}")
-            _require(phase.digits >= 1, f"{key}.digits", f"must be >= 1, got {phase.digits}")
+            require(phase.until_step is None or phase.until_step > prev, f"{key}.until_step",
+                    f"must be above the previous phase's (and above 0), got {phase.until_step}")
+            require(phase.digits >= 1, f"{key}.digits", f"must be >= 1, got {phase.digits}")
             low = self.min_digits if phase.min_digits is None else phase.min_digits
-            _require(1 <= low <= phase.digits, f"{key}.min_digits",
-                     f"must be in [1, digits={phase.digits}], got {low}"
-                     f"{' (task.min_digits; set the phase its own)' if phase.min_digits is None else ''}")
+            require(1 <= low <= phase.digits, f"{key}.min_digits",
+                    f"must be in [1, digits={phase.digits}], got {low}"
+                    f"{' (task.min_digits; set the phase its own)' if phase.min_digits is None else ''}")
 
     def phase_at(self, step: int) -> Optional[CurriculumPhase]:
         """The curriculum phase of loop step ``step`` (0-based); None without a curriculum."""
@@ -300,12 +297,12 @@ class ColdStartConfig:
     check_every: int = 25
 
     def check(self, prefix: str = "cold_start") -> None:
-        _require(self.steps >= 0, f"{prefix}.steps", f"must be >= 0, got {self.steps}")
-        _require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
-        _require(self.lr > 0, f"{prefix}.lr", "must be > 0")
-        _require(self.target_accuracy is None or 0 < self.target_accuracy <= 1, f"{prefix}.target_accuracy",
-                 f"must be in (0, 1] or null, got {self.target_accuracy}")
-        _require(self.check_every >= 1, f"{prefix}.check_every", "must be >= 1")
+        require(self.steps >= 0, f"{prefix}.steps", f"must be >= 0, got {self.steps}")
+        require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
+        require(self.lr > 0, f"{prefix}.lr", "must be > 0")
+        require(self.target_accuracy is None or 0 < self.target_accuracy <= 1, f"{prefix}.target_accuracy",
+                f"must be in (0, 1] or null, got {self.target_accuracy}")
+        require(self.check_every >= 1, f"{prefix}.check_every", "must be >= 1")
 
 
 # Sequence masks composable with every IS mode (trainers.losses applies them).
@@ -338,7 +335,7 @@ class Band:
     high: float
 
     def check(self, prefix: str) -> None:
-        _require(0 <= self.low <= 1 <= self.high, prefix, f"need 0 <= low <= 1 <= high, got [{self.low}, {self.high}]")
+        require(0 <= self.low <= 1 <= self.high, prefix, f"need 0 <= low <= 1 <= high, got [{self.low}, {self.high}]")
 
 
 @dataclass
@@ -349,8 +346,8 @@ class ClipConfig:
     high: float
 
     def check(self, prefix: str) -> None:
-        _require(0 <= self.low < 1, f"{prefix}.low", f"must be in [0, 1), got {self.low}")
-        _require(self.high >= 0, f"{prefix}.high", f"must be >= 0, got {self.high}")
+        require(0 <= self.low < 1, f"{prefix}.low", f"must be in [0, 1), got {self.low}")
+        require(self.high >= 0, f"{prefix}.high", f"must be >= 0, got {self.high}")
 
 
 @dataclass
@@ -359,7 +356,7 @@ class CapConfig:
     cap: float = 5.0
 
     def check(self, prefix: str) -> None:
-        _require(self.cap >= 1, f"{prefix}.cap", f"must be >= 1, got {self.cap}")
+        require(self.cap >= 1, f"{prefix}.cap", f"must be >= 1, got {self.cap}")
 
 
 @dataclass
@@ -368,7 +365,7 @@ class M2Config:
     threshold: float = 0.04
 
     def check(self, prefix: str) -> None:
-        _require(self.threshold > 0, f"{prefix}.threshold", f"must be > 0, got {self.threshold}")
+        require(self.threshold > 0, f"{prefix}.threshold", f"must be > 0, got {self.threshold}")
 
 
 @dataclass
@@ -382,8 +379,8 @@ class SeqMaskConfig:
     geo: Band = field(default_factory=lambda: Band(low=0.999, high=1.001))
 
     def check(self, prefix: str) -> None:
-        _require(self.mode in SEQ_MASK_MODES, f"{prefix}.mode",
-                 f"got {self.mode!r}, expected one of {', '.join(SEQ_MASK_MODES)}")
+        require(self.mode in SEQ_MASK_MODES, f"{prefix}.mode",
+                f"got {self.mode!r}, expected one of {', '.join(SEQ_MASK_MODES)}")
         self.prod.check(f"{prefix}.prod")
         self.geo.check(f"{prefix}.geo")
 
@@ -395,8 +392,8 @@ class VetoConfig:
     threshold: Optional[float] = None
 
     def check(self, prefix: str) -> None:
-        _require(self.threshold is None or 0 < self.threshold < 1, f"{prefix}.threshold",
-                 f"must be in (0, 1) or null, got {self.threshold}")
+        require(self.threshold is None or 0 < self.threshold < 1, f"{prefix}.threshold",
+                f"must be in (0, 1) or null, got {self.threshold}")
 
 
 @dataclass
@@ -413,10 +410,10 @@ class RejectConfig:
         from constraints.measures import MEASURES  # the registry; constraints imports nothing from trainers
 
         token_measures = [n for n, m in MEASURES.items() if m.kind == "token"]
-        _require(self.measure in token_measures, f"{prefix}.measure",
-                 f"got {self.measure!r}, expected none or a token measure: {', '.join(token_measures)}")
-        _require(self.bound is not None and self.bound >= 0, f"{prefix}.bound",
-                 f"reject.measure={self.measure} needs a bound >= 0 on its per-token value, got {self.bound}")
+        require(self.measure in token_measures, f"{prefix}.measure",
+                f"got {self.measure!r}, expected none or a token measure: {', '.join(token_measures)}")
+        require(self.bound is not None and self.bound >= 0, f"{prefix}.bound",
+                f"reject.measure={self.measure} needs a bound >= 0 on its per-token value, got {self.bound}")
 
 
 @dataclass
@@ -479,11 +476,11 @@ class AlgoConfig:
         self.ppo_clip.check(f"{prefix}.ppo_clip")
         self.minirl.check(f"{prefix}.minirl")
         self.gspo.check(f"{prefix}.gspo")
-        _require(self.clip_ratio_c is None or self.clip_ratio_c > 1, f"{prefix}.clip_ratio_c",
-                 f"must be > 1 or null, got {self.clip_ratio_c}")
-        _require(self.is_mode != "seq_mis", f"{prefix}.is_mode",
-                 "seq_mis is now a sequence mask that composes with every is_mode: use is_mode=none "
-                 "seq_mask.mode=geo (band algo.seq_mask.geo.low / .high) for what seq_mis did")
+        require(self.clip_ratio_c is None or self.clip_ratio_c > 1, f"{prefix}.clip_ratio_c",
+                f"must be > 1 or null, got {self.clip_ratio_c}")
+        require(self.is_mode != "seq_mis", f"{prefix}.is_mode",
+                "seq_mis is now a sequence mask that composes with every is_mode: use is_mode=none "
+                "seq_mask.mode=geo (band algo.seq_mask.geo.low / .high) for what seq_mis did")
         self.tis.check(f"{prefix}.tis")
         self.seq_tis.check(f"{prefix}.seq_tis")
         self.icepop.check(f"{prefix}.icepop")
@@ -491,22 +488,22 @@ class AlgoConfig:
         self.seq_mask.check(f"{prefix}.seq_mask")
         self.veto.check(f"{prefix}.veto")
         self.reject.check(f"{prefix}.reject")
-        _require(self.prompts_per_step >= 1, f"{prefix}.prompts_per_step", "must be >= 1")
-        _require(self.samples_per_prompt >= 2, f"{prefix}.samples_per_prompt",
-                 f"group baselines need >= 2 samples per prompt, got {self.samples_per_prompt}")
-        _require(self.minibatches >= 1, f"{prefix}.minibatches", "must be >= 1")
-        _require(self.micro_batch_tokens >= 0, f"{prefix}.micro_batch_tokens", "must be >= 0 (0: one forward)")
+        require(self.prompts_per_step >= 1, f"{prefix}.prompts_per_step", "must be >= 1")
+        require(self.samples_per_prompt >= 2, f"{prefix}.samples_per_prompt",
+                f"group baselines need >= 2 samples per prompt, got {self.samples_per_prompt}")
+        require(self.minibatches >= 1, f"{prefix}.minibatches", "must be >= 1")
+        require(self.micro_batch_tokens >= 0, f"{prefix}.micro_batch_tokens", "must be >= 0 (0: one forward)")
         total = self.prompts_per_step * self.samples_per_prompt
-        _require(total % self.minibatches == 0, f"{prefix}.minibatches",
-                 f"{self.minibatches} mini-batches do not divide the rollout batch of "
-                 f"{self.prompts_per_step} x {self.samples_per_prompt} = {total} samples")
-        _require(self.routing_replay in ("none", "r2", "r3"), f"{prefix}.routing_replay",
-                 f"got {self.routing_replay!r}, expected none, r2 or r3")
-        _require(self.old_logp in ("recompute", "rollout"), f"{prefix}.old_logp",
-                 f"got {self.old_logp!r}, expected recompute or rollout")
-        _require(not (self.old_logp == "rollout" and self.routing_replay == "r2"), f"{prefix}.routing_replay",
-                 "r2 replays the routes of the pi_old forward, which old_logp=rollout skips; use r3 (the rollout "
-                 "engine's routes) or old_logp=recompute")
+        require(total % self.minibatches == 0, f"{prefix}.minibatches",
+                f"{self.minibatches} mini-batches do not divide the rollout batch of "
+                f"{self.prompts_per_step} x {self.samples_per_prompt} = {total} samples")
+        require(self.routing_replay in ("none", "r2", "r3"), f"{prefix}.routing_replay",
+                f"got {self.routing_replay!r}, expected none, r2 or r3")
+        require(self.old_logp in ("recompute", "rollout"), f"{prefix}.old_logp",
+                f"got {self.old_logp!r}, expected recompute or rollout")
+        require(not (self.old_logp == "rollout" and self.routing_replay == "r2"), f"{prefix}.routing_replay",
+                "r2 replays the routes of the pi_old forward, which old_logp=rollout skips; use r3 (the rollout "
+                "engine's routes) or old_logp=recompute")
 
 
 @dataclass
@@ -525,10 +522,10 @@ class OptimConfig:
     precision: str = "fp32"
 
     def check(self, prefix: str = "optim") -> None:
-        _require(self.lr > 0, f"{prefix}.lr", f"must be > 0, got {self.lr}")
-        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"{prefix}.betas",
-                 f"need two values in [0, 1), got {list(self.betas)}")
-        _require(self.grad_clip >= 0, f"{prefix}.grad_clip", "must be >= 0")
-        _require(self.warmup_steps >= 0, f"{prefix}.warmup_steps", "must be >= 0")
+        require(self.lr > 0, f"{prefix}.lr", f"must be > 0, got {self.lr}")
+        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"{prefix}.betas",
+                f"need two values in [0, 1), got {list(self.betas)}")
+        require(self.grad_clip >= 0, f"{prefix}.grad_clip", "must be >= 0")
+        require(self.warmup_steps >= 0, f"{prefix}.warmup_steps", "must be >= 0")
         # precision names the registry trainers.optim.PRECISIONS, which imports torch: dcmdp.config checks it with
         # the other registry names, after every bound (a bound's error comes before torch is imported)

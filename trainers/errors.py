@@ -1,9 +1,28 @@
-"""The error of a file or path the user named that is missing or malformed: a leaf module, so that the task and
-tokenizer loaders raise it, and ``dcmdp`` (which re-exports it from ``dcmdp.errors``) maps it to exit code 2."""
+"""The errors of bad input: a config that cannot be used (``ConfigError``, raised through ``require``) and a file or
+path the user named that is missing or malformed. A leaf module, so that the config blocks, the task and tokenizer
+loaders raise them, and ``dcmdp`` (which re-exports them from ``dcmdp.errors``) maps them to exit code 2."""
 
 import errno
 import os
 import stat
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key. Defined here, below every config block, so each
+    block's ``check()`` raises it (``require``); ``dcmdp.config`` and ``dcmdp.errors`` re-export it."""
+
+
+def config_error(key: str, message: str, *, what: str = "config") -> ConfigError:
+    """The error of a config key: ``config error at '<key>': <message>`` (``what``: "tune config" for a tune
+    file's key). Raised as is where the message can only be written once the check failed (the offending element
+    of a list); everywhere else through ``require``."""
+    return ConfigError(f"{what} error at '{key}': {message}")
+
+
+def require(cond: object, key: str, message: str, *, what: str = "config") -> None:
+    """The one way a config check fails: raise ``config_error(key, message)`` unless ``cond`` holds."""
+    if not cond:
+        raise config_error(key, message, what=what)
 
 
 class InputError(ValueError):
