@@ -160,7 +160,8 @@ _UNINITIALISED = _uninitialised_ops()
 class _MixedMode:
     """A dispatch mode above ``FakeTensorMode``: an op none of whose inputs is fake and whose outputs are small runs
     for real (the batch's data: its values decide the micro-batches and screens); a data-dependent read of a fake
-    tensor (``.item()``, ``torch.equal``) gets a nominal value, its project line counted in ``nominal``."""
+    tensor (``.item()``, ``torch.equal``, a whole-tensor ``any`` / ``all``) gets a nominal value, its project line
+    counted in ``nominal``."""
 
     def __new__(cls):
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -185,6 +186,13 @@ class _MixedMode:
                         t = args[0]
                         return True if t.dtype == torch.bool else 0.0 if t.is_floating_point() else 0
                     return True
+                if fake and func in (aten.any.default, aten.all.default):
+                    # a whole-tensor test of fake values (a check that no route or log-prob is bad, that every one is
+                    # valid): the nominal answer is the passing one, any -> False, all -> True
+                    site = _project_line()
+                    self.nominal[site] = self.nominal.get(site, 0) + 1
+                    with _disable_current_modes():
+                        return torch.tensor(func is aten.all.default)
                 if fake and _writes_real(func, args, kwargs, fake_cls):
                     # a fake value written into a real tensor (a model's log-probs into the batch's buffer): the
                     # real tensor keeps real storage, the value written is 0
@@ -747,9 +755,11 @@ def rehearsal_lines(cfg, gpus: int, gpu_gib: float) -> list[str]:
              f"{cfg.rollout.max_new_tokens} tokens; in {time.perf_counter() - t0:.0f} s here",
              f"  {'phase':<11} {'traced':>10} {'+opt state':>11} {'plan':>10}   (GiB per GPU; plan without its "
              f"rollout_engine, kv_cache and overhead terms, which are not traced)"]
+    later = 0.0
     for p in PHASES:
         held = r.phase_snap[p].get("optimiser state", 0.0)
         steady = r.phase_peak[p] + max(opt_state - held, 0.0)  # a later step holds the state from its start
+        later = max(later, steady)
         lines.append(f"  {p:<11} {r.phase_peak[p] / GIB:10.3f} {steady / GIB:11.3f} {plan_phase[p] / GIB:10.3f}")
     lines.append(f"  (+opt state: the phase at a later step, which holds the optimiser state made at step 1's "
                  f"first optimiser step: {opt_state / GIB:.3f} GiB)")
@@ -759,6 +769,9 @@ def rehearsal_lines(cfg, gpus: int, gpu_gib: float) -> list[str]:
         lines.append(f"  {c:<16} {r.phase_snap[peak_phase].get(c, 0.0) / GIB:10.3f} {plan_cat[c] / GIB:10.3f}")
     lines.append(f"  {'total (peak)':<16} {r.peak / GIB:10.3f} {max(plan_phase.values()) / GIB:10.3f}   "
                  f"(the full plan, with its untraced terms: {plan.total_gib:.2f} GiB of {gpu_gib:g})")
+    planned = max(plan_phase.values())
+    lines.append(f"  {'later steps':<16} {later / GIB:10.3f} {planned / GIB:10.3f}   (the peak of a step that holds the "
+                 f"optimiser state from its start; the plan {(planned - later) / max(later, 1.0):+.1%} of it)")
     depth = f" at depth {last.layers}" if r.extrapolated else ""
     lines.append(f"  largest tensors at the peak{depth}:")
     lines += [f"    {n / 2 ** 20:10.1f} MiB  {cat:<16} {line}" for n, cat, line in last.top] or ["    (none recorded)"]
