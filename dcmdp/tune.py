@@ -50,7 +50,8 @@ Selection rule. A trial is *eligible* when it finished, did not collapse, kept e
 <= c (``dual/measured/<c>`` <= ``dual/tolerance/<c>``) on at least ``min_inside_frac`` of its steps after
 warm-up (steps ``warmup_steps + 1 .. steps``), and its dual acted: no constraint slack (lambda at its floor with
 D-hat < c) on more than ``max_slack_frac`` of the steps, none with lambda at its cap on more than ``max_cap_frac``
-(the run's summary.json), no lambda holding one value on every step after warm-up. A slack dual is a run without
+(the run's summary.json), no lambda holding one value on every step after warm-up where its dual was in force (the
+steps a dual with ``authority`` stood down, by its own measurement, are left out). A slack dual is a run without
 the penalty, a pinned one a constant: "best accuracy among trials inside c" alone rewards the loosest c, where the
 dual does nothing. A constraint is *judged* when its c is fixed (a bound the user set) or when its c is anchored and
 the penalty's reach (median log D_0 - log D_max of its probed batches) is at least the batch spread (sd of log D-hat
@@ -215,6 +216,9 @@ class Trial:
     number: int = -1
     reason: str = ""
     lambda_history: dict[str, list[float]] = field(default_factory=dict)
+    # Per constraint with ``authority``: 1 on the steps its dual stood down (lambda held at 0 by its own measurement of
+    # the reach against the spread, not by the config), 0 where it was in force.
+    stood_down_history: dict[str, list[float]] = field(default_factory=dict)
     # The run's end-of-run warnings (summary.json: a constraint slack throughout, accuracy at chance level), and
     # held-out accuracy that ended below its start.
     warnings: list[str] = field(default_factory=list)
@@ -403,6 +407,8 @@ def assess(trial: Trial, history: dict[str, list[float]], names: Sequence[str], 
     trial.mean_discrepancy = {c: _finite_mean(history.get(f"dual/measured/{c}", [])) for c in names}
     trial.mean_tolerance = sum(_finite_mean(history.get(f"dual/tolerance/{c}", [])) for c in names) if names else 0.0
     trial.lambda_history = {c: list(history.get(f"dual/lambda/{c}", [])) for c in names}
+    trial.stood_down_history = {c: list(history[f"dual/stood_down/{c}"]) for c in names
+                                if f"dual/stood_down/{c}" in history}
     trial.final_lambda = {c: v[-1] for c, v in trial.lambda_history.items() if v}
     trial.nonfinite_loss = any(not math.isfinite(v) for k, vs in history.items() if k.startswith("loss/") for v in vs)
     means = _window_means(history.get(rule.collapse_metric, []), rule.collapse_window)
@@ -558,11 +564,15 @@ def _judged_share(t: Trial) -> Optional[float]:
 
 
 def _fixed_lambda(t: Trial, rule: SelectRule) -> Optional[tuple[str, float]]:
-    """(constraint, value) of a lambda that held one value on every step after warm-up (at least 2): a placebo
-    (``dual.rule=fixed``, lambda at 0 or at lambda_max) or any constant, which no clause on D-hat tells from a dual;
-    None when every lambda moved."""
+    """(constraint, value) of a lambda that held one value on every step after warm-up (at least 2) on which its dual
+    was in force: a placebo (``dual.rule=fixed``, lambda at 0 or at lambda_max) or any constant, which no clause on
+    D-hat tells from a dual; None when every lambda moved. The steps a dual with ``authority`` stood down are left
+    out: its lambda 0 there is its own decision, taken at each anchor window from the reach it measured (a dual that
+    stood down throughout is judged by the accuracy clause alone, as an unjudged c is), which no placebo logs."""
     for c, lam in t.lambda_history.items():
-        late = [v for v in lam[rule.warmup_steps:] if math.isfinite(v)]
+        down = t.stood_down_history.get(c, [])
+        late = [v for k, v in enumerate(lam) if k >= rule.warmup_steps and math.isfinite(v)
+                and not (k < len(down) and down[k] > 0.5)]
         if len(late) >= 2 and max(late) - min(late) <= 1e-12:
             return c, late[0]
     return None

@@ -52,6 +52,7 @@ ANCHORED = ["dual.measure_at=updates", "dual.constraints[0].floor_slack=0.5", "d
     ("dual.constraints[0].anchor_every=50", "dual.constraints.0.anchor_every"),
     ("dual.constraints[0].anchor_ratio=2", "dual.constraints.0.anchor_ratio"),
     ("dual.constraints[0].miss_rate=0.1", "dual.constraints.0.miss_rate"),
+    ("dual.constraints[0].authority=1.0", "dual.constraints.0.authority"),
     ("dual.penalty=mean", "dual.penalty"),
 ])
 def test_a_key_that_shapes_the_tolerance_or_the_dual_state_is_a_resume_conflict(override, key):

@@ -567,6 +567,30 @@ def test_fixed_lambda_placebos_are_never_eligible():
     assert out[2].reason == "lambda at its cap on 100% of steps > 50%: a constant, not a controller"
 
 
+def test_a_dual_that_stood_down_is_judged_on_accuracy_while_its_lambda_zero_placebo_is_not_eligible():
+    """The same steps (reach 0.0677 under spread 0.365, lambda 0 throughout): a dual with ``authority`` logs that it
+    stood down on every step (its own decision at each anchor window), the placebo (dual.rule=fixed) logs nothing.
+    summary.json's slack and cap shares of the stood-down dual are NaN (no step in force), as
+    dcmdp.loop.constraint_summaries gives them with the authority config; the placebo's are counted."""
+    from dcmdp.loop import constraint_summaries
+
+    base = load_config(str(ROOT / "configs/default.yaml"), ["dual.constraints[0].authority=1.0"])
+    out = []
+    for name, extra in (("stood-down", {"dual/stood_down/m": [1.0] * 14}), ("placebo", {})):
+        h = {**_anchored_history(1e-3, 2e-3, 1.07, 1.5e-3, [0.0] * 14), **extra}
+        t = _assessed(name, 0.5, h)
+        steps = [{k: v[i] for k, v in h.items() if math.isfinite(v[i])} for i in range(14)]
+        s = constraint_summaries(steps, ["m"], base.dual.constraints, warmup=4)["m"]
+        t.slack_frac, t.cap_frac = s.slack_frac, s.cap_frac
+        out.append(t)
+    assert math.isnan(out[0].slack_frac) and out[1].slack_frac == 0.5
+    assert select(out, RULE) is out[0] and [t.eligible for t in out] == [True, False]
+    assert out[1].reason == "lambda fixed at 0 (m) on every step after warm-up: a constant, not a controller"
+    # a dual in force on some steps after warm-up with one lambda there is a constant again
+    part = {**_anchored_history(1e-3, 2e-3, 1.07, 1.5e-3, [0.0] * 14), "dual/stood_down/m": [1.0] * 10 + [0.0] * 4}
+    assert not select([_assessed("part", 0.5, part)], RULE)
+
+
 def test_pruner_prunes_for_the_inside_share_only_where_the_reach_reaches_the_running_spread():
     rule = SelectRule(warmup_steps=4, collapse_window=3, min_inside_frac=0.9)
     pruner = RulePruner(rule, patience=2)

@@ -86,6 +86,8 @@ NOT_ON_RESUME = {
     "dual.constraints.*.anchor_batches": _ANCHOR_STATE,
     "dual.constraints.*.anchor_every": _ANCHOR_STATE,
     "dual.constraints.*.anchor_ratio": _ANCHOR_STATE,
+    "dual.constraints.*.authority": "whether the dual acts or stands down was decided at the checkpoint's anchor "
+                                    "windows with its authority, and lambda was set from that decision",
     "dual.constraints.*.miss_rate": "the anchored gap g was set at the checkpoint's miss rate and the chance rule's "
                                     "multipliers were reached under it",
     "dual.measure_at": "the floor, the anchored gap and the multipliers in the checkpoint's dual state were measured "
