@@ -49,6 +49,11 @@ from torch import Tensor
 GIB = 1024 ** 3
 
 PHASES = ("rollout", "old_logp", "measures", "update", "optimiser", "sync")
+# The update and optimiser phases after the first optimiser step (the state held) are traced apart from the first
+# ones: which of the two holds a phase's peak can change with the depth, and each is affine in it where their maximum
+# is not; they are fitted apart and the larger taken.
+LATER = ":later"
+TRACED = PHASES + ("update" + LATER, "optimiser" + LATER)
 CATEGORIES = ("parameters", "gradients", "optimiser state", "activations", "temporaries", "batch")
 # MemTracker's reference types -> the categories printed.
 _REFTYPE_CATEGORY = {"Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients",
@@ -538,8 +543,14 @@ def rehearse_step(cfg, gpus: int, gpu: GPUSpec, layers: int, *, prompt_tokens: i
                 init_buffers(model)
                 optimizer = build_optimizer(model.parameters(), cfg.optim, seed=cfg.seed)
                 stack.enter_context(_optimiser_as_on_gpu(optimizer))
-                optimizer.register_step_pre_hook(lambda *a: enter("optimiser"))
-                optimizer.register_step_post_hook(lambda *a: enter("update"))
+                steps = [0]
+
+                def stepped(*a) -> None:
+                    steps[0] += 1
+                    enter("update" + LATER)
+
+                optimizer.register_step_pre_hook(lambda *a: enter("optimiser" + (LATER if steps[0] else "")))
+                optimizer.register_step_post_hook(stepped)
                 moe = bool(shapes.experts)
                 scoring = learner.ScoringSpec(temperature=cfg.rollout.temperature,
                                               fp32_lm_head=cfg.model.fp32_lm_head,
@@ -581,11 +592,11 @@ def rehearse_step(cfg, gpus: int, gpu: GPUSpec, layers: int, *, prompt_tokens: i
     finally:
         if sharded and dist.is_initialized():
             dist.destroy_process_group()
-    peak = max(tracker.phase_peak.get(p, 0) for p in PHASES)
-    return Trace(layers, peak, {p: tracker.phase_peak.get(p, 0) for p in PHASES},
-                 {p: tracker.phase_snap.get(p, {}) for p in PHASES}, {p: phase_ms.get(p, 0.0) for p in PHASES},
+    peak = max(tracker.phase_peak.get(p, 0) for p in TRACED)
+    return Trace(layers, peak, {p: tracker.phase_peak.get(p, 0) for p in TRACED},
+                 {p: tracker.phase_snap.get(p, {}) for p in TRACED}, {p: phase_ms.get(p, 0.0) for p in TRACED},
                  list(tracker.top), dict(mixed.nominal), time.perf_counter() - t0,
-                 {p: phase_s.get(p, 0.0) for p in PHASES})
+                 {p: phase_s.get(p, 0.0) for p in TRACED})
 
 
 # ------------------------------------------------------------------------------------------ the report
@@ -627,6 +638,18 @@ class Rehearsal:
     @property
     def peak_phase(self) -> str:
         return max(self.phase_peak, key=self.phase_peak.get)
+
+
+def _fold(peak: dict, snap: dict, ms: dict) -> tuple[dict, dict, dict]:
+    """``TRACED`` figures as ``PHASES``: a phase's peak (and its categories) the larger of its first and later
+    parts', its time their sum."""
+    peak, snap, ms = dict(peak), dict(snap), dict(ms)
+    for p in ("update", "optimiser"):
+        q = p + LATER
+        if peak.get(q, 0) > peak.get(p, 0):
+            peak[p], snap[p] = peak[q], snap[q]
+        ms[p] = ms.get(p, 0.0) + ms.get(q, 0.0)
+    return ({p: peak[p] for p in PHASES}, {p: snap.get(p, {}) for p in PHASES}, {p: ms.get(p, 0.0) for p in PHASES})
 
 
 def _affine(xs: tuple[int, int], ys: tuple[float, float], x: float) -> float:
@@ -673,9 +696,10 @@ def rehearse(cfg, gpus: int, gpu: GPUSpec, *, prompt_tokens: int) -> Rehearsal:
     cut_rows = minibatches > REDUCED_MINIBATCHES or per_minibatch > max(ROWS)
     if not cut_depth and not cut_rows:
         t = rehearse_step(cfg, gpus, gpu, layers, prompt_tokens=prompt_tokens)
-        return Rehearsal(layers, [t], {p: float(v) for p, v in t.phase_peak.items()},
-                         {p: {k: float(v) for k, v in snap.items()} for p, snap in t.phase_snap.items()},
-                         dict(t.phase_ms), False, rows=rows, minibatches=minibatches, reduced_minibatches=minibatches)
+        peak, snap, ms = _fold(t.phase_peak, t.phase_snap, t.phase_ms)
+        return Rehearsal(layers, [t], {p: float(v) for p, v in peak.items()},
+                         {p: {k: float(v) for k, v in c.items()} for p, c in snap.items()},
+                         ms, False, rows=rows, minibatches=minibatches, reduced_minibatches=minibatches)
     reduced_mb = min(minibatches, REDUCED_MINIBATCHES)
     xs = DEPTHS[:2] if cut_depth else (layers,)
     ys = ROWS if cut_rows else (per_minibatch,)
@@ -701,10 +725,12 @@ def rehearse(cfg, gpus: int, gpu: GPUSpec, *, prompt_tokens: int) -> Rehearsal:
             gap = max(gap, abs(float(get(check)) - want) / max(abs(float(get(check))), 1.0))
         return max(_bilinear(xs, ns, f, layers, rows), 0.0) * scale
 
-    peak = {p: fit(lambda t, p=p: t.phase_peak[p]) for p in PHASES}
-    snap = {p: {c: fit(lambda t, p=p, c=c: t.phase_snap[p].get(c, 0)) for c in CATEGORIES} for p in PHASES}
-    ms = {p: fit(lambda t, p=p: t.phase_ms[p], minibatches / reduced_mb if p == "optimiser" else 1.0)
-          for p in PHASES}
+    peak = {p: fit(lambda t, p=p: t.phase_peak[p]) for p in TRACED}
+    snap = {p: {c: fit(lambda t, p=p, c=c: t.phase_snap[p].get(c, 0)) for c in CATEGORIES} for p in TRACED}
+    # the time: each phase's parts summed in every run, then fitted
+    ms = {p: fit(lambda t, p=p: t.phase_ms[p] + t.phase_ms.get(p + LATER, 0.0),
+                 minibatches / reduced_mb if p == "optimiser" else 1.0) for p in PHASES}
+    peak, snap, _ = _fold(peak, snap, {})
     runs = list(traces.values()) + ([check] if check is not None else [])
     return Rehearsal(layers, runs, peak, snap, ms, True, gap, rows=rows, reduced_rows=ys if cut_rows else (),
                      minibatches=minibatches, reduced_minibatches=reduced_mb)

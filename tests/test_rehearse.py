@@ -69,11 +69,12 @@ def test_rows_fit_matches_the_step_traced_whole():
     fitted = rehearse.rehearse(cfg, 1, gpu, prompt_tokens=64)
     assert fitted.reduced_rows == rehearse.ROWS and fitted.reduced_minibatches == 2 and fitted.rows == 16
     assert all(t.layers == model_shapes(cfg).layers for t in fitted.traces)
+    peak, _, ms = rehearse._fold(whole.phase_peak, whole.phase_snap, whole.phase_ms)
     for p in rehearse.PHASES:
-        assert abs(fitted.phase_peak[p] - whole.phase_peak[p]) <= ROWS_FIT_TOL * whole.phase_peak[p], p
+        assert abs(fitted.phase_peak[p] - peak[p]) <= ROWS_FIT_TOL * peak[p], p
     # the time: every micro-batch's forward and backward, and four optimiser steps from the two traced
     for p in ("old_logp", "update", "optimiser"):
-        assert abs(fitted.phase_ms[p] - whole.phase_ms[p]) <= ROWS_FIT_TOL * whole.phase_ms[p], p
+        assert abs(fitted.phase_ms[p] - ms[p]) <= ROWS_FIT_TOL * ms[p], p
 
 
 def test_a_rehearsal_notes_the_files_and_packages_of_the_launch_machine_and_goes_on():
@@ -90,11 +91,12 @@ def test_the_30b_rehearsal_sees_the_old_int64_widening_of_the_rollout_digest(mon
     cfg = load_config("configs/qwen3-30b-a3b.yaml", TORCHRUN_8, check=False)
     gpu = rehearse.gpu_for(80)
     chunked = rehearse.rehearse(cfg, 8, gpu, prompt_tokens=PROMPT_TOKENS)
-    assert chunked.reduced_rows and chunked.peak < 80 * GIB
+    assert chunked.reduced_rows
+    # the chunked digest: the rollout phase (where the digest runs) holds the parameters, the routes and one chunk
+    assert chunked.phase_peak["rollout"] < 20 * GIB
     monkeypatch.setattr(distributed, "field_checksum", widened_checksum)
     widened = rehearse.rehearse(cfg, 8, gpu, prompt_tokens=PROMPT_TOKENS)
     # the batch's routes: 512 rows x (512 + 8192) positions x 48 layers x top-8, int8; the widened checksum holds at
     # least two whole-field int64 copies of them at once, extrapolated from the reduced runs' rows and depths
     routes = 512 * (PROMPT_TOKENS + 8192) * 48 * 8
-    assert widened.phase_peak["rollout"] - chunked.phase_peak["rollout"] >= 2 * 8 * routes
-    assert widened.peak > 80 * GIB  # the step no longer fits its GPU
+    assert widened.phase_peak["rollout"] - chunked.phase_peak["rollout"] >= 2 * 8 * routes  # >= 25.5 GiB
