@@ -313,17 +313,14 @@ def _pool(p: dict, where: str, profiles: dict) -> tuple[Pooled, ...]:
 
 
 def _read_experiment_file(path: Path, where: str) -> object:
-    """The YAML of an experiment file, read with the config files' bounds (``dcmdp.config.read_yaml_text``: at most
-    1 MiB, 32 levels, 100,000 values once aliases are expanded) before anything recursive builds from it."""
-    import yaml
+    """The YAML of an experiment file, read by the one bounded reader of every YAML file a user names
+    (``dcmdp.config.read_yaml_file``: at most 1 MiB, 32 levels, 100,000 values once aliases are expanded) before
+    anything recursive builds from it."""
+    from dcmdp.config import read_yaml_file
 
-    from dcmdp.config import read_yaml_text
-
-    text = read_yaml_text(path, where, ExperimentError, "an experiment file is a few KiB", shape_hint=False)[0]
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ExperimentError(f"{where}: not a readable YAML file: {' '.join(str(exc).split())}") from None
+    return read_yaml_file(path, ExperimentError, kind="experiment file", name=where,
+                          size_hint="an experiment file is a few KiB", shape_hint=False, plain=True,
+                          not_yaml="{name}: not a readable YAML file: {one_line}")[0]
 
 
 def load_experiment(spec: str | Path) -> Experiment:
