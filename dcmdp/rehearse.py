@@ -717,19 +717,28 @@ def rehearse(cfg, gpus: int, gpu: GPUSpec, *, prompt_tokens: int) -> Rehearsal:
     ns = tuple(reduced_mb * r for r in ys) if cut_rows else (rows,)
     gap = 0.0
 
-    def fit(get, scale: float = 1.0) -> float:
+    def fit(get, scale: float = 1.0, per_minibatch_axis: bool = False) -> float:
+        # the update's and the optimiser's peaks are those of one mini-batch: fitted along its rows per rank; the
+        # other phases hold or walk the whole step's rows: fitted along those
         nonlocal gap
-        f = {(x, n): float(get(traces[(x, r)])) for x in xs for n, r in zip(ns, ys)}
+        axis, target = ((tuple(ys), per_minibatch) if per_minibatch_axis and cut_rows else (ns, rows))
+        f = {(x, n): float(get(traces[(x, r)])) for x in xs for n, r in zip(axis, ys)}
         if check is not None:
-            want = _bilinear(xs, ns, f, DEPTHS[2], ns[0])
+            want = _bilinear(xs, axis, f, DEPTHS[2], axis[0])
             gap = max(gap, abs(float(get(check)) - want) / max(abs(float(get(check))), 1.0))
-        return max(_bilinear(xs, ns, f, layers, rows), 0.0) * scale
+        return max(_bilinear(xs, axis, f, layers, target), 0.0) * scale
 
-    peak = {p: fit(lambda t, p=p: t.phase_peak[p]) for p in TRACED}
-    snap = {p: {c: fit(lambda t, p=p, c=c: t.phase_snap[p].get(c, 0)) for c in CATEGORIES} for p in TRACED}
+    def one_minibatch(p: str) -> bool:
+        return p.startswith(("update", "optimiser"))
+
+    peak = {p: fit(lambda t, p=p: t.phase_peak[p], per_minibatch_axis=one_minibatch(p)) for p in TRACED}
+    snap = {p: {c: fit(lambda t, p=p, c=c: t.phase_snap[p].get(c, 0), per_minibatch_axis=one_minibatch(p))
+                for c in CATEGORIES} for p in TRACED}
     # the time: each phase's parts summed in every run, then fitted
+    # (the update's and the optimiser's per mini-batch, along its rows, times the config's mini-batches)
     ms = {p: fit(lambda t, p=p: t.phase_ms[p] + t.phase_ms.get(p + LATER, 0.0),
-                 minibatches / reduced_mb if p == "optimiser" else 1.0) for p in PHASES}
+                 minibatches / reduced_mb if one_minibatch(p) else 1.0, per_minibatch_axis=p == "update")
+          for p in PHASES}
     peak, snap, _ = _fold(peak, snap, {})
     runs = list(traces.values()) + ([check] if check is not None else [])
     return Rehearsal(layers, runs, peak, snap, ms, True, gap, rows=rows, reduced_rows=ys if cut_rows else (),
