@@ -214,11 +214,11 @@ def _sync_to(store: _Store, buffer_dir: Path, monkeypatch):
 def test_a_buffer_replays_in_time_linear_in_its_records(tmp_path, monkeypatch):
     """20,000 and 80,000 buffered metrics: the sync reads each line once (4x the records, 4x the lines read; a
     re-read from the start per batch would be 16x), and every value arrives once, in order."""
-    import dcmdp.tracking as tracking
+    import dcmdp.tracking_buffer as tracking_buffer  # the module whose segments read the lines
 
     lines_read = []
-    read_line = tracking._read_line
-    monkeypatch.setattr(tracking, "_read_line", lambda f: lines_read.append(1) or read_line(f))
+    read_line = tracking_buffer._read_line
+    monkeypatch.setattr(tracking_buffer, "_read_line", lambda f: lines_read.append(1) or read_line(f))
 
     def reads(n: int, name: str) -> int:
         buffer_dir = tmp_path / name
