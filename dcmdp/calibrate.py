@@ -351,7 +351,7 @@ def calibrate_anchored(cfg: RunConfig, targets: Sequence[ConstraintConfig], batc
                          f"sets at step {step}: the floor F plus the gap to a point {band}; anchor: {pos:g} in the "
                          f"config lets the run re-anchor as the floor and the drift move (configs/default.yaml)")
             proposed.append(replace(c, tolerance=tol, floor_slack=None, floor_steps=None, floor_ratchet=False,
-                                    anchor=None))
+                                    anchor=None, authority=None))
         result = Calibration(rows, proposed, slack, len(probed), s.tracker.run_id, [], inside_frac, "updates",
                              cfg.algo.minibatches, notes)
         _write(s, result)

@@ -283,6 +283,6 @@ def test_the_default_trained_with_calibrates_proposal_holds_its_constraint(tmp_p
     (c,) = calibrate(load_config("configs/default.yaml", over), batches=8, slack=SLACK).constraints
     summary = train(load_config("configs/default.yaml", [
         f"output_dir={tmp_path / 'run'}", "progress=false", "steps=80", f"dual.constraints[0].tolerance={c.tolerance}",
-        "dual.constraints[0].floor_slack=null", "dual.constraints[0].anchor=null"]))
+        "dual.constraints[0].floor_slack=null", "dual.constraints[0].anchor=null", "dual.constraints[0].authority=null"]))
     s = summary.constraints["abs_prob_diff"]
     assert s.acting_frac >= 0.5 and s.cap_frac <= 0.2 and s.inside_frac >= 0.7, s

@@ -233,7 +233,8 @@ def test_probes_run_from_the_same_weights_and_put_everything_back(tmp_path):
         assert s.optim.scheduler.get_last_lr() == lr_before
         # the real update at lambda_max measures what the probe did
         state = replace(s.state.dual, lambda_C=cap, lambda_avg_C=cap, rule={**s.state.dual.rule, "dither": 0.0})
-        result = learner.update(s.policy.model, s.optim, batch, scoring=s.scoring, penalty=penalty_spec(state, cfg.dual),
+        result = learner.update(s.policy.model, s.optim, batch, scoring=s.scoring,
+                                penalty=penalty_spec(state, cfg.dual, stand_down=False),
                                 cfg=cfg.algo, generator=torch.Generator().manual_seed(step_seed(cfg.seed, 1, 2)))
         assert torch.equal(constraint_values(cfg.dual.constraints, batch, result.trained_logp_BT), dmax)
     finally:
