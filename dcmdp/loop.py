@@ -190,10 +190,12 @@ class Summary:
         out = [f"held-out accuracy: {self.accuracy_before:.1%} -> {self.accuracy_after:.1%} "
                f"({100 * (self.accuracy_after - self.accuracy_before):+.1f} points) after {ran}"]
         for name, c in self.constraints.items():
+            acting = (f"acting on {c.acting_frac:.0%} of steps, at its cap on {c.cap_frac:.0%}"
+                      if math.isfinite(c.acting_frac) and math.isfinite(c.cap_frac) else
+                      "never in force (the dual stood down)")
             out.append(f"constraint {name}: mean D-hat {c.measured_mean:.4g} (as constrained), c {c.tolerance_start:.4g}"
                        f" -> {c.tolerance_end:.4g}, inside on {c.inside_frac:.0%} of steps, lambda mean "
-                       f"{c.lambda_mean:.4g}, final {c.lambda_final:.4g}, acting on {c.acting_frac:.0%} of steps, at "
-                       f"its cap on {c.cap_frac:.0%}")
+                       f"{c.lambda_mean:.4g}, final {c.lambda_final:.4g}, {acting}")
             if c.control:
                 out.append(f"constraint {name}: {c.control}")
         if not self.constraints:

@@ -189,3 +189,4 @@ def test_a_run_that_stands_down_throughout_trains_as_its_lambda_zero_placebo(tmp
     assert g["windows"] == 1 and g["windows_acting"] == 0 and g["stood_down_frac"] == 1.0
     assert "the dual stood down throughout (lambda held at 0, no penalty): none of its 1 anchor window showed" in stdout
     assert not [x for x in stdout.splitlines() if x.startswith("warning:") and "rested" in x]
+    assert "lambda mean 0, final 0, never in force (the dual stood down)" in stdout and "nan%" not in stdout
