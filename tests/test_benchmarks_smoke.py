@@ -747,7 +747,7 @@ def test_placebo_margin_counts_only_the_seeds_where_the_reach_exceeds_the_spread
     is judged). The paired readings decide the accuracy role."""
     run = _runner()
     exp = run.load_experiment("controller6")
-    assert exp.compare.placebos == {"dcmdp_default": ("placebo_lambda0", "placebo_lambdamax")}
+    assert exp.compare.placebos == {"dcmdp_authority": ("placebo_lambda0", "placebo_lambdamax")}
     assert exp.compare.bar.paired and exp.compare.bar.placebo_margin == 0.1
     weak = exp.profiles["confirm_weak"].bar
     assert weak.collapses_vs == "ESS rule alone" and weak.met_on == 4
@@ -765,12 +765,12 @@ def test_placebo_margin_counts_only_the_seeds_where_the_reach_exceeds_the_spread
         return out
 
     def cells(reach):
-        runs = (arm("dcmdp_default", [0.9, 0.8, 0.5], reach) + arm("placebo_lambda0", [0.7, 0.7, 0.6])
+        runs = (arm("dcmdp_authority", [0.9, 0.8, 0.5], reach) + arm("placebo_lambda0", [0.7, 0.7, 0.6])
                 + arm("placebo_lambdamax", [0.8, 0.8, 0.4]) + arm("lambda_0.1", [1, 1, 1], late=0.62)
                 + arm("ess", [1, 1, 1], late=0.5))
-        return run.aggregate(runs, [("program_trace", m, 4) for m in ("dcmdp_default", "placebo_lambda0",
+        return run.aggregate(runs, [("program_trace", m, 4) for m in ("dcmdp_authority", "placebo_lambda0",
                                                                      "placebo_lambdamax", "lambda_0.1", "ess")],
-                             caps={"dcmdp_default": 0.3})
+                             caps={"dcmdp_authority": 0.3})
 
     here = cells((0.3, 0.25, 0.1))
     rows = {r["placebo"]: r for r in run.placebo_rows(exp.compare, here)}
